@@ -1,1 +1,62 @@
-fn main() {}
+//! `mqstate`: one binary for the broker (`serve`), the state-store CLI (`get`, `set`, ...), the load
+//! generator (`bench`) and the data tools (`data inspect|verify|repair`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod client;
+mod serve;
+mod settings;
+
+#[derive(Parser)]
+#[command(name = "mqstate", version, about = "MQTT 5 broker with a built-in durable state store")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the broker and state store (default: 127.0.0.1:1883, data in ./data).
+    Serve(ServeArgs),
+    #[command(flatten)]
+    Client(client::Command),
+    /// Load generator for any AIO state store (or plain MQTT pub/sub).
+    Bench(bench::BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Settings file (TOML, or JSON if it ends in .json); flags and MQSTATE_* variables override it.
+    #[arg(long, env = "MQSTATE_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    settings: settings::Settings,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("mqstate: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => match serve::run(args.config, args.settings).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("mqstate: {e:#}");
+                    ExitCode::FAILURE
+                }
+            },
+            Command::Client(cmd) => client::run(cmd).await,
+            Command::Bench(args) => bench::run(args).await,
+        }
+    })
+}
