@@ -1,1 +1,10 @@
-//! placeholder
+//! The AIO state-store service, attached to the broker's system service port.
+//!
+//! * [`envelope`] — what a request must carry (response topic, correlation data, `__ts`, `__ft`) and the
+//!   properties of every reply (`__stat`, `__protVer`, `__srcId`, `__ts`).
+//! * [`dedup`] — the duplicate-request cache: a retried request gets its first reply, never a second run.
+//!
+//! Architecture invariant: this is the only crate that knows both the broker port and the store.
+
+pub mod dedup;
+pub mod envelope;

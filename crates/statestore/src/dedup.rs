@@ -1,0 +1,234 @@
+//! The duplicate-request cache (spec §1, "Retried requests").
+//!
+//! After a reconnect, clients re-send requests that were not acknowledged, with the same correlation data.
+//! Executing them again would turn a retried `SET … NX` from `+OK` into `:-1`; so each (client id,
+//! correlation data) is remembered until the request's own expiry, and a retry gets the first reply.
+//! A retry that arrives while the original is still on its way to the disk waits for it.
+//!
+//! Time is passed in (`now`), so the cache is deterministic under test.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use mqstate_broker::Message;
+
+/// Default bound on remembered requests; the oldest are forgotten first.
+pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
+
+type Key = (Arc<str>, Bytes);
+
+/// What the cache knows of a request.
+#[derive(Debug)]
+pub enum Seen {
+    /// First time: execute it. The caller must later call [`DedupCache::complete`].
+    New,
+    /// Executed already: re-send this reply, do not execute.
+    Done(Message),
+    /// Still executing: the caller's waiter has been parked and is returned by `complete`.
+    Pending,
+}
+
+enum Entry<W> {
+    InFlight(Vec<W>),
+    Done(Message),
+}
+
+/// `W` is whatever a retry needs to be finished later (e.g. its deferred PUBACK).
+pub struct DedupCache<W> {
+    entries: HashMap<Key, (Entry<W>, Instant)>,
+    /// Keys by insertion; deadlines are not monotonic across clients, so expiry is checked lazily.
+    order: VecDeque<(Key, Instant)>,
+    max_entries: usize,
+}
+
+impl<W> DedupCache<W> {
+    pub fn new(max_entries: usize) -> Self {
+        DedupCache {
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+            max_entries: max_entries.max(1),
+        }
+    }
+
+    /// Looks a request up; a first sighting is recorded as in flight until `expiry` from `now`.
+    pub fn check(
+        &mut self,
+        client_id: &Arc<str>,
+        correlation: &Bytes,
+        expiry: Duration,
+        now: Instant,
+        waiter: W,
+    ) -> Seen {
+        self.evict(now);
+        let key = (client_id.clone(), correlation.clone());
+        match self.entries.get_mut(&key) {
+            Some((Entry::Done(reply), deadline)) if *deadline > now => {
+                return Seen::Done(reply.clone())
+            }
+            Some((Entry::InFlight(waiters), _)) => {
+                waiters.push(waiter);
+                return Seen::Pending;
+            }
+            _ => {}
+        }
+        let deadline = now + expiry;
+        self.order.push_back((key.clone(), deadline));
+        self.entries
+            .insert(key, (Entry::InFlight(Vec::new()), deadline));
+        Seen::New
+    }
+
+    /// Records the reply of an executed request and returns the retries that waited for it.
+    pub fn complete(
+        &mut self,
+        client_id: &Arc<str>,
+        correlation: &Bytes,
+        reply: &Message,
+    ) -> Vec<W> {
+        let key = (client_id.clone(), correlation.clone());
+        match self.entries.get_mut(&key) {
+            Some((entry @ Entry::InFlight(_), _)) => {
+                match std::mem::replace(entry, Entry::Done(reply.clone())) {
+                    Entry::InFlight(waiters) => waiters,
+                    Entry::Done(_) => Vec::new(),
+                }
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn evict(&mut self, now: Instant) {
+        while let Some((key, deadline)) = self.order.front() {
+            let over_capacity = self.entries.len() >= self.max_entries;
+            if *deadline > now && !over_capacity {
+                break;
+            }
+            let in_flight = matches!(self.entries.get(key), Some((Entry::InFlight(_), _)));
+            // An in-flight entry is never dropped by time (its reply is still coming); only a full
+            // cache forgets it, and then a retry would execute again — the bound wins over memory.
+            if in_flight && !over_capacity {
+                break;
+            }
+            if let Some((key, deadline)) = self.order.pop_front() {
+                if self.entries.get(&key).is_some_and(|(_, d)| *d == deadline) {
+                    self.entries.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mqstate_broker::{PublishProperties, QoS};
+
+    fn reply(tag: &'static str) -> Message {
+        Message {
+            topic: "r".into(),
+            payload: Bytes::from_static(tag.as_bytes()),
+            qos: QoS::AtLeastOnce,
+            retain: false,
+            properties: PublishProperties::default(),
+        }
+    }
+
+    #[test]
+    fn retry_after_completion_gets_the_first_reply() {
+        let mut cache = DedupCache::<u32>::new(10);
+        let (c, corr, t0) = (
+            Arc::<str>::from("c"),
+            Bytes::from_static(b"x"),
+            Instant::now(),
+        );
+        assert!(matches!(
+            cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
+            Seen::New
+        ));
+        assert!(cache.complete(&c, &corr, &reply("+OK")).is_empty());
+        match cache.check(
+            &c,
+            &corr,
+            Duration::from_secs(5),
+            t0 + Duration::from_secs(1),
+            2,
+        ) {
+            Seen::Done(m) => assert_eq!(&m.payload[..], b"+OK"),
+            other => panic!("expected cached reply, got {other:?}"),
+        }
+        // Another client with the same correlation data is a different request.
+        assert!(matches!(
+            cache.check(&"d".into(), &corr, Duration::from_secs(5), t0, 3),
+            Seen::New
+        ));
+    }
+
+    #[test]
+    fn retry_while_in_flight_waits_for_the_original() {
+        let mut cache = DedupCache::<u32>::new(10);
+        let (c, corr, t0) = (
+            Arc::<str>::from("c"),
+            Bytes::from_static(b"x"),
+            Instant::now(),
+        );
+        assert!(matches!(
+            cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
+            Seen::New
+        ));
+        assert!(matches!(
+            cache.check(&c, &corr, Duration::from_secs(5), t0, 2),
+            Seen::Pending
+        ));
+        assert_eq!(cache.complete(&c, &corr, &reply("+OK")), vec![2]);
+    }
+
+    #[test]
+    fn entries_expire_with_the_request_and_the_bound_holds() {
+        let mut cache = DedupCache::<u32>::new(2);
+        let (c, t0) = (Arc::<str>::from("c"), Instant::now());
+        let corr = |i: u8| Bytes::copy_from_slice(&[i]);
+        for i in 0..2 {
+            assert!(matches!(
+                cache.check(&c, &corr(i), Duration::from_secs(1), t0, 0),
+                Seen::New
+            ));
+            cache.complete(&c, &corr(i), &reply("+OK"));
+        }
+        // Past the expiry the same request executes again.
+        assert!(matches!(
+            cache.check(
+                &c,
+                &corr(0),
+                Duration::from_secs(1),
+                t0 + Duration::from_secs(2),
+                0
+            ),
+            Seen::New
+        ));
+        assert!(cache.len() <= 2);
+        for i in 10..50 {
+            cache.check(
+                &c,
+                &corr(i),
+                Duration::from_secs(100),
+                t0 + Duration::from_secs(3),
+                0,
+            );
+            assert!(
+                cache.len() <= 2,
+                "cache grew past its bound: {}",
+                cache.len()
+            );
+        }
+    }
+}
