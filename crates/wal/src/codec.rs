@@ -3,7 +3,7 @@
 //! Reading never panics: every accessor checks the remaining length and reports
 //! [`Damage::Truncated`] with the offset where the missing field starts.
 
-use crate::error::{Damage, FormatError};
+use crate::error::{Damage, FormatError, WalError};
 
 /// A cursor over a file's bytes that knows its absolute offset, so errors can name it.
 pub(crate) struct Reader<'a> {
@@ -120,10 +120,18 @@ pub(crate) fn to_disk_i64(v: u64) -> Option<i64> {
     i64::try_from(v).ok()
 }
 
-/// Writes a `Buffer` (length + bytes). Callers bound `bytes` to `i32::MAX` before encoding.
-pub(crate) fn put_buffer(out: &mut Vec<u8>, bytes: &[u8]) {
-    let len = i32::try_from(bytes.len());
-    debug_assert!(len.is_ok(), "buffer longer than i32::MAX reached the encoder");
-    put_i32(out, len.unwrap_or(i32::MAX));
+/// Writes a `Buffer` (length + bytes); `what` names the field if it is too long for an `Int32`.
+pub(crate) fn put_buffer(
+    out: &mut Vec<u8>,
+    bytes: &[u8],
+    what: &'static str,
+) -> Result<(), WalError> {
+    let len = i32::try_from(bytes.len()).map_err(|_| WalError::TooLarge {
+        what,
+        len: bytes.len(),
+        max: i32::MAX as usize,
+    })?;
+    put_i32(out, len);
     out.extend_from_slice(bytes);
+    Ok(())
 }

@@ -1,0 +1,118 @@
+//! Where the files live under the data directory, and the file operations every format shares:
+//! optional reads (size 0 = absent), atomic replacement through `temp/`, directory fsync.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::WalError;
+use crate::failpoint::{Failpoints, BEFORE_RENAME};
+use crate::segment::segment_file_name;
+use crate::Lsn;
+
+pub const LOG_DIR: &str = "log";
+pub const TEMP_DIR: &str = "temp";
+pub const SNAPSHOT_FILE: &str = "mqstate.snapshot";
+pub const METADATA_FILE: &str = "mqstate.metadata";
+
+/// The data directory (`<data>/`), with `log/` and `temp/` below it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataDir {
+    root: PathBuf,
+}
+
+impl DataDir {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn log_dir(&self) -> PathBuf {
+        self.root.join(LOG_DIR)
+    }
+
+    pub fn temp_dir(&self) -> PathBuf {
+        self.root.join(TEMP_DIR)
+    }
+
+    pub fn snapshot_path(&self) -> PathBuf {
+        self.root.join(SNAPSHOT_FILE)
+    }
+
+    pub fn metadata_path(&self) -> PathBuf {
+        self.root.join(METADATA_FILE)
+    }
+
+    pub fn segment_path(&self, first_lsn: Lsn) -> PathBuf {
+        self.log_dir().join(segment_file_name(first_lsn))
+    }
+
+    /// Creates `<data>/`, `log/` and `temp/` if missing.
+    pub(crate) fn create(&self) -> Result<(), WalError> {
+        for dir in [self.root.clone(), self.log_dir(), self.temp_dir()] {
+            fs::create_dir_all(&dir).map_err(WalError::io("create directory", &dir))?;
+        }
+        Ok(())
+    }
+
+    /// Removes leftovers of writes that a crash interrupted before their rename.
+    pub(crate) fn clear_temp(&self) -> Result<(), WalError> {
+        let temp = self.temp_dir();
+        let entries = fs::read_dir(&temp).map_err(WalError::io("list", &temp))?;
+        for entry in entries {
+            let path = entry.map_err(WalError::io("list", &temp))?.path();
+            tracing::info!(path = %path.display(), "removing an unfinished temporary file");
+            fs::remove_file(&path).map_err(WalError::io("remove", &path))?;
+        }
+        Ok(())
+    }
+}
+
+/// The whole file, or `None` if it does not exist or is empty (the format's "absent").
+pub(crate) fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, WalError> {
+    match fs::read(path) {
+        Ok(bytes) if bytes.is_empty() => Ok(None),
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(WalError::io("read", path)(e)),
+    }
+}
+
+/// Makes a create, rename or delete inside `dir` durable.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), WalError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(WalError::io("fsync directory", dir))
+}
+
+/// Writes a file under `temp/`, fsyncs it, renames it over `target` and fsyncs the target's
+/// directory, so `target` is always either the old or the new content.
+pub(crate) fn replace_atomically(
+    dir: &DataDir,
+    target: &Path,
+    failpoints: &Failpoints,
+    write: impl FnOnce(&mut File) -> io::Result<()>,
+) -> Result<(), WalError> {
+    let name = target.file_name().unwrap_or(target.as_os_str());
+    let temp = dir.temp_dir().join(name);
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&temp)
+        .map_err(WalError::io("create", &temp))?;
+    write(&mut file)
+        .and_then(|()| file.flush())
+        .map_err(WalError::io("write", &temp))?;
+    file.sync_all().map_err(WalError::io("fsync", &temp))?;
+    drop(file);
+    failpoints
+        .check(BEFORE_RENAME)
+        .map_err(WalError::io("rename", &temp))?;
+    fs::rename(&temp, target).map_err(WalError::io("rename into place", target))?;
+    let parent = target.parent().unwrap_or(dir.root());
+    sync_dir(parent)
+}

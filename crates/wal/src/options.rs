@@ -1,0 +1,60 @@
+//! Settings of the log, with their limits as named defaults.
+
+use std::time::Duration;
+
+use crate::failpoint::Failpoints;
+
+/// Rotate once a segment is larger than this and all its records are durable.
+pub const DEFAULT_SEGMENT_SOFT_LIMIT_BYTES: u64 = 16 * 1024 * 1024;
+/// Rotate once a segment is larger than this, durable or not.
+pub const DEFAULT_SEGMENT_HARD_LIMIT_BYTES: u64 = 32 * 1024 * 1024;
+/// Largest record `append` accepts.
+pub const DEFAULT_RECORD_MAX_BYTES: usize = 4 * 1024 * 1024;
+/// Records waiting for the writer before `append` waits for room (backpressure).
+pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
+/// Most records written and fsynced as one batch.
+pub const DEFAULT_BATCH_RECORDS_MAX: usize = 1024;
+/// Most record bytes written and fsynced as one batch.
+pub const DEFAULT_BATCH_BYTES_MAX: usize = 8 * 1024 * 1024;
+
+/// When the writer fsyncs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FsyncPolicy {
+    /// Fsync every batch before acknowledging it: an acknowledged record survives power loss.
+    #[default]
+    Always,
+    /// Acknowledge after the write and fsync at most this often: a power loss (not a process
+    /// crash) can lose up to one interval of acknowledged records.
+    Interval(Duration),
+    /// Acknowledge after the write and leave flushing to the kernel: a power loss can lose any
+    /// acknowledged record not yet flushed. For tests and throw-away data.
+    Never,
+}
+
+/// Options of [`crate::Wal::open`].
+#[derive(Debug, Clone)]
+pub struct WalOptions {
+    pub segment_soft_limit_bytes: u64,
+    pub segment_hard_limit_bytes: u64,
+    pub record_max_bytes: usize,
+    pub fsync: FsyncPolicy,
+    pub queue_capacity: usize,
+    pub batch_records_max: usize,
+    pub batch_bytes_max: usize,
+    pub failpoints: Failpoints,
+}
+
+impl Default for WalOptions {
+    fn default() -> Self {
+        Self {
+            segment_soft_limit_bytes: DEFAULT_SEGMENT_SOFT_LIMIT_BYTES,
+            segment_hard_limit_bytes: DEFAULT_SEGMENT_HARD_LIMIT_BYTES,
+            record_max_bytes: DEFAULT_RECORD_MAX_BYTES,
+            fsync: FsyncPolicy::Always,
+            queue_capacity: DEFAULT_QUEUE_CAPACITY,
+            batch_records_max: DEFAULT_BATCH_RECORDS_MAX,
+            batch_bytes_max: DEFAULT_BATCH_BYTES_MAX,
+            failpoints: Failpoints::default(),
+        }
+    }
+}

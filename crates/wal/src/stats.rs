@@ -1,0 +1,64 @@
+//! Counters of the writer, readable at any time (for metrics) without locking.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Live counters, shared between the writer and whoever reports metrics.
+#[derive(Debug, Default)]
+pub struct WalStats {
+    batches: AtomicU64,
+    records: AtomicU64,
+    bytes_written: AtomicU64,
+    largest_batch_records: AtomicU64,
+    fsyncs: AtomicU64,
+    fsync_micros_total: AtomicU64,
+    fsync_micros_max: AtomicU64,
+    write_errors: AtomicU64,
+}
+
+/// A copy of [`WalStats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WalStatsSnapshot {
+    pub batches: u64,
+    pub records: u64,
+    pub bytes_written: u64,
+    pub largest_batch_records: u64,
+    pub fsyncs: u64,
+    pub fsync_micros_total: u64,
+    pub fsync_micros_max: u64,
+    pub write_errors: u64,
+}
+
+impl WalStats {
+    pub(crate) fn record_batch(&self, records: usize, bytes: usize) {
+        let records = records as u64;
+        self.batches.fetch_add(1, Relaxed);
+        self.records.fetch_add(records, Relaxed);
+        self.bytes_written.fetch_add(bytes as u64, Relaxed);
+        self.largest_batch_records.fetch_max(records, Relaxed);
+    }
+
+    pub(crate) fn record_fsync(&self, took: Duration) {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.fsyncs.fetch_add(1, Relaxed);
+        self.fsync_micros_total.fetch_add(micros, Relaxed);
+        self.fsync_micros_max.fetch_max(micros, Relaxed);
+    }
+
+    pub(crate) fn record_write_error(&self) {
+        self.write_errors.fetch_add(1, Relaxed);
+    }
+
+    pub fn snapshot(&self) -> WalStatsSnapshot {
+        WalStatsSnapshot {
+            batches: self.batches.load(Relaxed),
+            records: self.records.load(Relaxed),
+            bytes_written: self.bytes_written.load(Relaxed),
+            largest_batch_records: self.largest_batch_records.load(Relaxed),
+            fsyncs: self.fsyncs.load(Relaxed),
+            fsync_micros_total: self.fsync_micros_total.load(Relaxed),
+            fsync_micros_max: self.fsync_micros_max.load(Relaxed),
+            write_errors: self.write_errors.load(Relaxed),
+        }
+    }
+}

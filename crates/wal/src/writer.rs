@@ -1,0 +1,302 @@
+//! Group commit: [`WalWriter`] hands appends to a dedicated thread that owns the [`Wal`]. The
+//! thread takes everything queued since its last round as one batch, writes it with one
+//! `write`, fsyncs once (per [`FsyncPolicy`]) and only then completes the batch's futures. So
+//! the fsync rate is bounded by the disk, not by the request rate, and no record is acknowledged
+//! before it is durable (under `FsyncPolicy::Always`).
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+use crate::error::WalError;
+use crate::failpoint::Failpoints;
+use crate::layout::DataDir;
+use crate::log::{delete_segments, Wal};
+use crate::options::FsyncPolicy;
+use crate::snapshot::{write_snapshot, Snapshot};
+use crate::stats::WalStats;
+use crate::{Lsn, Term};
+
+struct Append {
+    term: Term,
+    data: Bytes,
+    done: oneshot::Sender<Result<Lsn, WalError>>,
+}
+
+enum Command {
+    Append(Append),
+    Compact {
+        last_index: Lsn,
+        done: oneshot::Sender<Result<Vec<PathBuf>, WalError>>,
+    },
+    Retry {
+        done: oneshot::Sender<Result<(), WalError>>,
+    },
+    Shutdown {
+        done: oneshot::Sender<Result<(), WalError>>,
+    },
+}
+
+/// Async handle to the log for the server. Cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct WalWriter {
+    tx: mpsc::Sender<Command>,
+    stats: Arc<WalStats>,
+    dir: DataDir,
+    failpoints: Failpoints,
+    /// Snapshots share one temp file name, so they are written one at a time.
+    snapshot_lock: Mutex<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Resolves to the record's LSN once it is durable (or written, under a relaxed
+/// [`FsyncPolicy`]); to an error if it never will be.
+#[derive(Debug)]
+pub struct PendingCommit(oneshot::Receiver<Result<Lsn, WalError>>);
+
+impl Future for PendingCommit {
+    type Output = Result<Lsn, WalError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|r| r.unwrap_or(Err(WalError::Closed)))
+    }
+}
+
+impl WalWriter {
+    /// Moves `wal` onto a new writer thread.
+    pub fn spawn(wal: Wal) -> Result<WalWriter, WalError> {
+        let dir = wal.data_dir().clone();
+        let (tx, rx) = mpsc::channel(wal.options().queue_capacity.max(1));
+        let stats = Arc::clone(wal.stats());
+        let failpoints = wal.options().failpoints.clone();
+        // The thread waits on the queue with a timeout (FsyncPolicy::Interval), which needs a
+        // timer; a current-thread runtime of its own provides one without touching the server's.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(WalError::io("start the writer runtime for", dir.root()))?;
+        let thread = std::thread::Builder::new()
+            .name("mqstate-wal".into())
+            .spawn(move || run(wal, rx, &runtime))
+            .map_err(WalError::io("start the writer thread for", dir.root()))?;
+        Ok(WalWriter {
+            tx,
+            stats,
+            dir,
+            failpoints,
+            snapshot_lock: Mutex::new(()),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a record (waiting for room if the queue is full) and returns a future of its LSN.
+    /// Records get LSNs in the order `append` calls return, so a caller that must log changes
+    /// in the order it applied them awaits `append` under its own lock and the commit outside.
+    pub async fn append(&self, term: Term, data: Bytes) -> Result<PendingCommit, WalError> {
+        let (done, rx) = oneshot::channel();
+        let command = Command::Append(Append { term, data, done });
+        self.tx.send(command).await.map_err(|_| WalError::Closed)?;
+        Ok(PendingCommit(rx))
+    }
+
+    /// After a write error: cuts the log back to the last good record and accepts records again
+    /// if that succeeds.
+    pub async fn retry(&self) -> Result<(), WalError> {
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Retry { done })
+            .await
+            .map_err(|_| WalError::Closed)?;
+        rx.await.unwrap_or(Err(WalError::Closed))
+    }
+
+    /// Writes the snapshot (on a blocking-pool thread, while appends go on), then deletes the
+    /// segments it covers. `last_index` must not be above the last acknowledged LSN.
+    pub async fn install_snapshot(&self, snapshot: Snapshot) -> Result<(), WalError> {
+        let _one_at_a_time = self.snapshot_lock.lock().await;
+        let last_index = snapshot.last_index;
+        let (dir, failpoints) = (self.dir.clone(), self.failpoints.clone());
+        tokio::task::spawn_blocking(move || write_snapshot(&dir, &snapshot, &failpoints))
+            .await
+            .map_err(|_| WalError::Closed)??;
+        let (done, rx) = oneshot::channel();
+        let command = Command::Compact { last_index, done };
+        self.tx.send(command).await.map_err(|_| WalError::Closed)?;
+        let obsolete = rx.await.unwrap_or(Err(WalError::Closed))?;
+        let dir = self.dir.clone();
+        tokio::task::spawn_blocking(move || delete_segments(&dir, &obsolete))
+            .await
+            .map_err(|_| WalError::Closed)?
+    }
+
+    /// Live batch and fsync counters.
+    pub fn stats(&self) -> &Arc<WalStats> {
+        &self.stats
+    }
+
+    /// Writes and fsyncs everything queued, then stops the thread.
+    pub async fn shutdown(mut self) -> Result<(), WalError> {
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Shutdown { done })
+            .await
+            .map_err(|_| WalError::Closed)?;
+        let result = rx.await.unwrap_or(Err(WalError::Closed));
+        if let Some(thread) = self.thread.take() {
+            // The thread has answered and is returning; joining only reaps it.
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        result
+    }
+}
+
+/// The writer thread: batches appends until the queue closes or shutdown is requested.
+fn run(mut wal: Wal, mut rx: mpsc::Receiver<Command>, runtime: &tokio::runtime::Runtime) {
+    let mut last_sync = Instant::now();
+    let mut deferred: Option<Command> = None;
+    loop {
+        let command = match deferred.take() {
+            Some(command) => command,
+            None => match next_command(&mut wal, &mut rx, runtime, &mut last_sync) {
+                Some(command) => command,
+                None => break,
+            },
+        };
+        match command {
+            Command::Append(first) => {
+                let batch = gather(&wal, &mut rx, first, &mut deferred);
+                commit(&mut wal, batch, &mut last_sync);
+            }
+            Command::Compact { last_index, done } => {
+                let _ = done.send(wal.compact(last_index));
+            }
+            Command::Retry { done } => {
+                let _ = done.send(wal.retry());
+            }
+            Command::Shutdown { done } => {
+                let _ = done.send(wal.sync());
+                return;
+            }
+        }
+    }
+    // Every handle is gone: flush what was written so a clean stop loses nothing.
+    if let Err(error) = wal.sync() {
+        tracing::error!(%error, "final fsync of the write-ahead log failed");
+    }
+}
+
+/// Waits for the next command; under `FsyncPolicy::Interval` fsyncs when the interval passes
+/// with unsynced records. `None` once every handle is dropped.
+fn next_command(
+    wal: &mut Wal,
+    rx: &mut mpsc::Receiver<Command>,
+    runtime: &tokio::runtime::Runtime,
+    last_sync: &mut Instant,
+) -> Option<Command> {
+    loop {
+        let FsyncPolicy::Interval(every) = wal.options().fsync else {
+            return rx.blocking_recv();
+        };
+        if wal.is_synced() {
+            return rx.blocking_recv();
+        }
+        let wait = every.saturating_sub(last_sync.elapsed());
+        match runtime.block_on(tokio::time::timeout(wait, rx.recv())) {
+            Ok(command) => return command,
+            Err(_elapsed) => {
+                // A failure is logged and recorded by the Wal; the next append reports it.
+                let _ = wal.sync();
+                *last_sync = Instant::now();
+            }
+        }
+    }
+}
+
+/// Takes every append already queued behind `first`, up to the batch limits. A non-append
+/// command ends the batch and is handled next, so commands keep their order.
+fn gather(
+    wal: &Wal,
+    rx: &mut mpsc::Receiver<Command>,
+    first: Append,
+    deferred: &mut Option<Command>,
+) -> Vec<Append> {
+    let options = wal.options();
+    let mut bytes = first.data.len();
+    let mut batch = vec![first];
+    while batch.len() < options.batch_records_max && bytes < options.batch_bytes_max {
+        match rx.try_recv() {
+            Ok(Command::Append(next)) => {
+                bytes += next.data.len();
+                batch.push(next);
+            }
+            Ok(other) => {
+                *deferred = Some(other);
+                break;
+            }
+            Err(_) => break,
+        }
+    }
+    batch
+}
+
+/// Writes a batch, fsyncs per policy, then completes every future of the batch.
+fn commit(wal: &mut Wal, batch: Vec<Append>, last_sync: &mut Instant) {
+    // An invalid record is refused on its own so it cannot fail its neighbours.
+    let mut valid = Vec::with_capacity(batch.len());
+    for append in batch {
+        match wal.check_record(append.term, append.data.len()) {
+            Ok(()) => valid.push(append),
+            Err(error) => {
+                let _ = append.done.send(Err(error));
+            }
+        }
+    }
+    if valid.is_empty() {
+        return;
+    }
+    let result = wal
+        .write_batch(valid.iter().map(|a| (a.term, &a.data[..])))
+        .and_then(|lsns| {
+            let due = match wal.options().fsync {
+                FsyncPolicy::Always => true,
+                FsyncPolicy::Interval(every) => last_sync.elapsed() >= every,
+                FsyncPolicy::Never => false,
+            };
+            if due {
+                wal.sync()?;
+                *last_sync = Instant::now();
+            }
+            Ok(lsns)
+        });
+    match result {
+        Ok(lsns) => {
+            debug_assert_eq!((lsns.end - lsns.start) as usize, valid.len());
+            for (append, lsn) in valid.into_iter().zip(lsns) {
+                let _ = append.done.send(Ok(lsn));
+            }
+        }
+        Err(error) => {
+            let cause = match error {
+                WalError::Failed { cause } => cause,
+                other => other.to_string(),
+            };
+            for append in valid {
+                let _ = append.done.send(Err(WalError::Failed {
+                    cause: cause.clone(),
+                }));
+            }
+        }
+    }
+    if let Err(error) = wal.rotate_if_needed() {
+        tracing::error!(%error, "could not start a new log segment; the current one keeps growing");
+    }
+}
