@@ -1,0 +1,116 @@
+//! Shared harness for the integration tests: runs the real `mqstate serve` binary on a free loopback port
+//! with its own data directory, and stops it (gracefully or with SIGKILL) on demand.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a server may take to start accepting connections (recovery included).
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub struct Server {
+    child: Option<Child>,
+    pub addr: SocketAddr,
+    data_dir: PathBuf,
+    extra_args: Vec<String>,
+    _temp: Option<tempfile::TempDir>,
+}
+
+impl Server {
+    /// Starts a server on a fresh data directory.
+    pub fn start() -> Server {
+        Server::start_with(&[])
+    }
+
+    /// Starts a server on a fresh data directory with extra `serve` flags.
+    pub fn start_with(extra_args: &[&str]) -> Server {
+        let temp = tempfile::tempdir().expect("temp dir");
+        let data_dir = temp.path().join("data");
+        let mut server = Server {
+            child: None,
+            addr: free_addr(),
+            data_dir,
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            _temp: Some(temp),
+        };
+        server.spawn();
+        server
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_mqstate"));
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg(self.addr.to_string())
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .args(&self.extra_args)
+            .env("MQSTATE_LOG", std::env::var("MQSTATE_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let child = cmd.spawn().expect("spawn mqstate serve");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)).is_ok() {
+                return;
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("mqstate serve exited during start-up: {status}");
+                }
+            }
+            assert!(Instant::now() < deadline, "mqstate serve did not accept connections on {} in time", self.addr);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL: no chance to flush anything that was not already durable.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a graceful exit.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("server is running");
+        // kill(1) sends SIGTERM without a libc binding (std only offers SIGKILL).
+        let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+        child.wait().expect("wait for mqstate serve")
+    }
+
+    /// Starts the server again on the same address and data directory.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop or kill the server first");
+        self.spawn();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A loopback address that was free a moment ago.
+pub fn free_addr() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr")
+}
