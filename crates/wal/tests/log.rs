@@ -1,0 +1,402 @@
+//! The synchronous log against real files: recovery, torn tails, corruption, rotation, snapshots.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use mqstate_wal::segment::{encoded_record_len, SEGMENT_HEADER_LEN};
+use mqstate_wal::{Entry, Snapshot, Wal, WalError, WalOptions};
+use proptest::prelude::*;
+
+fn open(dir: &Path) -> (Wal, mqstate_wal::Recovered) {
+    Wal::open(dir, WalOptions::default()).unwrap()
+}
+
+fn append(wal: &mut Wal, records: &[&[u8]]) -> Vec<u64> {
+    let lsns = wal.write_batch(records.iter().map(|r| (1, *r))).unwrap();
+    wal.sync().unwrap();
+    lsns.collect()
+}
+
+fn datas(records: &[Entry]) -> Vec<&[u8]> {
+    records.iter().map(|e| &e.data[..]).collect()
+}
+
+fn segment_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir.join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+fn segment0(dir: &Path) -> PathBuf {
+    dir.join("log").join("0000000000000000000.log")
+}
+
+#[test]
+fn a_fresh_directory_gets_metadata_and_an_empty_first_segment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (wal, recovered) = open(tmp.path());
+    assert_eq!(wal.next_lsn(), 0);
+    assert!(recovered.records.is_empty() && recovered.snapshot.is_none());
+    #[rustfmt::skip]
+    let fresh_metadata: Vec<u8> = [
+        &[0x5A, 0x6E, 0xA0, 0x12][..], &[0, 0, 0, 2], &[0; 8], &[0xFF; 4], &[0; 4], &[0; 8],
+        &[0xA2, 0xE5, 0x67, 0xEB],
+    ].concat();
+    assert_eq!(
+        fs::read(tmp.path().join("mqstate.metadata")).unwrap(),
+        fresh_metadata
+    );
+    assert_eq!(
+        fs::read(segment0(tmp.path())).unwrap(),
+        [0x12, 0x76, 0xAD, 0x55, 0, 0, 0, 1, 0, 0, 0, 0]
+    );
+    assert!(tmp.path().join("temp").is_dir());
+}
+
+#[test]
+fn records_survive_a_reopen_with_their_lsns_and_terms() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = open(tmp.path());
+    assert_eq!(append(&mut wal, &[b"one", b"two"]), vec![0, 1]);
+    let lsns = wal.write_batch([(7, &b"three"[..])]).unwrap();
+    assert_eq!(lsns, 2..3);
+    wal.sync().unwrap();
+    drop(wal);
+    let (wal, recovered) = open(tmp.path());
+    assert_eq!(
+        datas(&recovered.records),
+        vec![&b"one"[..], b"two", b"three"]
+    );
+    assert_eq!(
+        recovered
+            .records
+            .iter()
+            .map(|e| (e.lsn, e.term))
+            .collect::<Vec<_>>(),
+        vec![(0, 1), (1, 1), (2, 7)]
+    );
+    assert_eq!(wal.next_lsn(), 3);
+}
+
+#[test]
+fn empty_files_count_as_absent() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::create_dir_all(tmp.path().join("log")).unwrap();
+    fs::write(tmp.path().join("mqstate.snapshot"), b"").unwrap();
+    fs::write(tmp.path().join("mqstate.metadata"), b"").unwrap();
+    fs::write(segment0(tmp.path()), b"").unwrap();
+    let (mut wal, recovered) = open(tmp.path());
+    assert!(recovered.snapshot.is_none());
+    assert_eq!(recovered.metadata, mqstate_wal::Metadata::default());
+    append(&mut wal, &[b"x"]);
+    drop(wal);
+    assert_eq!(datas(&open(tmp.path()).1.records), vec![&b"x"[..]]);
+}
+
+#[test]
+fn a_torn_last_record_is_cut_at_every_byte_offset_and_the_log_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = open(tmp.path());
+    append(&mut wal, &[b"first", b"second"]);
+    append(&mut wal, &[b"the last one"]);
+    drop(wal);
+    let pristine = fs::read(segment0(tmp.path())).unwrap();
+    let last_at = SEGMENT_HEADER_LEN + encoded_record_len(5) + encoded_record_len(6);
+    let last_end = last_at + encoded_record_len(12);
+    assert_eq!(pristine.len(), last_end + 4);
+
+    for cut in last_at..last_end + 4 {
+        let dir = tmp.path().join(format!("cut-{cut}"));
+        fs::create_dir_all(dir.join("log")).unwrap();
+        fs::write(segment0(&dir), &pristine[..cut]).unwrap();
+        let (mut wal, recovered) = open(&dir);
+        let expected: Vec<&[u8]> = if cut < last_end {
+            vec![b"first", b"second"]
+        } else {
+            vec![b"first", b"second", b"the last one"]
+        };
+        assert_eq!(datas(&recovered.records), expected, "cut at {cut}");
+        let next = expected.len() as u64;
+        assert_eq!(append(&mut wal, &[b"after"]), vec![next], "cut at {cut}");
+        drop(wal);
+        let mut again = expected.clone();
+        again.push(b"after");
+        assert_eq!(datas(&open(&dir).1.records), again, "cut at {cut}");
+    }
+}
+
+#[test]
+fn a_damaged_last_record_is_cut_off() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = open(tmp.path());
+    append(&mut wal, &[b"kept", b"damaged"]);
+    drop(wal);
+    let path = segment0(tmp.path());
+    let mut bytes = fs::read(&path).unwrap();
+    let damaged_at = SEGMENT_HEADER_LEN + encoded_record_len(4);
+    bytes[damaged_at + 20] ^= 0x40; // a data byte: checksum mismatch
+    fs::write(&path, &bytes).unwrap();
+    let (_, recovered) = open(tmp.path());
+    assert_eq!(datas(&recovered.records), vec![&b"kept"[..]]);
+    assert_eq!(
+        fs::metadata(&path).unwrap().len(),
+        damaged_at as u64 + 4,
+        "cut at the record start"
+    );
+}
+
+#[test]
+fn damage_in_the_middle_is_refused_with_file_and_offset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = open(tmp.path());
+    append(&mut wal, &[b"one", b"two", b"three"]);
+    drop(wal);
+    let path = segment0(tmp.path());
+    let mut bytes = fs::read(&path).unwrap();
+    let two_at = SEGMENT_HEADER_LEN + encoded_record_len(3);
+    bytes[two_at + 20] ^= 0xFF;
+    fs::write(&path, &bytes).unwrap();
+    let err = Wal::open(tmp.path(), WalOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, WalError::Corrupt { offset, .. } if *offset == two_at as u64),
+        "{err}"
+    );
+    let message = err.to_string();
+    assert!(message.contains("0000000000000000000.log"), "{message}");
+    assert!(
+        message.contains(&format!("byte offset {two_at}")),
+        "{message}"
+    );
+    assert!(message.contains("mqstate data repair"), "{message}");
+    assert_eq!(
+        fs::read(&path).unwrap(),
+        bytes,
+        "a refused open must not modify the file"
+    );
+}
+
+#[test]
+fn a_bad_snapshot_checksum_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = open(tmp.path());
+    append(&mut wal, &[b"a"]);
+    wal.install_snapshot(&Snapshot {
+        last_index: 0,
+        last_term: 1,
+        state: Bytes::from_static(b"state"),
+    })
+    .unwrap();
+    drop(wal);
+    let path = tmp.path().join("mqstate.snapshot");
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[25] ^= 1;
+    fs::write(&path, &bytes).unwrap();
+    let message = Wal::open(tmp.path(), WalOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("mqstate.snapshot") && message.contains("byte offset 29"),
+        "{message}"
+    );
+}
+
+fn small_segments() -> WalOptions {
+    WalOptions {
+        segment_soft_limit_bytes: 64,
+        segment_hard_limit_bytes: 128,
+        ..WalOptions::default()
+    }
+}
+
+#[test]
+fn segments_rotate_and_are_named_by_their_first_lsn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..10u8 {
+        wal.write_batch([(1, &[i; 30][..])]).unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    drop(wal);
+    // header 8 + two 50-byte records + end marker passes the 64-byte soft limit.
+    let expected: Vec<String> = [0, 2, 4, 6, 8, 10]
+        .iter()
+        .map(|n| format!("{n:019}.log"))
+        .collect();
+    assert_eq!(segment_files(tmp.path()), expected);
+    let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+    assert_eq!(
+        recovered
+            .records
+            .iter()
+            .map(|e| e.data[0])
+            .collect::<Vec<_>>(),
+        (0..10).collect::<Vec<_>>()
+    );
+    assert_eq!(wal.next_lsn(), 10);
+}
+
+#[test]
+fn the_hard_limit_rotates_even_without_a_sync_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    wal.write_batch([(1, &[0u8; 100][..])]).unwrap();
+    wal.rotate_if_needed().unwrap(); // 8 + 120 + 4 > 128: rotates (and syncs)
+    assert!(wal.is_synced());
+    assert_eq!(segment_files(tmp.path()).len(), 2);
+}
+
+#[test]
+fn a_snapshot_deletes_the_segments_it_covers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..10u8 {
+        wal.write_batch([(1, &[i; 30][..])]).unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    // Records 0..=4 are in segments 0, 2 and 4; 4 also holds 5, so it stays.
+    wal.install_snapshot(&Snapshot {
+        last_index: 4,
+        last_term: 1,
+        state: Bytes::from_static(b"s"),
+    })
+    .unwrap();
+    let expected: Vec<String> = [4, 6, 8, 10]
+        .iter()
+        .map(|n| format!("{n:019}.log"))
+        .collect();
+    assert_eq!(segment_files(tmp.path()), expected);
+    drop(wal);
+    let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+    assert_eq!(recovered.snapshot.unwrap().last_index, 4);
+    assert_eq!(
+        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        vec![5, 6, 7, 8, 9]
+    );
+    assert_eq!(wal.next_lsn(), 10);
+}
+
+#[test]
+fn segments_left_by_an_interrupted_compaction_are_removed_at_open() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..6u8 {
+        wal.write_batch([(1, &[i; 30][..])]).unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    let snapshot = Snapshot {
+        last_index: 3,
+        last_term: 1,
+        state: Bytes::from_static(b"s"),
+    };
+    mqstate_wal::write_snapshot(wal.data_dir(), &snapshot, &Default::default()).unwrap();
+    drop(wal); // "crash" before the covered segments were deleted
+               // Newest-first deletion had removed segment 2 but not segment 0: a gap the snapshot covers.
+    fs::remove_file(tmp.path().join("log").join(format!("{:019}.log", 2))).unwrap();
+    let (_, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+    assert_eq!(
+        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        vec![4, 5]
+    );
+    let expected: Vec<String> = [4, 6].iter().map(|n| format!("{n:019}.log")).collect();
+    assert_eq!(segment_files(tmp.path()), expected);
+}
+
+#[test]
+fn a_missing_segment_that_no_snapshot_covers_is_a_gap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..6u8 {
+        wal.write_batch([(1, &[i; 30][..])]).unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    drop(wal);
+    fs::remove_file(tmp.path().join("log").join(format!("{:019}.log", 2))).unwrap();
+    let err = Wal::open(tmp.path(), small_segments()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            WalError::Gap {
+                expected: 2,
+                found: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_snapshot_ahead_of_the_log_restarts_the_log_after_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = open(tmp.path());
+    append(&mut wal, &[b"a", b"b"]);
+    wal.install_snapshot(&Snapshot {
+        last_index: 99,
+        last_term: 3,
+        state: Bytes::from_static(b"s"),
+    })
+    .unwrap();
+    assert_eq!(wal.next_lsn(), 100);
+    assert_eq!(segment_files(tmp.path()), vec![format!("{:019}.log", 100)]);
+    assert_eq!(append(&mut wal, &[b"c"]), vec![100]);
+    drop(wal);
+    let (_, recovered) = open(tmp.path());
+    assert_eq!(
+        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        vec![100]
+    );
+}
+
+#[test]
+fn oversized_records_and_terms_are_refused_without_writing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        record_max_bytes: 8,
+        ..WalOptions::default()
+    };
+    let (mut wal, _) = Wal::open(tmp.path(), options).unwrap();
+    assert!(matches!(
+        wal.write_batch([(1, &[0u8; 9][..])]),
+        Err(WalError::TooLarge { len: 9, max: 8, .. })
+    ));
+    assert!(matches!(
+        wal.write_batch([(u64::MAX, &b"x"[..])]),
+        Err(WalError::OutOfRange { .. })
+    ));
+    assert_eq!(wal.next_lsn(), 0);
+    assert!(wal.failure().is_none());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_batches_read_back_identical(
+        batches in proptest::collection::vec(
+            proptest::collection::vec((0..1000u64, proptest::collection::vec(any::<u8>(), 0..80)), 1..6),
+            0..12)
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+        for batch in &batches {
+            wal.write_batch(batch.iter().map(|(t, d)| (*t, &d[..]))).unwrap();
+            wal.sync().unwrap();
+            wal.rotate_if_needed().unwrap();
+        }
+        drop(wal);
+        let (_, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+        let written: Vec<(u64, u64, Vec<u8>)> = batches.iter().flatten().enumerate()
+            .map(|(i, (t, d))| (i as u64, *t, d.clone())).collect();
+        let read: Vec<(u64, u64, Vec<u8>)> = recovered.records.iter()
+            .map(|e| (e.lsn, e.term, e.data.to_vec())).collect();
+        prop_assert_eq!(read, written);
+    }
+}
