@@ -8,10 +8,73 @@
 //! they claim a topic, get every publish on it as a [`ServiceRequest`], and publish replies or
 //! deliver messages straight into one client's session.
 //!
+//! A tour: [`serve`] (`server.rs`) accepts sockets and spawns one task per connection
+//! (`connection.rs`: handshake, read/decode, keep-alive, batched writes). Connections attach to a
+//! session through the `registry` (client id -> session, atomic takeover, will and expiry timers).
+//! A session (`session.rs`) is plain data: subscriptions, a bounded queue, in-flight QoS 1/2 messages.
+//! Publishes go through the `router` (the subscription `trie`, shared groups, the `retained` store)
+//! into session queues; the owning connection is woken and drains its queue.
+//!
+//! Overflow policy: each session queue holds at most [`BrokerConfig::max_queued_messages`]. When it
+//! is full a new QoS 0 message is dropped; a new QoS 1/2 message evicts the oldest queued QoS 0
+//! message, or, if there is none, is itself dropped (counted per session). Publishers are never
+//! blocked or disconnected because a subscriber is slow.
+//!
 //! Architecture invariant: this crate knows nothing of the state store, of the WAL or of replication.
 
+mod codec;
+pub mod config;
+mod connection;
+pub mod error;
+mod inbound;
 pub mod message;
+mod registry;
+mod retained;
+mod router;
+mod server;
 pub mod service;
+pub mod session;
+mod topic;
+mod trie;
+pub mod will;
 
+pub use config::BrokerConfig;
+pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
-pub use service::{Broker, ClientEvent, ServiceInbox, ServiceRequest};
+pub use server::serve;
+pub use service::{Acker, Broker, ClientEvent, ServiceInbox, ServiceRequest};
+
+/// Entry points for fuzzing; not part of the supported API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use crate::codec::{self, Inbound};
+    use crate::inbound::TopicAliases;
+    use crate::topic;
+
+    /// Runs arbitrary bytes through what a connection does with them before touching shared state:
+    /// protocol probing, packet decoding, conversion to our types, topic-alias resolution and
+    /// topic/filter validation. Must never panic.
+    pub fn connection_bytes(data: &[u8]) {
+        let mut aliases = TopicAliases::new(8);
+        for packet in codec::decode_all(data, 64 * 1024).into_iter().flatten() {
+            match packet {
+                Inbound::Publish(p) => {
+                    if let Ok(t) = aliases.resolve(p.topic, p.topic_alias) {
+                        let _ = topic::is_valid_topic_name(&t);
+                    }
+                }
+                Inbound::Subscribe { filters, .. } => {
+                    for (f, _) in filters {
+                        let _ = topic::parse_filter(&f);
+                    }
+                }
+                Inbound::Unsubscribe { filters, .. } => {
+                    for f in filters {
+                        let _ = topic::parse_filter(&f);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}

@@ -28,7 +28,10 @@ pub struct PublishProperties {
 impl PublishProperties {
     /// The first user property named `name`, if any.
     pub fn user_property(&self, name: &str) -> Option<&ByteString> {
-        self.user_properties.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+        self.user_properties
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v)
     }
 }
 

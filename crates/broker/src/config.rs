@@ -1,0 +1,94 @@
+//! Broker limits and tunables. Every limit the broker enforces is a field here.
+
+use std::time::Duration;
+
+/// Configuration of a [`crate::Broker`]. Plain data: the binary fills it from its own settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// Largest packet (fixed header included) accepted from a client; advertised as Maximum Packet
+    /// Size. Larger packets get DISCONNECT 0x95. Default 1 MiB.
+    pub max_packet_size: u32,
+    /// Receive Maximum advertised to clients: QoS 1/2 publishes a client may have unacknowledged
+    /// towards the broker. Exceeding it gets DISCONNECT 0x93. Default 1024.
+    pub receive_maximum: u16,
+    /// Topic Alias Maximum advertised to clients (client -> server aliases). 0 disables. Default 64.
+    pub topic_alias_maximum: u16,
+    /// Messages queued per session (connected or not) before the overflow policy applies. Default 1000.
+    pub max_queued_messages: usize,
+    /// Cap on QoS 1/2 messages in flight towards one client, on top of the client's own Receive
+    /// Maximum. Default 256.
+    pub max_inflight: u16,
+    /// Longest Session Expiry Interval granted, in seconds; longer requests are clamped and the
+    /// clamped value is returned in CONNACK. MQTT 3.1.1 persistent sessions get this value.
+    /// Default 7 days.
+    pub session_expiry_max_secs: u32,
+    /// If set, overrides the client's Keep Alive and is sent as Server Keep Alive. Default none.
+    pub server_keep_alive_secs: Option<u16>,
+    /// Keep-alive tolerance as a multiple of the keep-alive, in tenths (15 = 1.5x, as the spec asks).
+    pub keep_alive_tolerance_tenths: u32,
+    /// Time allowed between TCP accept and a complete CONNECT. Default 10 s.
+    pub connect_timeout: Duration,
+    /// How long a new connection waits for the old one to hand its session over on takeover before
+    /// taking it by force. Default 5 s.
+    pub takeover_timeout: Duration,
+    /// Time allowed to write DISCONNECT and close on shutdown or protocol error. Default 2 s.
+    pub close_timeout: Duration,
+    /// Longest client identifier accepted, in bytes. Default 256.
+    pub max_client_id_len: usize,
+    /// Capacity of a claimed topic's service inbox; a full inbox back-pressures the publisher.
+    /// Default 1024.
+    pub service_inbox_capacity: usize,
+    /// Largest number of bytes encoded into the write buffer before it is flushed; bounds the
+    /// per-connection write buffer. Default 64 KiB.
+    pub write_batch_bytes: usize,
+    /// Read buffers larger than this are released while a connection is idle. Default 4 KiB.
+    pub idle_buffer_bytes: usize,
+    /// Whether `$share/group/filter` subscriptions are accepted (else SUBACK 0x9E). Default true.
+    pub shared_subscriptions: bool,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        Self {
+            max_packet_size: 1024 * 1024,
+            receive_maximum: 1024,
+            topic_alias_maximum: 64,
+            max_queued_messages: 1000,
+            max_inflight: 256,
+            session_expiry_max_secs: 7 * 24 * 3600,
+            server_keep_alive_secs: None,
+            keep_alive_tolerance_tenths: 15,
+            connect_timeout: Duration::from_secs(10),
+            takeover_timeout: Duration::from_secs(5),
+            close_timeout: Duration::from_secs(2),
+            max_client_id_len: 256,
+            service_inbox_capacity: 1024,
+            write_batch_bytes: 64 * 1024,
+            idle_buffer_bytes: 4 * 1024,
+            shared_subscriptions: true,
+        }
+    }
+}
+
+impl BrokerConfig {
+    /// The keep-alive deadline for a negotiated keep-alive, or `None` when keep-alive is off (0).
+    pub(crate) fn keep_alive_deadline(&self, keep_alive_secs: u16) -> Option<Duration> {
+        if keep_alive_secs == 0 {
+            return None;
+        }
+        let millis = u64::from(keep_alive_secs) * 100 * u64::from(self.keep_alive_tolerance_tenths);
+        Some(Duration::from_millis(millis))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_alive_is_one_and_a_half_times() {
+        let cfg = BrokerConfig::default();
+        assert_eq!(cfg.keep_alive_deadline(10), Some(Duration::from_secs(15)));
+        assert_eq!(cfg.keep_alive_deadline(0), None);
+    }
+}

@@ -1,0 +1,406 @@
+//! Client id -> session, connection ownership and atomic takeover.
+//!
+//! Takeover protocol: a new connection asks the registry to attach. If another connection owns the
+//! session, the registry sends that connection [`Control::TakeOver`] and the new connection waits
+//! (bounded) for the old one to detach and reply; then it attaches. If the old connection does not
+//! answer in time the new one takes the session by force. Either way the new connection is never
+//! refused. All ownership changes happen under the registry mutex; each one bumps the session's
+//! epoch so that timers armed for an older epoch (will delay, session expiry) become no-ops.
+//!
+//! The registry does no I/O and publishes nothing itself: it returns what must happen (wills to
+//! publish, sessions that ended, timers to arm) for the caller to carry out outside the lock.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::session::SessionHandle;
+use crate::will::Will;
+
+/// Requests to a connection task from the rest of the broker.
+#[derive(Debug)]
+pub(crate) enum Control {
+    /// Another connection wants this session: disconnect with 0x8E, detach, then reply.
+    TakeOver { done: oneshot::Sender<()> },
+    /// Disconnect with this reason (a service asked for it).
+    Disconnect {
+        reason_code: u8,
+        reason_string: Option<String>,
+    },
+}
+
+/// The connection that currently owns a session.
+pub(crate) struct Owner {
+    pub conn_id: u64,
+    pub control: mpsc::Sender<Control>,
+}
+
+struct Entry {
+    handle: Arc<SessionHandle>,
+    owner: Option<Owner>,
+    epoch: u64,
+    pending_will: Option<Will>,
+}
+
+#[derive(Default)]
+struct Sessions {
+    by_client: HashMap<Arc<str>, Entry>,
+    next_epoch: u64,
+}
+
+impl Sessions {
+    fn bump(&mut self) -> u64 {
+        self.next_epoch += 1;
+        self.next_epoch
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Registry {
+    sessions: Mutex<Sessions>,
+}
+
+/// Side effects of a registry change, to carry out after the lock is released.
+#[derive(Default)]
+pub(crate) struct Effects {
+    pub wills: Vec<Will>,
+    pub ended: Vec<Arc<SessionHandle>>,
+    pub timer: Option<Timer>,
+}
+
+/// Deadlines of a session that lost its connection.
+#[derive(Debug, Clone)]
+pub(crate) struct Timer {
+    pub client_id: Arc<str>,
+    pub epoch: u64,
+    pub will_at: Option<Instant>,
+    pub expire_at: Option<Instant>,
+}
+
+pub(crate) enum Attach {
+    Attached {
+        handle: Arc<SessionHandle>,
+        session_present: bool,
+        effects: Effects,
+    },
+    /// Another connection owns the session and was asked to hand it over.
+    Wait(oneshot::Receiver<()>),
+}
+
+impl Registry {
+    fn lock(&self) -> MutexGuard<'_, Sessions> {
+        // Updates under this lock are single map operations; a poisoned lock still holds a
+        // consistent map.
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Attaches connection `owner` to `client_id`'s session (creating it, or discarding the old one
+    /// when `clean_start`). With `force`, a current owner is displaced without waiting.
+    pub(crate) fn attach(
+        &self,
+        client_id: &Arc<str>,
+        clean_start: bool,
+        expiry_secs: u32,
+        owner: Owner,
+        force: bool,
+    ) -> Attach {
+        let mut sessions = self.lock();
+        if let Some(entry) = sessions.by_client.get_mut(client_id) {
+            if let Some(current) = &entry.owner {
+                if !force && current.conn_id != owner.conn_id {
+                    let (done, wait) = oneshot::channel();
+                    if current.control.try_send(Control::TakeOver { done }).is_ok() {
+                        return Attach::Wait(wait);
+                    }
+                    // The old connection's task is gone or swamped: take the session now.
+                }
+            }
+        }
+        let epoch = sessions.bump();
+        let mut effects = Effects::default();
+        let (handle, session_present) = match sessions.by_client.remove(client_id) {
+            Some(mut old) => {
+                if let Some(displaced) = old.owner.take() {
+                    // Forced takeover: tell the old task (best effort) it no longer owns anything.
+                    let _ = displaced.control.try_send(Control::Disconnect {
+                        reason_code: crate::codec::reason::SESSION_TAKEN_OVER,
+                        reason_string: None,
+                    });
+                }
+                if clean_start {
+                    effects.wills.extend(old.pending_will.take());
+                    old.handle.set_online(false);
+                    effects.ended.push(old.handle);
+                    (
+                        Arc::new(SessionHandle::new(client_id.clone(), expiry_secs)),
+                        false,
+                    )
+                } else {
+                    // Reconnecting cancels a delayed will.
+                    (old.handle, true)
+                }
+            }
+            None => (
+                Arc::new(SessionHandle::new(client_id.clone(), expiry_secs)),
+                false,
+            ),
+        };
+        handle.lock().expiry_interval_secs = expiry_secs;
+        handle.set_online(true);
+        sessions.by_client.insert(
+            client_id.clone(),
+            Entry {
+                handle: handle.clone(),
+                owner: Some(owner),
+                epoch,
+                pending_will: None,
+            },
+        );
+        Attach::Attached {
+            handle,
+            session_present,
+            effects,
+        }
+    }
+
+    /// Detaches connection `conn_id`. `will` is the will to publish (already filtered by how the
+    /// connection ended). Returns what to do next: publish now, arm a timer, or end the session.
+    pub(crate) fn detach(
+        &self,
+        client_id: &Arc<str>,
+        conn_id: u64,
+        will: Option<Will>,
+        now: Instant,
+    ) -> Effects {
+        let mut effects = Effects::default();
+        let mut sessions = self.lock();
+        let epoch = sessions.bump();
+        let Some(entry) = sessions.by_client.get_mut(client_id) else {
+            effects.wills.extend(will.filter(|w| w.delay_secs == 0));
+            return effects;
+        };
+        if entry.owner.as_ref().is_none_or(|o| o.conn_id != conn_id) {
+            // Displaced by a forced takeover: the session is someone else's now. A delayed will
+            // would be cancelled by that reconnect anyway.
+            effects.wills.extend(will.filter(|w| w.delay_secs == 0));
+            return effects;
+        }
+        entry.owner = None;
+        entry.epoch = epoch;
+        entry.handle.set_online(false);
+        let expiry_secs = entry.handle.lock().expiry_interval_secs;
+        if expiry_secs == 0 {
+            if let Some(ended) = sessions.by_client.remove(client_id) {
+                effects.ended.push(ended.handle);
+            }
+            effects.wills.extend(will);
+            return effects;
+        }
+        let expire_at =
+            (expiry_secs != u32::MAX).then(|| now + Duration::from_secs(u64::from(expiry_secs)));
+        let mut will_at = None;
+        match will {
+            Some(w) if w.delay_secs == 0 => effects.wills.push(w),
+            Some(w) => {
+                let delay = Duration::from_secs(u64::from(w.delay_secs.min(expiry_secs)));
+                will_at = Some(now + delay);
+                entry.pending_will = Some(w);
+            }
+            None => {}
+        }
+        effects.timer = Some(Timer {
+            client_id: client_id.clone(),
+            epoch,
+            will_at,
+            expire_at,
+        });
+        effects
+    }
+
+    /// The delayed will of a session still disconnected since `epoch`, if any.
+    pub(crate) fn take_due_will(&self, client_id: &str, epoch: u64) -> Option<Will> {
+        let mut sessions = self.lock();
+        let entry = sessions.by_client.get_mut(client_id)?;
+        if entry.epoch != epoch || entry.owner.is_some() {
+            return None;
+        }
+        entry.pending_will.take()
+    }
+
+    /// Ends a session still disconnected since `epoch` (its expiry passed).
+    pub(crate) fn expire(&self, client_id: &str, epoch: u64) -> Effects {
+        let mut effects = Effects::default();
+        let mut sessions = self.lock();
+        let still_idle = sessions
+            .by_client
+            .get(client_id)
+            .is_some_and(|e| e.epoch == epoch && e.owner.is_none());
+        if still_idle {
+            if let Some(mut entry) = sessions.by_client.remove(client_id) {
+                effects.wills.extend(entry.pending_will.take());
+                effects.ended.push(entry.handle);
+            }
+        }
+        effects
+    }
+
+    pub(crate) fn session(&self, client_id: &str) -> Option<Arc<SessionHandle>> {
+        self.lock()
+            .by_client
+            .get(client_id)
+            .map(|e| e.handle.clone())
+    }
+
+    /// Sends `control` to the connection owning `client_id`'s session; false if none.
+    pub(crate) fn send_control(&self, client_id: &str, control: Control) -> bool {
+        let sessions = self.lock();
+        sessions
+            .by_client
+            .get(client_id)
+            .and_then(|e| e.owner.as_ref())
+            .is_some_and(|o| o.control.try_send(control).is_ok())
+    }
+
+    /// Number of sessions, connected or not.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().by_client.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::{Message, QoS};
+    use bytes::Bytes;
+
+    fn owner(conn_id: u64) -> (Owner, mpsc::Receiver<Control>) {
+        let (tx, rx) = mpsc::channel(4);
+        (
+            Owner {
+                conn_id,
+                control: tx,
+            },
+            rx,
+        )
+    }
+
+    fn will(delay_secs: u32) -> Will {
+        Will {
+            message: Message {
+                topic: "w".into(),
+                payload: Bytes::from_static(b"gone"),
+                qos: QoS::AtMostOnce,
+                retain: false,
+                properties: Default::default(),
+            },
+            delay_secs,
+        }
+    }
+
+    fn attached(a: Attach) -> (Arc<SessionHandle>, bool, Effects) {
+        match a {
+            Attach::Attached {
+                handle,
+                session_present,
+                effects,
+            } => (handle, session_present, effects),
+            Attach::Wait(_) => panic!("expected attach"),
+        }
+    }
+
+    #[test]
+    fn takeover_asks_the_owner_then_inherits() {
+        let reg = Registry::default();
+        let id: Arc<str> = "c".into();
+        let (o1, mut rx1) = owner(1);
+        let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false));
+        assert!(!present);
+        let (o2, _rx2) = owner(2);
+        let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false) else {
+            panic!("must wait")
+        };
+        assert!(matches!(rx1.try_recv(), Ok(Control::TakeOver { .. })));
+        let fx = reg.detach(&id, 1, None, Instant::now());
+        assert!(fx.ended.is_empty());
+        let (o2, _rx2) = owner(2);
+        let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false));
+        assert!(present);
+        assert!(Arc::ptr_eq(&h1, &h2));
+    }
+
+    #[test]
+    fn forced_takeover_and_stale_detach() {
+        let reg = Registry::default();
+        let id: Arc<str> = "c".into();
+        let (o1, _rx1) = owner(1);
+        attached(reg.attach(&id, false, 60, o1, false));
+        let (o2, _rx2) = owner(2);
+        let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true));
+        assert!(present);
+        // The displaced connection's detach changes nothing.
+        let fx = reg.detach(&id, 1, Some(will(10)), Instant::now());
+        assert!(fx.timer.is_none() && fx.ended.is_empty() && fx.wills.is_empty());
+        assert!(reg.send_control(
+            &id,
+            Control::Disconnect {
+                reason_code: 0,
+                reason_string: None
+            }
+        ));
+    }
+
+    #[test]
+    fn expiry_zero_ends_at_disconnect_and_publishes_will() {
+        let reg = Registry::default();
+        let id: Arc<str> = "c".into();
+        let (o1, _rx) = owner(1);
+        attached(reg.attach(&id, true, 0, o1, false));
+        let fx = reg.detach(&id, 1, Some(will(30)), Instant::now());
+        assert_eq!(fx.ended.len(), 1);
+        assert_eq!(
+            fx.wills.len(),
+            1,
+            "will is sent at session end if sooner than its delay"
+        );
+        assert_eq!(reg.len(), 0);
+    }
+
+    #[test]
+    fn delayed_will_cancelled_by_reconnect_and_expiry_epochs() {
+        let reg = Registry::default();
+        let id: Arc<str> = "c".into();
+        let (o1, _rx) = owner(1);
+        attached(reg.attach(&id, false, 100, o1, false));
+        let now = Instant::now();
+        let fx = reg.detach(&id, 1, Some(will(10)), now);
+        let timer = fx.timer.unwrap();
+        assert_eq!(timer.will_at, Some(now + Duration::from_secs(10)));
+        assert_eq!(timer.expire_at, Some(now + Duration::from_secs(100)));
+        let (o2, _rx2) = owner(2);
+        attached(reg.attach(&id, false, 100, o2, false));
+        assert!(reg.take_due_will(&id, timer.epoch).is_none());
+        assert!(reg.expire(&id, timer.epoch).ended.is_empty());
+
+        let fx = reg.detach(&id, 2, Some(will(10)), now);
+        let timer = fx.timer.unwrap();
+        assert!(reg.take_due_will(&id, timer.epoch).is_some());
+        assert_eq!(reg.expire(&id, timer.epoch).ended.len(), 1);
+    }
+
+    #[test]
+    fn clean_start_discards_the_old_session() {
+        let reg = Registry::default();
+        let id: Arc<str> = "c".into();
+        let (o1, _rx) = owner(1);
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false));
+        reg.detach(&id, 1, Some(will(50)), Instant::now());
+        let (o2, _rx2) = owner(2);
+        let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false));
+        assert!(!present);
+        assert!(!Arc::ptr_eq(&h1, &h2));
+        assert_eq!(fx.ended.len(), 1);
+        assert_eq!(fx.wills.len(), 1);
+    }
+}

@@ -1,0 +1,136 @@
+//! Routing: the subscription trie and the retained store, and fan-out of one message into the
+//! queues of the sessions it matches.
+
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use crate::message::{Message, QoS};
+use crate::retained::{Retained, RetainedStore};
+use crate::session::{Delivery, SessionHandle, SubscriptionOptions};
+use crate::topic::ParsedFilter;
+use crate::trie::Trie;
+
+/// What the trie stores per subscription.
+pub(crate) struct Subscriber {
+    options: SubscriptionOptions,
+    session: Arc<SessionHandle>,
+}
+
+/// One session's share of a message, merged over its matching subscriptions.
+struct Target {
+    session: Arc<SessionHandle>,
+    shared: bool,
+    qos: QoS,
+    retain_as_published: bool,
+    subscription_ids: Vec<u32>,
+}
+
+pub(crate) struct Router {
+    trie: RwLock<Trie<Subscriber>>,
+    retained: Mutex<RetainedStore>,
+    max_queued: usize,
+}
+
+impl Router {
+    pub(crate) fn new(max_queued: usize) -> Self {
+        Self {
+            trie: RwLock::default(),
+            retained: Mutex::default(),
+            max_queued,
+        }
+    }
+
+    /// Adds (or replaces) a subscription; returns whether it is new.
+    pub(crate) fn subscribe(
+        &self,
+        session: &Arc<SessionHandle>,
+        filter: ParsedFilter<'_>,
+        options: SubscriptionOptions,
+    ) -> bool {
+        let sub = Subscriber {
+            options,
+            session: session.clone(),
+        };
+        // A poisoned trie lock means a panic mid-update elsewhere; the trie stays structurally
+        // valid (every update is a single insert/remove), so keep serving.
+        let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
+        trie.insert(filter.filter, filter.group, &session.client_id, sub)
+    }
+
+    pub(crate) fn unsubscribe(&self, client_id: &str, filter: ParsedFilter<'_>) -> bool {
+        let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
+        trie.remove(filter.filter, filter.group, client_id)
+    }
+
+    /// Removes all of an ended session's subscriptions.
+    pub(crate) fn remove_session(&self, session: &SessionHandle) {
+        let filters: Vec<_> = session.lock().subscriptions.keys().cloned().collect();
+        let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
+        for raw in &filters {
+            if let Some(f) = crate::topic::parse_filter(raw) {
+                trie.remove(f.filter, f.group, &session.client_id);
+            }
+        }
+    }
+
+    pub(crate) fn retained_matching(&self, filter: &str, now: Instant) -> Vec<Retained> {
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .matching(filter, now)
+    }
+
+    /// Routes `message` to every matching session (updating the retained store first if it is
+    /// retained). `publisher` is the sending client, for No Local. Returns the number of sessions
+    /// the message was offered to. Never blocks on a subscriber: it only enqueues.
+    pub(crate) fn route(&self, message: Message, publisher: Option<&str>) -> usize {
+        let now = Instant::now();
+        let message = Arc::new(message);
+        if message.retain {
+            self.retained
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .apply(&message, now);
+        }
+        let mut targets: Vec<Target> = Vec::new();
+        {
+            let trie = self.trie.read().unwrap_or_else(|p| p.into_inner());
+            trie.for_each_match(&message.topic, |client, sub, shared| {
+                if !shared && sub.options.no_local && publisher == Some(&**client) {
+                    return;
+                }
+                targets.push(Target {
+                    session: sub.session.clone(),
+                    shared,
+                    qos: message.qos.min(sub.options.qos),
+                    retain_as_published: sub.options.retain_as_published,
+                    subscription_ids: sub.options.subscription_id.into_iter().collect(),
+                });
+            });
+        }
+        // A client with several matching (non-shared) subscriptions gets the message once, at
+        // the highest granted QoS, with every subscription id.
+        targets.sort_unstable_by_key(|t| (Arc::as_ptr(&t.session) as usize, t.shared));
+        let mut offered = 0;
+        let mut iter = targets.into_iter().peekable();
+        while let Some(mut t) = iter.next() {
+            while let Some(next) =
+                iter.next_if(|n| !t.shared && !n.shared && Arc::ptr_eq(&n.session, &t.session))
+            {
+                t.qos = t.qos.max(next.qos);
+                t.retain_as_published |= next.retain_as_published;
+                t.subscription_ids.extend(next.subscription_ids);
+            }
+            let delivery = Delivery {
+                message: message.clone(),
+                qos: t.qos,
+                retain: message.retain && t.retain_as_published,
+                subscription_ids: t.subscription_ids,
+                received_at: now,
+            };
+            t.session.deliver(delivery, self.max_queued);
+            offered += 1;
+        }
+        offered
+    }
+}

@@ -1,0 +1,243 @@
+//! The subscription trie: topic filters split on `/`, one node per level, so routing a publish costs
+//! the topic's depth (times the wildcard branches), not the number of subscriptions.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Subscriptions keyed by filter level. `T` is what a subscription carries (options, session).
+pub(crate) struct Trie<T> {
+    root: Node<T>,
+}
+
+struct Node<T> {
+    children: HashMap<Box<str>, Node<T>>,
+    /// Non-shared subscribers at this filter, by client id.
+    subscribers: HashMap<Arc<str>, T>,
+    /// Shared subscription groups at this filter, by group name.
+    shared: HashMap<Box<str>, SharedGroup<T>>,
+}
+
+struct SharedGroup<T> {
+    members: Vec<(Arc<str>, T)>,
+    /// Round-robin cursor; atomic so routing works under a read lock.
+    next: AtomicUsize,
+}
+
+impl<T> Default for Node<T> {
+    fn default() -> Self {
+        Self {
+            children: HashMap::new(),
+            subscribers: HashMap::new(),
+            shared: HashMap::new(),
+        }
+    }
+}
+
+impl<T> Node<T> {
+    fn is_empty(&self) -> bool {
+        self.children.is_empty() && self.subscribers.is_empty() && self.shared.is_empty()
+    }
+}
+
+impl<T> Default for Trie<T> {
+    fn default() -> Self {
+        Self {
+            root: Node::default(),
+        }
+    }
+}
+
+impl<T> Trie<T> {
+    /// Adds or replaces `client`'s subscription to `filter` (in `group` if shared). Returns `true`
+    /// if the subscription is new.
+    pub(crate) fn insert(
+        &mut self,
+        filter: &str,
+        group: Option<&str>,
+        client: &Arc<str>,
+        value: T,
+    ) -> bool {
+        let mut node = &mut self.root;
+        for level in filter.split('/') {
+            node = node.children.entry(level.into()).or_default();
+        }
+        match group {
+            None => node.subscribers.insert(client.clone(), value).is_none(),
+            Some(group) => {
+                let group = node
+                    .shared
+                    .entry(group.into())
+                    .or_insert_with(|| SharedGroup {
+                        members: Vec::new(),
+                        next: AtomicUsize::new(0),
+                    });
+                if let Some(slot) = group.members.iter_mut().find(|(c, _)| c == client) {
+                    slot.1 = value;
+                    false
+                } else {
+                    group.members.push((client.clone(), value));
+                    true
+                }
+            }
+        }
+    }
+
+    /// Removes `client`'s subscription; returns whether one existed. Empty nodes are pruned.
+    pub(crate) fn remove(&mut self, filter: &str, group: Option<&str>, client: &str) -> bool {
+        let levels: Vec<&str> = filter.split('/').collect();
+        Self::remove_at(&mut self.root, &levels, group, client)
+    }
+
+    fn remove_at(node: &mut Node<T>, levels: &[&str], group: Option<&str>, client: &str) -> bool {
+        let Some((first, rest)) = levels.split_first() else {
+            return match group {
+                None => node.subscribers.remove(client).is_some(),
+                Some(group) => {
+                    let Some(g) = node.shared.get_mut(group) else {
+                        return false;
+                    };
+                    let before = g.members.len();
+                    g.members.retain(|(c, _)| &**c != client);
+                    let removed = g.members.len() != before;
+                    if g.members.is_empty() {
+                        node.shared.remove(group);
+                    }
+                    removed
+                }
+            };
+        };
+        let Some(child) = node.children.get_mut(*first) else {
+            return false;
+        };
+        let removed = Self::remove_at(child, rest, group, client);
+        if child.is_empty() {
+            node.children.remove(*first);
+        }
+        removed
+    }
+
+    /// Calls `visit(client, value)` for every non-shared subscription matching `topic`, and once for
+    /// one member (round robin) of every shared group matching it. A client with several matching
+    /// subscriptions is visited once per subscription; callers merge.
+    pub(crate) fn for_each_match(&self, topic: &str, mut visit: impl FnMut(&Arc<str>, &T, bool)) {
+        Self::walk(&self.root, topic.split('/'), true, &mut visit);
+    }
+
+    fn walk<'t>(
+        node: &Node<T>,
+        mut levels: std::str::Split<'t, char>,
+        first: bool,
+        visit: &mut impl FnMut(&Arc<str>, &T, bool),
+    ) {
+        match levels.next() {
+            None => {
+                Self::emit(node, visit);
+                // "a/#" also matches "a".
+                if let Some(hash) = node.children.get("#") {
+                    Self::emit(hash, visit);
+                }
+            }
+            Some(level) => {
+                // Wildcards at the first level never match `$` topics.
+                if !(first && level.starts_with('$')) {
+                    if let Some(hash) = node.children.get("#") {
+                        Self::emit(hash, visit);
+                    }
+                    if let Some(plus) = node.children.get("+") {
+                        Self::walk(plus, levels.clone(), false, visit);
+                    }
+                }
+                if let Some(child) = node.children.get(level) {
+                    Self::walk(child, levels, false, visit);
+                }
+            }
+        }
+    }
+
+    fn emit(node: &Node<T>, visit: &mut impl FnMut(&Arc<str>, &T, bool)) {
+        for (client, value) in &node.subscribers {
+            visit(client, value, false);
+        }
+        for group in node.shared.values() {
+            debug_assert!(!group.members.is_empty(), "empty shared groups are pruned");
+            let i = group.next.fetch_add(1, Ordering::Relaxed) % group.members.len();
+            let (client, value) = &group.members[i];
+            visit(client, value, true);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topic;
+    use proptest::prelude::*;
+
+    fn matched(trie: &Trie<u32>, topic: &str) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        trie.for_each_match(topic, |c, v, _| out.push((c.to_string(), *v)));
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn routes_wildcards_and_prunes() {
+        let mut trie = Trie::default();
+        let a: Arc<str> = "a".into();
+        let b: Arc<str> = "b".into();
+        assert!(trie.insert("x/+/z", None, &a, 1));
+        assert!(!trie.insert("x/+/z", None, &a, 2));
+        assert!(trie.insert("x/#", None, &b, 3));
+        assert_eq!(
+            matched(&trie, "x/y/z"),
+            vec![("a".into(), 2), ("b".into(), 3)]
+        );
+        assert_eq!(matched(&trie, "x"), vec![("b".into(), 3)]);
+        assert!(trie.remove("x/+/z", None, "a"));
+        assert!(!trie.remove("x/+/z", None, "a"));
+        assert!(trie.remove("x/#", None, "b"));
+        assert!(trie.root.is_empty());
+    }
+
+    #[test]
+    fn shared_groups_round_robin() {
+        let mut trie = Trie::default();
+        for (i, c) in ["a", "b", "c"].into_iter().enumerate() {
+            trie.insert("t", Some("g"), &Arc::from(c), i as u32);
+        }
+        let picks: Vec<_> = (0..6).map(|_| matched(&trie, "t")).collect();
+        assert!(picks.iter().all(|p| p.len() == 1));
+        let firsts: Vec<u32> = picks.iter().map(|p| p[0].1).collect();
+        assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn dollar_topics_skip_leading_wildcards() {
+        let mut trie = Trie::default();
+        trie.insert("#", None, &Arc::from("a"), 1);
+        trie.insert("+/x", None, &Arc::from("b"), 2);
+        trie.insert("$SYS/#", None, &Arc::from("c"), 3);
+        assert_eq!(matched(&trie, "$SYS/x"), vec![("c".into(), 3)]);
+    }
+
+    proptest! {
+        /// The trie agrees with the plain matcher for any filter set and topic.
+        #[test]
+        fn trie_agrees_with_matcher(
+            filters in proptest::collection::vec("(a|b|\\+|\\$s)(/(a|b|\\+|#)){0,3}", 1..8),
+            topic in "(a|b|\\$s)(/(a|b)){0,3}",
+        ) {
+            let mut trie = Trie::default();
+            let mut expected = Vec::new();
+            for (i, f) in filters.iter().enumerate() {
+                if !topic::is_valid_filter(f) { continue; }
+                let client: Arc<str> = format!("c{i}").into();
+                trie.insert(f, None, &client, i as u32);
+                if topic::matches(f, &topic) { expected.push((client.to_string(), i as u32)); }
+            }
+            expected.sort();
+            prop_assert_eq!(matched(&trie, &topic), expected);
+        }
+    }
+}
