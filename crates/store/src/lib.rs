@@ -1,1 +1,35 @@
-//! placeholder
+//! The deterministic state-store core: keyspace, versions, fencing, quotas, expiry, notifications.
+//!
+//! No I/O and no clock reads — time arrives as `now_ms` — so the same inputs always give the same
+//! outputs, which is what recovery, replication and simulation rely on.
+//!
+//! * [`machine`] — [`StateMachine::execute`] runs a [`Command`](mqstate_protocol::Command) in a
+//!   [`RequestContext`] and returns an [`Execution`]: reply, response `__ts`, the [`Delta`] to make
+//!   durable and the [`KeyNotification`]s to publish. Also `expire_due`, `next_deadline`,
+//!   `drop_client` and `apply_delta`.
+//! * [`delta`] — [`Delta`] (put / delete) and its binary form (`storage-format.md` conventions).
+//! * [`snapshot`] — `StateMachine::snapshot_encode` / `snapshot_decode`.
+//! * [`keyspace`] — [`Keyspace`] and [`Entry`], with the `(deadline, key)` expiry index.
+//! * [`limits`] — [`Limits`], every bound with its default.
+//! * [`error`] — [`StoreError`] (configuration and codec failures; command errors are replies).
+//!
+//! Architecture invariant: the keyspace changes only through `StateMachine::apply_delta`, so
+//! executing a command and replaying its delta yield the same state.
+
+mod codec;
+pub mod delta;
+pub mod error;
+pub mod keyspace;
+pub mod limits;
+pub mod machine;
+mod registrations;
+pub mod snapshot;
+
+pub use codec::MAX_BUFFER_BYTES;
+pub use delta::Delta;
+pub use error::StoreError;
+pub use keyspace::{Entry, Keyspace};
+pub use limits::Limits;
+pub use machine::{
+    Execution, Expiration, KeyNotification, RequestContext, StateMachine, StoreConfig,
+};
