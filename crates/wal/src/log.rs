@@ -356,9 +356,11 @@ impl Wal {
     fn cut_back(&mut self, keep: Position) -> Result<(), WalError> {
         let path = &self.active.path;
         let file = &mut self.active.file;
+        let failpoints = &self.options.failpoints;
         file.seek(SeekFrom::Start(keep.end_offset))
             .and_then(|_| file.write_all(&END_MARKER))
             .and_then(|()| file.set_len(keep.end_offset + END_MARKER.len() as u64))
+            .and_then(|()| failpoints.check(AFTER_WRITE_BEFORE_FSYNC))
             .and_then(|()| file.sync_data())
             .map_err(WalError::io("cut back", path))?;
         self.active.written = keep;

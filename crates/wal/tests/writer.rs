@@ -1,0 +1,226 @@
+//! The group-commit writer: batching, failure handling, fsync policies, snapshots.
+
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use mqstate_wal::failpoint::AFTER_WRITE_BEFORE_FSYNC;
+use mqstate_wal::{
+    FailAction, Failpoints, FsyncPolicy, Snapshot, Wal, WalError, WalOptions, WalWriter,
+};
+
+fn reopen(dir: &std::path::Path) -> Vec<Vec<u8>> {
+    let (_, recovered) = Wal::open(dir, WalOptions::default()).unwrap();
+    recovered.records.iter().map(|e| e.data.to_vec()).collect()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn appends_queued_during_an_fsync_share_the_next_one() {
+    const N: u64 = 64;
+    let tmp = tempfile::tempdir().unwrap();
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let release_rx = Mutex::new(release_rx);
+    let first_fsync = AtomicBool::new(true);
+    // Holds the writer inside its first fsync until every other append is queued.
+    let failpoints = Failpoints::with_hook(move |name| {
+        if name == AFTER_WRITE_BEFORE_FSYNC && first_fsync.swap(false, SeqCst) {
+            entered_tx.send(()).unwrap();
+            release_rx.lock().unwrap().recv().unwrap();
+        }
+        FailAction::Continue
+    });
+    let (wal, _) = Wal::open(
+        tmp.path(),
+        WalOptions {
+            failpoints,
+            ..WalOptions::default()
+        },
+    )
+    .unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+
+    let first = writer.append(1, Bytes::from_static(b"r0")).await.unwrap();
+    tokio::task::spawn_blocking(move || entered_rx.recv().unwrap())
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    for i in 1..N {
+        rest.push(
+            writer
+                .append(1, Bytes::from(format!("r{i}")))
+                .await
+                .unwrap(),
+        );
+    }
+    release_tx.send(()).unwrap();
+
+    assert_eq!(first.await.unwrap(), 0);
+    for (i, commit) in rest.into_iter().enumerate() {
+        assert_eq!(commit.await.unwrap(), i as u64 + 1);
+    }
+    let stats = writer.stats().snapshot();
+    assert_eq!(
+        stats.fsyncs,
+        2,
+        "one fsync for r0, one for the {} queued behind it",
+        N - 1
+    );
+    assert_eq!(stats.largest_batch_records, N - 1);
+    assert_eq!(stats.records, N);
+    writer.shutdown().await.unwrap();
+    let expected: Vec<Vec<u8>> = (0..N).map(|i| format!("r{i}").into_bytes()).collect();
+    assert_eq!(reopen(tmp.path()), expected);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_failed_fsync_fails_the_batch_and_stops_the_log_until_a_retry_succeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let disk_broken = Arc::new(AtomicBool::new(false));
+    let broken = Arc::clone(&disk_broken);
+    let failpoints = Failpoints::with_hook(move |name| {
+        if name == AFTER_WRITE_BEFORE_FSYNC && broken.load(SeqCst) {
+            FailAction::Error
+        } else {
+            FailAction::Continue
+        }
+    });
+    let (wal, _) = Wal::open(
+        tmp.path(),
+        WalOptions {
+            failpoints,
+            ..WalOptions::default()
+        },
+    )
+    .unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    let append = |data: &'static [u8]| writer.append(1, Bytes::from_static(data));
+
+    assert_eq!(append(b"durable").await.unwrap().await.unwrap(), 0);
+    disk_broken.store(true, SeqCst);
+    let lost = append(b"lost").await.unwrap().await.unwrap_err();
+    assert!(
+        matches!(&lost, WalError::Failed { cause } if cause.contains("injected")),
+        "{lost}"
+    );
+    let refused = append(b"refused").await.unwrap().await.unwrap_err();
+    assert!(matches!(refused, WalError::Failed { .. }), "{refused}");
+    assert!(
+        writer.retry().await.is_err(),
+        "the disk still fails, so the retry must too"
+    );
+
+    disk_broken.store(false, SeqCst);
+    writer.retry().await.unwrap();
+    assert_eq!(append(b"after retry").await.unwrap().await.unwrap(), 1);
+    assert!(writer.stats().snapshot().write_errors >= 1);
+    writer.shutdown().await.unwrap();
+    assert_eq!(
+        reopen(tmp.path()),
+        vec![b"durable".to_vec(), b"after retry".to_vec()]
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_oversized_record_is_refused_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        record_max_bytes: 4,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(tmp.path(), options).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    let big = writer
+        .append(1, Bytes::from_static(b"too big"))
+        .await
+        .unwrap();
+    let ok = writer.append(1, Bytes::from_static(b"ok")).await.unwrap();
+    assert!(matches!(
+        big.await,
+        Err(WalError::TooLarge { len: 7, max: 4, .. })
+    ));
+    assert_eq!(ok.await.unwrap(), 0);
+    writer.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn policy_never_acknowledges_without_fsync_and_shutdown_flushes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        fsync: FsyncPolicy::Never,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(tmp.path(), options).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    for i in 0..5u64 {
+        assert_eq!(
+            writer
+                .append(1, Bytes::from(vec![i as u8]))
+                .await
+                .unwrap()
+                .await
+                .unwrap(),
+            i
+        );
+    }
+    assert_eq!(writer.stats().snapshot().fsyncs, 0);
+    let stats = Arc::clone(writer.stats());
+    writer.shutdown().await.unwrap();
+    assert_eq!(stats.snapshot().fsyncs, 1);
+    assert_eq!(reopen(tmp.path()).len(), 5);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_snapshot_through_the_writer_deletes_covered_segments() {
+    let tmp = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_soft_limit_bytes: 32,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(tmp.path(), options.clone()).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    for i in 0..6u8 {
+        writer
+            .append(1, Bytes::from(vec![i; 16]))
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    // 8 + 36 + 4 > 32: every record gets its own segment, and a fresh one follows the last.
+    writer
+        .install_snapshot(Snapshot {
+            last_index: 3,
+            last_term: 1,
+            state: Bytes::from_static(b"state"),
+        })
+        .await
+        .unwrap();
+    let lsn = writer
+        .append(1, Bytes::from_static(b"after"))
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(lsn, 6);
+    writer.shutdown().await.unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(tmp.path().join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    let expected: Vec<String> = [4, 5, 6, 7]
+        .iter()
+        .map(|n| format!("{n:019}.log"))
+        .collect();
+    assert_eq!(names, expected);
+    let (_, recovered) = Wal::open(tmp.path(), options).unwrap();
+    assert_eq!(
+        recovered.snapshot.unwrap().state,
+        Bytes::from_static(b"state")
+    );
+    assert_eq!(
+        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        vec![4, 5, 6]
+    );
+}
