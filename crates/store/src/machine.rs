@@ -204,8 +204,9 @@ impl StateMachine {
             (SetCondition::NotExistsOrEqual, Some(entry)) => entry.value == value,
         };
         if !applies {
+            // "Current server HLC" (spec §3): already merged with the request's `__ts`.
             return Ok(Execution {
-                ts: Some(self.clock.now(ctx.now_ms)),
+                ts: Some(self.clock.high_water()),
                 ..Execution::reply(Reply::Integer(-1))
             });
         }
@@ -401,3 +402,6 @@ fn fence(stored: Option<&Hlc>, request: Option<&Hlc>) -> Result<Option<Hlc>, Err
         (Some(stored), Some(request)) => Ok(Some(stored.max(request).clone())),
     }
 }
+
+#[cfg(test)]
+mod tests;
