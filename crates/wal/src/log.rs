@@ -15,7 +15,7 @@ use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC};
 use crate::layout::{replace_atomically, sync_dir, DataDir};
 use crate::metadata::{read_metadata, write_metadata, Metadata};
 use crate::options::WalOptions;
-use crate::recovery::{check_log, load_segments, LoadedSegment};
+use crate::recovery::{check_log, cut_segment_at, load_segments, LoadedSegment};
 use crate::segment::{empty_segment, encode_record, END_MARKER, SEGMENT_HEADER_LEN};
 use crate::snapshot::{read_snapshot, write_snapshot, Snapshot};
 use crate::stats::WalStats;
@@ -465,13 +465,5 @@ fn cut_torn_tail(
         %damage,
         "cutting off a torn record at the end of the log (it was never acknowledged)"
     );
-    let mut file = OpenOptions::new()
-        .write(true)
-        .open(path)
-        .map_err(WalError::io("open", path))?;
-    file.seek(SeekFrom::Start(offset))
-        .and_then(|_| file.write_all(&END_MARKER))
-        .and_then(|()| file.set_len(offset + END_MARKER.len() as u64))
-        .and_then(|()| file.sync_data())
-        .map_err(WalError::io("cut torn tail", path))
+    cut_segment_at(path, offset)
 }

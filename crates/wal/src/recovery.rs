@@ -2,14 +2,15 @@
 //! they form one contiguous log after the snapshot. Shared by [`crate::Wal::open`] and the data
 //! tools, so both judge damage the same way.
 
-use std::fs;
-use std::path::PathBuf;
+use std::fs::{self, OpenOptions};
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
 use crate::error::{Damage, FormatError, WalError};
 use crate::layout::{read_optional, DataDir};
-use crate::segment::{parse_segment_file_name, scan_segment, SegmentEnd, SegmentScan};
+use crate::segment::{parse_segment_file_name, scan_segment, SegmentEnd, SegmentScan, END_MARKER};
 use crate::Lsn;
 
 /// One segment file read into memory and scanned.
@@ -64,6 +65,79 @@ pub(crate) fn load_segments(dir: &DataDir) -> Result<Vec<LoadedSegment>, WalErro
     Ok(segments)
 }
 
+/// The first thing wrong with a log, in LSN order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Finding {
+    /// The segment's header is unreadable, so none of it can be trusted.
+    BadHeader(FormatError),
+    /// The segment does not start where the previous one ended (or after the snapshot).
+    Gap { expected: Lsn },
+    /// A damaged record; `intact_after` is an intact record further on in the same segment.
+    Damaged {
+        offset: u64,
+        damage: Damage,
+        intact_after: Option<u64>,
+    },
+}
+
+impl Finding {
+    pub fn into_error(self, segment: &LoadedSegment) -> WalError {
+        let path = segment.path.clone();
+        match self {
+            Finding::BadHeader(e) => WalError::corrupt(path, e),
+            Finding::Gap { expected } => WalError::Gap {
+                path,
+                expected,
+                found: segment.first_lsn,
+            },
+            Finding::Damaged { offset, damage, .. } => WalError::Corrupt {
+                path,
+                offset,
+                damage,
+            },
+        }
+    }
+}
+
+/// Walks the segments as one log continuing the snapshot (`keep_from` = first LSN not in the
+/// snapshot, 0 without one) and returns the first segment with something wrong.
+pub(crate) fn first_finding(
+    segments: &[LoadedSegment],
+    keep_from: Lsn,
+) -> Option<(usize, Finding)> {
+    let mut expected = None;
+    for (i, segment) in segments.iter().enumerate() {
+        let scan = match &segment.scan {
+            Ok(scan) => scan,
+            Err(e) => return Some((i, Finding::BadHeader(e.clone()))),
+        };
+        // A gap is harmless only where the snapshot covers everything before this segment.
+        let contiguous = match expected {
+            None => segment.first_lsn <= keep_from,
+            Some(end) => segment.first_lsn == end || segment.first_lsn <= keep_from,
+        };
+        if !contiguous {
+            let expected = expected.unwrap_or(keep_from);
+            return Some((i, Finding::Gap { expected }));
+        }
+        if let SegmentEnd::Damaged {
+            offset,
+            damage,
+            intact_after,
+        } = &scan.end
+        {
+            let finding = Finding::Damaged {
+                offset: *offset,
+                damage: damage.clone(),
+                intact_after: *intact_after,
+            };
+            return Some((i, finding));
+        }
+        expected = Some(segment.end_lsn());
+    }
+    None
+}
+
 /// A torn last record that recovery cuts off.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TornTail {
@@ -81,51 +155,37 @@ pub(crate) struct LogCheck {
     pub torn_tail: Option<TornTail>,
 }
 
-/// Checks that the segments hold one contiguous log continuing the snapshot (`keep_from` = first
-/// LSN not in the snapshot, 0 without one). Damage anywhere but the tail is an error.
+/// Accepts a log that is whole or only torn at its very end; anything else is an error.
 pub(crate) fn check_log(segments: &[LoadedSegment], keep_from: Lsn) -> Result<LogCheck, WalError> {
     let mut check = LogCheck::default();
     let last = segments.len().saturating_sub(1);
-    let mut expected = None;
-    for (i, segment) in segments.iter().enumerate() {
-        let scan = segment
-            .scan
-            .as_ref()
-            .map_err(|e| WalError::corrupt(&segment.path, e.clone()))?;
-        // A gap is harmless only where the snapshot covers everything before this segment.
-        let contiguous = match expected {
-            None => segment.first_lsn <= keep_from,
-            Some(end) => segment.first_lsn == end || segment.first_lsn <= keep_from,
-        };
-        if !contiguous {
-            return Err(WalError::Gap {
-                path: segment.path.clone(),
-                expected: expected.unwrap_or(keep_from),
-                found: segment.first_lsn,
-            });
-        }
-        if let SegmentEnd::Damaged {
-            offset,
-            damage,
-            intact_after,
-        } = &scan.end
-        {
-            if i != last || intact_after.is_some() {
-                return Err(WalError::Corrupt {
-                    path: segment.path.clone(),
-                    offset: *offset,
-                    damage: damage.clone(),
-                });
-            }
-            check.torn_tail = Some(TornTail {
-                offset: *offset,
-                damage: damage.clone(),
-            });
-        }
-        if i != last && segment.end_lsn() <= keep_from {
-            check.covered.push(i);
-        }
-        expected = Some(segment.end_lsn());
+    match first_finding(segments, keep_from) {
+        None => {}
+        Some((
+            i,
+            Finding::Damaged {
+                offset,
+                damage,
+                intact_after: None,
+            },
+        )) if i == last => check.torn_tail = Some(TornTail { offset, damage }),
+        Some((i, finding)) => return Err(finding.into_error(&segments[i])),
     }
+    check.covered = (0..last)
+        .filter(|&i| segments[i].end_lsn() <= keep_from)
+        .collect();
     Ok(check)
+}
+
+/// Cuts a segment file at `offset` (a record boundary), writes the end marker there, fsyncs.
+pub(crate) fn cut_segment_at(path: &Path, offset: u64) -> Result<(), WalError> {
+    let mut file = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(WalError::io("open", path))?;
+    file.seek(SeekFrom::Start(offset))
+        .and_then(|_| file.write_all(&END_MARKER))
+        .and_then(|()| file.set_len(offset + END_MARKER.len() as u64))
+        .and_then(|()| file.sync_data())
+        .map_err(WalError::io("cut", path))
 }
