@@ -12,7 +12,11 @@ mod serve;
 mod settings;
 
 #[derive(Parser)]
-#[command(name = "mqstate", version, about = "MQTT 5 broker with a built-in durable state store")]
+#[command(
+    name = "mqstate",
+    version,
+    about = "MQTT 5 broker with a built-in durable state store"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -39,7 +43,10 @@ struct ServeArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("mqstate: cannot start the async runtime: {e}");

@@ -1,26 +1,227 @@
-//! `mqstate serve`: resolve settings, open the data directory, start the broker and the state store,
-//! and stop gracefully on SIGINT/SIGTERM.
+//! `mqstate serve`: resolve settings, recover the data directory, start the broker and the state store,
+//! and stop gracefully on SIGINT/SIGTERM (stop accepting, disconnect clients, flush and fsync the log).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 
-use crate::settings::{self, LogFormat, Settings};
+use anyhow::Context;
+use mqstate_broker::{Broker, BrokerConfig};
+use mqstate_protocol::topic::INVOKE_TOPIC;
+use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
+use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
+use mqstate_wal::{FsyncPolicy, Wal, WalOptions, WalWriter};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::settings::{Fsync, LogFormat, Persistence, Resolved, Settings};
+
+/// The one stable HLC node id of the state-store service (spec §4: clients check it does not change).
+pub const SERVICE_NODE_ID: &str = "mqstate";
 
 pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()> {
     let file = match &config {
         Some(path) => Settings::from_file(path)?,
         None => Settings::default(),
     };
-    let resolved = flags.layer(file).resolve()?;
-    init_logging(resolved.log_format, &resolved.log)?;
-    tracing::info!(?resolved, "settings");
-    let _ = settings::defaults::LISTEN;
-    anyhow::bail!("serve: broker wiring pending")
+    let settings = flags.layer(file).resolve()?;
+    init_logging(settings.log_format, &settings.log)?;
+    tracing::debug!(?settings, "settings");
+
+    let (machine, wal, next_lsn) = recover(&settings)?;
+    let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
+
+    let broker = Broker::new(broker_config(&settings));
+    let inbox = broker
+        .claim_topic(INVOKE_TOPIC)
+        .context("cannot attach the state store to the broker")?;
+
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let mut listeners = Vec::new();
+    for addr in &settings.listen {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "plain MQTT without authentication on a non-loopback address: anyone who can reach it can read and write everything");
+        }
+        listeners.push(tokio::spawn(mqstate_broker::serve(
+            listener,
+            broker.clone(),
+            wait_for(shutdown_rx.clone()),
+        )));
+    }
+
+    let service_config = ServiceConfig {
+        server_id: SERVICE_NODE_ID.to_owned(),
+        durability: match settings.persistence {
+            Persistence::All => Durability::All,
+            Persistence::OptIn => Durability::OptIn,
+        },
+        snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
+        ..ServiceConfig::default()
+    };
+    let stats = Arc::new(ServiceStats::default());
+    let store = tokio::spawn(service::run(
+        broker.clone(),
+        inbox,
+        machine,
+        Arc::clone(&wal),
+        next_lsn,
+        service_config,
+        stats,
+        wait_for(shutdown_rx.clone()),
+    ));
+    tracing::info!(listen = ?settings.listen, data_dir = %settings.data_dir.display(), "mqstate ready");
+
+    shutdown_signal().await;
+    tracing::info!("shutting down: disconnecting clients and flushing the log");
+    let _ = shutdown_tx.send(true);
+    for listener in listeners {
+        let _ = listener.await;
+    }
+    let _ = store.await;
+    match Arc::try_unwrap(wal) {
+        Ok(wal) => wal
+            .shutdown()
+            .await
+            .context("the log could not be flushed at shutdown")?,
+        Err(_) => tracing::warn!("log writer still shared at shutdown; relying on its last fsync"),
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Opens the data directory and rebuilds the state machine from the snapshot and the log after it.
+/// Returns the state, the log, and the LSN the next record will get.
+fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
+    let started = Instant::now();
+    let options = WalOptions {
+        fsync: match settings.fsync {
+            Fsync::Always => FsyncPolicy::Always,
+            Fsync::Interval(every) => FsyncPolicy::Interval(every),
+            Fsync::Never => FsyncPolicy::Never,
+        },
+        ..WalOptions::default()
+    };
+    let (wal, recovered) = Wal::open(&settings.data_dir, options).with_context(|| {
+        format!(
+            "cannot open the data directory {}",
+            settings.data_dir.display()
+        )
+    })?;
+    let store_config = StoreConfig {
+        node_id: SERVICE_NODE_ID.into(),
+        limits: store_limits(settings),
+    };
+    let (mut machine, mut next_lsn) = match &recovered.snapshot {
+        Some(snapshot) => {
+            let machine = StateMachine::snapshot_decode(&snapshot.state, store_config)
+                .with_context(|| {
+                    format!(
+                        "the snapshot in {} does not decode; run `mqstate data verify {}`",
+                        settings.data_dir.display(),
+                        settings.data_dir.display()
+                    )
+                })?;
+            (machine, snapshot.last_index + 1)
+        }
+        None => (
+            StateMachine::new(store_config).context("invalid state store configuration")?,
+            0,
+        ),
+    };
+    let mut replayed_bytes = 0usize;
+    for entry in &recovered.records {
+        let delta = Delta::decode(&entry.data).with_context(|| {
+            format!(
+                "log record {} in {} does not decode as a state change",
+                entry.lsn,
+                settings.data_dir.display()
+            )
+        })?;
+        machine.apply_delta(&delta);
+        replayed_bytes += entry.data.len();
+        next_lsn = entry.lsn + 1;
+    }
+    let elapsed = started.elapsed();
+    tracing::info!(
+        keys = machine.keyspace().len(),
+        records = recovered.records.len(),
+        replayed_mb_per_s = (replayed_bytes as f64 / 1e6) / elapsed.as_secs_f64().max(1e-9),
+        elapsed_ms = elapsed.as_millis() as u64,
+        "state recovered"
+    );
+    Ok((machine, wal, next_lsn))
+}
+
+fn store_limits(settings: &Resolved) -> Limits {
+    let defaults = Limits::default();
+    Limits {
+        max_keys: settings.max_keys.unwrap_or(defaults.max_keys),
+        max_total_bytes: settings.max_bytes.unwrap_or(defaults.max_total_bytes),
+        max_key_bytes: settings.max_key_bytes.unwrap_or(defaults.max_key_bytes),
+        max_value_bytes: settings.max_value_bytes,
+        ..defaults
+    }
+}
+
+fn broker_config(settings: &Resolved) -> BrokerConfig {
+    let defaults = BrokerConfig::default();
+    BrokerConfig {
+        max_packet_size: settings.max_packet_size,
+        receive_maximum: settings.receive_maximum.unwrap_or(defaults.receive_maximum),
+        max_queued_messages: settings
+            .max_queued_messages
+            .unwrap_or(defaults.max_queued_messages),
+        session_expiry_max_secs: settings
+            .session_expiry_max
+            .unwrap_or(defaults.session_expiry_max_secs),
+        ..defaults
+    }
+}
+
+async fn wait_for(mut rx: watch::Receiver<bool>) {
+    while !*rx.borrow() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!("cannot listen for SIGINT: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
 }
 
 fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .map_err(|e| anyhow::anyhow!("invalid log filter {filter:?}: {e}"))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let result = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),

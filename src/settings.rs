@@ -18,10 +18,8 @@ pub mod defaults {
     pub const LISTEN: &str = "127.0.0.1:1883";
     pub const DATA_DIR: &str = "./data";
     pub const MAX_PACKET_SIZE_BYTES: u32 = 1024 * 1024;
-    pub const RECEIVE_MAXIMUM: u16 = 1024;
-    pub const MAX_QUEUED_MESSAGES: usize = 10_000;
-    pub const SESSION_EXPIRY_MAX_SECS: u32 = u32::MAX;
-    pub const MAX_KEY_BYTES: u64 = 64 * 1024;
+    /// Snapshot once the log has grown by this much since the last one.
+    pub const SNAPSHOT_THRESHOLD_BYTES: u64 = 64 * 1024 * 1024;
 }
 
 /// `fsync` policy of the write-ahead log.
@@ -48,14 +46,21 @@ impl std::str::FromStr for Fsync {
                     .strip_prefix("interval(")
                     .and_then(|r| r.strip_suffix(')'))
                     .or_else(|| other.strip_prefix("interval:"))
-                    .ok_or_else(|| format!("invalid fsync policy {s:?}: expected always, never or interval(MS)"))?;
-                let ms: u64 = ms
-                    .trim()
-                    .trim_end_matches("ms")
-                    .parse()
-                    .map_err(|_| format!("invalid fsync interval in {s:?}: expected milliseconds, e.g. interval(10)"))?;
+                    .ok_or_else(|| {
+                        format!(
+                            "invalid fsync policy {s:?}: expected always, never or interval(MS)"
+                        )
+                    })?;
+                let ms: u64 = ms.trim().trim_end_matches("ms").parse().map_err(|_| {
+                    format!(
+                        "invalid fsync interval in {s:?}: expected milliseconds, e.g. interval(10)"
+                    )
+                })?;
                 if ms == 0 {
-                    return Err("fsync interval must be at least 1 ms; use `always` for per-batch fsync".into());
+                    return Err(
+                        "fsync interval must be at least 1 ms; use `always` for per-batch fsync"
+                            .into(),
+                    );
                 }
                 Ok(Fsync::Interval(Duration::from_millis(ms)))
             }
@@ -86,7 +91,12 @@ pub enum Persistence {
 #[serde(default, deny_unknown_fields, rename_all = "snake_case")]
 pub struct Settings {
     /// Address to accept MQTT over TCP on (repeatable). Default 127.0.0.1:1883.
-    #[arg(long = "listen", env = "MQSTATE_LISTEN", value_delimiter = ',', value_name = "ADDR")]
+    #[arg(
+        long = "listen",
+        env = "MQSTATE_LISTEN",
+        value_delimiter = ',',
+        value_name = "ADDR"
+    )]
     pub listen: Vec<String>,
 
     /// Directory of the durable state (log, snapshot, metadata). Default ./data.
@@ -117,19 +127,23 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_RECEIVE_MAXIMUM", value_name = "N")]
     pub receive_maximum: Option<u16>,
 
-    /// Messages queued per session while the client is away or slow. Default 10000.
+    /// Messages queued per session while the client is away or slow. Default 1000.
     #[arg(long, env = "MQSTATE_MAX_QUEUED_MESSAGES", value_name = "N")]
     pub max_queued_messages: Option<usize>,
 
-    /// Upper bound on the Session Expiry Interval a client may ask for, in seconds.
+    /// Upper bound on the Session Expiry Interval a client may ask for, in seconds. Default 7 days.
     #[arg(long, env = "MQSTATE_SESSION_EXPIRY_MAX", value_name = "SECS")]
     pub session_expiry_max: Option<u32>,
 
-    /// State store: maximum number of keys (unlimited when unset).
+    /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes.
+    #[arg(long, env = "MQSTATE_SNAPSHOT_THRESHOLD", value_name = "BYTES")]
+    pub snapshot_threshold_bytes: Option<u64>,
+
+    /// State store: maximum number of keys. Default 10,000,000.
     #[arg(long, env = "MQSTATE_MAX_KEYS", value_name = "N")]
     pub max_keys: Option<u64>,
 
-    /// State store: maximum total bytes of keys + values (unlimited when unset).
+    /// State store: maximum total bytes of keys + values. Default 1 GiB.
     #[arg(long, env = "MQSTATE_MAX_BYTES", value_name = "BYTES")]
     pub max_bytes: Option<u64>,
 
@@ -152,13 +166,15 @@ pub struct Resolved {
     pub log_format: LogFormat,
     pub log: String,
     pub max_packet_size: u32,
-    pub receive_maximum: u16,
-    pub max_queued_messages: usize,
-    pub session_expiry_max: u32,
+    /// The rest default to the broker's and the store's own documented defaults when unset.
+    pub receive_maximum: Option<u16>,
+    pub max_queued_messages: Option<usize>,
+    pub session_expiry_max: Option<u32>,
     pub max_keys: Option<u64>,
     pub max_bytes: Option<u64>,
-    pub max_key_bytes: u64,
+    pub max_key_bytes: Option<u64>,
     pub max_value_bytes: u64,
+    pub snapshot_threshold_bytes: u64,
 }
 
 impl Settings {
@@ -177,7 +193,11 @@ impl Settings {
     /// `self` (flags and environment) over `lower` (the file): each field set here wins.
     pub fn layer(self, lower: Settings) -> Settings {
         Settings {
-            listen: if self.listen.is_empty() { lower.listen } else { self.listen },
+            listen: if self.listen.is_empty() {
+                lower.listen
+            } else {
+                self.listen
+            },
             data_dir: self.data_dir.or(lower.data_dir),
             fsync: self.fsync.or(lower.fsync),
             persistence: self.persistence.or(lower.persistence),
@@ -191,45 +211,58 @@ impl Settings {
             max_bytes: self.max_bytes.or(lower.max_bytes),
             max_key_bytes: self.max_key_bytes.or(lower.max_key_bytes),
             max_value_bytes: self.max_value_bytes.or(lower.max_value_bytes),
+            snapshot_threshold_bytes: self
+                .snapshot_threshold_bytes
+                .or(lower.snapshot_threshold_bytes),
         }
     }
 
     pub fn resolve(self) -> anyhow::Result<Resolved> {
-        let listen_text = if self.listen.is_empty() { vec![defaults::LISTEN.to_owned()] } else { self.listen };
+        let listen_text = if self.listen.is_empty() {
+            vec![defaults::LISTEN.to_owned()]
+        } else {
+            self.listen
+        };
         let mut listen = Vec::with_capacity(listen_text.len());
         for addr in &listen_text {
-            let parsed: SocketAddr = addr
-                .parse()
-                .with_context(|| format!("invalid listen address {addr:?}: expected IP:PORT, e.g. 127.0.0.1:1883"))?;
+            let parsed: SocketAddr = addr.parse().with_context(|| {
+                format!("invalid listen address {addr:?}: expected IP:PORT, e.g. 127.0.0.1:1883")
+            })?;
             listen.push(parsed);
         }
         let fsync = match self.fsync.as_deref() {
             None => Fsync::Always,
             Some(text) => text.parse().map_err(anyhow::Error::msg)?,
         };
-        let max_packet_size = self.max_packet_size.unwrap_or(defaults::MAX_PACKET_SIZE_BYTES);
+        let max_packet_size = self
+            .max_packet_size
+            .unwrap_or(defaults::MAX_PACKET_SIZE_BYTES);
         if max_packet_size < 64 {
             bail!("max_packet_size {max_packet_size} is too small: at least 64 bytes");
         }
-        let receive_maximum = self.receive_maximum.unwrap_or(defaults::RECEIVE_MAXIMUM);
-        if receive_maximum == 0 {
+        if self.receive_maximum == Some(0) {
             bail!("receive_maximum must be at least 1 (MQTT 5 §3.2.2.3.3)");
         }
         Ok(Resolved {
             listen,
-            data_dir: self.data_dir.unwrap_or_else(|| PathBuf::from(defaults::DATA_DIR)),
+            data_dir: self
+                .data_dir
+                .unwrap_or_else(|| PathBuf::from(defaults::DATA_DIR)),
             fsync,
             persistence: self.persistence.unwrap_or(Persistence::All),
             log_format: self.log_format.unwrap_or(LogFormat::Text),
             log: self.log.unwrap_or_else(|| "info".to_owned()),
             max_packet_size,
-            receive_maximum,
-            max_queued_messages: self.max_queued_messages.unwrap_or(defaults::MAX_QUEUED_MESSAGES),
-            session_expiry_max: self.session_expiry_max.unwrap_or(defaults::SESSION_EXPIRY_MAX_SECS),
+            receive_maximum: self.receive_maximum,
+            max_queued_messages: self.max_queued_messages,
+            session_expiry_max: self.session_expiry_max,
             max_keys: self.max_keys,
             max_bytes: self.max_bytes,
-            max_key_bytes: self.max_key_bytes.unwrap_or(defaults::MAX_KEY_BYTES),
+            max_key_bytes: self.max_key_bytes,
             max_value_bytes: self.max_value_bytes.unwrap_or(u64::from(max_packet_size)),
+            snapshot_threshold_bytes: self
+                .snapshot_threshold_bytes
+                .unwrap_or(defaults::SNAPSHOT_THRESHOLD_BYTES),
         })
     }
 }
@@ -241,19 +274,33 @@ mod tests {
     #[test]
     fn defaults_are_the_documented_ones() {
         let r = Settings::default().resolve().unwrap();
-        assert_eq!(r.listen, vec!["127.0.0.1:1883".parse::<SocketAddr>().unwrap()]);
+        assert_eq!(
+            r.listen,
+            vec!["127.0.0.1:1883".parse::<SocketAddr>().unwrap()]
+        );
         assert_eq!(r.data_dir, PathBuf::from("./data"));
         assert_eq!(r.fsync, Fsync::Always);
-        assert_eq!(r.max_value_bytes, u64::from(defaults::MAX_PACKET_SIZE_BYTES));
+        assert_eq!(
+            r.max_value_bytes,
+            u64::from(defaults::MAX_PACKET_SIZE_BYTES)
+        );
     }
 
     #[test]
     fn flags_win_over_file_field_by_field() {
-        let file: Settings = toml::from_str("listen = [\"127.0.0.1:2000\"]\ndata_dir = \"/f\"\nfsync = \"never\"").unwrap();
-        let flags = Settings { data_dir: Some("/flag".into()), ..Settings::default() };
+        let file: Settings =
+            toml::from_str("listen = [\"127.0.0.1:2000\"]\ndata_dir = \"/f\"\nfsync = \"never\"")
+                .unwrap();
+        let flags = Settings {
+            data_dir: Some("/flag".into()),
+            ..Settings::default()
+        };
         let r = flags.layer(file).resolve().unwrap();
         assert_eq!(r.data_dir, PathBuf::from("/flag"));
-        assert_eq!(r.listen, vec!["127.0.0.1:2000".parse::<SocketAddr>().unwrap()]);
+        assert_eq!(
+            r.listen,
+            vec!["127.0.0.1:2000".parse::<SocketAddr>().unwrap()]
+        );
         assert_eq!(r.fsync, Fsync::Never);
     }
 
@@ -261,7 +308,11 @@ mod tests {
     fn json_file_uses_the_same_schema() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("mqstate.settings.json");
-        std::fs::write(&path, r#"{"fsync": "interval(5)", "persistence": "opt-in"}"#).unwrap();
+        std::fs::write(
+            &path,
+            r#"{"fsync": "interval(5)", "persistence": "opt-in"}"#,
+        )
+        .unwrap();
         let r = Settings::from_file(&path).unwrap().resolve().unwrap();
         assert_eq!(r.fsync, Fsync::Interval(Duration::from_millis(5)));
         assert_eq!(r.persistence, Persistence::OptIn);
@@ -270,9 +321,17 @@ mod tests {
     #[test]
     fn unknown_file_keys_and_bad_values_are_errors_that_name_the_problem() {
         assert!(toml::from_str::<Settings>("lisen = []").is_err());
-        let err = Settings { listen: vec!["nonsense".into()], ..Settings::default() }.resolve().unwrap_err();
+        let err = Settings {
+            listen: vec!["nonsense".into()],
+            ..Settings::default()
+        }
+        .resolve()
+        .unwrap_err();
         assert!(format!("{err:#}").contains("nonsense"));
-        assert!("interval(x)".parse::<Fsync>().unwrap_err().contains("milliseconds"));
+        assert!("interval(x)"
+            .parse::<Fsync>()
+            .unwrap_err()
+            .contains("milliseconds"));
         assert!("interval(0)".parse::<Fsync>().is_err());
     }
 }

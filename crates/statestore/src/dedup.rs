@@ -21,11 +21,12 @@ type Key = (Arc<str>, Bytes);
 
 /// What the cache knows of a request.
 #[derive(Debug)]
-pub enum Seen {
-    /// First time: execute it. The caller must later call [`DedupCache::complete`].
-    New,
-    /// Executed already: re-send this reply, do not execute.
-    Done(Message),
+pub enum Seen<W> {
+    /// First time: execute it (the waiter is handed back). The caller must later call
+    /// [`DedupCache::complete`].
+    New(W),
+    /// Executed already: re-send this reply and finish the waiter; do not execute.
+    Done(Message, W),
     /// Still executing: the caller's waiter has been parked and is returned by `complete`.
     Pending,
 }
@@ -60,12 +61,12 @@ impl<W> DedupCache<W> {
         expiry: Duration,
         now: Instant,
         waiter: W,
-    ) -> Seen {
+    ) -> Seen<W> {
         self.evict(now);
         let key = (client_id.clone(), correlation.clone());
         match self.entries.get_mut(&key) {
             Some((Entry::Done(reply), deadline)) if *deadline > now => {
-                return Seen::Done(reply.clone())
+                return Seen::Done(reply.clone(), waiter)
             }
             Some((Entry::InFlight(waiters), _)) => {
                 waiters.push(waiter);
@@ -77,7 +78,7 @@ impl<W> DedupCache<W> {
         self.order.push_back((key.clone(), deadline));
         self.entries
             .insert(key, (Entry::InFlight(Vec::new()), deadline));
-        Seen::New
+        Seen::New(waiter)
     }
 
     /// Records the reply of an executed request and returns the retries that waited for it.
@@ -153,7 +154,7 @@ mod tests {
         );
         assert!(matches!(
             cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
-            Seen::New
+            Seen::New(_)
         ));
         assert!(cache.complete(&c, &corr, &reply("+OK")).is_empty());
         match cache.check(
@@ -163,13 +164,13 @@ mod tests {
             t0 + Duration::from_secs(1),
             2,
         ) {
-            Seen::Done(m) => assert_eq!(&m.payload[..], b"+OK"),
+            Seen::Done(m, 2) => assert_eq!(&m.payload[..], b"+OK"),
             other => panic!("expected cached reply, got {other:?}"),
         }
         // Another client with the same correlation data is a different request.
         assert!(matches!(
             cache.check(&"d".into(), &corr, Duration::from_secs(5), t0, 3),
-            Seen::New
+            Seen::New(_)
         ));
     }
 
@@ -183,7 +184,7 @@ mod tests {
         );
         assert!(matches!(
             cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
-            Seen::New
+            Seen::New(_)
         ));
         assert!(matches!(
             cache.check(&c, &corr, Duration::from_secs(5), t0, 2),
@@ -200,7 +201,7 @@ mod tests {
         for i in 0..2 {
             assert!(matches!(
                 cache.check(&c, &corr(i), Duration::from_secs(1), t0, 0),
-                Seen::New
+                Seen::New(_)
             ));
             cache.complete(&c, &corr(i), &reply("+OK"));
         }
@@ -213,7 +214,7 @@ mod tests {
                 t0 + Duration::from_secs(2),
                 0
             ),
-            Seen::New
+            Seen::New(_)
         ));
         assert!(cache.len() <= 2);
         for i in 10..50 {

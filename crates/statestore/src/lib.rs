@@ -8,3 +8,4 @@
 
 pub mod dedup;
 pub mod envelope;
+pub mod service;

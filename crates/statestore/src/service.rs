@@ -1,0 +1,513 @@
+//! The running service: two tasks joined by an ordered queue.
+//!
+//! * The **executor** owns the deterministic [`StateMachine`]. For each request it checks the envelope,
+//!   consults the duplicate cache, executes the command, and appends the resulting delta to the WAL —
+//!   in execution order, so log order equals apply order. Expiry deadlines and session ends are handled
+//!   here too, so the state machine has exactly one writer.
+//! * The **completer** takes the executor's outcomes in the same order, waits until each one's log
+//!   record is durable, and only then delivers the notifications, publishes the reply and acknowledges
+//!   the publish. Reads travel the same queue, so a reply never reveals a write that is not yet durable,
+//!   and a notification always precedes the reply of the write that caused it (spec §6).
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use mqstate_broker::{service::Acker, Broker, ClientEvent, Message, ServiceInbox, ServiceRequest};
+use mqstate_protocol::{parse_request, Command, ErrorKind, Reply, RequestLimits};
+use mqstate_store::{Delta, Execution, KeyNotification, RequestContext, StateMachine};
+use mqstate_wal::{PendingCommit, Snapshot, WalWriter};
+use tokio::sync::{broadcast, mpsc};
+
+use crate::dedup::{DedupCache, Seen, DEFAULT_MAX_ENTRIES};
+use crate::envelope::{Rejection, ReplyBuilder, Request};
+
+/// Outcomes queued between executor and completer; bounds memory when the disk is slow.
+pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
+/// Reason code of the DISCONNECT sent for a forbidden response topic.
+pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x82;
+/// PUBACK reason when a request could not be made durable (0x80 Unspecified error).
+pub const PUBACK_UNSPECIFIED_ERROR: u8 = 0x80;
+
+/// Which changes go to the log (spec §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Every change is logged: the default.
+    All,
+    /// Only SETs carrying `aio-persistence: true` (and every delete) are logged, as AIO does.
+    OptIn,
+}
+
+/// Settings of the service.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// `__srcId` of replies.
+    pub server_id: String,
+    pub durability: Durability,
+    /// Take a snapshot once this many bytes were logged since the last one.
+    pub snapshot_threshold_bytes: u64,
+    pub request_limits: RequestLimits,
+    pub dedup_max_entries: usize,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            server_id: "mqstate".into(),
+            durability: Durability::All,
+            snapshot_threshold_bytes: 64 * 1024 * 1024,
+            request_limits: RequestLimits::default(),
+            dedup_max_entries: DEFAULT_MAX_ENTRIES,
+        }
+    }
+}
+
+/// Counters for metrics and tests.
+#[derive(Debug, Default)]
+pub struct ServiceStats {
+    pub requests: std::sync::atomic::AtomicU64,
+    pub dropped_no_response_topic: std::sync::atomic::AtomicU64,
+    pub bad_requests: std::sync::atomic::AtomicU64,
+    pub duplicates: std::sync::atomic::AtomicU64,
+    pub durability_failures: std::sync::atomic::AtomicU64,
+}
+
+/// One unit of work for the completer, in execution order.
+enum Outcome {
+    /// Publish `notifications` then `reply`, then ack — once `commit` (if any) is durable.
+    Reply {
+        commit: Option<PendingCommit>,
+        notifications: Vec<(Arc<str>, Message)>,
+        reply: Option<ReplyTo>,
+        acker: Option<Acker>,
+    },
+    /// Everything before this is durable once it is reached: write the snapshot.
+    Snapshot(Snapshot),
+}
+
+struct ReplyTo {
+    client_id: Arc<str>,
+    correlation: Bytes,
+    message: Message,
+    /// Sent instead of `message` if the write turns out not durable.
+    on_failure: Option<Message>,
+}
+
+impl ReplyTo {
+    fn cached(request: &Request, message: Message) -> ReplyTo {
+        ReplyTo {
+            client_id: request.client_id.clone(),
+            correlation: request.correlation_data.clone(),
+            message,
+            on_failure: None,
+        }
+    }
+}
+
+/// Reply to a write that could not be logged (disk full, I/O error). Not one of the spec's texts: the
+/// spec has none for this, and clients surface any `-ERR` text to the application.
+pub const NOT_DURABLE_REPLY: &[u8] =
+    b"-ERR the write could not be made durable on the server's disk; retry later\r\n";
+
+/// Runs the service until `shutdown` resolves. `next_lsn` is the LSN the next appended record will get.
+pub async fn run(
+    broker: Broker,
+    inbox: ServiceInbox,
+    machine: StateMachine,
+    wal: Arc<WalWriter>,
+    next_lsn: u64,
+    config: ServiceConfig,
+    stats: Arc<ServiceStats>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let (tx, rx) = mpsc::channel(COMPLETION_QUEUE_CAPACITY);
+    let dedup = Arc::new(Mutex::new(DedupCache::new(config.dedup_max_entries)));
+    let replies = ReplyBuilder::new(&config.server_id);
+    let completer = tokio::spawn(complete(
+        broker.clone(),
+        rx,
+        Arc::clone(&wal),
+        Arc::clone(&dedup),
+        Arc::clone(&stats),
+    ));
+    let mut executor = Executor {
+        broker: broker.clone(),
+        machine,
+        wal,
+        next_lsn,
+        logged_since_snapshot: 0,
+        config,
+        stats,
+        dedup,
+        replies,
+        tx,
+    };
+    executor.run(inbox, broker.events(), shutdown).await;
+    drop(executor);
+    let _ = completer.await;
+}
+
+struct Executor {
+    broker: Broker,
+    machine: StateMachine,
+    wal: Arc<WalWriter>,
+    next_lsn: u64,
+    logged_since_snapshot: u64,
+    config: ServiceConfig,
+    stats: Arc<ServiceStats>,
+    dedup: Arc<Mutex<DedupCache<Acker>>>,
+    replies: ReplyBuilder,
+    tx: mpsc::Sender<Outcome>,
+}
+
+fn unix_now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+impl Executor {
+    async fn run(
+        &mut self,
+        mut inbox: ServiceInbox,
+        mut events: broadcast::Receiver<ClientEvent>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        // Keys whose deadline passed while the server was down go first (spec: expired on start).
+        self.expire().await;
+        loop {
+            let deadline = self.machine.next_deadline().map(|ms| {
+                let wait = Duration::from_millis(ms.saturating_sub(unix_now_ms()));
+                tokio::time::Instant::now() + wait
+            });
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                request = inbox.recv() => match request {
+                    Some(request) => self.handle(request).await,
+                    None => break,
+                },
+                event = events.recv() => match event {
+                    Ok(ClientEvent::SessionEnded { client_id }) => {
+                        self.machine.drop_client(&client_id);
+                    }
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        tracing::warn!(missed, "state store missed session events; registrations of ended sessions may linger until their next notification");
+                    }
+                    Err(broadcast::error::RecvError::Closed) => break,
+                },
+                () = sleep_until(deadline) => self.expire().await,
+            }
+        }
+    }
+
+    async fn handle(&mut self, mut service_request: ServiceRequest) {
+        self.stats.requests.fetch_add(1, Relaxed);
+        let acker = service_request.take_ack();
+        let request = match Request::from_message(
+            service_request.client_id.clone(),
+            &service_request.message,
+        ) {
+            Ok(request) => request,
+            Err(rejection) => {
+                return self
+                    .reject(&service_request.client_id, rejection, acker)
+                    .await
+            }
+        };
+        let seen = {
+            let mut dedup = self.dedup.lock().unwrap_or_else(|p| p.into_inner());
+            dedup.check(
+                &request.client_id,
+                &request.correlation_data,
+                request.expiry,
+                Instant::now(),
+                acker,
+            )
+        };
+        let acker = match seen {
+            Seen::New(acker) => acker,
+            Seen::Pending => {
+                self.stats.duplicates.fetch_add(1, Relaxed);
+                return;
+            }
+            Seen::Done(reply, acker) => {
+                self.stats.duplicates.fetch_add(1, Relaxed);
+                let reply = ReplyTo::cached(&request, reply);
+                self.send(Outcome::Reply {
+                    commit: None,
+                    notifications: Vec::new(),
+                    reply: Some(reply),
+                    acker: Some(acker),
+                })
+                .await;
+                return;
+            }
+        };
+        let started = Instant::now();
+        let (execution, persist) = self.execute(&request);
+        let commit = match execution.delta.as_ref() {
+            Some(delta) if persist || matches!(delta, Delta::Delete { .. }) => {
+                self.log(delta).await
+            }
+            _ => Ok(None),
+        };
+        let expiry_left = request.expiry.saturating_sub(started.elapsed());
+        let reply_to = |payload: Bytes, version| ReplyTo {
+            client_id: request.client_id.clone(),
+            correlation: request.correlation_data.clone(),
+            message: self.replies.reply(&request, payload, version, expiry_left),
+            on_failure: None,
+        };
+        let outcome = match commit {
+            Ok(commit) => {
+                let mut reply = reply_to(execution.reply.encode(), execution.ts.as_ref());
+                if commit.is_some() {
+                    reply.on_failure =
+                        Some(reply_to(Bytes::from_static(NOT_DURABLE_REPLY), None).message);
+                }
+                Outcome::Reply {
+                    commit,
+                    notifications: self.notifications(&execution.notifications),
+                    reply: Some(reply),
+                    acker: Some(acker),
+                }
+            }
+            Err(message) => {
+                tracing::error!(client_id = %request.client_id, "state store write refused: {message}");
+                self.stats.durability_failures.fetch_add(1, Relaxed);
+                let reply = reply_to(Bytes::from_static(NOT_DURABLE_REPLY), None);
+                Outcome::Reply {
+                    commit: None,
+                    notifications: Vec::new(),
+                    reply: Some(reply),
+                    acker: Some(acker),
+                }
+            }
+        };
+        self.send(outcome).await;
+        self.maybe_snapshot().await;
+    }
+
+    fn execute(&mut self, request: &Request) -> (Execution, bool) {
+        let now_ms = unix_now_ms();
+        let parsed = parse_request(&request.payload, &self.config.request_limits)
+            .map_err(|e| e.kind())
+            .and_then(Command::parse);
+        let (ts, ft) = match (&request.timestamp, &request.fencing_token) {
+            (Ok(ts), Ok(ft)) => (ts.clone(), ft.clone()),
+            (Err(kind), _) | (_, Err(kind)) => return (error_execution(*kind), false),
+        };
+        let command = match parsed {
+            Ok(command) => command,
+            Err(kind) => return (error_execution(kind), false),
+        };
+        let context = RequestContext {
+            client_id: request.client_id.clone(),
+            ts,
+            fencing_token: ft,
+            now_ms,
+        };
+        let persist = self.config.durability == Durability::All || request.persist;
+        (self.machine.execute(command, &context), persist)
+    }
+
+    fn notifications(&self, notifications: &[KeyNotification]) -> Vec<(Arc<str>, Message)> {
+        notifications
+            .iter()
+            .map(|n| {
+                (
+                    n.client_id.clone(),
+                    self.replies
+                        .notification(&n.client_id, &n.key, n.payload.encode(), &n.version),
+                )
+            })
+            .collect()
+    }
+
+    /// Appends a delta; returns the future of its durability.
+    async fn log(&mut self, delta: &Delta) -> Result<Option<PendingCommit>, String> {
+        let bytes = delta.encode().map_err(|e| e.to_string())?;
+        let len = bytes.len() as u64;
+        let commit = self
+            .wal
+            .append(0, Bytes::from(bytes))
+            .await
+            .map_err(|e| e.to_string())?;
+        self.next_lsn += 1;
+        self.logged_since_snapshot += len;
+        Ok(Some(commit))
+    }
+
+    async fn expire(&mut self) {
+        for expiration in self.machine.expire_due(unix_now_ms()) {
+            let commit = match self.log(&expiration.delta).await {
+                Ok(commit) => commit,
+                Err(message) => {
+                    tracing::error!("expiry delete not durable: {message}");
+                    None
+                }
+            };
+            let notifications = self.notifications(&expiration.notifications);
+            self.send(Outcome::Reply {
+                commit,
+                notifications,
+                reply: None,
+                acker: None,
+            })
+            .await;
+        }
+        self.maybe_snapshot().await;
+    }
+
+    async fn maybe_snapshot(&mut self) {
+        if self.logged_since_snapshot < self.config.snapshot_threshold_bytes || self.next_lsn == 0 {
+            return;
+        }
+        self.logged_since_snapshot = 0;
+        let state = match self.machine.snapshot_encode() {
+            Ok(state) => state,
+            Err(e) => return tracing::error!("snapshot not taken: {e}"),
+        };
+        let snapshot = Snapshot {
+            last_index: self.next_lsn - 1,
+            last_term: 0,
+            state: Bytes::from(state),
+        };
+        self.send(Outcome::Snapshot(snapshot)).await;
+    }
+
+    async fn reject(&mut self, client_id: &Arc<str>, rejection: Rejection, acker: Acker) {
+        match rejection {
+            Rejection::NoResponseTopic => {
+                self.stats.dropped_no_response_topic.fetch_add(1, Relaxed);
+                tracing::debug!(%client_id, "state store request without a response topic dropped");
+                acker.ack(0x00);
+            }
+            Rejection::ForbiddenResponseTopic(topic) => {
+                tracing::info!(%client_id, %topic, "disconnecting client: state store response topic is reserved");
+                self.broker.disconnect(
+                    client_id,
+                    FORBIDDEN_RESPONSE_TOPIC_REASON,
+                    Some(&format!(
+                        "response topic {topic} is reserved for the state store"
+                    )),
+                );
+            }
+            Rejection::BadRequest {
+                response_topic,
+                correlation_data,
+                message,
+            } => {
+                self.stats.bad_requests.fetch_add(1, Relaxed);
+                let reply =
+                    self.replies
+                        .bad_request(response_topic, correlation_data.clone(), message);
+                // Not cached: without correlation data there is nothing to match a retry by.
+                let reply = ReplyTo {
+                    client_id: client_id.clone(),
+                    correlation: correlation_data.unwrap_or_default(),
+                    message: reply,
+                    on_failure: None,
+                };
+                self.send(Outcome::Reply {
+                    commit: None,
+                    notifications: Vec::new(),
+                    reply: Some(reply),
+                    acker: Some(acker),
+                })
+                .await;
+            }
+        }
+    }
+
+    async fn send(&self, outcome: Outcome) {
+        if self.tx.send(outcome).await.is_err() {
+            tracing::error!("state store completer stopped; outcome dropped");
+        }
+    }
+}
+
+fn error_execution(kind: ErrorKind) -> Execution {
+    Execution {
+        reply: Reply::Error(kind),
+        ts: None,
+        delta: None,
+        notifications: Vec::new(),
+    }
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn complete(
+    broker: Broker,
+    mut rx: mpsc::Receiver<Outcome>,
+    wal: Arc<WalWriter>,
+    dedup: Arc<Mutex<DedupCache<Acker>>>,
+    stats: Arc<ServiceStats>,
+) {
+    while let Some(outcome) = rx.recv().await {
+        match outcome {
+            Outcome::Snapshot(snapshot) => {
+                let wal = Arc::clone(&wal);
+                // In the background: appends and completions go on while the snapshot is written.
+                tokio::spawn(async move {
+                    let last_index = snapshot.last_index;
+                    match wal.install_snapshot(snapshot).await {
+                        Ok(()) => tracing::info!(last_index, "snapshot written"),
+                        Err(e) => tracing::error!(last_index, "snapshot failed: {e}"),
+                    }
+                });
+            }
+            Outcome::Reply {
+                commit,
+                notifications,
+                reply,
+                acker,
+            } => {
+                let durable = match commit {
+                    None => Ok(()),
+                    Some(commit) => commit.await.map(|_| ()),
+                };
+                let (reply, reason) = match durable {
+                    Ok(()) => {
+                        for (client_id, message) in notifications {
+                            broker.deliver_to(&client_id, message);
+                        }
+                        (reply.map(|r| (r.client_id, r.correlation, r.message)), 0x00)
+                    }
+                    Err(e) => {
+                        stats.durability_failures.fetch_add(1, Relaxed);
+                        tracing::error!("state store write not durable: {e}");
+                        let failed = reply
+                            .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)));
+                        (failed, PUBACK_UNSPECIFIED_ERROR)
+                    }
+                };
+                if let Some((client_id, correlation, message)) = reply {
+                    let waiting = dedup.lock().unwrap_or_else(|p| p.into_inner()).complete(
+                        &client_id,
+                        &correlation,
+                        &message,
+                    );
+                    broker.publish(message);
+                    for retry in waiting {
+                        retry.ack(reason);
+                    }
+                }
+                if let Some(acker) = acker {
+                    acker.ack(reason);
+                }
+            }
+        }
+    }
+}
