@@ -422,6 +422,10 @@ impl Connection {
     ) -> End {
         let session = self.session().clone();
         let mut keep_alive_at = self.keep_alive.map(|d| Instant::now() + d);
+        // Packets that arrived together with CONNECT.
+        if let Err(end) = self.handle_buffered().await {
+            return end;
+        }
         loop {
             if !self.out.is_empty() {
                 if wr.write_all(&self.out).await.is_err() {
@@ -466,16 +470,8 @@ impl Connection {
                             if let Some(d) = self.keep_alive {
                                 keep_alive_at = Some(Instant::now() + d);
                             }
-                            loop {
-                                match self.codec.decode(&mut self.rbuf) {
-                                    Ok(Some(packet)) => {
-                                        if let Err(end) = self.handle(packet).await {
-                                            return end;
-                                        }
-                                    }
-                                    Ok(None) => break,
-                                    Err(v) => return End::Violation(v),
-                                }
+                            if let Err(end) = self.handle_buffered().await {
+                                return end;
                             }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -486,6 +482,14 @@ impl Connection {
                 _ = keep_alive => return End::KeepAliveTimeout,
             }
         }
+    }
+
+    /// Handles every complete packet in the read buffer.
+    async fn handle_buffered(&mut self) -> Result<(), End> {
+        while let Some(packet) = self.codec.decode(&mut self.rbuf).map_err(End::Violation)? {
+            self.handle(packet).await?;
+        }
+        Ok(())
     }
 
     async fn handle(&mut self, packet: Inbound) -> Result<(), End> {
