@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod client;
+mod data;
 mod serve;
 mod settings;
 
@@ -30,6 +31,9 @@ enum Command {
     Client(client::Command),
     /// Load generator for any AIO state store (or plain MQTT pub/sub).
     Bench(bench::BenchArgs),
+    /// Inspect, verify or repair a data directory (offline).
+    #[command(subcommand)]
+    Data(data::Command),
 }
 
 #[derive(clap::Args)]
@@ -64,6 +68,7 @@ fn main() -> ExitCode {
             },
             Command::Client(cmd) => client::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Data(cmd) => data::run(cmd),
         }
     })
 }
