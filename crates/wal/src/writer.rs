@@ -79,15 +79,31 @@ impl WalWriter {
         let stats = Arc::clone(wal.stats());
         let failpoints = wal.options().failpoints.clone();
         // The thread waits on the queue with a timeout (FsyncPolicy::Interval), which needs a
-        // timer; a current-thread runtime of its own provides one without touching the server's.
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .map_err(WalError::io("start the writer runtime for", dir.root()))?;
+        // timer: a current-thread runtime of its own, built and dropped on that thread (a
+        // runtime must not be dropped inside the caller's async context).
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("mqstate-wal".into())
-            .spawn(move || run(wal, rx, &runtime))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build();
+                match runtime {
+                    Ok(runtime) => {
+                        let _ = ready_tx.send(Ok(()));
+                        run(wal, rx, &runtime);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
             .map_err(WalError::io("start the writer thread for", dir.root()))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(WalError::io("start the writer runtime for", dir.root())(e)),
+            Err(_) => return Err(WalError::Closed),
+        }
         Ok(WalWriter {
             tx,
             stats,
@@ -210,7 +226,8 @@ fn next_command(
             return rx.blocking_recv();
         }
         let wait = every.saturating_sub(last_sync.elapsed());
-        match runtime.block_on(tokio::time::timeout(wait, rx.recv())) {
+        // The timer must be created inside the runtime, hence the async block.
+        match runtime.block_on(async { tokio::time::timeout(wait, rx.recv()).await }) {
             Ok(command) => return command,
             Err(_elapsed) => {
                 // A failure is logged and recorded by the Wal; the next append reports it.

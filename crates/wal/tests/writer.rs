@@ -224,3 +224,33 @@ async fn a_snapshot_through_the_writer_deletes_covered_segments() {
         vec![4, 5, 6]
     );
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn policy_interval_acknowledges_before_the_interval_fsync() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hour = std::time::Duration::from_secs(3600);
+    let options = WalOptions {
+        fsync: FsyncPolicy::Interval(hour),
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(tmp.path(), options).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    for i in 0..3u64 {
+        assert_eq!(
+            writer
+                .append(1, Bytes::from_static(b"r"))
+                .await
+                .unwrap()
+                .await
+                .unwrap(),
+            i
+        );
+    }
+    assert_eq!(
+        writer.stats().snapshot().fsyncs,
+        0,
+        "the interval has not passed"
+    );
+    writer.shutdown().await.unwrap();
+    assert_eq!(reopen(tmp.path()).len(), 3);
+}
