@@ -9,7 +9,9 @@
 //!   the publish. Reads travel the same queue, so a reply never reveals a write that is not yet durable,
 //!   and a notification always precedes the reply of the write that caused it (spec §6).
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -122,6 +124,8 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let (tx, rx) = mpsc::channel(COMPLETION_QUEUE_CAPACITY);
+    let (failure_tx, failures) = mpsc::unbounded_channel();
+    let durable_lsn = Arc::new(AtomicU64::new(next_lsn));
     let dedup = Arc::new(Mutex::new(DedupCache::new(config.dedup_max_entries)));
     let replies = ReplyBuilder::new(&config.server_id);
     let completer = tokio::spawn(complete(
@@ -130,6 +134,8 @@ pub async fn run(
         Arc::clone(&wal),
         Arc::clone(&dedup),
         Arc::clone(&stats),
+        Arc::clone(&durable_lsn),
+        failure_tx,
     ));
     let mut executor = Executor {
         broker: broker.clone(),
@@ -142,6 +148,10 @@ pub async fn run(
         dedup,
         replies,
         tx,
+        undo: VecDeque::new(),
+        durable_lsn,
+        failures,
+        degraded: None,
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -159,7 +169,19 @@ struct Executor {
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     replies: ReplyBuilder,
     tx: mpsc::Sender<Outcome>,
+    /// For each logged but not yet durable write: its LSN and the delta that restores the key's
+    /// previous state. A failed commit rolls the keyspace back to what the disk holds.
+    undo: VecDeque<(u64, Delta)>,
+    /// LSNs below this are durable (written by the completer).
+    durable_lsn: Arc<AtomicU64>,
+    /// The completer reports a failed commit here.
+    failures: mpsc::UnboundedReceiver<()>,
+    /// Set while the log refuses writes; when the last attempt to recover was made.
+    degraded: Option<Instant>,
 }
+
+/// How often a degraded log is asked to recover (disk space may have come back).
+pub const LOG_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 fn unix_now_ms() -> u64 {
     SystemTime::now()
@@ -200,6 +222,7 @@ impl Executor {
                     }
                     Err(broadcast::error::RecvError::Closed) => break,
                 },
+                Some(()) = self.failures.recv() => self.roll_back_undurable(),
                 () = sleep_until(deadline) => self.expire().await,
             }
         }
@@ -249,14 +272,43 @@ impl Executor {
             }
         };
         let started = Instant::now();
-        let (execution, persist) = self.execute(&request);
-        let commit = match execution.delta.as_ref() {
-            Some(delta) if persist || matches!(delta, Delta::Delete { .. }) => {
-                self.log(delta).await
+        let executed = self.execute(&request).await;
+        let expiry_left = request.expiry.saturating_sub(started.elapsed());
+        let Some((execution, persist, undo)) = executed else {
+            self.stats.durability_failures.fetch_add(1, Relaxed);
+            let message = self.replies.reply(
+                &request,
+                Bytes::from_static(NOT_DURABLE_REPLY),
+                None,
+                expiry_left,
+            );
+            let reply = ReplyTo::cached(&request, message);
+            self.send(Outcome::Reply {
+                commit: None,
+                notifications: Vec::new(),
+                reply: Some(reply),
+                acker: Some(acker),
+            })
+            .await;
+            return;
+        };
+        let commit = match (execution.delta.as_ref(), undo) {
+            (Some(delta), Some(undo)) if persist || matches!(delta, Delta::Delete { .. }) => {
+                let logged = self.log(delta).await;
+                match &logged {
+                    Ok(_) => {
+                        let durable = self.durable_lsn.load(Acquire);
+                        while self.undo.front().is_some_and(|(lsn, _)| *lsn < durable) {
+                            self.undo.pop_front();
+                        }
+                        self.undo.push_back((self.next_lsn - 1, undo));
+                    }
+                    Err(_) => self.machine.apply_delta(&undo),
+                }
+                logged
             }
             _ => Ok(None),
         };
-        let expiry_left = request.expiry.saturating_sub(started.elapsed());
         let reply_to = |payload: Bytes, version| ReplyTo {
             client_id: request.client_id.clone(),
             correlation: request.correlation_data.clone(),
@@ -293,19 +345,32 @@ impl Executor {
         self.maybe_snapshot().await;
     }
 
-    fn execute(&mut self, request: &Request) -> (Execution, bool) {
+    /// Executes a request; returns the execution, whether its change is to be logged, and the delta
+    /// that would undo it (for writes).
+    /// `None` when the command is a write and the log refuses writes.
+    async fn execute(&mut self, request: &Request) -> Option<(Execution, bool, Option<Delta>)> {
         let now_ms = unix_now_ms();
         let parsed = parse_request(&request.payload, &self.config.request_limits)
             .map_err(|e| e.kind())
             .and_then(Command::parse);
         let (ts, ft) = match (&request.timestamp, &request.fencing_token) {
             (Ok(ts), Ok(ft)) => (ts.clone(), ft.clone()),
-            (Err(kind), _) | (_, Err(kind)) => return (error_execution(*kind), false),
+            (Err(kind), _) | (_, Err(kind)) => return Some((error_execution(*kind), false, None)),
         };
         let command = match parsed {
             Ok(command) => command,
-            Err(kind) => return (error_execution(kind), false),
+            Err(kind) => return Some((error_execution(kind), false, None)),
         };
+        let written_key = match &command {
+            Command::Set { key, .. } | Command::Del { key } | Command::VDel { key, .. } => {
+                Some(key.clone())
+            }
+            _ => None,
+        };
+        if written_key.is_some() && !self.log_accepts_writes().await {
+            return None;
+        }
+        let undo = written_key.map(|key| self.undo_delta(key));
         let context = RequestContext {
             client_id: request.client_id.clone(),
             ts,
@@ -313,7 +378,64 @@ impl Executor {
             now_ms,
         };
         let persist = self.config.durability == Durability::All || request.persist;
-        (self.machine.execute(command, &context), persist)
+        Some((self.machine.execute(command, &context), persist, undo))
+    }
+
+    /// The delta that puts `key` back as it is now.
+    fn undo_delta(&self, key: Bytes) -> Delta {
+        match self.machine.keyspace().get(&key) {
+            Some(entry) => Delta::Put {
+                key,
+                value: entry.value.clone(),
+                version: entry.version.clone(),
+                fencing_token: entry.fencing_token.clone(),
+                expires_at_ms: entry.expires_at_ms,
+            },
+            None => Delta::Delete {
+                key,
+                version: self.machine.clock().high_water(),
+            },
+        }
+    }
+
+    /// A commit failed: everything after the last durable record is gone from the log (the writer cuts
+    /// it back), so take it out of memory too, newest first.
+    fn roll_back_undurable(&mut self) {
+        let durable = self.durable_lsn.load(Acquire);
+        let mut rolled_back = 0usize;
+        while let Some((lsn, undo)) = self.undo.pop_back() {
+            if lsn < durable {
+                self.undo.push_back((lsn, undo));
+                break;
+            }
+            self.machine.apply_delta(&undo);
+            rolled_back += 1;
+        }
+        self.next_lsn = durable;
+        self.degraded = Some(Instant::now());
+        tracing::error!(rolled_back, durable_lsn = durable, "log write failed: undurable writes rolled back; writes are refused until the log recovers, reads go on");
+    }
+
+    /// While degraded, asks the writer to recover at most once per [`LOG_RETRY_INTERVAL`].
+    async fn log_accepts_writes(&mut self) -> bool {
+        let Some(last_try) = self.degraded else {
+            return true;
+        };
+        if last_try.elapsed() < LOG_RETRY_INTERVAL {
+            return false;
+        }
+        match self.wal.retry().await {
+            Ok(()) => {
+                tracing::info!("log recovered; accepting writes again");
+                self.degraded = None;
+                true
+            }
+            Err(e) => {
+                tracing::warn!("log still refuses writes: {e}");
+                self.degraded = Some(Instant::now());
+                false
+            }
+        }
     }
 
     fn notifications(&self, notifications: &[KeyNotification]) -> Vec<(Arc<str>, Message)> {
@@ -454,6 +576,8 @@ async fn complete(
     wal: Arc<WalWriter>,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     stats: Arc<ServiceStats>,
+    durable_lsn: Arc<AtomicU64>,
+    failures: mpsc::UnboundedSender<()>,
 ) {
     while let Some(outcome) = rx.recv().await {
         match outcome {
@@ -476,7 +600,13 @@ async fn complete(
             } => {
                 let durable = match commit {
                     None => Ok(()),
-                    Some(commit) => commit.await.map(|_| ()),
+                    Some(commit) => commit.await.map(|lsn| {
+                        debug_assert!(
+                            lsn >= durable_lsn.load(Acquire),
+                            "commits complete in LSN order"
+                        );
+                        durable_lsn.store(lsn + 1, Release);
+                    }),
                 };
                 let (reply, reason) = match durable {
                     Ok(()) => {
@@ -488,6 +618,7 @@ async fn complete(
                     Err(e) => {
                         stats.durability_failures.fetch_add(1, Relaxed);
                         tracing::error!("state store write not durable: {e}");
+                        let _ = failures.send(());
                         let failed = reply
                             .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)));
                         (failed, PUBACK_UNSPECIFIED_ERROR)
