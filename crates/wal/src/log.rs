@@ -259,6 +259,9 @@ impl Wal {
     /// Fsyncs what was written. On failure the unsynced records are cut off (the kernel may
     /// have dropped them already) and the log enters the failed state.
     pub fn sync(&mut self) -> Result<(), WalError> {
+        // While failed, the unsynced bytes may be the failed batch: making them durable would
+        // resurrect records whose callers were told they failed.
+        self.refuse_if_failed()?;
         if self.is_synced() {
             return Ok(());
         }
@@ -284,7 +287,9 @@ impl Wal {
         let size = self.active.written.end_offset + END_MARKER.len() as u64;
         let due = size > self.options.segment_hard_limit_bytes
             || (size > self.options.segment_soft_limit_bytes && self.is_synced());
-        if !due || self.active.written.next_lsn == self.active.first_lsn {
+        // A retry cuts the active segment back, so it must stay the active one until then.
+        let failed = self.failure.is_some();
+        if !due || failed || self.active.written.next_lsn == self.active.first_lsn {
             return Ok(());
         }
         self.sync()?;

@@ -115,6 +115,7 @@ impl WalWriter {
     }
 
     /// Queues a record (waiting for room if the queue is full) and returns a future of its LSN.
+    /// Dropping the returned future does not withdraw the record.
     /// Records get LSNs in the order `append` calls return, so a caller that must log changes
     /// in the order it applied them awaits `append` under its own lock and the commit outside.
     pub async fn append(&self, term: Term, data: Bytes) -> Result<PendingCommit, WalError> {

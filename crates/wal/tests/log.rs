@@ -400,3 +400,53 @@ proptest! {
         prop_assert_eq!(read, written);
     }
 }
+
+#[test]
+fn a_failed_log_refuses_to_sync_or_rotate_until_retried() {
+    use mqstate_wal::failpoint::AFTER_WRITE_BEFORE_FSYNC;
+    use mqstate_wal::{FailAction, Failpoints};
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::Arc;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let broken = Arc::new(AtomicBool::new(false));
+    let hook_broken = Arc::clone(&broken);
+    let failpoints = Failpoints::with_hook(move |name| {
+        match name == AFTER_WRITE_BEFORE_FSYNC && hook_broken.load(SeqCst) {
+            true => FailAction::Error,
+            false => FailAction::Continue,
+        }
+    });
+    let options = WalOptions {
+        failpoints,
+        segment_soft_limit_bytes: 16,
+        ..WalOptions::default()
+    };
+    let (mut wal, _) = Wal::open(tmp.path(), options).unwrap();
+    append(&mut wal, &[b"kept"]);
+    broken.store(true, SeqCst);
+    wal.write_batch([(1, &b"lost"[..])]).unwrap();
+    assert!(wal.sync().is_err());
+    assert!(wal.failure().is_some());
+    assert!(matches!(wal.sync(), Err(WalError::Failed { .. })));
+    assert!(matches!(
+        wal.write_batch([(1, &b"refused"[..])]),
+        Err(WalError::Failed { .. })
+    ));
+    wal.rotate_if_needed().unwrap();
+    assert_eq!(
+        segment_files(tmp.path()).len(),
+        1,
+        "no rotation while failed"
+    );
+    assert!(wal.retry().is_err());
+    broken.store(false, SeqCst);
+    wal.retry().unwrap();
+    assert_eq!(wal.next_lsn(), 1, "the failed record's LSN is reused");
+    assert_eq!(append(&mut wal, &[b"next"]), vec![1]);
+    drop(wal);
+    assert_eq!(
+        datas(&open(tmp.path()).1.records),
+        vec![&b"kept"[..], b"next"]
+    );
+}
