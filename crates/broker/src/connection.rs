@@ -195,6 +195,14 @@ struct Connection {
     qos2_awaiting_service: BTreeSet<u16>,
     will: Option<Will>,
     peer: SocketAddr,
+    /// A claimed-topic publish waiting for room in its service's inbox. While set, the connection
+    /// reads nothing more from the socket (back-pressure) but still writes acks and deliveries.
+    stalled: Option<Stalled>,
+}
+
+struct Stalled {
+    inbox: mpsc::Sender<ServiceRequest>,
+    request: ServiceRequest,
 }
 
 impl Connection {
@@ -269,6 +277,7 @@ impl Connection {
             will,
             peer,
             connect,
+            stalled: None,
         })
     }
 
@@ -423,7 +432,7 @@ impl Connection {
         let session = self.session().clone();
         let mut keep_alive_at = self.keep_alive.map(|d| Instant::now() + d);
         // Packets that arrived together with CONNECT.
-        if let Err(end) = self.handle_buffered().await {
+        if let Err(end) = self.handle_buffered() {
             return end;
         }
         loop {
@@ -445,6 +454,13 @@ impl Connection {
                     None => std::future::pending().await,
                 }
             };
+            let stalled_inbox = self.stalled.as_ref().map(|s| s.inbox.clone());
+            let inbox_room = async {
+                match &stalled_inbox {
+                    Some(inbox) => inbox.reserve().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return End::Shutdown,
@@ -459,7 +475,17 @@ impl Connection {
                 Some((packet_id, kind, code)) = self.pending_acks.next(), if !self.pending_acks.is_empty() => {
                     self.on_service_ack(packet_id, kind, code);
                 }
-                readable = rd.readable() => {
+                room = inbox_room => {
+                    if let (Ok(permit), Some(stalled)) = (room, self.stalled.take()) {
+                        permit.send(stalled.request);
+                    }
+                    // (A closed inbox drops the request: its ack resolves as 0x80.)
+                    self.stalled = None;
+                    if let Err(end) = self.handle_buffered() {
+                        return end;
+                    }
+                }
+                readable = rd.readable(), if self.stalled.is_none() => {
                     if readable.is_err() {
                         return End::Closed;
                     }
@@ -470,7 +496,7 @@ impl Connection {
                             if let Some(d) = self.keep_alive {
                                 keep_alive_at = Some(Instant::now() + d);
                             }
-                            if let Err(end) = self.handle_buffered().await {
+                            if let Err(end) = self.handle_buffered() {
                                 return end;
                             }
                         }
@@ -484,17 +510,20 @@ impl Connection {
         }
     }
 
-    /// Handles every complete packet in the read buffer.
-    async fn handle_buffered(&mut self) -> Result<(), End> {
-        while let Some(packet) = self.codec.decode(&mut self.rbuf).map_err(End::Violation)? {
-            self.handle(packet).await?;
+    /// Handles the complete packets in the read buffer, stopping early under back-pressure.
+    fn handle_buffered(&mut self) -> Result<(), End> {
+        while self.stalled.is_none() {
+            let Some(packet) = self.codec.decode(&mut self.rbuf).map_err(End::Violation)? else {
+                break;
+            };
+            self.handle(packet)?;
         }
         Ok(())
     }
 
-    async fn handle(&mut self, packet: Inbound) -> Result<(), End> {
+    fn handle(&mut self, packet: Inbound) -> Result<(), End> {
         match packet {
-            Inbound::Publish(p) => self.on_publish(p).await?,
+            Inbound::Publish(p) => self.on_publish(p)?,
             Inbound::PubAck { packet_id } => {
                 if self.session().lock().on_puback(packet_id) {
                     self.pump();
@@ -573,7 +602,7 @@ impl Connection {
         Ok(())
     }
 
-    async fn on_publish(&mut self, p: InPublish) -> Result<(), End> {
+    fn on_publish(&mut self, p: InPublish) -> Result<(), End> {
         let topic = self
             .aliases
             .resolve(p.topic, p.topic_alias)
@@ -611,8 +640,15 @@ impl Connection {
         };
         if let Some(inbox) = self.inner.claim_for(&message.topic) {
             let (request, ack) = ServiceRequest::new(self.client_id.clone(), message, p.dup);
-            // Back-pressure: a full inbox stops this connection from reading further.
-            let delivered = inbox.send(request).await.is_ok();
+            match inbox.try_send(request) {
+                Ok(()) => {}
+                // Back-pressure: stop reading until the inbox has room.
+                Err(mpsc::error::TrySendError::Full(request)) => {
+                    self.stalled = Some(Stalled { inbox, request })
+                }
+                // The service is gone: the dropped request resolves its ack as 0x80.
+                Err(mpsc::error::TrySendError::Closed(_)) => {}
+            }
             let kind = match p.qos {
                 QoS::AtMostOnce => return Ok(()),
                 QoS::AtLeastOnce => {
@@ -625,15 +661,11 @@ impl Connection {
                     AckKind::PubRec
                 }
             };
-            if delivered {
-                self.pending_acks.push(AckWait {
-                    packet_id,
-                    kind,
-                    rx: ack,
-                });
-            } else {
-                self.on_service_ack(packet_id, kind, reason::UNSPECIFIED);
-            }
+            self.pending_acks.push(AckWait {
+                packet_id,
+                kind,
+                rx: ack,
+            });
             return Ok(());
         }
         self.inner.router.route(message, Some(&self.client_id));
@@ -815,10 +847,10 @@ impl Connection {
             will,
             std::time::Instant::now(),
         );
-        self.inner.apply(effects);
         self.inner.emit(ClientEvent::Disconnected {
             client_id: self.client_id.clone(),
         });
+        self.inner.apply(effects);
         if let Some(done) = takeover_done {
             let _ = done.send(());
         }
