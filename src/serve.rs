@@ -10,7 +10,7 @@ use mqstate_broker::{Broker, BrokerConfig};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
-use mqstate_wal::{FsyncPolicy, Wal, WalOptions, WalWriter};
+use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -102,6 +102,8 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
             Fsync::Interval(every) => FsyncPolicy::Interval(every),
             Fsync::Never => FsyncPolicy::Never,
         },
+        // Crash tests arm these with MQSTATE_FAILPOINT=<name>; unset in production, they cost nothing.
+        failpoints: Failpoints::from_env(),
         ..WalOptions::default()
     };
     let (wal, recovered) = Wal::open(&settings.data_dir, options).with_context(|| {
