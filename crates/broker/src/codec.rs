@@ -233,10 +233,14 @@ pub(crate) enum Inbound {
 /// The four acknowledgements of the QoS flows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum AckKind {
-    PubAck,
-    PubRec,
-    PubRel,
-    PubComp,
+    /// PUBACK
+    Acknowledge,
+    /// PUBREC
+    Received,
+    /// PUBREL
+    Release,
+    /// PUBCOMP
+    Complete,
 }
 
 /// Everything CONNACK carries.
@@ -358,13 +362,13 @@ impl Codec {
         };
         let packet = match self.version {
             Version::V3 => MqttPacket::V3(match kind {
-                AckKind::PubAck => v3::Packet::PublishAck { packet_id },
-                AckKind::PubRec => v3::Packet::PublishReceived { packet_id },
-                AckKind::PubRel => v3::Packet::PublishRelease { packet_id },
-                AckKind::PubComp => v3::Packet::PublishComplete { packet_id },
+                AckKind::Acknowledge => v3::Packet::PublishAck { packet_id },
+                AckKind::Received => v3::Packet::PublishReceived { packet_id },
+                AckKind::Release => v3::Packet::PublishRelease { packet_id },
+                AckKind::Complete => v3::Packet::PublishComplete { packet_id },
             }),
             Version::V5 => MqttPacket::V5(match kind {
-                AckKind::PubAck | AckKind::PubRec => {
+                AckKind::Acknowledge | AckKind::Received => {
                     let ack = v5::PublishAck {
                         packet_id,
                         reason_code: v5::PublishAckReason::try_from(reason_code)
@@ -372,13 +376,13 @@ impl Codec {
                         properties: Vec::new(),
                         reason_string: None,
                     };
-                    if kind == AckKind::PubAck {
+                    if kind == AckKind::Acknowledge {
                         v5::Packet::PublishAck(ack)
                     } else {
                         v5::Packet::PublishReceived(ack)
                     }
                 }
-                AckKind::PubRel | AckKind::PubComp => {
+                AckKind::Release | AckKind::Complete => {
                     let ack = v5::PublishAck2 {
                         packet_id,
                         reason_code: v5::PublishAck2Reason::try_from(reason_code)
@@ -386,7 +390,7 @@ impl Codec {
                         properties: Vec::new(),
                         reason_string: None,
                     };
-                    if kind == AckKind::PubRel {
+                    if kind == AckKind::Release {
                         v5::Packet::PublishRelease(ack)
                     } else {
                         v5::Packet::PublishComplete(ack)

@@ -356,7 +356,7 @@ impl Connection {
             match inflight.phase {
                 Phase::AwaitPubComp => {
                     self.codec
-                        .ack(AckKind::PubRel, packet_id, reason::SUCCESS, &mut self.out)
+                        .ack(AckKind::Release, packet_id, reason::SUCCESS, &mut self.out)
                 }
                 Phase::AwaitPubAck | Phase::AwaitPubRec => {
                     let d = &inflight.delivery;
@@ -537,11 +537,11 @@ impl Connection {
                 match outcome {
                     Some(true) => {
                         self.codec
-                            .ack(AckKind::PubRel, packet_id, reason::SUCCESS, &mut self.out)
+                            .ack(AckKind::Release, packet_id, reason::SUCCESS, &mut self.out)
                     }
                     Some(false) => self.pump(),
                     None => self.codec.ack(
-                        AckKind::PubRel,
+                        AckKind::Release,
                         packet_id,
                         reason::PACKET_ID_NOT_FOUND,
                         &mut self.out,
@@ -556,7 +556,7 @@ impl Connection {
                     reason::PACKET_ID_NOT_FOUND
                 };
                 self.codec
-                    .ack(AckKind::PubComp, packet_id, code, &mut self.out);
+                    .ack(AckKind::Complete, packet_id, code, &mut self.out);
             }
             Inbound::PubComp { packet_id } => {
                 if self.session().lock().on_pubcomp(packet_id) {
@@ -627,7 +627,7 @@ impl Connection {
             // A retry of a QoS 2 message we already have: never route it twice.
             if !self.qos2_awaiting_service.contains(&packet_id) {
                 self.codec
-                    .ack(AckKind::PubRec, packet_id, reason::SUCCESS, &mut self.out);
+                    .ack(AckKind::Received, packet_id, reason::SUCCESS, &mut self.out);
             }
             return Ok(());
         }
@@ -653,12 +653,12 @@ impl Connection {
                 QoS::AtMostOnce => return Ok(()),
                 QoS::AtLeastOnce => {
                     self.inbound_qos1_pending += 1;
-                    AckKind::PubAck
+                    AckKind::Acknowledge
                 }
                 QoS::ExactlyOnce => {
                     self.session().lock().inbound_qos2.insert(packet_id);
                     self.qos2_awaiting_service.insert(packet_id);
-                    AckKind::PubRec
+                    AckKind::Received
                 }
             };
             self.pending_acks.push(AckWait {
@@ -673,12 +673,12 @@ impl Connection {
             QoS::AtMostOnce => {}
             QoS::AtLeastOnce => {
                 self.codec
-                    .ack(AckKind::PubAck, packet_id, reason::SUCCESS, &mut self.out)
+                    .ack(AckKind::Acknowledge, packet_id, reason::SUCCESS, &mut self.out)
             }
             QoS::ExactlyOnce => {
                 self.session().lock().inbound_qos2.insert(packet_id);
                 self.codec
-                    .ack(AckKind::PubRec, packet_id, reason::SUCCESS, &mut self.out);
+                    .ack(AckKind::Received, packet_id, reason::SUCCESS, &mut self.out);
             }
         }
         Ok(())
@@ -686,18 +686,18 @@ impl Connection {
 
     fn on_service_ack(&mut self, packet_id: u16, kind: AckKind, code: u8) {
         match kind {
-            AckKind::PubAck => {
+            AckKind::Acknowledge => {
                 debug_assert!(self.inbound_qos1_pending > 0);
                 self.inbound_qos1_pending = self.inbound_qos1_pending.saturating_sub(1);
             }
-            AckKind::PubRec => {
+            AckKind::Received => {
                 self.qos2_awaiting_service.remove(&packet_id);
                 if code >= reason::UNSPECIFIED {
                     // A failed PUBREC ends the QoS 2 flow: no PUBREL will come.
                     self.session().lock().inbound_qos2.remove(&packet_id);
                 }
             }
-            AckKind::PubRel | AckKind::PubComp => debug_assert!(false, "services only ack PUBLISH"),
+            AckKind::Release | AckKind::Complete => debug_assert!(false, "services only ack PUBLISH"),
         }
         self.codec.ack(kind, packet_id, code, &mut self.out);
     }
