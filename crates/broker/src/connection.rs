@@ -671,10 +671,12 @@ impl Connection {
         self.inner.router.route(message, Some(&self.client_id));
         match p.qos {
             QoS::AtMostOnce => {}
-            QoS::AtLeastOnce => {
-                self.codec
-                    .ack(AckKind::Acknowledge, packet_id, reason::SUCCESS, &mut self.out)
-            }
+            QoS::AtLeastOnce => self.codec.ack(
+                AckKind::Acknowledge,
+                packet_id,
+                reason::SUCCESS,
+                &mut self.out,
+            ),
             QoS::ExactlyOnce => {
                 self.session().lock().inbound_qos2.insert(packet_id);
                 self.codec
@@ -697,7 +699,9 @@ impl Connection {
                     self.session().lock().inbound_qos2.remove(&packet_id);
                 }
             }
-            AckKind::Release | AckKind::Complete => debug_assert!(false, "services only ack PUBLISH"),
+            AckKind::Release | AckKind::Complete => {
+                debug_assert!(false, "services only ack PUBLISH")
+            }
         }
         self.codec.ack(kind, packet_id, code, &mut self.out);
     }
