@@ -1,0 +1,190 @@
+//! `bench --responder`: answer every state-store request with `+OK` (`__stat` 200, correlation data
+//! echoed) without storing anything — what MQTT request/response alone costs.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::v5::{Filter, Packet, Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::{AsyncClient, ClientError, Event};
+use tokio::task::JoinSet;
+
+use super::BenchArgs;
+use crate::client::error::CliError;
+use crate::client::rpc::{self, Connected};
+
+/// Replies queued between the event loop and rumqttc's request channel, per connection.
+pub const REPLY_CHANNEL_CAPACITY: usize = 4096;
+
+pub async fn run(args: &BenchArgs) -> Result<(), CliError> {
+    let prefix = args.conn.client_id("mqstate-responder");
+    let mut connections = Vec::new();
+    for i in 0..args.connections {
+        let client_id = format!("{prefix}-{i}");
+        let options = args.conn.mqtt_options(&client_id)?;
+        let filter = Filter::new(args.responder_topic.as_str(), QoS::AtLeastOnce);
+        let connected = rpc::open(
+            options,
+            vec![filter],
+            REPLY_CHANNEL_CAPACITY,
+            args.conn.timeout(),
+        )
+        .await?;
+        connections.push((client_id, connected));
+    }
+    // Scripts and tests wait for this line before sending requests.
+    println!(
+        "mqstate bench: responder ready on {} ({} connection(s))",
+        args.responder_topic, args.connections
+    );
+    let _ = std::io::stdout().flush();
+
+    let answered = Arc::new(AtomicU64::new(0));
+    let mut tasks = JoinSet::new();
+    for (client_id, connected) in connections {
+        tasks.spawn(serve(client_id, connected, Arc::clone(&answered)));
+    }
+    let duration = args.duration.map(std::time::Duration::from_secs_f64);
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = async {
+            match duration {
+                Some(d) => tokio::time::sleep(d).await,
+                None => std::future::pending().await,
+            }
+        } => {}
+        Some(ended) = tasks.join_next() => {
+            if let Ok(Err(reason)) = ended {
+                return Err(CliError::ConnectionLost { addr: args.conn.addr(), reason });
+            }
+        }
+    }
+    tasks.abort_all();
+    println!(
+        "mqstate bench: responder answered {} request(s)",
+        answered.load(Ordering::Relaxed)
+    );
+    Ok(())
+}
+
+fn reply_to(
+    request: &Publish,
+    client_id: &str,
+    clock: &mut mqstate_protocol::HybridClock,
+) -> Option<(String, PublishProperties)> {
+    let properties = request.properties.as_ref()?;
+    // Without a response topic a request cannot be answered (spec §1).
+    let topic = properties.response_topic.clone()?;
+    let reply = PublishProperties {
+        correlation_data: properties.correlation_data.clone(),
+        user_properties: vec![
+            (rpc::STATUS.to_owned(), rpc::STATUS_OK.to_owned()),
+            (
+                rpc::PROTOCOL_VERSION.to_owned(),
+                rpc::PROTOCOL_VERSION_VALUE.to_owned(),
+            ),
+            (rpc::SOURCE_ID.to_owned(), client_id.to_owned()),
+            (
+                rpc::TIMESTAMP.to_owned(),
+                clock.now(rpc::now_ms()).to_string(),
+            ),
+        ],
+        content_type: Some(rpc::CONTENT_TYPE.to_owned()),
+        ..PublishProperties::default()
+    };
+    Some((topic, reply))
+}
+
+/// One connection's loop. Replies are queued locally and handed to rumqttc with `try_publish`, so the
+/// event loop is never blocked on its own request channel (which only it drains).
+async fn serve(
+    client_id: String,
+    connected: Connected,
+    answered: Arc<AtomicU64>,
+) -> Result<(), String> {
+    let Connected {
+        client,
+        mut eventloop,
+        early,
+    } = connected;
+    let mut clock = rpc::client_clock(&client_id);
+    let mut queue: VecDeque<(String, PublishProperties)> = VecDeque::new();
+    queue.extend(
+        early
+            .iter()
+            .filter_map(|p| reply_to(p, &client_id, &mut clock)),
+    );
+    loop {
+        flush(&client, &mut queue, &answered)?;
+        match eventloop.poll().await {
+            Ok(Event::Incoming(Packet::Publish(request))) => {
+                queue.extend(reply_to(&request, &client_id, &mut clock));
+            }
+            Ok(_) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+fn flush(
+    client: &AsyncClient,
+    queue: &mut VecDeque<(String, PublishProperties)>,
+    answered: &AtomicU64,
+) -> Result<(), String> {
+    const OK: &[u8] = b"+OK\r\n";
+    while let Some((topic, properties)) = queue.pop_front() {
+        match client.try_publish_with_properties(
+            topic.as_str(),
+            QoS::AtLeastOnce,
+            false,
+            Bytes::from_static(OK),
+            properties.clone(),
+        ) {
+            Ok(()) => {
+                answered.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(ClientError::TryRequest(_)) => {
+                // Channel full: keep the reply and let the event loop drain the channel first.
+                queue.push_front((topic, properties));
+                return Ok(());
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_echo_correlation_and_carry_status_200() {
+        let mut clock = rpc::client_clock("r");
+        let request = Publish {
+            properties: Some(PublishProperties {
+                response_topic: Some("clients/c/resp".into()),
+                correlation_data: Some(Bytes::from_static(b"0123456789abcdef")),
+                ..PublishProperties::default()
+            }),
+            ..Publish::new(
+                mqstate_protocol::topic::INVOKE_TOPIC,
+                QoS::AtLeastOnce,
+                "",
+                None,
+            )
+        };
+        let (topic, props) = reply_to(&request, "r", &mut clock).unwrap();
+        assert_eq!(topic, "clients/c/resp");
+        assert_eq!(
+            props.correlation_data.as_deref(),
+            Some(&b"0123456789abcdef"[..])
+        );
+        assert_eq!(rpc::user_property(Some(&props), rpc::STATUS), Some("200"));
+        let no_topic = Publish::new("t", QoS::AtLeastOnce, "", None);
+        assert!(reply_to(&no_topic, "r", &mut clock).is_none());
+    }
+}
