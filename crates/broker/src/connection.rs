@@ -253,7 +253,11 @@ impl Connection {
             None if connect.clean_start => 0,
             None => cfg.session_expiry_max_secs,
         };
-        let keep_alive_secs = cfg.server_keep_alive_secs.unwrap_or(connect.keep_alive);
+        // Only MQTT 5 clients can learn a Server Keep Alive from CONNACK.
+        let keep_alive_secs = match codec.version() {
+            Version::V5 => cfg.server_keep_alive_secs.unwrap_or(connect.keep_alive),
+            Version::V3 => connect.keep_alive,
+        };
         // The registry caps the will delay at the session expiry when the connection ends.
         let will = connect.will.clone();
         Some(Self {
@@ -441,7 +445,7 @@ impl Connection {
                     return End::Closed;
                 }
                 self.out.clear();
-                if self.out.capacity() > self.inner.config.write_batch_bytes * 2 {
+                if self.out.capacity() > self.inner.config.idle_buffer_bytes {
                     self.out = BytesMut::new();
                 }
             }

@@ -558,3 +558,47 @@ async fn shutdown_sends_server_shutting_down() {
         other => panic!("expected DISCONNECT 0x8B, got {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn server_keep_alive_is_announced() {
+    let cfg = BrokerConfig {
+        server_keep_alive_secs: Some(5),
+        ..BrokerConfig::default()
+    };
+    let s = Server::start(cfg).await;
+    let (_c, ack) = Raw::connect(s.addr, "ka", true, 0).await;
+    assert_eq!(ack.server_keepalive_sec, Some(5));
+}
+
+#[tokio::test]
+async fn session_expiry_above_the_maximum_is_clamped_in_connack() {
+    let cfg = BrokerConfig {
+        session_expiry_max_secs: 100,
+        ..BrokerConfig::default()
+    };
+    let s = Server::start(cfg).await;
+    let (_c, ack) = Raw::connect(s.addr, "long", true, 5000).await;
+    assert_eq!(ack.session_expiry_interval_secs, Some(100));
+}
+
+#[tokio::test]
+async fn expired_messages_are_not_delivered() {
+    let s = Server::default().await;
+    let (mut sub, _) = Raw::connect(s.addr, "late", true, 60).await;
+    sub.subscribe("exp", 1).await;
+    sub.disconnect(DisconnectReasonCode::NormalDisconnection)
+        .await;
+    let (mut publ, _) = Raw::connect(s.addr, "pub", true, 0).await;
+    let short = v5::PublishProperties {
+        message_expiry_interval: std::num::NonZeroU32::new(1),
+        ..Default::default()
+    };
+    publ.publish_props("exp", b"stale", 1, 1, false, short)
+        .await;
+    publ.expect().await;
+    publ.publish_acked("exp", b"fresh", 2).await;
+    // Wait past the 1 s expiry (the assertion is on content, not on timing).
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    let (mut sub, _) = Raw::connect(s.addr, "late", false, 60).await;
+    assert_eq!(&sub.expect_publish().await.payload[..], b"fresh");
+}
