@@ -1,19 +1,553 @@
-//! `mqstate data inspect|verify|repair DIR`: the operator's tools for a data directory.
+//! `mqstate data inspect|verify|repair DIR`: the operator's tools for a data directory. They work
+//! offline (stop the server first: nothing locks the directory) and read it exactly the way
+//! recovery does (`mqstate_wal::tools`), adding what only this layer knows: how to decode the
+//! state-store deltas and snapshot, and how to talk to a person at a terminal.
 
-use std::path::PathBuf;
+use std::fmt;
+use std::io::{self, BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
+use mqstate_wal::tools::{self, RecordReport, RepairReport, Report, SegmentReport};
+use mqstate_wal::{read_snapshot, DataDir, Metadata, SegmentEnd, WalError};
+use serde_json::{json, Value};
+
+use crate::serve::SERVICE_NODE_ID;
+
+/// Bytes of a key or value `inspect` shows before truncating (`--max-bytes` overrides it).
+pub const DEFAULT_SHOW_BYTES: usize = 64;
+/// Exit status when the directory is damaged (`verify`) or was left damaged (`repair`).
+const EXIT_DAMAGED: u8 = 1;
+/// Exit status when the tool could not do its job (bad path, I/O error, repair not confirmed).
+const EXIT_ERROR: u8 = 2;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
     /// Print segments, records (decoded deltas), snapshot and metadata.
-    Inspect { dir: PathBuf },
+    Inspect {
+        dir: PathBuf,
+        /// Print one JSON document instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Show at most this many bytes of each key and value (escaped).
+        #[arg(long, default_value_t = DEFAULT_SHOW_BYTES, value_name = "N")]
+        max_bytes: usize,
+    },
+    /// Check the directory as the server's start-up would; exit 1 naming file and offset if damaged.
+    Verify { dir: PathBuf },
+    /// Cut the log back to its last good record, dropping everything after the first damage.
+    Repair {
+        dir: PathBuf,
+        /// Do not ask for confirmation (required when stdin is not a terminal).
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// Failures of the data tools. Damage found by `verify` is a result, not one of these.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{}: no such directory; pass the directory given to `mqstate serve --data-dir`", .0.display())]
+    NoDirectory(PathBuf),
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    #[error(
+        "repair drops data and stdin is not a terminal to ask on; run again with --yes to confirm"
+    )]
+    NotConfirmed,
+    #[error("repair cancelled; nothing was changed")]
+    Declined,
+    #[error("cannot read the confirmation from stdin: {0}")]
+    Prompt(#[source] io::Error),
+    #[error("cannot write the output: {0}")]
+    Output(#[from] io::Error),
+    #[error("cannot encode the JSON output: {0}")]
+    Json(#[from] serde_json::Error),
 }
 
 pub fn run(cmd: Command) -> ExitCode {
-    match cmd {
-        Command::Inspect { dir } => {
-            eprintln!("mqstate data inspect {}: not implemented yet", dir.display());
-            ExitCode::from(2)
+    let (name, result) = match cmd {
+        Command::Inspect {
+            dir,
+            json,
+            max_bytes,
+        } => ("inspect", inspect(&dir, json, max_bytes)),
+        Command::Verify { dir } => ("verify", verify(&dir)),
+        Command::Repair { dir, yes } => ("repair", repair(&dir, yes)),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("mqstate data {name}: {e}");
+            ExitCode::from(EXIT_ERROR)
         }
     }
+}
+
+fn existing_dir(dir: &Path) -> Result<(), DataError> {
+    if dir.is_dir() {
+        Ok(())
+    } else {
+        Err(DataError::NoDirectory(dir.to_path_buf()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// inspect
+// ---------------------------------------------------------------------------------------------
+
+fn inspect(dir: &Path, as_json: bool, max_bytes: usize) -> Result<ExitCode, DataError> {
+    existing_dir(dir)?;
+    let describe = |data: &[u8]| -> String {
+        let view = DeltaView::decode(data, max_bytes);
+        if as_json {
+            view.to_json().to_string()
+        } else {
+            view.to_string()
+        }
+    };
+    let report = tools::inspect(dir, &describe)?;
+    let snapshot = SnapshotFacts::read(dir);
+    let mut out = io::BufWriter::new(io::stdout().lock());
+    if as_json {
+        serde_json::to_writer_pretty(&mut out, &report_json(&report, &snapshot))?;
+        writeln!(out)?;
+    } else {
+        write_report(&mut out, &report, &snapshot)?;
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One record's data as the state store reads it, ready to show.
+enum DeltaView {
+    Put {
+        key: Shown,
+        value: Shown,
+        version: String,
+        fencing_token: Option<String>,
+        expires_at_ms: Option<u64>,
+    },
+    Delete {
+        key: Shown,
+        version: String,
+    },
+    Undecodable(String),
+}
+
+impl DeltaView {
+    fn decode(data: &[u8], max_bytes: usize) -> DeltaView {
+        match Delta::decode(data) {
+            Ok(Delta::Put {
+                key,
+                value,
+                version,
+                fencing_token,
+                expires_at_ms,
+            }) => DeltaView::Put {
+                key: Shown::new(&key, max_bytes),
+                value: Shown::new(&value, max_bytes),
+                version: version.to_string(),
+                fencing_token: fencing_token.map(|t| t.to_string()),
+                expires_at_ms,
+            },
+            Ok(Delta::Delete { key, version }) => DeltaView::Delete {
+                key: Shown::new(&key, max_bytes),
+                version: version.to_string(),
+            },
+            Err(e) => DeltaView::Undecodable(e.to_string()),
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        match self {
+            DeltaView::Put {
+                key,
+                value,
+                version,
+                fencing_token,
+                expires_at_ms,
+            } => json!({
+                "op": "put",
+                "key": key.text, "key_len": key.len,
+                "value": value.text, "value_len": value.len,
+                "version": version,
+                "fencing_token": fencing_token,
+                "expires_at_ms": expires_at_ms,
+            }),
+            DeltaView::Delete { key, version } => json!({
+                "op": "delete",
+                "key": key.text, "key_len": key.len,
+                "version": version,
+            }),
+            DeltaView::Undecodable(error) => json!({ "op": "undecodable", "error": error }),
+        }
+    }
+}
+
+impl fmt::Display for DeltaView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeltaView::Put {
+                key,
+                value,
+                version,
+                fencing_token,
+                expires_at_ms,
+            } => {
+                write!(f, "put key {key} value {value} version {version}")?;
+                if let Some(token) = fencing_token {
+                    write!(f, " fencing-token {token}")?;
+                }
+                if let Some(ms) = expires_at_ms {
+                    write!(f, " expires-at-ms {ms}")?;
+                }
+                Ok(())
+            }
+            DeltaView::Delete { key, version } => write!(f, "delete key {key} version {version}"),
+            DeltaView::Undecodable(error) => write!(f, "UNDECODABLE: {error}"),
+        }
+    }
+}
+
+/// Bytes escaped for a terminal (ASCII escapes, quotes escaped) and cut to a length.
+struct Shown {
+    text: String,
+    len: usize,
+}
+
+impl Shown {
+    fn new(bytes: &[u8], max_bytes: usize) -> Shown {
+        let shown = &bytes[..bytes.len().min(max_bytes)];
+        let mut text: String = shown
+            .iter()
+            .flat_map(|b| std::ascii::escape_default(*b))
+            .map(char::from)
+            .collect();
+        if bytes.len() > shown.len() {
+            text.push_str(&format!("...(+{} bytes)", bytes.len() - shown.len()));
+        }
+        Shown {
+            text,
+            len: bytes.len(),
+        }
+    }
+}
+
+impl fmt::Display for Shown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"{}\"", self.text)
+    }
+}
+
+/// What the snapshot's state says, beyond the file framing `tools::inspect` already checks.
+enum SnapshotFacts {
+    /// No snapshot file, or one the WAL tools already report as damaged.
+    Unavailable,
+    Keys(usize),
+    Undecodable(String),
+}
+
+impl SnapshotFacts {
+    fn read(dir: &Path) -> SnapshotFacts {
+        let Ok(Some(snapshot)) = read_snapshot(&DataDir::new(dir)) else {
+            return SnapshotFacts::Unavailable;
+        };
+        let config = StoreConfig {
+            node_id: SERVICE_NODE_ID.into(),
+            limits: Limits::default(),
+        };
+        match StateMachine::snapshot_decode(&snapshot.state, config) {
+            Ok(machine) => SnapshotFacts::Keys(machine.keyspace().len()),
+            Err(e) => SnapshotFacts::Undecodable(format!(
+                "the snapshot state does not decode ({e}); the server will refuse to start"
+            )),
+        }
+    }
+}
+
+fn end_text(end: &Option<SegmentEnd>) -> String {
+    match end {
+        None => "unreadable header".to_owned(),
+        Some(SegmentEnd::EndMarker { offset }) => format!("end marker at byte offset {offset}"),
+        Some(SegmentEnd::Damaged {
+            offset,
+            damage,
+            intact_after,
+        }) => match intact_after {
+            Some(after) => format!(
+                "DAMAGED at byte offset {offset} ({damage}); intact records follow at {after}"
+            ),
+            None => format!("damaged at byte offset {offset} ({damage}); nothing intact after it"),
+        },
+    }
+}
+
+fn metadata_text(metadata: &Option<Metadata>) -> String {
+    match metadata {
+        None => "none".to_owned(),
+        Some(m) => format!(
+            "term {}, voted for {}, node id {:?}, HLC high-water {} ms",
+            m.term,
+            m.voted_for
+                .map_or_else(|| "nobody".to_owned(), |v| v.to_string()),
+            m.node_id,
+            m.hlc_high_water_ms
+        ),
+    }
+}
+
+fn write_report(out: &mut impl Write, report: &Report, snapshot: &SnapshotFacts) -> io::Result<()> {
+    writeln!(out, "metadata: {}", metadata_text(&report.metadata))?;
+    match (&report.snapshot, snapshot) {
+        (None, _) => writeln!(out, "snapshot: none")?,
+        (Some(s), facts) => {
+            write!(
+                out,
+                "snapshot: last index {}, last term {}, {} bytes of state",
+                s.last_index, s.last_term, s.state_bytes
+            )?;
+            match facts {
+                SnapshotFacts::Keys(n) => writeln!(out, ", {n} keys")?,
+                SnapshotFacts::Undecodable(e) => writeln!(out, "; {e}")?,
+                SnapshotFacts::Unavailable => writeln!(out)?,
+            }
+        }
+    }
+    writeln!(out, "segments: {}", report.segments.len())?;
+    for segment in &report.segments {
+        write_segment(out, segment)?;
+    }
+    if let Some(torn) = &report.torn_tail {
+        writeln!(
+            out,
+            "torn tail (the server cuts it off at start-up): {torn}"
+        )?;
+    }
+    for problem in &report.problems {
+        writeln!(out, "PROBLEM: {problem}")?;
+    }
+    Ok(())
+}
+
+fn write_segment(out: &mut impl Write, segment: &SegmentReport) -> io::Result<()> {
+    writeln!(
+        out,
+        "{}: first lsn {}, {} bytes, {} records, {}",
+        segment.path.display(),
+        segment.first_lsn,
+        segment.size_bytes,
+        segment.records.len(),
+        end_text(&segment.end)
+    )?;
+    for RecordReport {
+        lsn,
+        term,
+        offset,
+        len,
+        summary,
+    } in &segment.records
+    {
+        writeln!(
+            out,
+            "  lsn {lsn} term {term} offset {offset} len {len}: {summary}"
+        )?;
+    }
+    Ok(())
+}
+
+fn report_json(report: &Report, snapshot: &SnapshotFacts) -> Value {
+    let segments: Vec<Value> = report
+        .segments
+        .iter()
+        .map(|segment| {
+            let records: Vec<Value> = segment
+                .records
+                .iter()
+                .map(|r| {
+                    // The describe closure produced JSON text; anything else is shown as text.
+                    let delta = serde_json::from_str::<Value>(&r.summary)
+                        .unwrap_or_else(|_| Value::String(r.summary.clone()));
+                    json!({
+                        "lsn": r.lsn, "term": r.term, "offset": r.offset, "len": r.len,
+                        "delta": delta,
+                    })
+                })
+                .collect();
+            json!({
+                "path": segment.path.display().to_string(),
+                "first_lsn": segment.first_lsn,
+                "size_bytes": segment.size_bytes,
+                "end": end_text(&segment.end),
+                "records": records,
+            })
+        })
+        .collect();
+    let snapshot_json = report.snapshot.map(|s| {
+        let (keys, error) = match snapshot {
+            SnapshotFacts::Keys(n) => (Some(*n), None),
+            SnapshotFacts::Undecodable(e) => (None, Some(e.clone())),
+            SnapshotFacts::Unavailable => (None, None),
+        };
+        json!({
+            "last_index": s.last_index, "last_term": s.last_term, "state_bytes": s.state_bytes,
+            "keys": keys, "error": error,
+        })
+    });
+    let metadata_json = report.metadata.as_ref().map(|m| {
+        json!({
+            "term": m.term, "voted_for": m.voted_for, "node_id": m.node_id,
+            "hlc_high_water_ms": m.hlc_high_water_ms,
+        })
+    });
+    json!({
+        "metadata": metadata_json,
+        "snapshot": snapshot_json,
+        "segments": segments,
+        "torn_tail": report.torn_tail,
+        "problems": report.problems,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// verify
+// ---------------------------------------------------------------------------------------------
+
+/// Damage in a directory, as the server's start-up would see it: the first finding only.
+fn find_damage(dir: &Path) -> Result<Option<String>, DataError> {
+    let report = match tools::verify(dir) {
+        Ok(report) => report,
+        Err(e @ (WalError::Corrupt { .. } | WalError::Gap { .. })) => {
+            return Ok(Some(e.to_string()))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    debug_assert!(report.problems.is_empty(), "verify passed with problems");
+    // Framing is intact; the server also decodes every record and the snapshot state.
+    if let SnapshotFacts::Undecodable(e) = SnapshotFacts::read(dir) {
+        return Ok(Some(format!(
+            "{}: {e}; restore it from a backup",
+            DataDir::new(dir).snapshot_path().display()
+        )));
+    }
+    let decoded = tools::inspect(dir, &|data: &[u8]| match Delta::decode(data) {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    })?;
+    for segment in &decoded.segments {
+        if let Some(bad) = segment.records.iter().find(|r| !r.summary.is_empty()) {
+            return Ok(Some(format!(
+                "{}: record lsn {} at byte offset {} has a valid checksum but does not decode as a \
+                 state change ({}); this is a bug in the writer: keep a copy of the directory, report it, \
+                 then run `mqstate data repair` to cut the log before it",
+                segment.path.display(),
+                bad.lsn,
+                bad.offset,
+                bad.summary
+            )));
+        }
+    }
+    Ok(None)
+}
+
+fn verify(dir: &Path) -> Result<ExitCode, DataError> {
+    existing_dir(dir)?;
+    match find_damage(dir)? {
+        Some(damage) => {
+            eprintln!("mqstate data verify: {}: DAMAGED: {damage}", dir.display());
+            Ok(ExitCode::from(EXIT_DAMAGED))
+        }
+        None => {
+            let torn = tools::inspect(dir, &|_| String::new())?.torn_tail;
+            let mut out = io::stdout().lock();
+            writeln!(out, "{}: clean", dir.display())?;
+            if let Some(torn) = torn {
+                writeln!(
+                    out,
+                    "note: torn last record (never acknowledged), cut off at the next start: {torn}"
+                )?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// repair
+// ---------------------------------------------------------------------------------------------
+
+fn repair(dir: &Path, yes: bool) -> Result<ExitCode, DataError> {
+    existing_dir(dir)?;
+    let damage = match find_damage(dir)? {
+        Some(damage) => damage,
+        None => match tools::inspect(dir, &|_| String::new())?.torn_tail {
+            // The server would cut a torn tail by itself; repairing it here is harmless.
+            Some(torn) => torn,
+            None => {
+                println!("{}: clean; nothing to repair", dir.display());
+                return Ok(ExitCode::SUCCESS);
+            }
+        },
+    };
+    eprintln!("found: {damage}");
+    eprintln!(
+        "repair keeps every record before the first damage and deletes everything after it \
+         (later segments included)"
+    );
+    if !yes {
+        confirm()?;
+    }
+    let report = tools::repair(dir)?;
+    print_repair(&report)?;
+    match find_damage(dir)? {
+        None => {
+            println!(
+                "{}: repaired; `mqstate serve` can start on it",
+                dir.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(left) => {
+            eprintln!(
+                "mqstate data repair: damage remains that repair cannot fix: {left}; restore the \
+                 named file from a backup"
+            );
+            Ok(ExitCode::from(EXIT_DAMAGED))
+        }
+    }
+}
+
+fn confirm() -> Result<(), DataError> {
+    let stdin = io::stdin();
+    if !stdin.is_terminal() {
+        return Err(DataError::NotConfirmed);
+    }
+    eprint!("drop it? type 'yes' to continue: ");
+    io::stderr().flush()?;
+    let mut answer = String::new();
+    stdin
+        .lock()
+        .read_line(&mut answer)
+        .map_err(DataError::Prompt)?;
+    if answer.trim().eq_ignore_ascii_case("yes") {
+        Ok(())
+    } else {
+        Err(DataError::Declined)
+    }
+}
+
+fn print_repair(report: &RepairReport) -> io::Result<()> {
+    let mut out = io::stdout().lock();
+    if let Some((path, offset)) = &report.cut {
+        writeln!(out, "cut {} at byte offset {offset}", path.display())?;
+    }
+    for path in &report.deleted {
+        writeln!(out, "deleted {}", path.display())?;
+    }
+    writeln!(
+        out,
+        "dropped {} intact records and {} bytes in total",
+        report.dropped_records, report.dropped_bytes
+    )
 }

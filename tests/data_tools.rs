@@ -1,0 +1,440 @@
+//! `mqstate data inspect|verify|repair` against data written by a real server: what inspect shows,
+//! that verify and the server's start-up agree on damage (file and offset), that repair keeps what
+//! came before the damage, and that a torn tail is cut by the server on its own.
+
+mod common;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use tokio::sync::{mpsc, oneshot};
+
+use common::Server;
+
+const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
+/// Hang guard for every wait in this file, not a performance claim.
+const WAIT: Duration = Duration::from_secs(30);
+/// Bytes before a record's data: marker, term, checksum, length (storage-format.md).
+const RECORD_HEADER_BYTES: u64 = 4 + 8 + 4 + 4;
+const OK: &[u8] = b"+OK\r\n";
+const NIL: &[u8] = b"$-1\r\n";
+
+// ---------------------------------------------------------------------------------------------
+// A raw MQTT 5 state-store client
+// ---------------------------------------------------------------------------------------------
+
+fn resp(args: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+fn bulk(value: &[u8]) -> Vec<u8> {
+    let mut out = format!("${}\r\n", value.len()).into_bytes();
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+fn hlc_now() -> String {
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    format!("{ms:015}:{:05}:test", 0)
+}
+
+struct StateClient {
+    client: AsyncClient,
+    replies: mpsc::UnboundedReceiver<Publish>,
+    response_topic: String,
+    next_correlation: u64,
+}
+
+impl StateClient {
+    async fn connect(addr: SocketAddr, id: &str) -> StateClient {
+        let mut options = MqttOptions::new(id, addr.ip().to_string(), addr.port());
+        options.set_keep_alive(Duration::from_secs(30));
+        let (client, mut eventloop) = AsyncClient::new(options, 64);
+        let (tx, replies) = mpsc::unbounded_channel();
+        let (subscribed_tx, subscribed_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let mut subscribed = Some(subscribed_tx);
+            loop {
+                match eventloop.poll().await {
+                    Ok(Event::Incoming(Packet::SubAck(_))) => {
+                        if let Some(s) = subscribed.take() {
+                            let _ = s.send(());
+                        }
+                    }
+                    Ok(Event::Incoming(Packet::Publish(p))) => {
+                        let _ = tx.send(p);
+                    }
+                    Ok(_) => {}
+                    // The server is gone: stop here rather than let rumqttc reconnect.
+                    Err(_) => return,
+                }
+            }
+        });
+        let response_topic = format!("clients/{id}/statestore/response");
+        client
+            .subscribe(response_topic.clone(), QoS::AtLeastOnce)
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, subscribed_rx)
+            .await
+            .expect("SUBACK in time")
+            .expect("connection alive until SUBACK");
+        StateClient {
+            client,
+            replies,
+            response_topic,
+            next_correlation: 0,
+        }
+    }
+
+    /// One request; returns the reply payload.
+    async fn request(&mut self, args: &[&[u8]]) -> Bytes {
+        self.next_correlation += 1;
+        let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
+        let properties = PublishProperties {
+            response_topic: Some(self.response_topic.clone()),
+            correlation_data: Some(correlation.clone()),
+            user_properties: vec![("__ts".to_owned(), hlc_now())],
+            ..PublishProperties::default()
+        };
+        self.client
+            .publish_with_properties(
+                INVOKE_TOPIC,
+                QoS::AtLeastOnce,
+                false,
+                resp(args),
+                properties,
+            )
+            .await
+            .unwrap();
+        loop {
+            let publish = tokio::time::timeout(WAIT, self.replies.recv())
+                .await
+                .expect("reply in time")
+                .expect("connection alive until the reply");
+            let props = publish.properties.clone().unwrap_or_default();
+            if props.correlation_data.as_ref() == Some(&correlation) {
+                return publish.payload;
+            }
+        }
+    }
+}
+
+async fn set_keys(addr: SocketAddr, keys: &[(String, String)]) {
+    let mut client = StateClient::connect(addr, "writer").await;
+    for (key, value) in keys {
+        let reply = client
+            .request(&[b"SET", key.as_bytes(), value.as_bytes()])
+            .await;
+        assert_eq!(reply.as_ref(), OK, "SET {key}");
+    }
+}
+
+/// GETs every key; `None` where the server says nil.
+async fn get_keys(addr: SocketAddr, keys: &[(String, String)]) -> Vec<Option<String>> {
+    let mut client = StateClient::connect(addr, "reader").await;
+    let mut found = Vec::new();
+    for (key, value) in keys {
+        let reply = client.request(&[b"GET", key.as_bytes()]).await;
+        if reply.as_ref() == NIL {
+            found.push(None);
+        } else {
+            assert_eq!(reply.as_ref(), bulk(value.as_bytes()), "GET {key}");
+            found.push(Some(value.clone()));
+        }
+    }
+    found
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn numbered(count: usize) -> Vec<(String, String)> {
+    (0..count)
+        .map(|i| (format!("key{i:02}"), format!("value{i:02}")))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The binary, offline and as a server we watch
+// ---------------------------------------------------------------------------------------------
+
+fn data_tool(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .arg("data")
+        .args(args)
+        .arg(dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// `mqstate serve` on `dir` with its log in `log`, outside the harness so a failed start or the log
+/// text can be examined.
+fn spawn_serve(dir: &Path, log: &Path) -> (Child, SocketAddr) {
+    let addr = common::free_addr();
+    let child = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .arg("serve")
+        .arg("--listen")
+        .arg(addr.to_string())
+        .arg("--data-dir")
+        .arg(dir)
+        .env("MQSTATE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    (child, addr)
+}
+
+/// Waits for `child` to exit; kills it and fails if it is still running after [`WAIT`].
+fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what}: the server kept running");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn wait_listening(child: &mut Child, addr: SocketAddr, log: &Path) {
+    let deadline = Instant::now() + WAIT;
+    while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!(
+                "server exited during start-up ({status}): {}",
+                fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "server did not start listening");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One record as `inspect --json` lists it.
+#[derive(Debug, Clone)]
+struct Listed {
+    path: PathBuf,
+    lsn: u64,
+    offset: u64,
+    len: u64,
+    key: String,
+}
+
+fn inspect_json(dir: &Path) -> Vec<Listed> {
+    let out = data_tool(&["inspect", "--json"], dir);
+    assert!(out.status.success(), "inspect: {}", text(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut records = Vec::new();
+    for segment in doc["segments"].as_array().unwrap() {
+        let path = PathBuf::from(segment["path"].as_str().unwrap());
+        for r in segment["records"].as_array().unwrap() {
+            assert_eq!(r["delta"]["op"], "put", "only SETs were sent: {r}");
+            records.push(Listed {
+                path: path.clone(),
+                lsn: r["lsn"].as_u64().unwrap(),
+                offset: r["offset"].as_u64().unwrap(),
+                len: r["len"].as_u64().unwrap(),
+                key: r["delta"]["key"].as_str().unwrap().to_owned(),
+            });
+        }
+    }
+    records
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8];
+    file.seek(SeekFrom::Start(at)).unwrap();
+    file.read_exact(&mut byte).unwrap();
+    file.seek(SeekFrom::Start(at)).unwrap();
+    file.write_all(&[byte[0] ^ 0xFF]).unwrap();
+    file.sync_all().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn inspect_verify_corruption_and_repair_agree_with_the_server() {
+    let keys = numbered(20);
+    let mut server = Server::start();
+    runtime().block_on(set_keys(server.addr, &keys));
+    assert!(server.stop().success(), "graceful stop");
+    let dir = server.data_dir().to_path_buf();
+
+    let out = data_tool(&["inspect"], &dir);
+    assert!(out.status.success(), "inspect: {}", text(&out.stderr));
+    let shown = text(&out.stdout);
+    assert!(
+        shown.contains("put key \"key07\" value \"value07\" version "),
+        "inspect shows the decoded SET: {shown}"
+    );
+    assert!(shown.contains("metadata: "), "{shown}");
+    assert!(shown.contains("snapshot: "), "{shown}");
+
+    let records = inspect_json(&dir);
+    let listed: Vec<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    let sent: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(listed, sent, "one record per acknowledged SET, in order");
+
+    let out = data_tool(&["verify"], &dir);
+    assert_eq!(out.status.code(), Some(0), "verify: {}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("clean"));
+
+    // Damage the middle record: intact records follow it, so this is corruption, not a torn tail.
+    let victim = records[10].clone();
+    flip_byte(&victim.path, victim.offset + RECORD_HEADER_BYTES + 1);
+    let file_name = victim.path.display().to_string();
+    let at_offset = format!("byte offset {}", victim.offset);
+
+    let out = data_tool(&["verify"], &dir);
+    let complaint = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "verify on damage: {complaint}");
+    assert!(
+        complaint.contains(&file_name),
+        "names the file: {complaint}"
+    );
+    assert!(
+        complaint.contains(&at_offset),
+        "names the offset: {complaint}"
+    );
+    assert!(complaint.contains("repair"), "suggests repair: {complaint}");
+
+    let log = dir.with_file_name("refused.log");
+    let (mut child, _) = spawn_serve(&dir, &log);
+    let status = wait_exit(&mut child, "start on a corrupt log");
+    assert!(!status.success(), "the server must refuse a corrupt log");
+    let refusal = fs::read_to_string(&log).unwrap();
+    assert!(
+        refusal.contains(&file_name),
+        "start-up error names the file: {refusal}"
+    );
+    assert!(
+        refusal.contains(&at_offset),
+        "start-up error names the offset: {refusal}"
+    );
+
+    let out = data_tool(&["repair"], &dir);
+    assert_eq!(out.status.code(), Some(2), "repair without --yes on a pipe");
+    assert!(text(&out.stderr).contains("--yes"), "{}", text(&out.stderr));
+    assert_eq!(
+        data_tool(&["verify"], &dir).status.code(),
+        Some(1),
+        "an unconfirmed repair changes nothing"
+    );
+
+    let out = data_tool(&["repair", "--yes"], &dir);
+    let said = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "repair: {said} {}",
+        text(&out.stderr)
+    );
+    assert!(
+        said.contains(&format!("cut {file_name} at {at_offset}")),
+        "repair says what it cut: {said}"
+    );
+    assert_eq!(data_tool(&["verify"], &dir).status.code(), Some(0));
+
+    server.restart();
+    let found = runtime().block_on(get_keys(server.addr, &keys));
+    for (record, value) in records.iter().zip(&found) {
+        assert_eq!(
+            value.is_some(),
+            record.lsn < victim.lsn,
+            "after repair, {} (lsn {}) is present exactly when it came before the damage",
+            record.key,
+            record.lsn
+        );
+    }
+}
+
+#[test]
+fn torn_tail_is_cut_at_start_and_earlier_records_survive() {
+    let keys = numbered(5);
+    let mut server = Server::start();
+    runtime().block_on(set_keys(server.addr, &keys));
+    assert!(server.stop().success(), "graceful stop");
+    let dir = server.data_dir().to_path_buf();
+
+    let records = inspect_json(&dir);
+    let last = records.last().unwrap().clone();
+    assert_eq!(last.key, "key04");
+    let file = OpenOptions::new().write(true).open(&last.path).unwrap();
+    file.set_len(last.offset + RECORD_HEADER_BYTES + last.len / 2)
+        .unwrap();
+    file.sync_all().unwrap();
+
+    let out = data_tool(&["verify"], &dir);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "a torn tail is not damage: {}",
+        text(&out.stderr)
+    );
+    assert!(text(&out.stdout).contains("torn"), "{}", text(&out.stdout));
+
+    let log = dir.with_file_name("torn.log");
+    let (mut child, addr) = spawn_serve(&dir, &log);
+    wait_listening(&mut child, addr, &log);
+    let found = runtime().block_on(get_keys(addr, &keys));
+    let _ = child.kill();
+    let _ = child.wait();
+    let expected: Vec<Option<String>> = keys
+        .iter()
+        .map(|(k, v)| (k != "key04").then(|| v.clone()))
+        .collect();
+    assert_eq!(
+        found, expected,
+        "everything before the torn record survives"
+    );
+    let logged = fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("torn record") && logged.contains(&last.path.display().to_string()),
+        "the server logs the cut: {logged}"
+    );
+    assert_eq!(
+        data_tool(&["verify"], &dir).status.code(),
+        Some(0),
+        "clean after the server cut the tail"
+    );
+}
