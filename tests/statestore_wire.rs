@@ -5,6 +5,7 @@
 mod common;
 
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -249,8 +250,9 @@ struct Wire {
     pump: JoinHandle<()>,
     pending: VecDeque<Received>,
     next_seq: u64,
-    next_correlation: u64,
 }
+
+static NEXT_CORRELATION: AtomicU64 = AtomicU64::new(1);
 
 async fn pump(mut eventloop: EventLoop, tx: mpsc::UnboundedSender<Inbound>) {
     loop {
@@ -318,7 +320,6 @@ impl Wire {
             pump,
             pending: VecDeque::new(),
             next_seq: 0,
-            next_correlation: 0,
         };
         let session_present = match wire.next_event().await {
             Inbound::ConnAck { session_present } => session_present,
@@ -357,9 +358,10 @@ impl Wire {
     /// Publishes a request; returns its correlation data.
     async fn send(&mut self, req: Req) -> Vec<u8> {
         let correlation = req.correlation.clone().unwrap_or_else(|| {
-            self.next_correlation += 1;
-            // 16 bytes like the SDKs, unique per request of this client.
-            let mut c = self.next_correlation.to_be_bytes().to_vec();
+            // 16 bytes like the SDKs; unique across connections, because a reconnecting client id that
+            // reused correlation data would (rightly) get the cached reply of its earlier request.
+            let n = NEXT_CORRELATION.fetch_add(1, Ordering::Relaxed);
+            let mut c = n.to_be_bytes().to_vec();
             c.extend_from_slice(&[0xA5; 8]);
             c
         });
