@@ -65,9 +65,11 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let store = tokio::spawn(service::run(
         broker.clone(),
         inbox,
-        machine,
-        Arc::clone(&wal),
-        next_lsn,
+        service::Recovered {
+            machine,
+            wal: Arc::clone(&wal),
+            next_lsn,
+        },
         service_config,
         stats,
         wait_for(shutdown_rx.clone()),

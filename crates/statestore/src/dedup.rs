@@ -26,7 +26,7 @@ pub enum Seen<W> {
     /// [`DedupCache::complete`].
     New(W),
     /// Executed already: re-send this reply and finish the waiter; do not execute.
-    Done(Message, W),
+    Done(Box<Message>, W),
     /// Still executing: the caller's waiter has been parked and is returned by `complete`.
     Pending,
 }
@@ -66,7 +66,7 @@ impl<W> DedupCache<W> {
         let key = (client_id.clone(), correlation.clone());
         match self.entries.get_mut(&key) {
             Some((Entry::Done(reply), deadline)) if *deadline > now => {
-                return Seen::Done(reply.clone(), waiter)
+                return Seen::Done(Box::new(reply.clone()), waiter)
             }
             Some((Entry::InFlight(waiters), _)) => {
                 waiters.push(waiter);

@@ -76,6 +76,9 @@ pub struct ServiceStats {
 }
 
 /// One unit of work for the completer, in execution order.
+// `Reply` is the per-request variant and `Snapshot` the rare one: boxing `Reply` to shrink the enum would
+// cost an allocation per request.
+#[allow(clippy::large_enum_variant)]
 enum Outcome {
     /// Publish `notifications` then `reply`, then ack — once `commit` (if any) is durable.
     Reply {
@@ -112,17 +115,28 @@ impl ReplyTo {
 pub const NOT_DURABLE_REPLY: &[u8] =
     b"-ERR the write could not be made durable on the server's disk; retry later\r\n";
 
-/// Runs the service until `shutdown` resolves. `next_lsn` is the LSN the next appended record will get.
+/// The recovered state the service starts from.
+pub struct Recovered {
+    pub machine: StateMachine,
+    pub wal: Arc<WalWriter>,
+    /// The LSN the next appended record will get.
+    pub next_lsn: u64,
+}
+
+/// Runs the service until `shutdown` resolves.
 pub async fn run(
     broker: Broker,
     inbox: ServiceInbox,
-    machine: StateMachine,
-    wal: Arc<WalWriter>,
-    next_lsn: u64,
+    recovered: Recovered,
     config: ServiceConfig,
     stats: Arc<ServiceStats>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
+    let Recovered {
+        machine,
+        wal,
+        next_lsn,
+    } = recovered;
     let (tx, rx) = mpsc::channel(COMPLETION_QUEUE_CAPACITY);
     let (failure_tx, failures) = mpsc::unbounded_channel();
     let durable_lsn = Arc::new(AtomicU64::new(next_lsn));
@@ -260,7 +274,7 @@ impl Executor {
             }
             Seen::Done(reply, acker) => {
                 self.stats.duplicates.fetch_add(1, Relaxed);
-                let reply = ReplyTo::cached(&request, reply);
+                let reply = ReplyTo::cached(&request, *reply);
                 self.send(Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
