@@ -84,7 +84,7 @@ impl SdkClient {
         let monitor = session.create_session_monitor();
         let exit = session.create_exit_handle();
         let session = tokio::spawn(session.run());
-        let client = SdkClient {
+        let mut client = SdkClient {
             id: id.to_string(),
             store: Arc::new(store),
             monitor,
@@ -95,16 +95,14 @@ impl SdkClient {
         client
     }
 
-    /// Waits for the session to be connected; fails at once if the session ended (e.g. SessionLost).
-    async fn wait_connected(&self) {
-        within(&format!("{} connect", self.id), async {
+    /// Waits for the session to be connected; fails at once, with the reason, if the session ended
+    /// (the SDK ends it with SessionLost when a reconnect's CONNACK has Session Present = 0).
+    async fn wait_connected(&mut self) {
+        let id = self.id.clone();
+        within(&format!("{id} connect"), async {
             tokio::select! {
                 () = self.monitor.connected() => {}
-                () = async {
-                    while !self.session.is_finished() {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                } => panic!("{}: session ended before connecting", self.id),
+                ended = &mut self.session => panic!("{id}: session ended before connecting: {ended:?}"),
             }
         })
         .await;
@@ -706,31 +704,61 @@ async fn lock_contention_between_two_clients() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_restart_keeps_session_and_data() {
+/// How the restart tests take the server down.
+#[derive(Debug, Clone, Copy)]
+enum Stop {
+    /// SIGTERM: the server flushes and exits cleanly.
+    Graceful,
+    /// SIGKILL: only what was durable before the kill survives.
+    Kill,
+}
+
+/// A client writes, the server goes down and comes back on the same address and data directory; the
+/// SDK must reconnect with Session Present = 1 (else it ends the session) and find its data.
+async fn restart_keeps_session_and_data(stop: Stop, client_id: &str) {
     let mut server = common::Server::start();
-    let port = server.port();
-    let c = SdkClient::connect(port, "sdk-restart").await;
+    let mut c = SdkClient::connect(server.port(), client_id).await;
     let set = c.set(b"durable", b"v", unconditional()).await;
     assert!(set.response);
 
-    // SIGKILL: an acknowledged write and the session must both survive.
-    tokio::task::block_in_place(|| server.kill9());
+    // The harness blocks (waits for the process); keep the SDK's tasks running meanwhile.
+    tokio::task::block_in_place(|| match stop {
+        Stop::Graceful => {
+            let status = server.stop();
+            assert!(status.success(), "graceful stop exited with {status}");
+        }
+        Stop::Kill => server.kill9(),
+    });
     within("disconnect noticed", c.monitor.disconnected()).await;
     tokio::task::block_in_place(|| server.restart());
-    // The SDK ends the session with SessionLost when CONNACK has Session Present = 0.
     c.wait_connected().await;
 
     bounded(async {
         let get = c.get(b"durable").await;
-        assert_eq!(get.response.as_deref(), Some(&b"v"[..]));
-        assert_eq!(get.version, set.version, "the version survives the restart");
+        assert_eq!(
+            get.response.as_deref(),
+            Some(&b"v"[..]),
+            "{stop:?}: acknowledged write lost"
+        );
+        assert_eq!(
+            get.version, set.version,
+            "{stop:?}: the version survives the restart"
+        );
         let after = c.set(b"durable", b"v2", unconditional()).await;
         assert!(
             hlc_order(after.version.as_ref().unwrap()) > hlc_order(set.version.as_ref().unwrap())
         );
-        assert!(!c.session.is_finished(), "session must still be running");
         c.shutdown().await;
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_restart_keeps_session_and_data() {
+    restart_keeps_session_and_data(Stop::Graceful, "sdk-restart-term").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_restart_keeps_session_and_data() {
+    restart_keeps_session_and_data(Stop::Kill, "sdk-restart-kill").await;
 }

@@ -1420,3 +1420,49 @@ async fn scan_never_returns_keys_deleted_between_pages() {
         "every surviving key was returned"
     );
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Durability and sessions across restarts (§7)
+// ---------------------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn acknowledged_writes_survive_kill9() {
+    let mut server = common::Server::start();
+    let mut w = Wire::connect(server.port(), "wire-durable").await;
+    let set = w.expect(&[b"SET", b"k", b"v"], b"+OK\r\n").await;
+    w.expect_req(
+        Req::new(&[b"SET", b"fenced", b"v"]).ft(&hlc(now_ms() - 1_000, 0, "lock")),
+        b"+OK\r\n",
+    )
+    .await;
+    w.expect(&[b"SET", b"gone", b"v"], b"+OK\r\n").await;
+    w.expect(&[b"DEL", b"gone"], b":1\r\n").await;
+    server.kill9();
+    server.restart();
+
+    let mut w = Wire::connect(server.port(), "wire-durable-2").await;
+    let get = w.expect(&[b"GET", b"k"], b"$1\r\nv\r\n").await;
+    assert_eq!(get.ts(), set.ts(), "the version survives the restart");
+    w.expect(&[b"GET", b"gone"], b"$-1\r\n").await;
+    // The fencing token is durable state of the key too.
+    w.expect(&[b"SET", b"fenced", b"x"], ERR_FT_REQUIRED).await;
+    let after = w.expect(&[b"SET", b"k", b"v2"], b"+OK\r\n").await;
+    assert!(
+        parse_hlc(after.ts()) > parse_hlc(set.ts()),
+        "versions keep increasing after a restart"
+    );
+}
+
+#[tokio::test]
+async fn session_survives_a_server_restart() {
+    let mut server = common::Server::start();
+    let (w, _) = Wire::connect_with(server.port(), "wire-session", false).await;
+    w.close().await;
+    server.stop();
+    server.restart();
+    let (_w, session_present) = Wire::connect_with(server.port(), "wire-session", false).await;
+    assert!(
+        session_present,
+        "CONNACK Session Present must be 1 after a restart (SDKs treat 0 as fatal)"
+    );
+}
