@@ -55,7 +55,10 @@ impl Server {
             .arg("--data-dir")
             .arg(&self.data_dir)
             .args(&self.extra_args)
-            .env("MQSTATE_LOG", std::env::var("MQSTATE_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "MQSTATE_LOG",
+                std::env::var("MQSTATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
@@ -75,7 +78,11 @@ impl Server {
                     panic!("mqstate serve exited during start-up: {status}");
                 }
             }
-            assert!(Instant::now() < deadline, "mqstate serve did not accept connections on {} in time", self.addr);
+            assert!(
+                Instant::now() < deadline,
+                "mqstate serve did not accept connections on {} in time",
+                self.addr
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -92,7 +99,10 @@ impl Server {
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("server is running");
         // kill(1) sends SIGTERM without a libc binding (std only offers SIGKILL).
-        let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
         child.wait().expect("wait for mqstate serve")
     }
 
