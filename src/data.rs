@@ -551,3 +551,57 @@ fn print_repair(report: &RepairReport) -> io::Result<()> {
         report.dropped_records, report.dropped_bytes
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use mqstate_protocol::Hlc;
+
+    fn version(wall_ms: u64) -> Hlc {
+        Hlc::new(wall_ms, 3, "mqstate".into())
+    }
+
+    #[test]
+    fn shown_escapes_quotes_and_control_bytes_and_counts_what_it_cuts() {
+        let shown = Shown::new(b"a\"b\n\xff", 64);
+        assert_eq!(shown.to_string(), r#""a\"b\n\xff""#);
+        assert_eq!(shown.len, 5);
+        let cut = Shown::new(b"abcdef", 4);
+        assert_eq!(cut.to_string(), "\"abcd...(+2 bytes)\"");
+        assert_eq!(cut.len, 6);
+    }
+
+    #[test]
+    fn put_and_delete_read_as_one_line_each() {
+        let put = Delta::Put {
+            key: Bytes::from_static(b"k"),
+            value: Bytes::from_static(b"v"),
+            version: version(1),
+            fencing_token: Some(version(2)),
+            expires_at_ms: Some(99),
+        };
+        let shown = DeltaView::decode(&put.encode().unwrap(), DEFAULT_SHOW_BYTES).to_string();
+        assert_eq!(
+            shown,
+            "put key \"k\" value \"v\" version 000000000000001:00003:mqstate \
+             fencing-token 000000000000002:00003:mqstate expires-at-ms 99"
+        );
+        let delete = Delta::Delete {
+            key: Bytes::from_static(b"k"),
+            version: version(5),
+        };
+        let view = DeltaView::decode(&delete.encode().unwrap(), DEFAULT_SHOW_BYTES);
+        assert_eq!(
+            view.to_json(),
+            json!({"op": "delete", "key": "k", "key_len": 1, "version": "000000000000005:00003:mqstate"})
+        );
+    }
+
+    #[test]
+    fn bytes_that_are_not_a_delta_are_flagged_not_fatal() {
+        let view = DeltaView::decode(b"?garbage", DEFAULT_SHOW_BYTES);
+        assert!(view.to_string().starts_with("UNDECODABLE: "), "{view}");
+        assert_eq!(view.to_json()["op"], "undecodable");
+    }
+}
