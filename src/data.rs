@@ -498,7 +498,17 @@ fn repair(dir: &Path, yes: bool) -> Result<ExitCode, DataError> {
     if !yes {
         confirm()?;
     }
-    let report = tools::repair(dir)?;
+    let report = match tools::repair(dir) {
+        Ok(report) => report,
+        Err(e @ (WalError::Corrupt { .. } | WalError::Gap { .. })) => {
+            eprintln!(
+                "mqstate data repair: repair only cuts the log and cannot fix this: {e}; restore \
+                 the named file from a backup"
+            );
+            return Ok(ExitCode::from(EXIT_DAMAGED));
+        }
+        Err(e) => return Err(e.into()),
+    };
     print_repair(&report)?;
     match find_damage(dir)? {
         None => {
