@@ -1082,27 +1082,27 @@ async fn assert_forbidden_response_topic(port: u16, client_id: &str, response_to
     let mut w = Wire::connect(port, client_id).await;
     w.send(Req::new(&[b"GET", b"k"]).response_topic(response_topic))
         .await;
-    loop {
-        match w.next_event().await {
-            Inbound::Disconnect {
-                reason,
-                reason_string,
-            } => {
-                assert!(reason >= 0x80, "response topic {response_topic}: DISCONNECT reason {reason:#04x} must be >= 0x80");
-                assert!(
-                    reason_string.is_some_and(|s| !s.is_empty()),
-                    "response topic {response_topic}: DISCONNECT must carry a reason string"
-                );
-                return;
-            }
-            Inbound::Closed(e) => {
-                panic!("response topic {response_topic}: connection closed without DISCONNECT: {e}")
-            }
-            Inbound::Publish(p) => {
-                panic!("response topic {response_topic}: expected DISCONNECT, got {p:?}")
-            }
-            other => panic!("response topic {response_topic}: expected DISCONNECT, got {other:?}"),
+    match w.next_event().await {
+        Inbound::Disconnect {
+            reason,
+            reason_string,
+        } => {
+            assert!(
+                reason >= 0x80,
+                "response topic {response_topic}: DISCONNECT reason {reason:#04x} must be >= 0x80"
+            );
+            assert!(
+                reason_string.is_some_and(|s| !s.is_empty()),
+                "response topic {response_topic}: DISCONNECT must carry a reason string"
+            );
         }
+        Inbound::Closed(e) => {
+            panic!("response topic {response_topic}: connection closed without DISCONNECT: {e}")
+        }
+        Inbound::Publish(p) => {
+            panic!("response topic {response_topic}: expected DISCONNECT, got {p:?}")
+        }
+        other => panic!("response topic {response_topic}: expected DISCONNECT, got {other:?}"),
     }
 }
 
