@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -14,18 +14,19 @@ use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 /// Fixed so that a failure reproduces; override with MQSTATE_FLOOD_SEED to explore.
 const DEFAULT_SEED: u64 = 0x5EED_57A7_E570_4E00;
 /// Random requests per run: enough to cover many parser paths, small enough for CI on 2 cores.
-const FLOOD_REQUESTS: usize = 3_000;
+const FLOOD_REQUESTS: usize = 5_000;
 /// One well-formed request (with a checked reply) after this many random ones.
 const CHECK_EVERY: usize = 50;
 /// Longest random payload.
 const MAX_RANDOM_BYTES: usize = 512;
 /// Hang guard for every wait, not a performance claim.
-const WAIT: Duration = Duration::from_secs(30);
+const WAIT: Duration = Duration::from_secs(10);
 const RESPONSE_TOPIC: &str = "clients/flood/response";
 
 struct Reply {
@@ -131,7 +132,7 @@ fn random_properties(rng: &mut StdRng, correlation: Vec<u8>) -> PublishPropertie
     let mut props = PublishProperties {
         response_topic: Some(RESPONSE_TOPIC.into()),
         correlation_data: Some(Bytes::from(correlation)),
-        message_expiry_interval: Some(10),
+        message_expiry_interval: Some(3600),
         ..Default::default()
     };
     match rng.gen_range(0..5) {
@@ -159,23 +160,26 @@ fn valid_props(correlation: Vec<u8>) -> PublishProperties {
     PublishProperties {
         response_topic: Some(RESPONSE_TOPIC.into()),
         correlation_data: Some(Bytes::from(correlation)),
-        message_expiry_interval: Some(10),
+        message_expiry_interval: Some(3600),
         content_type: Some("application/octet-stream".into()),
         user_properties: vec![("__ts".into(), format!("{:015}:{:05}:flood", now_ms(), 0))],
         ..Default::default()
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn random_payload_flood_keeps_the_server_answering() {
-    let server = common::Server::start();
-    let seed = seed();
-    let mut rng = StdRng::seed_from_u64(seed);
-
-    let mut options = MqttOptions::new("flood", "127.0.0.1", server.port());
+/// Connects, subscribes to [`RESPONSE_TOPIC`] and forwards every reply (or the connection's loss).
+async fn connect(
+    port: u16,
+    client_id: &str,
+) -> (
+    AsyncClient,
+    mpsc::UnboundedReceiver<Result<Reply, String>>,
+    JoinHandle<()>,
+) {
+    let mut options = MqttOptions::new(client_id, "127.0.0.1", port);
     options.set_request_channel_capacity(256);
     let (client, mut eventloop) = AsyncClient::new(options, 256);
-    let (tx, mut replies) = mpsc::unbounded_channel::<Result<Reply, String>>();
+    let (tx, replies) = mpsc::unbounded_channel::<Result<Reply, String>>();
     let pump = tokio::spawn(async move {
         loop {
             let reply = match eventloop.poll().await {
@@ -210,20 +214,110 @@ async fn random_payload_flood_keeps_the_server_answering() {
         .subscribe(RESPONSE_TOPIC, QoS::AtLeastOnce)
         .await
         .unwrap();
+    (client, replies, pump)
+}
+
+/// A client that pipelines more requests than its session's outbound queue holds, while reading
+/// replies all along, must still get every reply: the queue limit may slow the requester down (stop
+/// reading its requests) but must not silently drop the answers it owes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_burst_beyond_the_session_queue_gets_every_reply() {
+    const QUEUE: usize = 100;
+    const BURST: usize = 20 * QUEUE;
+    let server = common::Server::start_with(&["--max-queued-messages", &QUEUE.to_string()]);
+    let (client, mut replies, pump) = connect(server.port(), "burst").await;
+    let value = vec![b'v'; 4_096];
+    let set = resp(&[b"SET", b"k", &value]);
+    client
+        .publish_with_properties(
+            INVOKE_TOPIC,
+            QoS::AtLeastOnce,
+            false,
+            set,
+            valid_props(b"set".to_vec()),
+        )
+        .await
+        .unwrap();
+    let mut outstanding: BTreeMap<Vec<u8>, ()> = BTreeMap::new();
+    outstanding.insert(b"set".to_vec(), ());
+    for i in 0..BURST {
+        let correlation = (i as u64).to_be_bytes().to_vec();
+        outstanding.insert(correlation.clone(), ());
+        client
+            .publish_with_properties(
+                INVOKE_TOPIC,
+                QoS::AtLeastOnce,
+                false,
+                resp(&[b"GET", b"k"]),
+                valid_props(correlation),
+            )
+            .await
+            .unwrap();
+    }
+    let want = [
+        format!("${}\r\n", value.len()).into_bytes(),
+        value,
+        b"\r\n".to_vec(),
+    ]
+    .concat();
+    while !outstanding.is_empty() {
+        let reply = tokio::time::timeout(WAIT, replies.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{} of {} replies never arrived (session queue {QUEUE}): replies were dropped",
+                    outstanding.len(),
+                    BURST + 1
+                )
+            })
+            .expect("reply channel open")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            outstanding.remove(&reply.correlation).is_some(),
+            "duplicate reply {:?}",
+            reply.correlation
+        );
+        assert_eq!(reply.stat.as_deref(), Some("200"));
+        if reply.correlation != b"set" {
+            assert!(
+                reply.payload == want,
+                "GET answered {} bytes, not the value",
+                reply.payload.len()
+            );
+        }
+    }
+    pump.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_payload_flood_keeps_the_server_answering() {
+    let server = common::Server::start();
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+
+    let (client, mut replies, pump) = connect(server.port(), "flood").await;
 
     // Correlation ids: random requests are tagged 'R', checked ones 'C'; expected replies per checked id.
     let mut expected: HashMap<Vec<u8>, Vec<u8>> = HashMap::new();
-    let mut random_sent = 0usize;
+    // Unanswered random requests: correlation -> what was sent, for the failure message.
+    let mut random_outstanding: BTreeMap<Vec<u8>, String> = BTreeMap::new();
     let mut first_checked: Option<(String, String)> = None;
     for i in 0..FLOOD_REQUESTS {
         let correlation = [b"R".as_slice(), &(i as u64).to_be_bytes()].concat();
         let payload = random_payload(&mut rng);
-        let props = random_properties(&mut rng, correlation);
+        let props = random_properties(&mut rng, correlation.clone());
+        random_outstanding.insert(
+            correlation,
+            format!(
+                "#{i}: {:?} {:?}",
+                String::from_utf8_lossy(&payload),
+                props.user_properties
+            ),
+        );
         client
             .publish_with_properties(INVOKE_TOPIC, QoS::AtLeastOnce, false, payload, props)
             .await
             .unwrap();
-        random_sent += 1;
 
         if i % CHECK_EVERY == 0 {
             // A SET of a fresh key then a GET of it: both replies are fully determined.
@@ -262,14 +356,15 @@ async fn random_payload_flood_keeps_the_server_answering() {
     // Every random request with a correlation gets exactly one reply with __stat; every checked one the
     // exact payload. Collect until every request has been answered.
     let mut outstanding = expected.clone();
-    let mut random_replies = 0usize;
-    while random_replies < random_sent || !outstanding.is_empty() {
+    while !random_outstanding.is_empty() || !outstanding.is_empty() {
         let Reply { correlation, payload, stat } = tokio::time::timeout(WAIT, replies.recv())
             .await
             .unwrap_or_else(|_| {
+                let first: Vec<&String> = random_outstanding.values().take(5).collect();
                 panic!(
-                    "seed {seed}: server stopped answering: {random_replies}/{random_sent} random replies, \
-                     {} checked requests unanswered",
+                    "seed {seed}: server stopped answering: {} random and {} checked requests unanswered; \
+                     first unanswered: {first:#?}",
+                    random_outstanding.len(),
                     outstanding.len()
                 )
             })
@@ -277,7 +372,10 @@ async fn random_payload_flood_keeps_the_server_answering() {
             .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         match correlation.first() {
             Some(b'R') => {
-                random_replies += 1;
+                assert!(
+                    random_outstanding.remove(&correlation).is_some(),
+                    "seed {seed}: duplicate reply for random request {correlation:?}"
+                );
                 // Every state-store response carries __stat 200, -ERR replies included (spec §1).
                 assert_eq!(
                     stat.as_deref(),
