@@ -471,6 +471,25 @@ impl Wire {
         reply
     }
 
+    /// Sends `command key…` for every key pipelined (one round of group commit instead of one per
+    /// key) and asserts every reply is `reply`.
+    async fn for_all(&mut self, command: &[&[u8]], keys: &[Vec<u8>], reply: &[u8]) {
+        let mut correlations = Vec::with_capacity(keys.len());
+        for key in keys {
+            let mut args = vec![command[0], key.as_slice()];
+            args.extend_from_slice(&command[1..]);
+            correlations.push((
+                self.send(Req::new(&args)).await,
+                args.iter().map(|a| a.to_vec()).collect::<Vec<_>>(),
+            ));
+        }
+        for (correlation, args) in correlations {
+            let got = self.reply(&correlation).await;
+            let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+            assert_payload(&got, reply, &args);
+        }
+    }
+
     /// The next notification (any key) for this client.
     async fn notification(&mut self) -> Received {
         let n = self
@@ -1326,12 +1345,11 @@ async fn expiry_is_active_and_notifies_delete() {
 async fn scan_pages_through_100_keys() {
     let server = common::Server::start();
     let mut w = Wire::connect(server.port(), "wire-scan").await;
-    let mut expected = BTreeSet::new();
-    for i in 0..100 {
-        let key = format!("scan/{i:03}");
-        w.expect(&[b"SET", key.as_bytes(), b"v"], b"+OK\r\n").await;
-        expected.insert(key.into_bytes());
-    }
+    let keys100: Vec<Vec<u8>> = (0..100)
+        .map(|i| format!("scan/{i:03}").into_bytes())
+        .collect();
+    w.for_all(&[b"SET", b"v"], &keys100, b"+OK\r\n").await;
+    let expected: BTreeSet<Vec<u8>> = keys100.into_iter().collect();
     w.expect(&[b"SET", b"other", b"v"], b"+OK\r\n").await;
 
     let pages = scan_all(&mut w, b"scan/*", 64).await;
@@ -1380,22 +1398,20 @@ async fn scan_glob_semantics() {
 async fn scan_never_returns_keys_deleted_between_pages() {
     let server = common::Server::start();
     let mut w = Wire::connect(server.port(), "wire-scandel").await;
-    for i in 0..100 {
-        w.expect(&[b"SET", format!("k{i:03}").as_bytes(), b"v"], b"+OK\r\n")
-            .await;
-    }
+    let keys100: Vec<Vec<u8>> = (0..100).map(|i| format!("k{i:03}").into_bytes()).collect();
+    w.for_all(&[b"SET", b"v"], &keys100, b"+OK\r\n").await;
     let (first, mut token) = parse_scan(w.call(&[b"SCAN", b"k*"]).await.payload());
     let mut seen: BTreeSet<Vec<u8>> = first.iter().cloned().collect();
     assert_eq!(seen.len(), first.len());
     // Delete every key not yet returned, plus the odd ones among those already seen.
-    let mut deleted = BTreeSet::new();
-    for i in 0..100 {
-        let key = format!("k{i:03}").into_bytes();
-        if !seen.contains(&key) || i % 2 == 1 {
-            w.expect(&[b"DEL", &key], b":1\r\n").await;
-            deleted.insert(key);
-        }
-    }
+    let deleted: BTreeSet<Vec<u8>> = (0..100)
+        .map(|i| format!("k{i:03}").into_bytes())
+        .enumerate()
+        .filter(|(i, key)| !seen.contains(key) || i % 2 == 1)
+        .map(|(_, key)| key)
+        .collect();
+    let to_delete: Vec<Vec<u8>> = deleted.iter().cloned().collect();
+    w.for_all(&[b"DEL"], &to_delete, b":1\r\n").await;
     let mut pages = 1;
     while let Some(t) = token {
         let (keys, next) = parse_scan(w.call(&[b"SCAN", b"k*", &t]).await.payload());
