@@ -227,7 +227,9 @@ impl Executor {
                     None => break,
                 },
                 event = events.recv() => match event {
-                    Ok(ClientEvent::SessionEnded { client_id }) => {
+                    // Spec §6 (AIO behaviour): registrations end with the connection; clients
+                    // re-register after reconnecting.
+                    Ok(ClientEvent::Disconnected { client_id } | ClientEvent::SessionEnded { client_id }) => {
                         self.machine.drop_client(&client_id);
                     }
                     Ok(_) => {}
