@@ -78,21 +78,9 @@ struct Mqtt {
     node: String,
 }
 
-fn resp(args: &[&[u8]]) -> Vec<u8> {
-    let mut out = format!("*{}\r\n", args.len()).into_bytes();
-    for arg in args {
-        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
-        out.extend_from_slice(arg);
-        out.extend_from_slice(b"\r\n");
-    }
-    out
-}
-
-fn bulk(value: &[u8]) -> Vec<u8> {
-    let mut out = format!("${}\r\n", value.len()).into_bytes();
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
-    out
+/// The GET reply payload for `value`.
+fn bulk(value: &[u8]) -> bytes::Bytes {
+    mqstate_protocol::Reply::Bulk(bytes::Bytes::copy_from_slice(value)).encode()
 }
 
 fn now_ms() -> u128 {
@@ -214,7 +202,7 @@ impl Mqtt {
                 INVOKE_TOPIC,
                 QoS::AtLeastOnce,
                 false,
-                resp(args),
+                mqstate_protocol::encode_request(args),
                 properties,
             )
             .await

@@ -31,21 +31,9 @@ const NIL: &[u8] = b"$-1\r\n";
 // A raw MQTT 5 state-store client
 // ---------------------------------------------------------------------------------------------
 
-fn resp(args: &[&[u8]]) -> Vec<u8> {
-    let mut out = format!("*{}\r\n", args.len()).into_bytes();
-    for arg in args {
-        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
-        out.extend_from_slice(arg);
-        out.extend_from_slice(b"\r\n");
-    }
-    out
-}
-
-fn bulk(value: &[u8]) -> Vec<u8> {
-    let mut out = format!("${}\r\n", value.len()).into_bytes();
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
-    out
+/// The GET reply payload for `value`.
+fn bulk(value: &[u8]) -> bytes::Bytes {
+    mqstate_protocol::Reply::Bulk(bytes::Bytes::copy_from_slice(value)).encode()
 }
 
 fn hlc_now() -> String {
@@ -120,7 +108,7 @@ impl StateClient {
                 INVOKE_TOPIC,
                 QoS::AtLeastOnce,
                 false,
-                resp(args),
+                mqstate_protocol::encode_request(args),
                 properties,
             )
             .await
@@ -157,7 +145,7 @@ async fn get_keys(addr: SocketAddr, keys: &[(String, String)]) -> Vec<Option<Str
         if reply.as_ref() == NIL {
             found.push(None);
         } else {
-            assert_eq!(reply.as_ref(), bulk(value.as_bytes()), "GET {key}");
+            assert_eq!(reply.as_ref(), &bulk(value.as_bytes())[..], "GET {key}");
             found.push(Some(value.clone()));
         }
     }
