@@ -221,7 +221,7 @@ async fn connect(
 /// replies all along, must still get every reply: the queue limit may slow the requester down (stop
 /// reading its requests) but must not silently drop the answers it owes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "server bug: replies beyond the session queue (max_queued_messages) are dropped; needs service->broker back-pressure"]
+
 async fn pipelined_burst_beyond_the_session_queue_gets_every_reply() {
     const QUEUE: usize = 100;
     const BURST: usize = 20 * QUEUE;
@@ -291,7 +291,7 @@ async fn pipelined_burst_beyond_the_session_queue_gets_every_reply() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "server bug: replies to a 3000-request burst overflow the client session queue (max_queued_messages) and are dropped; needs service->broker back-pressure"]
+
 async fn random_payload_flood_keeps_the_server_answering() {
     let server = common::Server::start();
     let seed = seed();

@@ -3,7 +3,7 @@
 //! obeys control requests (takeover, disconnect, shutdown). Writes are batched: everything produced
 //! in one loop turn is flushed with one `write_all`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -198,6 +198,9 @@ struct Connection {
     /// A claimed-topic publish waiting for room in its service's inbox. While set, the connection
     /// reads nothing more from the socket (back-pressure) but still writes acks and deliveries.
     stalled: Option<Stalled>,
+    /// Service acknowledgements held back while this client's own queue is full (see
+    /// [`Connection::on_service_ack`]), in the order they resolved.
+    held_acks: VecDeque<(u16, AckKind, u8)>,
 }
 
 struct Stalled {
@@ -282,6 +285,7 @@ impl Connection {
             peer,
             connect,
             stalled: None,
+            held_acks: VecDeque::new(),
         })
     }
 
@@ -440,6 +444,9 @@ impl Connection {
             return end;
         }
         loop {
+            if !self.held_acks.is_empty() {
+                self.release_held_acks();
+            }
             if !self.out.is_empty() {
                 if wr.write_all(&self.out).await.is_err() {
                     return End::Closed;
@@ -690,7 +697,32 @@ impl Connection {
         Ok(())
     }
 
+    /// A service resolved a request. Its ack is held while the client's own queue is full: the
+    /// client then cannot send more than its Receive Maximum of requests, so the replies it is owed
+    /// stay within the service headroom of its queue instead of being dropped (a client that
+    /// pipelines requests without reading its replies is slowed down, not failed).
     fn on_service_ack(&mut self, packet_id: u16, kind: AckKind, code: u8) {
+        if !self.held_acks.is_empty() || self.own_queue_full() {
+            self.held_acks.push_back((packet_id, kind, code));
+            return;
+        }
+        self.send_service_ack(packet_id, kind, code);
+    }
+
+    fn own_queue_full(&self) -> bool {
+        self.session().lock().queue.len() >= self.inner.config.max_queued_messages
+    }
+
+    /// Sends held service acks, in order, while the client's queue has room.
+    fn release_held_acks(&mut self) {
+        while !self.held_acks.is_empty() && !self.own_queue_full() {
+            if let Some((packet_id, kind, code)) = self.held_acks.pop_front() {
+                self.send_service_ack(packet_id, kind, code);
+            }
+        }
+    }
+
+    fn send_service_ack(&mut self, packet_id: u16, kind: AckKind, code: u8) {
         match kind {
             AckKind::Acknowledge => {
                 debug_assert!(self.inbound_qos1_pending > 0);

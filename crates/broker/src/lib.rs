@@ -18,7 +18,9 @@
 //! Overflow policy: each session queue holds at most [`BrokerConfig::max_queued_messages`]. When it
 //! is full a new QoS 0 message is dropped; a new QoS 1/2 message evicts the oldest queued QoS 0
 //! message, or, if there is none, is itself dropped (counted per session). Publishers are never
-//! blocked or disconnected because a subscriber is slow.
+//! blocked or disconnected because a subscriber is slow. Messages from services (replies to a
+//! client's own requests) may exceed the limit by the Receive Maximum: while a client's queue is full
+//! its connection holds back the acks of its service requests, which bounds the replies it is owed.
 //!
 //! Architecture invariant: this crate knows nothing of the state store, of the WAL or of replication.
 

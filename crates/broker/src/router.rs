@@ -29,14 +29,30 @@ pub(crate) struct Router {
     trie: RwLock<Trie<Subscriber>>,
     retained: Mutex<RetainedStore>,
     max_queued: usize,
+    /// Queue limit for messages published by services (see [`Router::new`]).
+    service_max_queued: usize,
 }
 
 impl Router {
-    pub(crate) fn new(max_queued: usize) -> Self {
+    /// Client publishes may fill a session queue up to `max_queued`. Service publishes (replies to a
+    /// client's own requests) may use `service_headroom` more: the connection stops acknowledging
+    /// service requests while its queue is at `max_queued`, so a client has at most its Receive
+    /// Maximum of replies still coming, and they are owed QoS 1 messages that must not be dropped.
+    pub(crate) fn new(max_queued: usize, service_headroom: usize) -> Self {
         Self {
             trie: RwLock::default(),
             retained: Mutex::default(),
             max_queued,
+            service_max_queued: max_queued.saturating_add(service_headroom),
+        }
+    }
+
+    /// The queue limit for a message from `publisher` (`None` = a service).
+    pub(crate) fn queue_limit(&self, publisher: Option<&str>) -> usize {
+        if publisher.is_none() {
+            self.service_max_queued
+        } else {
+            self.max_queued
         }
     }
 
@@ -85,6 +101,7 @@ impl Router {
     /// the message was offered to. Never blocks on a subscriber: it only enqueues.
     pub(crate) fn route(&self, message: Message, publisher: Option<&str>) -> usize {
         let now = Instant::now();
+        let limit = self.queue_limit(publisher);
         let message = Arc::new(message);
         if message.retain {
             self.retained
@@ -128,7 +145,7 @@ impl Router {
                 subscription_ids: t.subscription_ids,
                 received_at: now,
             };
-            t.session.deliver(delivery, self.max_queued);
+            t.session.deliver(delivery, limit);
             offered += 1;
         }
         offered

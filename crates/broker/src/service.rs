@@ -125,7 +125,10 @@ impl Broker {
     pub fn new(config: BrokerConfig) -> Self {
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let inner = Inner {
-            router: Router::new(config.max_queued_messages),
+            router: Router::new(
+                config.max_queued_messages,
+                usize::from(config.receive_maximum),
+            ),
             config,
             registry: Registry::default(),
             claims: RwLock::default(),
@@ -198,7 +201,7 @@ impl Broker {
             subscription_ids,
             received_at: Instant::now(),
         };
-        session.deliver(delivery, self.inner.config.max_queued_messages);
+        session.deliver(delivery, self.inner.router.queue_limit(None));
         true
     }
 
