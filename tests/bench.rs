@@ -238,3 +238,37 @@ fn statestore_load_against_mqstate_serve() {
         "some SETs apply: {report:#}"
     );
 }
+
+#[test]
+fn idle_mode_holds_every_connection_and_reports_server_memory() {
+    let server = common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("idle.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .args([
+            "bench",
+            "--mode",
+            "idle",
+            "--connections",
+            "200",
+            "--duration",
+            "0",
+        ])
+        .args(["--port", &server.port().to_string()])
+        .args(["--server-pid", &server.pid().to_string(), "--json"])
+        .arg(&report)
+        .output()
+        .expect("run bench");
+    assert!(
+        out.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("per connection"), "{table}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(report["connections"], 200, "{report:#}");
+    assert!(report["server_rss_before_kib"].as_u64().unwrap() > 0);
+    assert!(report["server_rss_after_kib"].as_u64().unwrap() > 0);
+    assert!(report["bytes_per_connection"].is_number(), "{report:#}");
+}

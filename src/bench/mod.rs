@@ -4,6 +4,8 @@
 //!   `--inflight` QoS 1 requests outstanding, matched to replies by correlation data ([`statestore`]).
 //! * `--mode pubsub`: publishers and subscribers measuring delivered messages/s and end-to-end latency
 //!   from a timestamp in the payload ([`pubsub`]); `--publishers 1 --subscribers 100` is fan-out.
+//! * `--mode idle`: opens `--connections` MQTT connections that stay idle, and with `--server-pid`
+//!   reports the broker's memory per idle connection ([`idle`]).
 //! * `--responder`: answers every request with `+OK` without storing anything — the cost of MQTT
 //!   request/response alone, as a baseline and as a stand-in store for tests ([`responder`]).
 //!
@@ -11,6 +13,7 @@
 //! and the live progress line ([`progress`]); the end of a run prints a table and optionally writes
 //! `--json` and `--plot` ([`plot`]).
 
+mod idle;
 mod plot;
 mod progress;
 mod pubsub;
@@ -46,6 +49,7 @@ pub const QUEUE_PER_INFLIGHT: usize = 2;
 pub enum Mode {
     Statestore,
     Pubsub,
+    Idle,
 }
 
 #[derive(clap::Args, Debug)]
@@ -60,7 +64,7 @@ pub struct BenchArgs {
     /// connections; with a plain filter every connection answers every request.
     #[arg(long, value_name = "FILTER", default_value = RESPONDER_FILTER)]
     pub responder_topic: String,
-    /// Connections (state-store mode and responder).
+    /// Connections (state-store mode, idle mode and responder).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
     pub connections: u16,
     /// Requests in flight per connection (pubsub: outgoing QoS 1 window per publisher).
@@ -99,6 +103,9 @@ pub struct BenchArgs {
     /// Pubsub: payload bytes (at least 8, the timestamp).
     #[arg(long, value_name = "BYTES", default_value_t = 64)]
     pub payload: usize,
+    /// Idle mode: pid of the broker, whose resident memory is read before and after.
+    #[arg(long, value_name = "PID")]
+    pub server_pid: Option<u32>,
     /// Write the report as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -110,6 +117,12 @@ pub struct BenchArgs {
 }
 
 pub async fn run(args: BenchArgs) -> ExitCode {
+    if args.mode == Mode::Idle && !args.responder {
+        return match run_idle(&args).await {
+            Ok(()) => ExitCode::from(EXIT_OK),
+            Err(e) => e.report(),
+        };
+    }
     let result = if args.responder {
         responder::run(&args).await.map(|()| None)
     } else {
@@ -124,6 +137,25 @@ pub async fn run(args: BenchArgs) -> ExitCode {
         }
         Err(e) => e.report(),
     }
+}
+
+async fn run_idle(args: &BenchArgs) -> Result<(), CliError> {
+    let hold = seconds("--duration", args.duration.unwrap_or(DEFAULT_DURATION_S))?;
+    let report = idle::run(args, hold).await?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        write_json(path, &report)?;
+    }
+    Ok(())
+}
+
+fn write_json(path: &std::path::Path, report: &impl serde::Serialize) -> Result<(), CliError> {
+    let text = serde_json::to_string_pretty(report)
+        .map_err(|e| CliError::usage("--json", e.to_string()))?;
+    std::fs::write(path, text + "\n").map_err(|source| CliError::Input {
+        what: format!("--json {} (writing)", path.display()),
+        source,
+    })
 }
 
 /// State shared by every task of a measured run.
@@ -228,13 +260,10 @@ async fn measure(args: &BenchArgs) -> Result<Report, CliError> {
             ),
         ));
     }
-    let mode = match args.mode {
-        Mode::Statestore => "statestore",
-        Mode::Pubsub => "pubsub",
-    };
-    let prepared = match args.mode {
-        Mode::Statestore => statestore::prepare(args).await?,
-        Mode::Pubsub => pubsub::prepare(args).await?,
+    let (mode, prepared) = match args.mode {
+        Mode::Statestore => ("statestore", statestore::prepare(args).await?),
+        Mode::Pubsub => ("pubsub", pubsub::prepare(args).await?),
+        Mode::Idle => return Err(CliError::usage("--mode", "idle runs are not measured runs")),
     };
     let shared = Arc::new(Shared::new(warmup, args.requests));
     let sampler = progress::Sampler::start(Arc::clone(&shared));
@@ -262,12 +291,7 @@ async fn measure(args: &BenchArgs) -> Result<Report, CliError> {
         .recorder
         .report(mode, shared.measured_time(), timeline);
     if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report)
-            .map_err(|e| CliError::usage("--json", e.to_string()))?;
-        std::fs::write(path, text + "\n").map_err(|source| CliError::Input {
-            what: format!("--json {} (writing)", path.display()),
-            source,
-        })?;
+        write_json(path, &report)?;
     }
     if let Some(path) = &args.plot {
         plot::draw(path, &report, &shared.recorder.percentile_curve())?;

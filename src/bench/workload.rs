@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use rand::Rng;
@@ -142,13 +143,20 @@ impl Mix {
 pub enum Distribution {
     Uniform,
     Zipf,
+    /// Every key once, in order, then again: loads a keyspace of exactly `--keys` keys.
+    Sequential,
 }
 
 /// Chooses key indices in `0..keys`.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum KeyChooser {
     Uniform {
         keys: u64,
+    },
+    /// Shared by all connections, so together they visit each key once per round.
+    Sequential {
+        keys: u64,
+        next: AtomicU64,
     },
     /// Cumulative probabilities of ranks 0, 1, …; rank 0 is the hottest key.
     Zipf {
@@ -163,6 +171,10 @@ impl KeyChooser {
         }
         match distribution {
             Distribution::Uniform => Ok(KeyChooser::Uniform { keys }),
+            Distribution::Sequential => Ok(KeyChooser::Sequential {
+                keys,
+                next: AtomicU64::new(0),
+            }),
             Distribution::Zipf => {
                 if keys > MAX_ZIPF_KEYS {
                     return Err(format!(
@@ -190,6 +202,7 @@ impl KeyChooser {
     fn index_at(&self, roll: f64) -> u64 {
         match self {
             KeyChooser::Uniform { keys } => ((roll * *keys as f64) as u64).min(keys - 1),
+            KeyChooser::Sequential { keys, next } => next.fetch_add(1, Ordering::Relaxed) % keys,
             KeyChooser::Zipf { cdf } => {
                 let at = cdf.partition_point(|&p| p <= roll);
                 at.min(cdf.len() - 1) as u64
@@ -283,6 +296,14 @@ mod tests {
         assert!(hits[0] > 50 * (hits[1] + 1), "{hits:?}");
         assert_eq!(chooser.index_at(0.999_999_999), 999);
         assert!(KeyChooser::new(Distribution::Zipf, MAX_ZIPF_KEYS + 1).is_err());
+    }
+
+    #[test]
+    fn sequential_visits_every_key_once_per_round() {
+        let chooser = KeyChooser::new(Distribution::Sequential, 3).unwrap();
+        let mut rng = rand::thread_rng();
+        let picks: Vec<u64> = (0..7).map(|_| chooser.pick(&mut rng)).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2, 0]);
         assert!(KeyChooser::new(Distribution::Uniform, 0).is_err());
     }
 

@@ -47,6 +47,11 @@ impl Server {
         self.addr.port()
     }
 
+    /// Process id of the running server.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("server is running").id()
+    }
+
     fn spawn(&mut self) {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_mqstate"));
         cmd.arg("serve")

@@ -44,8 +44,14 @@ pub struct Keyspace {
 
 impl Keyspace {
     /// Inserts or replaces `key`, returning the previous entry.
-    pub fn insert(&mut self, key: Bytes, entry: Entry) -> Option<Entry> {
+    ///
+    /// Key and value are copied into allocations of their own: what arrives is usually a slice of a
+    /// network read buffer or of a log segment, and storing the slice would keep that whole buffer
+    /// alive for as long as the key lives (one small key could pin kilobytes, a replayed key a segment).
+    pub fn insert(&mut self, key: Bytes, mut entry: Entry) -> Option<Entry> {
         debug_assert!(!key.is_empty(), "keys are never empty");
+        let key = Bytes::copy_from_slice(&key);
+        entry.value = Bytes::copy_from_slice(&entry.value);
         if let Some(deadline) = entry.expires_at_ms {
             self.deadlines.insert((deadline, key.clone()));
         }
@@ -173,6 +179,23 @@ mod tests {
             fencing_token: None,
             expires_at_ms,
         }
+    }
+
+    #[test]
+    fn stored_keys_and_values_do_not_share_the_request_buffer() {
+        let request = Bytes::from(b"SET some-key some-value".to_vec());
+        let mut ks = Keyspace::default();
+        let mut e = entry("", None);
+        e.value = request.slice(13..);
+        ks.insert(request.slice(4..12), e);
+        let (key, stored) = ks.entries.iter().next().unwrap();
+        assert_eq!(
+            (&key[..], &stored.value[..]),
+            (&b"some-key"[..], &b"some-value"[..])
+        );
+        let buffer = request.as_ptr_range();
+        assert!(!buffer.contains(&key.as_ptr()));
+        assert!(!buffer.contains(&stored.value.as_ptr()));
     }
 
     fn k(s: &'static str) -> Bytes {

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Reproduces every figure in docs/benchmarks.md: mqstate side by side with Mosquitto (+ the
+# `mqstate bench --responder` baseline) and with Redis, on this machine, in one run.
+#
+#   scripts/bench.sh [all|pubsub|statestore|redis|idle|restart]   (default: all)
+#
+# Needs: mosquitto (Debian 2.0.11), redis-server + redis-benchmark (Debian, Redis 7), a release build
+# (built here). Results (JSON per run, server logs) go to $OUT (default target/bench-results/).
+# Each server runs alone on its own free port and is stopped before the next one starts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHAT="${1:-all}"
+OUT="${OUT:-target/bench-results}"
+DURATION="${DURATION:-10}"
+WARMUP="${WARMUP:-2}"
+MQSTATE="$PWD/target/release/mqstate"
+mkdir -p "$OUT"
+cargo build --release --quiet
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; return 1; }
+PIDS=()
+stop_all() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done; PIDS=(); }
+trap stop_all EXIT
+
+start_mqstate() { # name, extra serve flags...
+  local name="$1"; shift
+  PORT=$(free_port); DATA=$(mktemp -d)
+  "$MQSTATE" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" "$@" >"$OUT/$name.server.log" 2>&1 &
+  SERVER_PID=$!; PIDS+=("$SERVER_PID"); wait_port "$PORT"
+}
+start_mosquitto() { # name
+  PORT=$(free_port); local conf="$OUT/mosquitto.conf"
+  printf 'listener %s 127.0.0.1\nallow_anonymous true\nmax_queued_messages 1000\npersistence false\n' "$PORT" >"$conf"
+  mosquitto -c "$conf" >"$OUT/$1.server.log" 2>&1 &
+  SERVER_PID=$!; PIDS+=("$SERVER_PID"); wait_port "$PORT"
+}
+start_responder() {
+  "$MQSTATE" bench --responder --port "$PORT" --connections 4 >"$OUT/responder.log" 2>&1 &
+  PIDS+=("$!"); sleep 1
+}
+bench() { # name, bench flags...
+  local name="$1"; shift
+  echo "== $name"
+  "$MQSTATE" bench --port "$PORT" --duration "$DURATION" --warmup "$WARMUP" --json "$OUT/$name.json" "$@" | tail -n 12
+}
+
+statestore() {
+  for shape in "1 1" "16 8" "64 16"; do
+    set -- $shape; local c=$1 i=$2
+    local common=(--connections "$c" --inflight "$i" --mix set=50,get=50 --keys 10000 --value-size 64)
+    start_mosquitto "mosquitto-responder-${c}x${i}"; start_responder
+    bench "ss-mosquitto-responder-${c}x${i}" "${common[@]}"; stop_all
+    start_mqstate "ss-mqstate-nolog-${c}x${i}" --persistence opt-in
+    bench "ss-mqstate-nolog-${c}x${i}" "${common[@]}"; stop_all
+    start_mqstate "ss-mqstate-fsync-${c}x${i}" --fsync always
+    bench "ss-mqstate-fsync-${c}x${i}" "${common[@]}"; stop_all
+  done
+}
+
+pubsub() {
+  for shape in "16 16" "1 100"; do
+    set -- $shape; local p=$1 s=$2
+    local common=(--mode pubsub --publishers "$p" --subscribers "$s" --qos 1 --payload 64 --inflight 16)
+    start_mosquitto "mosquitto-pubsub-${p}x${s}"; bench "pubsub-mosquitto-${p}x${s}" "${common[@]}"; stop_all
+    start_mqstate "mqstate-pubsub-${p}x${s}"; bench "pubsub-mqstate-${p}x${s}" "${common[@]}"; stop_all
+  done
+}
+
+redis() {
+  PORT=$(free_port); local dir; dir=$(mktemp -d)
+  redis-server --port "$PORT" --bind 127.0.0.1 --dir "$dir" --appendonly yes --appendfsync always \
+    --save '' >"$OUT/redis.server.log" 2>&1 &
+  PIDS+=("$!"); wait_port "$PORT"
+  echo "== redis appendfsync always: redis-benchmark -t set -c 50"
+  redis-benchmark -p "$PORT" -t set -c 50 -n 200000 -d 64 -r 10000 -q --precision 3 | tee "$OUT/redis-set-c50.txt"
+  redis-benchmark -p "$PORT" -t set -c 50 -n 200000 -d 64 -r 10000 --csv >"$OUT/redis-set-c50.csv"
+  stop_all
+  start_mqstate "durable-set-c50" --fsync always
+  bench "durable-set-mqstate-c50" --connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64
+  stop_all
+}
+
+idle() {
+  start_mqstate "idle-10k"
+  echo "== 10,000 idle connections"
+  "$MQSTATE" bench --mode idle --port "$PORT" --connections 10000 --duration 5 \
+    --server-pid "$SERVER_PID" --json "$OUT/idle-10k.json"
+  stop_all
+}
+
+restart() {
+  start_mqstate "restart-1m" --fsync never
+  echo "== load 1,000,000 keys of 100 bytes"
+  "$MQSTATE" bench --port "$PORT" --connections 16 --inflight 64 --mix set=100 --keys 1000000 \
+    --distribution sequential --value-size 100 --requests 1000000 --json "$OUT/restart-load.json" | tail -n 4
+  echo "server memory with 1,000,000 keys: $(grep VmRSS "/proc/$SERVER_PID/status")"
+  echo "raw bytes of keys + values: $((1000000 * (16 + 100) / 1024)) kB"
+  kill -TERM "$SERVER_PID"; wait "$SERVER_PID" || true; PIDS=()
+  echo "== restart"
+  local t0; t0=$(date +%s.%N)
+  "$MQSTATE" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" >"$OUT/restart-1m.restart.log" 2>&1 &
+  SERVER_PID=$!; PIDS+=("$SERVER_PID"); wait_port "$PORT"
+  echo "ready after $(echo "$(date +%s.%N) - $t0" | bc) s"
+  grep 'state recovered' "$OUT/restart-1m.restart.log" || true
+  stop_all
+}
+
+case "$WHAT" in
+  all) statestore; pubsub; redis; idle; restart ;;
+  statestore|pubsub|redis|idle|restart) "$WHAT" ;;
+  *) echo "usage: $0 [all|pubsub|statestore|redis|idle|restart]" >&2; exit 2 ;;
+esac
