@@ -20,8 +20,13 @@
 //! message, or, if there is none, is itself dropped (counted per session). Publishers are never
 //! blocked or disconnected because a subscriber is slow.
 //!
+//! Who may connect and what they may publish or subscribe to is asked of the ports in [`auth`]; the
+//! binary plugs its configured policy in with [`Broker::with_security`].
+//!
 //! Architecture invariant: this crate knows nothing of the state store, of the WAL or of replication.
 
+pub mod auth;
+mod auth_failures;
 mod codec;
 pub mod config;
 mod connection;
@@ -38,6 +43,7 @@ mod topic;
 mod trie;
 pub mod will;
 
+pub use auth::{Authenticator, Authorizer, Identity, Principal, Security};
 pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
