@@ -188,7 +188,7 @@ pub struct Settings {
 
     /// Seconds after which a rate-limited address gets one more attempt. Default 6.
     #[arg(long, env = "MQSTATE_AUTH_FAILURE_REFILL", value_name = "SECS")]
-    pub auth_failure_refill_secs: Option<u64>,
+    pub auth_failure_refill: Option<u64>,
 }
 
 /// Settings with every default applied and every value checked.
@@ -263,9 +263,9 @@ impl Settings {
             allow_anonymous: self.allow_anonymous.or(lower.allow_anonymous),
             acl_file: self.acl_file.or(lower.acl_file),
             auth_failure_limit: self.auth_failure_limit.or(lower.auth_failure_limit),
-            auth_failure_refill_secs: self
-                .auth_failure_refill_secs
-                .or(lower.auth_failure_refill_secs),
+            auth_failure_refill: self
+                .auth_failure_refill
+                .or(lower.auth_failure_refill),
         }
     }
 
@@ -324,7 +324,7 @@ impl Settings {
                 .auth_failure_limit
                 .unwrap_or(defaults::AUTH_FAILURE_LIMIT),
             auth_failure_refill: Duration::from_secs(
-                self.auth_failure_refill_secs
+                self.auth_failure_refill
                     .unwrap_or(defaults::AUTH_FAILURE_REFILL_SECS),
             ),
         })
