@@ -263,9 +263,7 @@ impl Settings {
             allow_anonymous: self.allow_anonymous.or(lower.allow_anonymous),
             acl_file: self.acl_file.or(lower.acl_file),
             auth_failure_limit: self.auth_failure_limit.or(lower.auth_failure_limit),
-            auth_failure_refill: self
-                .auth_failure_refill
-                .or(lower.auth_failure_refill),
+            auth_failure_refill: self.auth_failure_refill.or(lower.auth_failure_refill),
         }
     }
 
