@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod auth;
 mod bench;
 mod client;
 mod data;
@@ -34,6 +35,8 @@ enum Command {
     /// Inspect, verify or repair a data directory (offline).
     #[command(subcommand)]
     Data(data::Command),
+    /// Add, change or delete a user in a password file (argon2id hashes).
+    Passwd(auth::passwd::PasswdArgs),
 }
 
 #[derive(clap::Args)]
@@ -69,6 +72,13 @@ fn main() -> ExitCode {
             Command::Client(cmd) => client::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Data(cmd) => data::run(cmd),
+            Command::Passwd(args) => match auth::passwd::run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("mqstate passwd: {e:#}");
+                    ExitCode::FAILURE
+                }
+            },
         }
     })
 }

@@ -31,7 +31,8 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let (machine, wal, next_lsn) = recover(&settings)?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
-    let broker = Broker::new(broker_config(&settings));
+    let policy = crate::auth::load(&settings)?;
+    let broker = Broker::with_security(broker_config(&settings), policy.security);
     let inbox = broker
         .claim_topic(INVOKE_TOPIC)
         .context("cannot attach the state store to the broker")?;
@@ -42,8 +43,10 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         let listener = TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
-        if !addr.ip().is_loopback() {
-            tracing::warn!(%addr, "plain MQTT without authentication on a non-loopback address: anyone who can reach it can read and write everything");
+        let open =
+            !crate::auth::auth_configured(&settings) || settings.allow_anonymous == Some(true);
+        if !addr.ip().is_loopback() && open {
+            tracing::warn!(%addr, "anonymous MQTT on a non-loopback address: anyone who can reach it can connect (see docs/security.md)");
         }
         listeners.push(tokio::spawn(mqstate_broker::serve(
             listener,
@@ -59,6 +62,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             Persistence::OptIn => Durability::OptIn,
         },
         snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
+        key_access: policy.key_access,
         ..ServiceConfig::default()
     };
     let stats = Arc::new(ServiceStats::default());
@@ -181,6 +185,8 @@ fn broker_config(settings: &Resolved) -> BrokerConfig {
         session_expiry_max_secs: settings
             .session_expiry_max
             .unwrap_or(defaults.session_expiry_max_secs),
+        auth_failure_burst: settings.auth_failure_limit,
+        auth_failure_refill: settings.auth_failure_refill,
         ..defaults
     }
 }

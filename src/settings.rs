@@ -20,6 +20,10 @@ pub mod defaults {
     pub const MAX_PACKET_SIZE_BYTES: u32 = 1024 * 1024;
     /// Snapshot once the log has grown by this much since the last one.
     pub const SNAPSHOT_THRESHOLD_BYTES: u64 = 64 * 1024 * 1024;
+    /// Failed authentications allowed from one address before it is refused without checking.
+    pub const AUTH_FAILURE_LIMIT: u32 = 10;
+    /// A rate-limited address gets one more attempt per this many seconds.
+    pub const AUTH_FAILURE_REFILL_SECS: u64 = 6;
 }
 
 /// `fsync` policy of the write-ahead log.
@@ -154,6 +158,37 @@ pub struct Settings {
     /// State store: maximum value size in bytes. Default: the maximum packet size.
     #[arg(long, env = "MQSTATE_MAX_VALUE_BYTES", value_name = "BYTES")]
     pub max_value_bytes: Option<u64>,
+
+    /// Password file (`user:argon2id-hash` lines, managed with `mqstate passwd`). Default none.
+    #[arg(long, env = "MQSTATE_PASSWORD_FILE", value_name = "FILE")]
+    pub password_file: Option<PathBuf>,
+
+    /// Public key (PEM, RS256 or ES256) that verifies `K8S-SAT` tokens. Default none (method refused).
+    #[arg(long, env = "MQSTATE_JWT_PUBLIC_KEY", value_name = "FILE")]
+    pub jwt_public_key: Option<PathBuf>,
+
+    /// Audience `K8S-SAT` tokens must carry in `aud`. Default: not checked.
+    #[arg(long, env = "MQSTATE_JWT_AUDIENCE", value_name = "AUD")]
+    pub jwt_audience: Option<String>,
+
+    /// Whether clients without credentials may connect. Default: true only when no authentication
+    /// (password file, JWT key) is configured.
+    #[arg(long, env = "MQSTATE_ALLOW_ANONYMOUS", value_name = "BOOL")]
+    pub allow_anonymous: Option<bool>,
+
+    /// ACL file (topics and state-store keys per user, client id or certificate). Default none: every
+    /// client may do everything.
+    #[arg(long, env = "MQSTATE_ACL_FILE", value_name = "FILE")]
+    pub acl_file: Option<PathBuf>,
+
+    /// Failed authentications from one address before its CONNECTs are refused unchecked; 0 disables.
+    /// Default 10.
+    #[arg(long, env = "MQSTATE_AUTH_FAILURE_LIMIT", value_name = "N")]
+    pub auth_failure_limit: Option<u32>,
+
+    /// Seconds after which a rate-limited address gets one more attempt. Default 6.
+    #[arg(long, env = "MQSTATE_AUTH_FAILURE_REFILL", value_name = "SECS")]
+    pub auth_failure_refill: Option<u64>,
 }
 
 /// Settings with every default applied and every value checked.
@@ -175,6 +210,14 @@ pub struct Resolved {
     pub max_key_bytes: Option<u64>,
     pub max_value_bytes: u64,
     pub snapshot_threshold_bytes: u64,
+    pub password_file: Option<PathBuf>,
+    pub jwt_public_key: Option<PathBuf>,
+    pub jwt_audience: Option<String>,
+    /// `None`: decided by whether authentication is configured (see `auth::load`).
+    pub allow_anonymous: Option<bool>,
+    pub acl_file: Option<PathBuf>,
+    pub auth_failure_limit: u32,
+    pub auth_failure_refill: Duration,
 }
 
 impl Settings {
@@ -214,6 +257,13 @@ impl Settings {
             snapshot_threshold_bytes: self
                 .snapshot_threshold_bytes
                 .or(lower.snapshot_threshold_bytes),
+            password_file: self.password_file.or(lower.password_file),
+            jwt_public_key: self.jwt_public_key.or(lower.jwt_public_key),
+            jwt_audience: self.jwt_audience.or(lower.jwt_audience),
+            allow_anonymous: self.allow_anonymous.or(lower.allow_anonymous),
+            acl_file: self.acl_file.or(lower.acl_file),
+            auth_failure_limit: self.auth_failure_limit.or(lower.auth_failure_limit),
+            auth_failure_refill: self.auth_failure_refill.or(lower.auth_failure_refill),
         }
     }
 
@@ -263,6 +313,18 @@ impl Settings {
             snapshot_threshold_bytes: self
                 .snapshot_threshold_bytes
                 .unwrap_or(defaults::SNAPSHOT_THRESHOLD_BYTES),
+            password_file: self.password_file,
+            jwt_public_key: self.jwt_public_key,
+            jwt_audience: self.jwt_audience,
+            allow_anonymous: self.allow_anonymous,
+            acl_file: self.acl_file,
+            auth_failure_limit: self
+                .auth_failure_limit
+                .unwrap_or(defaults::AUTH_FAILURE_LIMIT),
+            auth_failure_refill: Duration::from_secs(
+                self.auth_failure_refill
+                    .unwrap_or(defaults::AUTH_FAILURE_REFILL_SECS),
+            ),
         })
     }
 }

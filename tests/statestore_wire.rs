@@ -1266,9 +1266,13 @@ async fn notifications_go_to_each_observer_exactly_once() {
     let mut watcher = Wire::connect(server.port(), "wire-watcher").await;
     let mut writer = Wire::connect(server.port(), "wire-writer").await;
     // The watcher also has a subscription matching its notification topic: still exactly one copy.
+    // (Only its own notification topics: subscribing to others' is refused.)
     watcher
         .client
-        .subscribe(format!("{NOTIFY_PREFIX}#"), QoS::AtLeastOnce)
+        .subscribe(
+            format!("{NOTIFY_PREFIX}{}/#", hex_upper(b"wire-watcher")),
+            QoS::AtLeastOnce,
+        )
         .await
         .unwrap();
     match watcher.next_event().await {

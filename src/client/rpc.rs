@@ -398,7 +398,7 @@ mod tests {
     fn response_topic_is_not_under_the_state_store_prefix() {
         let topic = response_topic("abc");
         assert!(!mqstate_protocol::topic::is_forbidden_response_topic(
-            &topic
+            &topic, "abc"
         ));
         assert_ne!(topic, INVOKE_TOPIC);
     }

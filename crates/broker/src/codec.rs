@@ -24,6 +24,7 @@ pub(crate) mod reason {
     pub const PROTOCOL_ERROR: u8 = 0x82;
     pub const UNSUPPORTED_PROTOCOL_VERSION: u8 = 0x84;
     pub const CLIENT_ID_NOT_VALID: u8 = 0x85;
+    pub const NOT_AUTHORIZED: u8 = 0x87;
     pub const SERVER_SHUTTING_DOWN: u8 = 0x8B;
     pub const KEEP_ALIVE_TIMEOUT: u8 = 0x8D;
     pub const SESSION_TAKEN_OVER: u8 = 0x8E;
@@ -169,6 +170,11 @@ pub(crate) struct ConnectInfo {
     /// `u32::MAX` when the client set none.
     pub max_packet_size: u32,
     pub will: Option<Will>,
+    pub username: Option<ByteString>,
+    pub password: Option<Bytes>,
+    /// v5 enhanced authentication: Authentication Method and Data.
+    pub auth_method: Option<ByteString>,
+    pub auth_data: Option<Bytes>,
 }
 
 /// A decoded PUBLISH, before topic-alias resolution.
@@ -226,7 +232,9 @@ pub(crate) enum Inbound {
         reason: u8,
         session_expiry_secs: Option<u32>,
     },
-    /// A packet only a server may send, or AUTH (no enhanced authentication): a protocol error.
+    /// AUTH after CONNECT (re-authentication or a continuation we never asked for).
+    Auth,
+    /// A packet only a server may send: a protocol error.
     Unexpected(&'static str),
 }
 
@@ -255,6 +263,8 @@ pub(crate) struct ConnAck {
     pub topic_alias_maximum: u16,
     pub server_keep_alive: Option<u16>,
     pub shared_subscriptions: bool,
+    /// Echo of the CONNECT's Authentication Method when enhanced authentication succeeded.
+    pub auth_method: Option<ByteString>,
     pub reason_string: Option<ByteString>,
 }
 
@@ -341,6 +351,7 @@ impl Codec {
                 topic_alias_max: ack.topic_alias_maximum,
                 shared_subscription_available: ack.shared_subscriptions,
                 server_keepalive_sec: ack.server_keep_alive,
+                auth_method: ack.auth_method,
                 reason_string: ack.reason_string,
                 ..v5::ConnectAck::default()
             }))),
@@ -521,6 +532,10 @@ fn from_v3(p: v3::Packet) -> Inbound {
                 },
                 delay_secs: 0,
             }),
+            username: c.username,
+            password: c.password,
+            auth_method: None,
+            auth_data: None,
         })),
         v3::Packet::Publish(p) => Inbound::Publish(InPublish {
             dup: p.dup,
@@ -625,6 +640,10 @@ fn from_v5(p: v5::Packet) -> Result<Inbound, Violation> {
                 receive_maximum: c.receive_max.map_or(u16::MAX, NonZeroU16::get),
                 max_packet_size: c.max_packet_size.map_or(u32::MAX, NonZeroU32::get),
                 will,
+                username: c.username,
+                password: c.password,
+                auth_method: c.auth_method,
+                auth_data: c.auth_data,
             }))
         }
         v5::Packet::Publish(p) => {
@@ -687,7 +706,7 @@ fn from_v5(p: v5::Packet) -> Result<Inbound, Violation> {
             reason: u8::from(d.reason_code),
             session_expiry_secs: d.session_expiry_interval_secs,
         },
-        v5::Packet::Auth(_) => Inbound::Unexpected("AUTH without an authentication method"),
+        v5::Packet::Auth(_) => Inbound::Auth,
         v5::Packet::ConnectAck(_)
         | v5::Packet::SubscribeAck(_)
         | v5::Packet::UnsubscribeAck(_)

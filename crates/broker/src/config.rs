@@ -46,6 +46,14 @@ pub struct BrokerConfig {
     pub idle_buffer_bytes: usize,
     /// Whether `$share/group/filter` subscriptions are accepted (else SUBACK 0x9E). Default true.
     pub shared_subscriptions: bool,
+    /// Failed authentications allowed from one source address before its CONNECTs are refused
+    /// (0x87) without being checked; 0 disables the limit. Default 10.
+    pub auth_failure_burst: u32,
+    /// A rate-limited address gets one more attempt per this interval. Default 6 s (10 a minute).
+    pub auth_failure_refill: Duration,
+    /// Source addresses whose failures are remembered at once; bounds the limiter's memory.
+    /// Default 65,536.
+    pub auth_failure_tracked_max: usize,
 }
 
 impl Default for BrokerConfig {
@@ -67,6 +75,9 @@ impl Default for BrokerConfig {
             write_batch_bytes: 64 * 1024,
             idle_buffer_bytes: 1024,
             shared_subscriptions: true,
+            auth_failure_burst: 10,
+            auth_failure_refill: Duration::from_secs(6),
+            auth_failure_tracked_max: 65_536,
         }
     }
 }

@@ -21,6 +21,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::{ConnectAttempt, Identity, Principal, Refusal};
+use crate::auth_failures::Verdict;
 use crate::codec::{
     self, reason, AckKind, Codec, ConnAck, ConnectInfo, InPublish, Inbound, OutPublish, Probe,
     SubRequest, Version, Violation,
@@ -172,6 +174,71 @@ async fn read_connect(
     }
 }
 
+/// Writes a refusing CONNACK (the connection closes after it).
+async fn refuse(
+    codec: &mut Codec,
+    wr: &mut OwnedWriteHalf,
+    close_timeout: Duration,
+    code: u8,
+    why: Option<&str>,
+) {
+    let mut out = BytesMut::new();
+    codec.connack(
+        ConnAck {
+            reason: code,
+            reason_string: why.map(ByteString::from),
+            ..ConnAck::default()
+        },
+        &mut out,
+    );
+    let _ = tokio::time::timeout(close_timeout, wr.write_all(&out)).await;
+}
+
+/// Asks the authenticator (on a blocking thread: password hashes are slow on purpose) unless the
+/// source address has failed too often; counts failures. `Err` is the CONNACK reason code.
+async fn authenticate(
+    inner: &Arc<Inner>,
+    connect: &ConnectInfo,
+    client_id: &Arc<str>,
+    peer: SocketAddr,
+) -> Result<Identity, u8> {
+    let ip = peer.ip();
+    if let Verdict::Limited { first } = inner.auth_failures.check(ip, std::time::Instant::now()) {
+        if first {
+            tracing::warn!(address = %ip, "too many failed authentications from this address; refusing its CONNECTs until the limit refills");
+        } else {
+            tracing::debug!(address = %ip, %client_id, "CONNECT refused: address rate-limited after failed authentications");
+        }
+        return Err(Refusal::NotAuthorized.reason_code());
+    }
+    let attempt = ConnectAttempt {
+        client_id: client_id.clone(),
+        username: connect.username.as_deref().map(Arc::from),
+        password: connect.password.clone(),
+        auth_method: connect.auth_method.as_deref().map(Arc::from),
+        auth_data: connect.auth_data.clone(),
+        peer,
+        // Listeners are plain TCP: there is no client certificate to report.
+        cert_identity: None,
+    };
+    let authenticator = inner.security.authenticator.clone();
+    match tokio::task::spawn_blocking(move || authenticator.authenticate(&attempt)).await {
+        Ok(Ok(identity)) => Ok(identity),
+        Ok(Err(refusal)) => {
+            inner
+                .auth_failures
+                .record_failure(ip, std::time::Instant::now());
+            let code = refusal.reason_code();
+            tracing::info!(%peer, %client_id, reason_code = format_args!("{code:#04x}"), "CONNECT refused: authentication failed");
+            Err(code)
+        }
+        Err(e) => {
+            tracing::error!(%peer, %client_id, "authenticator failed: {e}; refusing the CONNECT");
+            Err(Refusal::NotAuthorized.reason_code())
+        }
+    }
+}
+
 struct Connection {
     inner: Arc<Inner>,
     conn_id: u64,
@@ -195,6 +262,8 @@ struct Connection {
     qos2_awaiting_service: BTreeSet<u16>,
     will: Option<Will>,
     peer: SocketAddr,
+    /// Who the client authenticated as.
+    identity: Identity,
     /// A claimed-topic publish waiting for room in its service's inbox. While set, the connection
     /// reads nothing more from the socket (back-pressure) but still writes acks and deliveries.
     stalled: Option<Stalled>,
@@ -209,7 +278,7 @@ struct Stalled {
 }
 
 impl Connection {
-    /// Validates CONNECT; on refusal writes the CONNACK and returns `None`.
+    /// Validates and authenticates CONNECT; on refusal writes the CONNACK and returns `None`.
     async fn establish(
         mut codec: Codec,
         connect: ConnectInfo,
@@ -231,16 +300,7 @@ impl Connection {
             None
         };
         if let Some((code, why)) = refusal {
-            let mut out = BytesMut::new();
-            codec.connack(
-                ConnAck {
-                    reason: code,
-                    reason_string: Some(why.into()),
-                    ..ConnAck::default()
-                },
-                &mut out,
-            );
-            let _ = tokio::time::timeout(cfg.close_timeout, wr.write_all(&out)).await;
+            refuse(&mut codec, wr, cfg.close_timeout, code, Some(why)).await;
             tracing::debug!(%peer, client_id = %connect.client_id, why, "CONNECT refused");
             return None;
         }
@@ -250,6 +310,36 @@ impl Connection {
         } else {
             Arc::from(&*connect.client_id)
         };
+        // Authentication failures get no reason string: nothing that helps guessing.
+        let identity = match authenticate(inner, &connect, &client_id, peer).await {
+            Ok(identity) => identity,
+            Err(code) => {
+                refuse(&mut codec, wr, cfg.close_timeout, code, None).await;
+                return None;
+            }
+        };
+        if let Some(will) = &connect.will {
+            let who = Principal {
+                client_id: &client_id,
+                identity: &identity,
+            };
+            if !inner
+                .security
+                .authorizer
+                .may_publish(who, &will.message.topic)
+            {
+                tracing::info!(%peer, %client_id, topic = %will.message.topic, "CONNECT refused: the will topic is not authorized");
+                refuse(
+                    &mut codec,
+                    wr,
+                    cfg.close_timeout,
+                    reason::NOT_AUTHORIZED,
+                    None,
+                )
+                .await;
+                return None;
+            }
+        }
         let session_expiry_secs = match connect.session_expiry_secs {
             Some(requested) => requested.min(cfg.session_expiry_max_secs),
             // MQTT 3.1.1: a persistent session lives as long as we allow.
@@ -283,10 +373,18 @@ impl Connection {
             qos2_awaiting_service: BTreeSet::new(),
             will,
             peer,
+            identity,
             connect,
             stalled: None,
             held_acks: VecDeque::new(),
         })
+    }
+
+    fn principal(&self) -> Principal<'_> {
+        Principal {
+            client_id: &self.client_id,
+            identity: &self.identity,
+        }
     }
 
     fn session(&self) -> &Arc<SessionHandle> {
@@ -342,6 +440,7 @@ impl Connection {
             topic_alias_maximum: cfg.topic_alias_maximum,
             server_keep_alive: cfg.server_keep_alive_secs,
             shared_subscriptions: cfg.shared_subscriptions,
+            auth_method: self.connect.auth_method.clone(),
             reason_string: None,
         };
         self.codec.connack(ack, &mut self.out);
@@ -606,6 +705,18 @@ impl Connection {
                     "second CONNECT",
                 )));
             }
+            Inbound::Auth if self.connect.auth_method.is_some() => {
+                return Err(End::Violation(Violation::new(
+                    reason::NOT_AUTHORIZED,
+                    "re-authentication is not supported; reconnect with fresh credentials",
+                )));
+            }
+            Inbound::Auth => {
+                return Err(End::Violation(Violation::new(
+                    reason::PROTOCOL_ERROR,
+                    "AUTH without an authentication method",
+                )));
+            }
             Inbound::Unexpected(why) => {
                 return Err(End::Violation(Violation::new(reason::PROTOCOL_ERROR, why)))
             }
@@ -625,6 +736,23 @@ impl Connection {
             )));
         }
         let packet_id = p.packet_id.unwrap_or(0);
+        if !self
+            .inner
+            .security
+            .authorizer
+            .may_publish(self.principal(), &topic)
+        {
+            tracing::debug!(client_id = %self.client_id, %topic, "PUBLISH not authorized");
+            // QoS 0 has no acknowledgement to refuse with: the message is dropped.
+            let kind = match p.qos {
+                QoS::AtMostOnce => return Ok(()),
+                QoS::AtLeastOnce => AckKind::Acknowledge,
+                QoS::ExactlyOnce => AckKind::Received,
+            };
+            self.codec
+                .ack(kind, packet_id, reason::NOT_AUTHORIZED, &mut self.out);
+            return Ok(());
+        }
         if p.qos != QoS::AtMostOnce {
             let in_use = self.inbound_qos1_pending + self.session().lock().inbound_qos2.len();
             if in_use >= usize::from(self.inner.config.receive_maximum) {
@@ -650,7 +778,12 @@ impl Connection {
             properties: p.properties,
         };
         if let Some(inbox) = self.inner.claim_for(&message.topic) {
-            let (request, ack) = ServiceRequest::new(self.client_id.clone(), message, p.dup);
+            let (request, ack) = ServiceRequest::new(
+                self.client_id.clone(),
+                self.identity.clone(),
+                message,
+                p.dup,
+            );
             match inbox.try_send(request) {
                 Ok(()) => {}
                 // Back-pressure: stop reading until the inbox has room.
@@ -768,6 +901,16 @@ impl Connection {
                         "No Local set on a shared subscription",
                     )));
                 }
+            }
+            if !self
+                .inner
+                .security
+                .authorizer
+                .may_subscribe(self.principal(), filter.filter)
+            {
+                tracing::debug!(client_id = %self.client_id, filter = %raw, "SUBSCRIBE not authorized");
+                codes.push(reason::NOT_AUTHORIZED);
+                continue;
             }
             let options = SubscriptionOptions {
                 qos: req.qos,

@@ -22,8 +22,13 @@
 //! client's own requests) may exceed the limit by the Receive Maximum: while a client's queue is full
 //! its connection holds back the acks of its service requests, which bounds the replies it is owed.
 //!
+//! Who may connect and what they may publish or subscribe to is asked of the ports in [`auth`]; the
+//! binary plugs its configured policy in with [`Broker::with_security`].
+//!
 //! Architecture invariant: this crate knows nothing of the state store, of the WAL or of replication.
 
+pub mod auth;
+mod auth_failures;
 mod codec;
 pub mod config;
 mod connection;
@@ -40,6 +45,7 @@ mod topic;
 mod trie;
 pub mod will;
 
+pub use auth::{Authenticator, Authorizer, Identity, Principal, Security};
 pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};

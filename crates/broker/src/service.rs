@@ -4,7 +4,8 @@
 //!
 //! * [`Broker::claim_topic`] — every PUBLISH whose topic equals the claimed topic exactly is *not*
 //!   routed to subscribers; it is handed to the returned inbox as a [`ServiceRequest`] carrying the
-//!   publisher's client id and all properties. For QoS 1/2 the publisher gets its PUBACK/PUBREC only
+//!   publisher's client id, its authenticated [`Identity`] and all properties. The publish was
+//!   authorized like any other (the [`crate::Authorizer`] allowed it) before it reaches the inbox. For QoS 1/2 the publisher gets its PUBACK/PUBREC only
 //!   when the service calls [`ServiceRequest::ack`] (dropping the request unacked acks with
 //!   0x80 Unspecified error). The inbox is bounded; when it is full the broker applies back-pressure to
 //!   the publishing connection (it stops reading from that socket) rather than dropping.
@@ -26,6 +27,8 @@ use std::time::Instant;
 use bytestring::ByteString;
 use tokio::sync::{broadcast, mpsc, oneshot};
 
+use crate::auth::{Identity, Security};
+use crate::auth_failures::AuthFailures;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
 use crate::message::{Message, QoS};
@@ -43,6 +46,8 @@ const EVENT_CHANNEL_CAPACITY: usize = 1024;
 pub struct ServiceRequest {
     /// The publisher's client id (assigned id for clients that connected with an empty one).
     pub client_id: Arc<str>,
+    /// Who the publisher authenticated as.
+    pub identity: Identity,
     pub message: Message,
     /// DUP flag of the PUBLISH: the client is retrying.
     pub dup: bool,
@@ -51,11 +56,17 @@ pub struct ServiceRequest {
 
 impl ServiceRequest {
     /// Build a request (used by the broker, and by services' own tests).
-    pub fn new(client_id: Arc<str>, message: Message, dup: bool) -> (Self, oneshot::Receiver<u8>) {
+    pub fn new(
+        client_id: Arc<str>,
+        identity: Identity,
+        message: Message,
+        dup: bool,
+    ) -> (Self, oneshot::Receiver<u8>) {
         let (tx, rx) = oneshot::channel();
         (
             Self {
                 client_id,
+                identity,
                 message,
                 dup,
                 ack: Some(tx),
@@ -113,6 +124,8 @@ pub struct Broker {
 /// Broker-wide shared state.
 pub(crate) struct Inner {
     pub config: BrokerConfig,
+    pub security: Security,
+    pub auth_failures: AuthFailures,
     pub router: Router,
     pub registry: Registry,
     claims: RwLock<HashMap<ByteString, mpsc::Sender<ServiceRequest>>>,
@@ -121,10 +134,22 @@ pub(crate) struct Inner {
 }
 
 impl Broker {
-    /// A broker with `config`; serve it on listeners with [`crate::serve`].
+    /// A broker with `config` that lets every client in and do everything; serve it on listeners
+    /// with [`crate::serve`].
     pub fn new(config: BrokerConfig) -> Self {
+        Self::with_security(config, Security::default())
+    }
+
+    /// A broker that authenticates and authorizes clients with `security`.
+    pub fn with_security(config: BrokerConfig, security: Security) -> Self {
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let inner = Inner {
+            auth_failures: AuthFailures::new(
+                config.auth_failure_burst,
+                config.auth_failure_refill,
+                config.auth_failure_tracked_max,
+            ),
+            security,
             router: Router::new(
                 config.max_queued_messages,
                 usize::from(config.receive_maximum),

@@ -1,5 +1,8 @@
 //! MQTT topic names of the state store (spec §1, §6).
 
+/// The state store's service id: every topic that contains it belongs to the state store.
+pub const SERVICE_ID: &str = "FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8";
+
 /// The system topic requests are published to.
 pub const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 
@@ -21,9 +24,50 @@ pub fn notify_topic(client_id: &[u8], key: &[u8]) -> String {
     topic
 }
 
-/// Whether a request's Response Topic is forbidden (the broker disconnects the client, spec §1).
-pub fn is_forbidden_response_topic(topic: &str) -> bool {
-    topic == INVOKE_TOPIC || topic.starts_with(NOTIFY_TOPIC_PREFIX)
+/// Whether `client_id` may not use `topic` as a request's Response Topic (the client is disconnected).
+///
+/// Spec §1 forbids the invoke topic and the notification namespace. On top of that, a response topic
+/// naming the state store (the SDKs use `clients/{client id}/services/statestore/v1/{SERVICE_ID}/…`)
+/// must be under the client's own `clients/{client id}/`: otherwise a client could have the state store
+/// publish replies into another client's RPC flow.
+pub fn is_forbidden_response_topic(topic: &str, client_id: &str) -> bool {
+    topic == INVOKE_TOPIC
+        || topic.starts_with(NOTIFY_TOPIC_PREFIX)
+        || (topic.contains(SERVICE_ID) && !is_under_own_clients_topic(topic, client_id))
+}
+
+fn is_under_own_clients_topic(topic: &str, client_id: &str) -> bool {
+    topic
+        .strip_prefix("clients/")
+        .and_then(|rest| rest.strip_prefix(client_id))
+        .is_some_and(|rest| rest.starts_with('/'))
+}
+
+/// Whether clients are forbidden to publish on `topic`: every topic naming the state store except the
+/// invoke topic. Only the state store publishes notifications and replies there, so a client cannot
+/// spoof either.
+pub fn is_reserved_for_service(topic: &str) -> bool {
+    topic != INVOKE_TOPIC && topic.contains(SERVICE_ID)
+}
+
+/// Whether subscribing `client_id` to `filter` targets another client's notification topics: the
+/// filter names the notification namespace and its client level is not the client's own hex id (a
+/// wildcard there would reach everyone's). Broader filters (`#`, `clients/#`) are not refused:
+/// notifications are delivered into the observer's session directly, never routed by topic, so they
+/// cannot leak through a subscription.
+pub fn is_foreign_notification_filter(filter: &str, client_id: &[u8]) -> bool {
+    let Some(rest) = filter.strip_prefix(NOTIFY_TOPIC_PREFIX) else {
+        return false;
+    };
+    let Some(rest) = rest.strip_prefix('/') else {
+        // The prefix itself, or the prefix glued to more text: not a topic of ours unless it is
+        // exactly the namespace root.
+        return rest.is_empty();
+    };
+    let level = rest.split('/').next().unwrap_or_default();
+    let mut own = String::with_capacity(2 * client_id.len());
+    push_hex_upper(&mut own, client_id);
+    level != own
 }
 
 fn push_hex_upper(out: &mut String, bytes: &[u8]) {
@@ -52,18 +96,62 @@ mod tests {
 
     #[test]
     fn forbidden_response_topics() {
-        assert!(is_forbidden_response_topic(INVOKE_TOPIC));
-        assert!(is_forbidden_response_topic(NOTIFY_TOPIC_PREFIX));
-        assert!(is_forbidden_response_topic(&notify_topic(b"a", b"b")));
-        assert!(is_forbidden_response_topic(
+        let forbidden = |t: &str| is_forbidden_response_topic(t, "me");
+        assert!(forbidden(INVOKE_TOPIC));
+        assert!(forbidden(NOTIFY_TOPIC_PREFIX));
+        assert!(forbidden(&notify_topic(b"a", b"b")));
+        assert!(forbidden(&notify_topic(b"me", b"b")));
+        assert!(forbidden(
             "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8xyz"
         ));
-        assert!(!is_forbidden_response_topic("clients/me/response"));
-        assert!(!is_forbidden_response_topic(
-            "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke/x"
-        ));
-        assert!(!is_forbidden_response_topic(
+        assert!(!forbidden("clients/me/response"));
+        assert!(!forbidden(
             "clients/statestore/v1/fa9ae35f-2f64-47cd-9bff-08e2b32a0fe8/x"
         ));
+        // The SDKs' response topic: only the client's own.
+        let sdk = |id: &str| {
+            format!("clients/{id}/services/statestore/v1/{SERVICE_ID}/command/invoke/response")
+        };
+        assert!(!forbidden(&sdk("me")));
+        assert!(forbidden(&sdk("other")));
+        assert!(forbidden(&sdk("mek")), "a longer id is another client");
+        assert!(forbidden(
+            "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke/x"
+        ));
+    }
+
+    #[test]
+    fn reserved_topics_are_the_service_namespace_except_invoke() {
+        assert!(!is_reserved_for_service(INVOKE_TOPIC));
+        assert!(is_reserved_for_service(&notify_topic(b"a", b"k")));
+        assert!(is_reserved_for_service(&format!(
+            "clients/x/services/statestore/v1/{SERVICE_ID}/command/invoke/response"
+        )));
+        assert!(is_reserved_for_service(&format!("{INVOKE_TOPIC}/x")));
+        assert!(!is_reserved_for_service("clients/x/response"));
+        assert!(!is_reserved_for_service(
+            "statestore/v1/other/command/invoke"
+        ));
+    }
+
+    #[test]
+    fn notification_filters_must_name_the_own_client() {
+        let own = format!("{NOTIFY_TOPIC_PREFIX}/6D65/command/notify/+");
+        assert!(!is_foreign_notification_filter(&own, b"me"));
+        assert!(!is_foreign_notification_filter(
+            &format!("{NOTIFY_TOPIC_PREFIX}/6D65/#"),
+            b"me"
+        ));
+        for foreign in [
+            format!("{NOTIFY_TOPIC_PREFIX}/6F74686572/command/notify/+"),
+            format!("{NOTIFY_TOPIC_PREFIX}/+/command/notify/+"),
+            format!("{NOTIFY_TOPIC_PREFIX}/#"),
+            NOTIFY_TOPIC_PREFIX.to_owned(),
+            format!("{NOTIFY_TOPIC_PREFIX}/6d65/#"),
+        ] {
+            assert!(is_foreign_notification_filter(&foreign, b"me"), "{foreign}");
+        }
+        assert!(!is_foreign_notification_filter("#", b"me"));
+        assert!(!is_foreign_notification_filter("clients/#", b"me"));
     }
 }

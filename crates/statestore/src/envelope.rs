@@ -51,7 +51,8 @@ pub struct Request {
 /// Why a publish on the invoke topic is not a request we execute.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rejection {
-    /// The response topic is the invoke topic or a notification topic: disconnect the client.
+    /// The response topic is the invoke topic, a notification topic or another client's state-store
+    /// response topic: disconnect the client.
     ForbiddenResponseTopic(ByteString),
     /// Nowhere to answer: drop and count.
     NoResponseTopic,
@@ -70,7 +71,7 @@ impl Request {
         let Some(response_topic) = props.response_topic.clone() else {
             return Err(Rejection::NoResponseTopic);
         };
-        if topic::is_forbidden_response_topic(&response_topic) {
+        if topic::is_forbidden_response_topic(&response_topic, &client_id) {
             return Err(Rejection::ForbiddenResponseTopic(response_topic));
         }
         if message.qos == QoS::AtMostOnce {

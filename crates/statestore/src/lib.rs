@@ -3,9 +3,13 @@
 //! * [`envelope`] — what a request must carry (response topic, correlation data, `__ts`, `__ft`) and the
 //!   properties of every reply (`__stat`, `__protVer`, `__srcId`, `__ts`).
 //! * [`dedup`] — the duplicate-request cache: a retried request gets its first reply, never a second run.
+//! * [`access`] — key-level authorization (`-ERR not authorized`); [`guard`] — the built-in topic rules
+//!   (only the state store publishes in its namespace; clients subscribe to their own notifications only).
 //!
 //! Architecture invariant: this is the only crate that knows both the broker port and the store.
 
+pub mod access;
 pub mod dedup;
 pub mod envelope;
+pub mod guard;
 pub mod service;

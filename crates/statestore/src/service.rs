@@ -16,19 +16,22 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use mqstate_broker::{service::Acker, Broker, ClientEvent, Message, ServiceInbox, ServiceRequest};
+use mqstate_broker::{
+    service::Acker, Broker, ClientEvent, Identity, Message, Principal, ServiceInbox, ServiceRequest,
+};
 use mqstate_protocol::{parse_request, Command, ErrorKind, Reply, RequestLimits};
 use mqstate_store::{Delta, Execution, KeyNotification, RequestContext, StateMachine};
 use mqstate_wal::{PendingCommit, Snapshot, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
+use crate::access::KeyAccess;
 use crate::dedup::{DedupCache, Seen, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{Rejection, ReplyBuilder, Request};
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
-/// Reason code of the DISCONNECT sent for a forbidden response topic.
-pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x82;
+/// Reason code of the DISCONNECT sent for a forbidden response topic (0x87 Not authorized).
+pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x87;
 /// PUBACK reason when a request could not be made durable (0x80 Unspecified error).
 pub const PUBACK_UNSPECIFIED_ERROR: u8 = 0x80;
 
@@ -51,6 +54,8 @@ pub struct ServiceConfig {
     pub snapshot_threshold_bytes: u64,
     pub request_limits: RequestLimits,
     pub dedup_max_entries: usize,
+    /// Which keys each client may read and write.
+    pub key_access: KeyAccess,
 }
 
 impl Default for ServiceConfig {
@@ -61,6 +66,7 @@ impl Default for ServiceConfig {
             snapshot_threshold_bytes: 64 * 1024 * 1024,
             request_limits: RequestLimits::default(),
             dedup_max_entries: DEFAULT_MAX_ENTRIES,
+            key_access: KeyAccess::default(),
         }
     }
 }
@@ -288,7 +294,7 @@ impl Executor {
             }
         };
         let started = Instant::now();
-        let executed = self.execute(&request).await;
+        let executed = self.execute(&request, &service_request.identity).await;
         let expiry_left = request.expiry.saturating_sub(started.elapsed());
         let Some((execution, persist, undo)) = executed else {
             self.stats.durability_failures.fetch_add(1, Relaxed);
@@ -364,7 +370,11 @@ impl Executor {
     /// Executes a request; returns the execution, whether its change is to be logged, and the delta
     /// that would undo it (for writes).
     /// `None` when the command is a write and the log refuses writes.
-    async fn execute(&mut self, request: &Request) -> Option<(Execution, bool, Option<Delta>)> {
+    async fn execute(
+        &mut self,
+        request: &Request,
+        identity: &Identity,
+    ) -> Option<(Execution, bool, Option<Delta>)> {
         let now_ms = unix_now_ms();
         let parsed = parse_request(&request.payload, &self.config.request_limits)
             .map_err(|e| e.kind())
@@ -377,6 +387,26 @@ impl Executor {
             Ok(command) => command,
             Err(kind) => return Some((error_execution(kind), false, None)),
         };
+        let who = Principal {
+            client_id: &request.client_id,
+            identity,
+        };
+        let keys = Arc::clone(&self.config.key_access.0);
+        let allowed = match &command {
+            Command::Get { key } | Command::KeyNotify { key } | Command::KeyNotifyStop { key } => {
+                keys.may_read(who, key)
+            }
+            Command::Set { key, .. } | Command::Del { key } | Command::VDel { key, .. } => {
+                keys.may_write(who, key)
+            }
+            // Filtered below instead: a SCAN returns what the client may read.
+            Command::Scan { .. } => true,
+        };
+        if !allowed {
+            tracing::debug!(client_id = %request.client_id, user = ?identity.user, "state store request not authorized");
+            return Some((error_execution(ErrorKind::NotAuthorized), false, None));
+        }
+        let is_scan = matches!(command, Command::Scan { .. });
         let written_key = match &command {
             Command::Set { key, .. } | Command::Del { key } | Command::VDel { key, .. } => {
                 Some(key.clone())
@@ -394,7 +424,11 @@ impl Executor {
             now_ms,
         };
         let persist = self.config.durability == Durability::All || request.persist;
-        Some((self.machine.execute(command, &context), persist, undo))
+        let mut execution = self.machine.execute(command, &context);
+        if let (true, Reply::Keys { keys: found, .. }) = (is_scan, &mut execution.reply) {
+            found.retain(|key| keys.may_read(who, key));
+        }
+        Some((execution, persist, undo))
     }
 
     /// The delta that puts `key` back as it is now.

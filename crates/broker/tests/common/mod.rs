@@ -8,7 +8,7 @@ use std::num::NonZeroU16;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use mqstate_broker::{Broker, BrokerConfig};
+use mqstate_broker::{Broker, BrokerConfig, Security};
 use rmqtt_codec::types::QoS as CQoS;
 use rmqtt_codec::v5::{self, Packet};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -28,9 +28,13 @@ pub struct Server {
 
 impl Server {
     pub async fn start(config: BrokerConfig) -> Self {
+        Self::start_secured(config, Security::default()).await
+    }
+
+    pub async fn start_secured(config: BrokerConfig, security: Security) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let broker = Broker::new(config);
+        let broker = Broker::with_security(config, security);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(mqstate_broker::serve(
             listener,
