@@ -28,6 +28,7 @@ mod connection;
 pub mod error;
 mod inbound;
 pub mod message;
+pub mod persist;
 mod registry;
 mod retained;
 mod router;
@@ -41,8 +42,9 @@ pub mod will;
 pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
+pub use persist::{Durable, JournalError, Restored, SessionChange, SessionJournal};
 pub use server::serve;
-pub use service::{Acker, Broker, ClientEvent, ServiceInbox, ServiceRequest};
+pub use service::{Acker, Broker, ClientEvent, RestoreReport, ServiceInbox, ServiceRequest};
 
 /// Entry points for fuzzing; not part of the supported API.
 #[doc(hidden)]
