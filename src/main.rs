@@ -10,6 +10,7 @@ mod bench;
 mod client;
 mod data;
 mod serve;
+mod sessions;
 mod settings;
 
 #[derive(Parser)]

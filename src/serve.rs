@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use mqstate_broker::{Broker, BrokerConfig};
@@ -14,6 +14,7 @@ use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::sessions;
 use crate::settings::{Fsync, LogFormat, Persistence, Resolved, Settings};
 
 /// The one stable HLC node id of the state-store service (spec §4: clients check it does not change).
@@ -31,7 +32,26 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let (machine, wal, next_lsn) = recover(&settings)?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
-    let broker = Broker::new(broker_config(&settings));
+    let (restored, session_log, appender) = sessions::recover(
+        &settings.data_dir,
+        wal_options(&settings),
+        settings.snapshot_threshold_bytes,
+    )?;
+    let session_log = Arc::new(session_log);
+    let broker = Broker::with_journal(broker_config(&settings), session_log.clone());
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let report = broker.restore(restored, now_ms);
+    tracing::info!(
+        sessions = report.sessions,
+        messages = report.messages,
+        retained = report.retained,
+        expired = report.expired,
+        wills_published = report.wills_published,
+        "MQTT sessions recovered"
+    );
+    let appender = tokio::spawn(appender.run(broker.clone()));
     let inbox = broker
         .claim_topic(INVOKE_TOPIC)
         .context("cannot attach the state store to the broker")?;
@@ -83,6 +103,9 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         let _ = listener.await;
     }
     let _ = store.await;
+    // Connections are closed (their detach and wills recorded): flush the session log.
+    session_log.close().await;
+    let _ = appender.await;
     match Arc::try_unwrap(wal) {
         Ok(wal) => wal
             .shutdown()
@@ -98,17 +121,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
 /// Returns the state, the log, and the LSN the next record will get.
 fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
     let started = Instant::now();
-    let options = WalOptions {
-        fsync: match settings.fsync {
-            Fsync::Always => FsyncPolicy::Always,
-            Fsync::Interval(every) => FsyncPolicy::Interval(every),
-            Fsync::Never => FsyncPolicy::Never,
-        },
-        // Crash tests arm these with MQSTATE_FAILPOINT=<name>; unset in production, they cost nothing.
-        failpoints: Failpoints::from_env(),
-        ..WalOptions::default()
-    };
-    let (wal, recovered) = Wal::open(&settings.data_dir, options).with_context(|| {
+    let (wal, recovered) = Wal::open(&settings.data_dir, wal_options(settings)).with_context(|| {
         format!(
             "cannot open the data directory {}",
             settings.data_dir.display()
@@ -157,6 +170,20 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
         "state recovered"
     );
     Ok((machine, wal, next_lsn))
+}
+
+/// Options of both logs (state store and sessions).
+fn wal_options(settings: &Resolved) -> WalOptions {
+    WalOptions {
+        fsync: match settings.fsync {
+            Fsync::Always => FsyncPolicy::Always,
+            Fsync::Interval(every) => FsyncPolicy::Interval(every),
+            Fsync::Never => FsyncPolicy::Never,
+        },
+        // Crash tests arm these with MQSTATE_FAILPOINT=<name>; unset in production, they cost nothing.
+        failpoints: Failpoints::from_env(),
+        ..WalOptions::default()
+    }
 }
 
 fn store_limits(settings: &Resolved) -> Limits {

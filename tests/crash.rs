@@ -5,7 +5,7 @@
 //!   each key holds its last acknowledged value and version, or a later write that was in flight.
 //! * failpoints (`MQSTATE_FAILPOINT`, `crates/wal/src/failpoint.rs`): the server aborts inside the
 //!   log writer or a snapshot; it must start again with every acknowledged write.
-//! * persistent sessions across a restart (ignored until the broker persists sessions).
+//! * persistent sessions across a restart (graceful and kill -9).
 //!
 //! Reproduce a failing random run with `MQSTATE_CRASH_SEED=<seed printed by the test>`.
 
@@ -544,7 +544,6 @@ async fn abort_before_snapshot_rename_loses_no_acknowledged_write() {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "persistent sessions are not durable yet"]
 async fn persistent_session_and_queued_message_survive_a_restart() {
     const TOPIC: &str = "crash/session";
     const SESSION_EXPIRY_SECS: u32 = 3600;
