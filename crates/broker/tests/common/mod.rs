@@ -28,9 +28,13 @@ pub struct Server {
 
 impl Server {
     pub async fn start(config: BrokerConfig) -> Self {
+        Self::serve(Broker::new(config)).await
+    }
+
+    /// Serves an already built (e.g. journalled or restored) broker.
+    pub async fn serve(broker: Broker) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let broker = Broker::new(config);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(mqstate_broker::serve(
             listener,
