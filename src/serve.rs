@@ -121,12 +121,13 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
 /// Returns the state, the log, and the LSN the next record will get.
 fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
     let started = Instant::now();
-    let (wal, recovered) = Wal::open(&settings.data_dir, wal_options(settings)).with_context(|| {
-        format!(
-            "cannot open the data directory {}",
-            settings.data_dir.display()
-        )
-    })?;
+    let (wal, recovered) =
+        Wal::open(&settings.data_dir, wal_options(settings)).with_context(|| {
+            format!(
+                "cannot open the data directory {}",
+                settings.data_dir.display()
+            )
+        })?;
     let store_config = StoreConfig {
         node_id: SERVICE_NODE_ID.into(),
         limits: store_limits(settings),
