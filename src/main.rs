@@ -11,6 +11,7 @@ mod bench;
 mod client;
 mod data;
 mod serve;
+mod sessions;
 mod settings;
 
 #[derive(Parser)]

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use mqstate_broker::{Broker, BrokerConfig};
@@ -14,6 +14,7 @@ use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::sessions;
 use crate::settings::{Fsync, LogFormat, Persistence, Resolved, Settings};
 
 /// The one stable HLC node id of the state-store service (spec §4: clients check it does not change).
@@ -32,7 +33,29 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
     let policy = crate::auth::load(&settings)?;
-    let broker = Broker::with_security(broker_config(&settings), policy.security);
+    let (restored, session_log, appender) = sessions::recover(
+        &settings.data_dir,
+        wal_options(&settings),
+        settings.snapshot_threshold_bytes,
+    )?;
+    let session_log = Arc::new(session_log);
+    let broker = Broker::builder(broker_config(&settings))
+        .security(policy.security)
+        .journal(session_log.clone())
+        .build();
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let report = broker.restore(restored, now_ms);
+    tracing::info!(
+        sessions = report.sessions,
+        messages = report.messages,
+        retained = report.retained,
+        expired = report.expired,
+        wills_published = report.wills_published,
+        "MQTT sessions recovered"
+    );
+    let appender = tokio::spawn(appender.run(broker.clone()));
     let inbox = broker
         .claim_topic(INVOKE_TOPIC)
         .context("cannot attach the state store to the broker")?;
@@ -87,6 +110,9 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         let _ = listener.await;
     }
     let _ = store.await;
+    // Connections are closed (their detach and wills recorded): flush the session log.
+    session_log.close().await;
+    let _ = appender.await;
     match Arc::try_unwrap(wal) {
         Ok(wal) => wal
             .shutdown()
@@ -102,22 +128,13 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
 /// Returns the state, the log, and the LSN the next record will get.
 fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
     let started = Instant::now();
-    let options = WalOptions {
-        fsync: match settings.fsync {
-            Fsync::Always => FsyncPolicy::Always,
-            Fsync::Interval(every) => FsyncPolicy::Interval(every),
-            Fsync::Never => FsyncPolicy::Never,
-        },
-        // Crash tests arm these with MQSTATE_FAILPOINT=<name>; unset in production, they cost nothing.
-        failpoints: Failpoints::from_env(),
-        ..WalOptions::default()
-    };
-    let (wal, recovered) = Wal::open(&settings.data_dir, options).with_context(|| {
-        format!(
-            "cannot open the data directory {}",
-            settings.data_dir.display()
-        )
-    })?;
+    let (wal, recovered) =
+        Wal::open(&settings.data_dir, wal_options(settings)).with_context(|| {
+            format!(
+                "cannot open the data directory {}",
+                settings.data_dir.display()
+            )
+        })?;
     let store_config = StoreConfig {
         node_id: SERVICE_NODE_ID.into(),
         limits: store_limits(settings),
@@ -161,6 +178,20 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
         "state recovered"
     );
     Ok((machine, wal, next_lsn))
+}
+
+/// Options of both logs (state store and sessions).
+fn wal_options(settings: &Resolved) -> WalOptions {
+    WalOptions {
+        fsync: match settings.fsync {
+            Fsync::Always => FsyncPolicy::Always,
+            Fsync::Interval(every) => FsyncPolicy::Interval(every),
+            Fsync::Never => FsyncPolicy::Never,
+        },
+        // Crash tests arm these with MQSTATE_FAILPOINT=<name>; unset in production, they cost nothing.
+        failpoints: Failpoints::from_env(),
+        ..WalOptions::default()
+    }
 }
 
 fn store_limits(settings: &Resolved) -> Limits {

@@ -5,7 +5,7 @@
 //!   each key holds its last acknowledged value and version, or a later write that was in flight.
 //! * failpoints (`MQSTATE_FAILPOINT`, `crates/wal/src/failpoint.rs`): the server aborts inside the
 //!   log writer or a snapshot; it must start again with every acknowledged write.
-//! * persistent sessions across a restart (ignored until the broker persists sessions).
+//! * persistent sessions across a restart (graceful and kill -9).
 //!
 //! Reproduce a failing random run with `MQSTATE_CRASH_SEED=<seed printed by the test>`.
 
@@ -544,7 +544,6 @@ async fn abort_before_snapshot_rename_loses_no_acknowledged_write() {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "persistent sessions are not durable yet"]
 async fn persistent_session_and_queued_message_survive_a_restart() {
     const TOPIC: &str = "crash/session";
     const SESSION_EXPIRY_SECS: u32 = 3600;
@@ -587,4 +586,154 @@ async fn persistent_session_and_queued_message_survive_a_restart() {
         .expect("the queued QoS 1 message is delivered after the restart");
     assert_eq!(delivered.topic.as_ref(), TOPIC.as_bytes());
     assert_eq!(delivered.payload.as_ref(), b"queued while away");
+}
+
+/// A publisher keeps publishing numbered QoS 1 messages to an offline persistent subscriber while
+/// the server is SIGKILLed at a seeded random moment: every message the publisher got a PUBACK for
+/// must be delivered to the subscriber after the restart, with Session Present = 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_loses_no_acknowledged_message_of_a_persistent_session() {
+    const TOPIC: &str = "crash/queued";
+    const SESSION_EXPIRY_SECS: u32 = 3600;
+    let seed = seed();
+    let kill_after = Duration::from_millis(StdRng::seed_from_u64(seed).gen_range(KILL_AFTER_MS));
+    eprintln!("seed {seed}: kill after {kill_after:?}");
+    let mut server = Server::start();
+
+    let (mut subscriber, _) = Mqtt::connect(server.addr, "queued-sub", Some(SESSION_EXPIRY_SECS))
+        .await
+        .unwrap();
+    subscriber.subscribe(TOPIC).await.unwrap();
+    subscriber.client.disconnect().await.unwrap();
+    drop(subscriber);
+
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let publishing = {
+        let acked = Arc::clone(&acked);
+        let addr = server.addr;
+        tokio::spawn(async move {
+            let (mut publisher, _) = Mqtt::connect(addr, "queued-pub", None).await?;
+            // Below the session queue limit (default 1000), past which the overflow policy drops
+            // the newest QoS 1 messages (acknowledged to the publisher, never delivered).
+            for n in 0u32..900 {
+                publisher.publish(TOPIC, n.to_string().as_bytes()).await?;
+                acked.lock().unwrap().push(n);
+            }
+            Some(())
+        })
+    };
+    tokio::time::sleep(kill_after).await;
+    tokio::task::block_in_place(|| server.kill9());
+    let _ = tokio::time::timeout(WAIT, publishing).await;
+    let acked = acked.lock().unwrap().clone();
+    tokio::task::block_in_place(|| server.restart());
+
+    let (mut subscriber, session_present) =
+        Mqtt::connect(server.addr, "queued-sub", Some(SESSION_EXPIRY_SECS))
+            .await
+            .unwrap();
+    assert!(
+        session_present,
+        "seed {seed}: Session Present after kill -9"
+    );
+    let mut delivered = std::collections::BTreeSet::new();
+    while !acked.iter().all(|n| delivered.contains(n)) {
+        let p = subscriber
+            .next(|i| match i {
+                Inbound::Publish(p) => Some(p),
+                _ => None,
+            })
+            .await
+            .expect("server stays up");
+        let n: u32 = std::str::from_utf8(&p.payload).unwrap().parse().unwrap();
+        delivered.insert(n);
+    }
+    eprintln!("seed {seed}: {} acknowledged, all delivered", acked.len());
+}
+
+/// A retained message survives kill -9; a delayed will pending at a graceful shutdown is published
+/// after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_message_and_pending_will_survive_restarts() {
+    use rumqttc::v5::mqttbytes::v5::{LastWill, LastWillProperties};
+    let mut server = Server::start();
+    let (mut publisher, _) = Mqtt::connect(server.addr, "retainer", None).await.unwrap();
+    publisher
+        .client
+        .publish("crash/retained", QoS::AtLeastOnce, true, b"kept".to_vec())
+        .await
+        .unwrap();
+    publisher
+        .next(|i| matches!(i, Inbound::PubAck).then_some(()))
+        .await
+        .expect("PUBACK of the retained message");
+    drop(publisher);
+    tokio::task::block_in_place(|| {
+        server.kill9();
+        server.restart();
+    });
+    let (mut reader, _) = Mqtt::connect(server.addr, "reader", None).await.unwrap();
+    reader.subscribe("crash/retained").await.unwrap();
+    let kept = reader
+        .next(|i| match i {
+            Inbound::Publish(p) => Some(p),
+            _ => None,
+        })
+        .await
+        .expect("the retained message after kill -9");
+    assert_eq!(kept.payload.as_ref(), b"kept");
+    drop(reader);
+
+    // A client with a persistent session and a will delayed by 2 s is connected at shutdown.
+    let mut options = MqttOptions::new("willer", server.addr.ip().to_string(), server.addr.port());
+    options.set_clean_start(false);
+    let mut properties = ConnectProperties::new();
+    properties.session_expiry_interval = Some(3600);
+    options.set_connect_properties(properties);
+    options.set_last_will(LastWill::new(
+        "crash/will",
+        "willer is gone",
+        QoS::AtLeastOnce,
+        // Retained, so a watcher sees it even if it came due before the watcher subscribed.
+        true,
+        Some(LastWillProperties {
+            delay_interval: Some(2),
+            payload_format_indicator: None,
+            message_expiry_interval: None,
+            content_type: None,
+            response_topic: None,
+            correlation_data: None,
+            user_properties: Vec::new(),
+        }),
+    ));
+    let (_willer, mut eventloop) = AsyncClient::new(options, 8);
+    let (connected_tx, connected) = tokio::sync::oneshot::channel();
+    let mut connected_tx = Some(connected_tx);
+    tokio::spawn(async move {
+        while let Ok(event) = eventloop.poll().await {
+            if let Event::Incoming(Packet::ConnAck(_)) = event {
+                if let Some(tx) = connected_tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    });
+    tokio::time::timeout(WAIT, connected)
+        .await
+        .expect("willer connected in time")
+        .unwrap();
+    tokio::task::block_in_place(|| {
+        assert!(server.stop().success(), "graceful stop");
+        server.restart();
+    });
+    let (mut watcher, _) = Mqtt::connect(server.addr, "watcher", None).await.unwrap();
+    watcher.subscribe("crash/will").await.unwrap();
+    let will = watcher
+        .next(|i| match i {
+            Inbound::Publish(p) => Some(p),
+            _ => None,
+        })
+        .await
+        .expect("the delayed will after the restart");
+    assert_eq!(will.payload.as_ref(), b"willer is gone");
 }

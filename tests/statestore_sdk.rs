@@ -754,13 +754,11 @@ async fn restart_keeps_session_and_data(stop: Stop, client_id: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "MQTT sessions are not durable yet (issue 4): the SDK treats Session Present = 0 after a restart as fatal"]
 async fn graceful_restart_keeps_session_and_data() {
     restart_keeps_session_and_data(Stop::Graceful, "sdk-restart-term").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "MQTT sessions are not durable yet (issue 4): the SDK treats Session Present = 0 after a restart as fatal"]
 async fn kill9_restart_keeps_session_and_data() {
     restart_keeps_session_and_data(Stop::Kill, "sdk-restart-kill").await;
 }

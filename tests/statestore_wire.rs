@@ -1474,7 +1474,6 @@ async fn acknowledged_writes_survive_kill9() {
 }
 
 #[tokio::test]
-#[ignore = "MQTT sessions are not durable yet (issue 4): Session Present is 0 after a restart"]
 async fn session_survives_a_server_restart() {
     let mut server = common::Server::start();
     let (w, _) = Wire::connect_with(server.port(), "wire-session", false).await;

@@ -8,7 +8,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -29,6 +28,7 @@ use crate::codec::{
 };
 use crate::inbound::TopicAliases;
 use crate::message::{Message, QoS};
+use crate::persist::{Durable, JournalError};
 use crate::registry::{Attach, Control, Owner};
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
@@ -60,24 +60,80 @@ enum End {
         reason_string: Option<String>,
     },
     Shutdown,
+    /// CONNACK refused the session after attaching it (its state could not be made durable).
+    Refused,
 }
 
-/// Resolves when a service acknowledges a claimed-topic publish (dropped unacked = 0x80).
-struct AckWait {
-    packet_id: u16,
-    kind: AckKind,
-    rx: oneshot::Receiver<u8>,
+/// A reply the connection owes and sends once something outside it is done: a service acknowledged
+/// a claimed-topic publish, or the journal made a change durable.
+enum Deferred {
+    Ack {
+        packet_id: u16,
+        kind: AckKind,
+        code: u8,
+    },
+    SubAck {
+        packet_id: u16,
+        codes: Vec<u8>,
+        /// Retained messages to deliver once the subscription is acknowledged.
+        retained: Vec<Delivery>,
+    },
+    UnsubAck {
+        packet_id: u16,
+        codes: Vec<u8>,
+    },
 }
 
-impl Future for AckWait {
-    type Output = (u16, AckKind, u8);
+type Pending = Pin<Box<dyn Future<Output = Deferred> + Send>>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        Pin::new(&mut this.rx)
-            .poll(cx)
-            .map(|r| (this.packet_id, this.kind, r.unwrap_or(reason::UNSPECIFIED)))
+/// Resolves once every change in `durable` is durable: `Ok` or the reason one is not.
+async fn all_durable(durable: Vec<Durable>) -> Result<(), JournalError> {
+    for d in durable {
+        d.await?;
     }
+    Ok(())
+}
+
+/// The PUBACK/PUBREC of a publish, once its service acknowledged it (dropped unacked = 0x80).
+fn service_ack(packet_id: u16, kind: AckKind, rx: oneshot::Receiver<u8>) -> Pending {
+    Box::pin(async move {
+        let code = rx.await.unwrap_or(reason::UNSPECIFIED);
+        Deferred::Ack {
+            packet_id,
+            kind,
+            code,
+        }
+    })
+}
+
+/// The PUBACK/PUBREC of a publish, once what it changed is durable (0x80 if it cannot be).
+fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>) -> Pending {
+    Box::pin(async move {
+        let code = match all_durable(durable).await {
+            Ok(()) => reason::SUCCESS,
+            Err(error) => {
+                tracing::error!(%error, "publish not acknowledged");
+                reason::UNSPECIFIED
+            }
+        };
+        Deferred::Ack {
+            packet_id,
+            kind,
+            code,
+        }
+    })
+}
+
+/// Replaces success codes with 0x80 when the change they acknowledge did not become durable.
+fn fail_codes(codes: &mut [u8], result: Result<(), JournalError>) -> bool {
+    if let Err(error) = result {
+        tracing::error!(%error, "subscription change not acknowledged");
+        for code in codes.iter_mut().filter(|c| **c < reason::UNSPECIFIED) {
+            *code = reason::UNSPECIFIED;
+        }
+        return false;
+    }
+    true
 }
 
 /// Serves one accepted socket until it closes.
@@ -116,6 +172,7 @@ pub(crate) async fn run(
     };
     let (control_tx, control_rx) = mpsc::channel(CONTROL_CHANNEL_CAPACITY);
     if !conn.attach(control_tx).await {
+        conn.finish(End::Refused, &mut wr).await;
         return;
     }
     let end = conn.serve(&mut rd, &mut wr, control_rx, &shutdown).await;
@@ -256,9 +313,10 @@ struct Connection {
     keep_alive: Option<Duration>,
     session_expiry_secs: u32,
     aliases: TopicAliases,
-    pending_acks: FuturesUnordered<AckWait>,
+    /// Replies waiting for a service or for durability.
+    pending: FuturesUnordered<Pending>,
     inbound_qos1_pending: usize,
-    /// QoS 2 packet ids handed to a service and not yet acknowledged by it.
+    /// QoS 2 packet ids whose PUBREC waits for a service or for durability.
     qos2_awaiting_service: BTreeSet<u16>,
     will: Option<Will>,
     peer: SocketAddr,
@@ -268,7 +326,7 @@ struct Connection {
     /// reads nothing more from the socket (back-pressure) but still writes acks and deliveries.
     stalled: Option<Stalled>,
     /// Service acknowledgements held back while this client's own queue is full (see
-    /// [`Connection::on_service_ack`]), in the order they resolved.
+    /// [`Connection::on_ack_ready`]), in the order they resolved.
     held_acks: VecDeque<(u16, AckKind, u8)>,
 }
 
@@ -368,7 +426,7 @@ impl Connection {
             rbuf,
             out: BytesMut::new(),
             session_expiry_secs,
-            pending_acks: FuturesUnordered::new(),
+            pending: FuturesUnordered::new(),
             inbound_qos1_pending: 0,
             qos2_awaiting_service: BTreeSet::new(),
             will,
@@ -398,7 +456,7 @@ impl Connection {
     /// flight. Returns `false` if the connection must close.
     async fn attach(&mut self, control: mpsc::Sender<Control>) -> bool {
         let deadline = Instant::now() + self.inner.config.takeover_timeout;
-        let (handle, session_present, effects) = loop {
+        let (handle, session_present, effects, durable) = loop {
             let owner = Owner {
                 conn_id: self.conn_id,
                 control: control.clone(),
@@ -415,7 +473,8 @@ impl Connection {
                     handle,
                     session_present,
                     effects,
-                } => break (handle, session_present, effects),
+                    durable,
+                } => break (handle, session_present, effects, durable),
                 Attach::Wait(done) => {
                     tracing::debug!(client_id = %self.client_id, "taking over session from a live connection");
                     let _ = tokio::time::timeout_at(deadline, done).await;
@@ -425,6 +484,19 @@ impl Connection {
         self.inner.apply(effects);
         self.session = Some(handle);
         self.session_present = session_present;
+        if let Err(error) = all_durable(durable.into_iter().collect()).await {
+            // The session exists in memory only: refuse rather than promise what a crash loses.
+            tracing::error!(client_id = %self.client_id, %error, "CONNECT refused");
+            self.codec.connack(
+                ConnAck {
+                    reason: reason::UNSPECIFIED,
+                    reason_string: Some("session state could not be stored".into()),
+                    ..ConnAck::default()
+                },
+                &mut self.out,
+            );
+            return false;
+        }
 
         let cfg = &self.inner.config;
         let requested_expiry = self.connect.session_expiry_secs;
@@ -497,8 +569,7 @@ impl Connection {
             }
         }
         for id in too_large {
-            state.inflight.remove(&id);
-            state.dropped_too_large += 1;
+            state.drop_inflight(id);
         }
     }
 
@@ -582,8 +653,8 @@ impl Connection {
                     // The registry dropped our channel: the session was taken by force.
                     None => return End::TakenOver(None),
                 },
-                Some((packet_id, kind, code)) = self.pending_acks.next(), if !self.pending_acks.is_empty() => {
-                    self.on_service_ack(packet_id, kind, code);
+                Some(deferred) = self.pending.next(), if !self.pending.is_empty() => {
+                    self.on_deferred(deferred);
                 }
                 room = inbox_room => {
                     if let (Ok(permit), Some(stalled)) = (room, self.stalled.take()) {
@@ -693,7 +764,7 @@ impl Connection {
                     }
                     self.session_expiry_secs =
                         expiry.min(self.inner.config.session_expiry_max_secs);
-                    self.session().lock().expiry_interval_secs = self.session_expiry_secs;
+                    self.session().lock().set_expiry(self.session_expiry_secs);
                 }
                 return Err(End::ClientDisconnect {
                     publish_will: code == reason::DISCONNECT_WITH_WILL,
@@ -805,14 +876,24 @@ impl Connection {
                     AckKind::Received
                 }
             };
-            self.pending_acks.push(AckWait {
-                packet_id,
-                kind,
-                rx: ack,
-            });
+            self.pending.push(service_ack(packet_id, kind, ack));
             return Ok(());
         }
-        self.inner.router.route(message, Some(&self.client_id));
+        let routed = self.inner.router.route(message, Some(&self.client_id));
+        if p.qos != QoS::AtMostOnce && !routed.durable.is_empty() {
+            // It changed durable state: acknowledge once that is on disk.
+            let kind = if p.qos == QoS::AtLeastOnce {
+                self.inbound_qos1_pending += 1;
+                AckKind::Acknowledge
+            } else {
+                self.session().lock().inbound_qos2.insert(packet_id);
+                self.qos2_awaiting_service.insert(packet_id);
+                AckKind::Received
+            };
+            self.pending
+                .push(durable_ack(packet_id, kind, routed.durable));
+            return Ok(());
+        }
         match p.qos {
             QoS::AtMostOnce => {}
             QoS::AtLeastOnce => self.codec.ack(
@@ -830,32 +911,50 @@ impl Connection {
         Ok(())
     }
 
-    /// A service resolved a request. Its ack is held while the client's own queue is full: the
-    /// client then cannot send more than its Receive Maximum of requests, so the replies it is owed
-    /// stay within the service headroom of its queue instead of being dropped (a client that
-    /// pipelines requests without reading its replies is slowed down, not failed).
-    fn on_service_ack(&mut self, packet_id: u16, kind: AckKind, code: u8) {
+    fn on_deferred(&mut self, deferred: Deferred) {
+        match deferred {
+            Deferred::Ack {
+                packet_id,
+                kind,
+                code,
+            } => self.on_ack_ready(packet_id, kind, code),
+            Deferred::SubAck {
+                packet_id,
+                codes,
+                retained,
+            } => self.send_suback(packet_id, codes, retained),
+            Deferred::UnsubAck { packet_id, codes } => {
+                self.codec.unsuback(packet_id, codes, &mut self.out)
+            }
+        }
+    }
+
+    /// A PUBACK/PUBREC is ready. It is held while the client's own queue is full: the client then
+    /// cannot send more than its Receive Maximum of publishes, so the replies a service owes it stay
+    /// within the service headroom of its queue instead of being dropped (a client that pipelines
+    /// requests without reading its replies is slowed down, not failed). Decision 0010.
+    fn on_ack_ready(&mut self, packet_id: u16, kind: AckKind, code: u8) {
         if !self.held_acks.is_empty() || self.own_queue_full() {
             self.held_acks.push_back((packet_id, kind, code));
             return;
         }
-        self.send_service_ack(packet_id, kind, code);
+        self.send_ack(packet_id, kind, code);
     }
 
     fn own_queue_full(&self) -> bool {
         self.session().lock().queue.len() >= self.inner.config.max_queued_messages
     }
 
-    /// Sends held service acks, in order, while the client's queue has room.
+    /// Sends held acks, in order, while the client's queue has room.
     fn release_held_acks(&mut self) {
         while !self.held_acks.is_empty() && !self.own_queue_full() {
             if let Some((packet_id, kind, code)) = self.held_acks.pop_front() {
-                self.send_service_ack(packet_id, kind, code);
+                self.send_ack(packet_id, kind, code);
             }
         }
     }
 
-    fn send_service_ack(&mut self, packet_id: u16, kind: AckKind, code: u8) {
+    fn send_ack(&mut self, packet_id: u16, kind: AckKind, code: u8) {
         match kind {
             AckKind::Acknowledge => {
                 debug_assert!(self.inbound_qos1_pending > 0);
@@ -885,6 +984,7 @@ impl Connection {
         let now = std::time::Instant::now();
         let mut codes = Vec::with_capacity(filters.len());
         let mut retained = Vec::new();
+        let mut durable = Vec::new();
         for (raw, req) in filters {
             let Some(filter) = topic::parse_filter(&raw) else {
                 codes.push(reason::TOPIC_FILTER_INVALID);
@@ -920,7 +1020,10 @@ impl Connection {
                 subscription_id,
             };
             let is_new = self.inner.router.subscribe(&session, filter, options);
-            session.lock().subscriptions.insert(raw.clone(), options);
+            let mut state = session.lock();
+            state.subscribe(raw.clone(), options);
+            durable.extend(state.commit());
+            drop(state);
             // Shared subscriptions never get retained messages.
             let send_retained = filter.group.is_none()
                 && (req.retain_handling == 0 || (req.retain_handling == 1 && is_new));
@@ -932,27 +1035,49 @@ impl Connection {
                         retain: true,
                         subscription_ids: subscription_id.into_iter().collect(),
                         received_at: r.received_at,
+                        seq: 0,
                     });
                 }
             }
             codes.push(req.qos as u8);
         }
-        self.codec.suback(packet_id, codes, &mut self.out);
-        for d in retained {
-            session.deliver(d, self.inner.config.max_queued_messages);
+        if durable.is_empty() {
+            self.send_suback(packet_id, codes, retained);
+        } else {
+            self.pending.push(Box::pin(async move {
+                let mut codes = codes;
+                let ok = fail_codes(&mut codes, all_durable(durable).await);
+                Deferred::SubAck {
+                    packet_id,
+                    codes,
+                    retained: if ok { retained } else { Vec::new() },
+                }
+            }));
         }
         Ok(())
     }
 
+    fn send_suback(&mut self, packet_id: u16, codes: Vec<u8>, retained: Vec<Delivery>) {
+        self.codec.suback(packet_id, codes, &mut self.out);
+        let session = self.session().clone();
+        for d in retained {
+            session.deliver(d, self.inner.config.max_queued_messages);
+        }
+    }
+
     fn on_unsubscribe(&mut self, packet_id: u16, filters: Vec<ByteString>) {
         let session = self.session().clone();
-        let codes = filters
+        let mut durable = Vec::new();
+        let codes: Vec<u8> = filters
             .iter()
             .map(|raw| {
                 let Some(filter) = topic::parse_filter(raw) else {
                     return reason::TOPIC_FILTER_INVALID;
                 };
-                let existed = session.lock().subscriptions.remove(raw).is_some();
+                let mut state = session.lock();
+                let existed = state.unsubscribe(raw);
+                durable.extend(state.commit());
+                drop(state);
                 self.inner.router.unsubscribe(&self.client_id, filter);
                 if existed {
                     reason::SUCCESS
@@ -961,7 +1086,15 @@ impl Connection {
                 }
             })
             .collect();
-        self.codec.unsuback(packet_id, codes, &mut self.out);
+        if durable.is_empty() {
+            self.codec.unsuback(packet_id, codes, &mut self.out);
+        } else {
+            self.pending.push(Box::pin(async move {
+                let mut codes = codes;
+                fail_codes(&mut codes, all_durable(durable).await);
+                Deferred::UnsubAck { packet_id, codes }
+            }));
+        }
     }
 
     /// Sends DISCONNECT if the end calls for one, closes, detaches from the session and publishes
@@ -1010,6 +1143,7 @@ impl Connection {
                 None,
                 "server shutting down",
             ),
+            End::Refused => (None, false, None, "session state could not be stored"),
         };
         if let Some((code, reason_string)) = disconnect {
             self.codec

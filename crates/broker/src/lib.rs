@@ -23,7 +23,7 @@
 //! its connection holds back the acks of its service requests, which bounds the replies it is owed.
 //!
 //! Who may connect and what they may publish or subscribe to is asked of the ports in [`auth`]; the
-//! binary plugs its configured policy in with [`Broker::with_security`].
+//! binary plugs its configured policy in with [`BrokerBuilder::security`].
 //!
 //! Architecture invariant: this crate knows nothing of the state store, of the WAL or of replication.
 
@@ -35,6 +35,7 @@ mod connection;
 pub mod error;
 mod inbound;
 pub mod message;
+pub mod persist;
 mod registry;
 mod retained;
 mod router;
@@ -49,8 +50,11 @@ pub use auth::{Authenticator, Authorizer, Identity, Principal, Security};
 pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
+pub use persist::{Durable, JournalError, Restored, SessionChange, SessionJournal};
 pub use server::serve;
-pub use service::{Acker, Broker, ClientEvent, ServiceInbox, ServiceRequest};
+pub use service::{
+    Acker, Broker, BrokerBuilder, ClientEvent, RestoreReport, ServiceInbox, ServiceRequest,
+};
 
 /// Entry points for fuzzing; not part of the supported API.
 #[doc(hidden)]

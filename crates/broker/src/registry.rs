@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
+use crate::persist::{clock, Durable, SessionChange, SessionJournal};
 use crate::session::SessionHandle;
 use crate::will::Will;
 
@@ -41,7 +42,8 @@ struct Entry {
     handle: Arc<SessionHandle>,
     owner: Option<Owner>,
     epoch: u64,
-    pending_will: Option<Will>,
+    /// A delayed will and when it is due (wall-clock ms).
+    pending_will: Option<(Will, u64)>,
 }
 
 #[derive(Default)]
@@ -60,6 +62,7 @@ impl Sessions {
 #[derive(Default)]
 pub(crate) struct Registry {
     sessions: Mutex<Sessions>,
+    journal: Option<Arc<dyn SessionJournal>>,
 }
 
 /// Side effects of a registry change, to carry out after the lock is released.
@@ -84,12 +87,29 @@ pub(crate) enum Attach {
         handle: Arc<SessionHandle>,
         session_present: bool,
         effects: Effects,
+        /// When the session's new state is durable (CONNACK waits for it).
+        durable: Option<Durable>,
     },
     /// Another connection owns the session and was asked to hand it over.
     Wait(oneshot::Receiver<()>),
 }
 
 impl Registry {
+    pub(crate) fn new(journal: Option<Arc<dyn SessionJournal>>) -> Self {
+        Self {
+            sessions: Mutex::default(),
+            journal,
+        }
+    }
+
+    fn new_session(&self, client_id: &Arc<str>, expiry_secs: u32) -> Arc<SessionHandle> {
+        Arc::new(SessionHandle::new(
+            client_id.clone(),
+            expiry_secs,
+            self.journal.clone(),
+        ))
+    }
+
     fn lock(&self) -> MutexGuard<'_, Sessions> {
         // Updates under this lock are single map operations; a poisoned lock still holds a
         // consistent map.
@@ -130,24 +150,22 @@ impl Registry {
                     });
                 }
                 if clean_start {
-                    effects.wills.extend(old.pending_will.take());
+                    effects
+                        .wills
+                        .extend(old.pending_will.take().map(|(w, _)| w));
                     old.handle.set_online(false);
+                    old.handle.lock().end();
                     effects.ended.push(old.handle);
-                    (
-                        Arc::new(SessionHandle::new(client_id.clone(), expiry_secs)),
-                        false,
-                    )
+                    (self.new_session(client_id, expiry_secs), false)
                 } else {
                     // Reconnecting cancels a delayed will.
+                    old.handle.lock().attached(expiry_secs);
                     (old.handle, true)
                 }
             }
-            None => (
-                Arc::new(SessionHandle::new(client_id.clone(), expiry_secs)),
-                false,
-            ),
+            None => (self.new_session(client_id, expiry_secs), false),
         };
-        handle.lock().expiry_interval_secs = expiry_secs;
+        let durable = handle.lock().commit();
         handle.set_online(true);
         sessions.by_client.insert(
             client_id.clone(),
@@ -162,6 +180,7 @@ impl Registry {
             handle,
             session_present,
             effects,
+            durable,
         }
     }
 
@@ -193,6 +212,7 @@ impl Registry {
         let expiry_secs = entry.handle.lock().expiry_interval_secs;
         if expiry_secs == 0 {
             if let Some(ended) = sessions.by_client.remove(client_id) {
+                ended.handle.lock().end();
                 effects.ended.push(ended.handle);
             }
             effects.wills.extend(will);
@@ -200,16 +220,26 @@ impl Registry {
         }
         let expire_at =
             (expiry_secs != u32::MAX).then(|| now + Duration::from_secs(u64::from(expiry_secs)));
+        let now_ms = clock::now_ms();
+        let mut state = entry.handle.lock();
+        state.detached(now_ms);
         let mut will_at = None;
         match will {
             Some(w) if w.delay_secs == 0 => effects.wills.push(w),
             Some(w) => {
                 let delay = Duration::from_secs(u64::from(w.delay_secs.min(expiry_secs)));
                 will_at = Some(now + delay);
-                entry.pending_will = Some(w);
+                let at_ms = now_ms.saturating_add(u64::try_from(delay.as_millis()).unwrap_or(0));
+                state.note(|client_id| SessionChange::WillScheduled {
+                    client_id,
+                    will: w.clone(),
+                    at_ms,
+                });
+                entry.pending_will = Some((w, at_ms));
             }
             None => {}
         }
+        drop(state);
         effects.timer = Some(Timer {
             client_id: client_id.clone(),
             epoch,
@@ -226,7 +256,12 @@ impl Registry {
         if entry.epoch != epoch || entry.owner.is_some() {
             return None;
         }
-        entry.pending_will.take()
+        let (will, _) = entry.pending_will.take()?;
+        entry
+            .handle
+            .lock()
+            .note(|client_id| SessionChange::WillCancelled { client_id });
+        Some(will)
     }
 
     /// Ends a session still disconnected since `epoch` (its expiry passed).
@@ -239,11 +274,52 @@ impl Registry {
             .is_some_and(|e| e.epoch == epoch && e.owner.is_none());
         if still_idle {
             if let Some(mut entry) = sessions.by_client.remove(client_id) {
-                effects.wills.extend(entry.pending_will.take());
+                effects
+                    .wills
+                    .extend(entry.pending_will.take().map(|(w, _)| w));
+                entry.handle.lock().end();
                 effects.ended.push(entry.handle);
             }
         }
         effects
+    }
+
+    /// Adds a session read back from the journal, not connected, with its delayed will. Returns
+    /// the epoch its timers must be armed with.
+    pub(crate) fn restore(&self, handle: Arc<SessionHandle>, will: Option<(Will, u64)>) -> u64 {
+        let mut sessions = self.lock();
+        let epoch = sessions.bump();
+        sessions.by_client.insert(
+            handle.client_id.clone(),
+            Entry {
+                handle,
+                owner: None,
+                epoch,
+                pending_will: will,
+            },
+        );
+        epoch
+    }
+
+    /// The changes that recreate every journalled session (with its delayed will) from nothing.
+    pub(crate) fn image(&self, now: Instant, now_ms: u64) -> Vec<SessionChange> {
+        let sessions = self.lock();
+        let mut image = Vec::new();
+        for entry in sessions.by_client.values() {
+            let state = entry.handle.lock();
+            if !state.in_journal {
+                continue;
+            }
+            image.extend(state.image(now, now_ms));
+            if let Some((will, at_ms)) = &entry.pending_will {
+                image.push(SessionChange::WillScheduled {
+                    client_id: entry.handle.client_id.clone(),
+                    will: will.clone(),
+                    at_ms: *at_ms,
+                });
+            }
+        }
+        image
     }
 
     pub(crate) fn session(&self, client_id: &str) -> Option<Arc<SessionHandle>> {
@@ -305,6 +381,7 @@ mod tests {
                 handle,
                 session_present,
                 effects,
+                ..
             } => (handle, session_present, effects),
             Attach::Wait(_) => panic!("expected attach"),
         }

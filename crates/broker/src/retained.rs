@@ -43,6 +43,21 @@ impl RetainedStore {
     /// This scans all retained topics: subscribing is rare next to publishing, and the retained set
     /// is usually small. A trie over retained topics is the upgrade if that stops being true.
     pub(crate) fn matching(&mut self, filter: &str, now: Instant) -> Vec<Retained> {
+        self.drop_expired(now);
+        self.by_topic
+            .values()
+            .filter(|r| topic::matches(filter, &r.message.topic))
+            .cloned()
+            .collect()
+    }
+
+    /// Every retained message that has not expired.
+    pub(crate) fn all(&mut self, now: Instant) -> Vec<Retained> {
+        self.drop_expired(now);
+        self.by_topic.values().cloned().collect()
+    }
+
+    fn drop_expired(&mut self, now: Instant) {
         self.by_topic.retain(|_, r| {
             r.message
                 .properties
@@ -51,11 +66,6 @@ impl RetainedStore {
                     now.saturating_duration_since(r.received_at).as_secs() < u64::from(secs)
                 })
         });
-        self.by_topic
-            .values()
-            .filter(|r| topic::matches(filter, &r.message.topic))
-            .cloned()
-            .collect()
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use crate::message::{Message, QoS};
+use crate::persist::{clock, Durable, SessionChange, SessionJournal};
 use crate::retained::{Retained, RetainedStore};
 use crate::session::{Delivery, SessionHandle, SubscriptionOptions};
 use crate::topic::ParsedFilter;
@@ -31,6 +32,15 @@ pub(crate) struct Router {
     max_queued: usize,
     /// Queue limit for messages published by services (see [`Router::new`]).
     service_max_queued: usize,
+    journal: Option<Arc<dyn SessionJournal>>,
+}
+
+/// What routing one message did.
+pub(crate) struct Routed {
+    /// Sessions the message was offered to.
+    pub offered: usize,
+    /// When each durable change it caused (retained store, persistent session queues) is durable.
+    pub durable: Vec<Durable>,
 }
 
 impl Router {
@@ -38,12 +48,17 @@ impl Router {
     /// client's own requests) may use `service_headroom` more: the connection stops acknowledging
     /// service requests while its queue is at `max_queued`, so a client has at most its Receive
     /// Maximum of replies still coming, and they are owed QoS 1 messages that must not be dropped.
-    pub(crate) fn new(max_queued: usize, service_headroom: usize) -> Self {
+    pub(crate) fn new(
+        max_queued: usize,
+        service_headroom: usize,
+        journal: Option<Arc<dyn SessionJournal>>,
+    ) -> Self {
         Self {
             trie: RwLock::default(),
             retained: Mutex::default(),
             max_queued,
             service_max_queued: max_queued.saturating_add(service_headroom),
+            journal,
         }
     }
 
@@ -97,17 +112,30 @@ impl Router {
     }
 
     /// Routes `message` to every matching session (updating the retained store first if it is
-    /// retained). `publisher` is the sending client, for No Local. Returns the number of sessions
-    /// the message was offered to. Never blocks on a subscriber: it only enqueues.
-    pub(crate) fn route(&self, message: Message, publisher: Option<&str>) -> usize {
+    /// retained). `publisher` is the sending client, for No Local. Never blocks on a subscriber:
+    /// it only enqueues.
+    pub(crate) fn route(&self, message: Message, publisher: Option<&str>) -> Routed {
         let now = Instant::now();
         let limit = self.queue_limit(publisher);
         let message = Arc::new(message);
+        let mut durable = Vec::new();
         if message.retain {
-            self.retained
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .apply(&message, now);
+            let mut retained = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+            retained.apply(&message, now);
+            // Recorded under the store's lock, so the journal sees a topic's changes in order.
+            if let Some(journal) = &self.journal {
+                let change = if message.payload.is_empty() {
+                    SessionChange::RetainedCleared {
+                        topic: message.topic.clone(),
+                    }
+                } else {
+                    SessionChange::RetainedSet {
+                        message: message.clone(),
+                        received_at_ms: clock::now_ms(),
+                    }
+                };
+                durable.push(journal.record(vec![change]));
+            }
         }
         let mut targets: Vec<Target> = Vec::new();
         {
@@ -144,10 +172,33 @@ impl Router {
                 retain: message.retain && t.retain_as_published,
                 subscription_ids: t.subscription_ids,
                 received_at: now,
+                seq: 0,
             };
-            t.session.deliver(delivery, limit);
+            durable.extend(t.session.deliver(delivery, limit).1);
             offered += 1;
         }
-        offered
+        Routed { offered, durable }
+    }
+
+    /// The changes that recreate the retained store from nothing.
+    pub(crate) fn retained_image(&self, now: Instant, now_ms: u64) -> Vec<SessionChange> {
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .all(now)
+            .into_iter()
+            .map(|r| SessionChange::RetainedSet {
+                message: r.message,
+                received_at_ms: clock::to_ms(r.received_at, now, now_ms),
+            })
+            .collect()
+    }
+
+    /// Puts back a retained message read from the journal.
+    pub(crate) fn restore_retained(&self, message: Arc<Message>, received_at: Instant) {
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .apply(&message, received_at);
     }
 }

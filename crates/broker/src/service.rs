@@ -18,11 +18,16 @@
 //!   they return, so two calls made in order reach a given client in that order.
 //! * [`Broker::disconnect`] — send DISCONNECT with the reason code (and reason string) and close.
 //! * [`Broker::events`] — connection and session lifecycle events.
+//!
+//! DURABILITY (also a port, `crate::persist`): [`BrokerBuilder::journal`] installs a
+//! [`SessionJournal`] that records persistent sessions, retained messages and delayed wills;
+//! [`Broker::restore`] puts back what a journal held (before listeners start), and
+//! [`Broker::journal_image`] dumps the current state as changes (for a snapshot).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytestring::ByteString;
 use tokio::sync::{broadcast, mpsc, oneshot};
@@ -32,9 +37,10 @@ use crate::auth_failures::AuthFailures;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
 use crate::message::{Message, QoS};
+use crate::persist::{clock, Restored, SessionChange, SessionJournal};
 use crate::registry::{Control, Effects, Registry, Timer};
 use crate::router::Router;
-use crate::session::Delivery;
+use crate::session::{Delivery, Inflight, Phase, SessionHandle, SessionState};
 use crate::topic;
 
 /// Capacity of the lifecycle event channel; slow listeners miss events (and are told so by
@@ -115,6 +121,32 @@ pub enum ClientEvent {
     SessionEnded { client_id: Arc<str> },
 }
 
+/// Builds a [`Broker`] with its optional ports (see [`Broker::builder`]).
+pub struct BrokerBuilder {
+    config: BrokerConfig,
+    security: Security,
+    journal: Option<Arc<dyn SessionJournal>>,
+}
+
+impl BrokerBuilder {
+    /// Authenticate and authorize clients with `security` (default: allow everything).
+    pub fn security(mut self, security: Security) -> Self {
+        self.security = security;
+        self
+    }
+
+    /// Record persistent sessions, retained messages and delayed wills in `journal`, and acknowledge
+    /// what is recorded only once it is durable (default: memory only).
+    pub fn journal(mut self, journal: Arc<dyn SessionJournal>) -> Self {
+        self.journal = Some(journal);
+        self
+    }
+
+    pub fn build(self) -> Broker {
+        Broker::build(self.config, self.security, self.journal)
+    }
+}
+
 /// Handle to a running broker (cheap to clone). See the module docs for the contract.
 #[derive(Clone)]
 pub struct Broker {
@@ -131,17 +163,30 @@ pub(crate) struct Inner {
     claims: RwLock<HashMap<ByteString, mpsc::Sender<ServiceRequest>>>,
     events: broadcast::Sender<ClientEvent>,
     next_conn_id: AtomicU64,
+    journal: Option<Arc<dyn SessionJournal>>,
 }
 
 impl Broker {
-    /// A broker with `config` that lets every client in and do everything; serve it on listeners
-    /// with [`crate::serve`].
+    /// A broker with `config` that keeps its state in memory only and lets every client in and do
+    /// everything; serve it on listeners with [`crate::serve`].
     pub fn new(config: BrokerConfig) -> Self {
-        Self::with_security(config, Security::default())
+        Self::builder(config).build()
     }
 
-    /// A broker that authenticates and authorizes clients with `security`.
-    pub fn with_security(config: BrokerConfig, security: Security) -> Self {
+    /// A broker with ports plugged in: security policy, session journal.
+    pub fn builder(config: BrokerConfig) -> BrokerBuilder {
+        BrokerBuilder {
+            config,
+            security: Security::default(),
+            journal: None,
+        }
+    }
+
+    fn build(
+        config: BrokerConfig,
+        security: Security,
+        journal: Option<Arc<dyn SessionJournal>>,
+    ) -> Self {
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let inner = Inner {
             auth_failures: AuthFailures::new(
@@ -153,12 +198,14 @@ impl Broker {
             router: Router::new(
                 config.max_queued_messages,
                 usize::from(config.receive_maximum),
+                journal.clone(),
             ),
             config,
-            registry: Registry::default(),
+            registry: Registry::new(journal.clone()),
             claims: RwLock::default(),
             events,
             next_conn_id: AtomicU64::new(1),
+            journal,
         };
         Self {
             inner: Arc::new(inner),
@@ -191,7 +238,7 @@ impl Broker {
     /// Routes `message` like a client publish (subscribers, shared subscriptions, retained store),
     /// even on a claimed topic. Returns how many sessions it was offered to.
     pub fn publish(&self, message: Message) -> usize {
-        self.inner.router.route(message, None)
+        self.inner.router.route(message, None).offered
     }
 
     /// Puts `message` into `client_id`'s session whether or not it subscribed; matching
@@ -225,6 +272,7 @@ impl Broker {
             retain,
             subscription_ids,
             received_at: Instant::now(),
+            seq: 0,
         };
         session.deliver(delivery, self.inner.router.queue_limit(None));
         true
@@ -254,6 +302,135 @@ impl Broker {
     pub fn session_count(&self) -> usize {
         self.inner.registry.len()
     }
+
+    /// Puts back what the journal held, as of wall-clock `now_ms`: call once, before listeners
+    /// start, inside the runtime (it arms timers). Sessions whose expiry passed while the server
+    /// was down end (with their will); sessions that were connected when the server stopped count
+    /// as disconnected now; delayed wills that came due are published.
+    pub fn restore(&self, restored: Restored, now_ms: u64) -> RestoreReport {
+        let inner = &self.inner;
+        let now = Instant::now();
+        let mut report = RestoreReport::default();
+        for (topic, (message, received_at_ms)) in restored.retained {
+            debug_assert_eq!(topic, message.topic);
+            let at = clock::to_instant(received_at_ms, now, now_ms);
+            inner.router.restore_retained(message, at);
+            report.retained += 1;
+        }
+        let mut due_wills = Vec::new();
+        let mut timers = Vec::new();
+        for (client_id, stored) in restored.sessions {
+            let detached_at_ms = stored.detached_at_ms.unwrap_or(now_ms);
+            let expire_at_ms = (stored.expiry_secs != u32::MAX)
+                .then(|| detached_at_ms.saturating_add(u64::from(stored.expiry_secs) * 1000));
+            if expire_at_ms.is_some_and(|at| at <= now_ms) {
+                // Expired while the server was down: its will goes now, at the latest.
+                due_wills.extend(stored.will.map(|(w, _)| w));
+                if let Some(journal) = &inner.journal {
+                    drop(journal.record(vec![SessionChange::Deleted { client_id }]));
+                }
+                report.expired += 1;
+                continue;
+            }
+            let mut state = SessionState::new(client_id.clone(), stored.expiry_secs);
+            state.journalled = inner.journal.is_some();
+            state.in_journal = state.journalled && stored.expiry_secs > 0;
+            for (seq, entry) in stored.messages {
+                let d = Delivery {
+                    message: entry.message.message,
+                    qos: entry.message.qos,
+                    retain: entry.message.retain,
+                    subscription_ids: entry.message.subscription_ids,
+                    received_at: clock::to_instant(entry.message.received_at_ms, now, now_ms),
+                    seq,
+                };
+                state.next_seq = state.next_seq.max(seq + 1);
+                match entry.packet_id {
+                    Some(packet_id) => {
+                        let phase = match (d.qos, entry.released) {
+                            (_, true) => Phase::AwaitPubComp,
+                            (QoS::ExactlyOnce, false) => Phase::AwaitPubRec,
+                            _ => Phase::AwaitPubAck,
+                        };
+                        state
+                            .inflight
+                            .insert(packet_id, Inflight { delivery: d, phase });
+                    }
+                    None => state.queue.push_back(d),
+                }
+                report.messages += 1;
+            }
+            if stored.detached_at_ms.is_none() {
+                // It was connected when the server stopped: its expiry counts from now.
+                state.detached(now_ms);
+            } else {
+                state.detached_at_ms = stored.detached_at_ms;
+            }
+            let handle = Arc::new(SessionHandle::restored(state, inner.journal.clone()));
+            let subscriptions = stored.subscriptions;
+            for (raw, options) in &subscriptions {
+                if let Some(filter) = topic::parse_filter(raw) {
+                    inner.router.subscribe(&handle, filter, *options);
+                }
+            }
+            handle.lock().subscriptions = subscriptions.into_iter().collect();
+            let (will, will_at) = match stored.will {
+                Some((will, at_ms)) if at_ms <= now_ms => {
+                    handle
+                        .lock()
+                        .note(|client_id| SessionChange::WillCancelled { client_id });
+                    due_wills.push(will);
+                    (None, None)
+                }
+                Some((will, at_ms)) => (
+                    Some((will, at_ms)),
+                    Some(clock::to_instant(at_ms, now, now_ms)),
+                ),
+                None => (None, None),
+            };
+            let epoch = inner.registry.restore(handle, will);
+            timers.push(Timer {
+                client_id,
+                epoch,
+                will_at,
+                expire_at: expire_at_ms.map(|at| now + Duration::from_millis(at - now_ms)),
+            });
+            report.sessions += 1;
+        }
+        report.wills_published = due_wills.len();
+        for will in due_wills {
+            inner.router.route(will.message, None);
+        }
+        for timer in timers {
+            inner.apply(Effects {
+                timer: Some(timer),
+                ..Effects::default()
+            });
+        }
+        report
+    }
+
+    /// Every persistent session (with its delayed will) and retained message as changes that
+    /// recreate them from nothing: the state of a journal snapshot. Consistent per session and for
+    /// the retained store; changes made meanwhile are recorded after and replay harmlessly.
+    pub fn journal_image(&self) -> Vec<SessionChange> {
+        let (now, now_ms) = (Instant::now(), clock::now_ms());
+        let mut image = self.inner.router.retained_image(now, now_ms);
+        image.extend(self.inner.registry.image(now, now_ms));
+        image
+    }
+}
+
+/// What [`Broker::restore`] put back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RestoreReport {
+    pub sessions: usize,
+    pub messages: usize,
+    pub retained: usize,
+    /// Sessions whose expiry passed while the server was down (discarded).
+    pub expired: usize,
+    /// Delayed wills that came due while the server was down (published at start).
+    pub wills_published: usize,
 }
 
 impl Inner {

@@ -1,8 +1,12 @@
 //! Session state: subscriptions, the outbound queue, in-flight QoS 1/2 messages and packet ids.
 //!
-//! [`SessionState`] is plain data so that durability can persist it later; the connection task and
-//! the router share it through [`SessionHandle`] under a short-lived mutex (never held across
-//! `.await`).
+//! [`SessionState`] is plain data; the connection task and the router share it through
+//! [`SessionHandle`] under a short-lived mutex (never held across `.await`).
+//!
+//! Durability: a session with a Session Expiry Interval above 0, in a broker with a journal, notes
+//! each change it makes (`crate::persist::SessionChange`) in a buffer; the lock guard hands the
+//! buffer to the journal before the lock is released, so the journal sees the changes of a session
+//! in the order they were made. Only QoS 1/2 messages are journalled.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +18,7 @@ use tokio::sync::Notify;
 
 use crate::codec::OutPublish;
 use crate::message::{Message, QoS};
+use crate::persist::{clock, Durable, SessionChange, SessionJournal, StoredMessage};
 
 /// Options of one subscription, as granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +42,8 @@ pub struct Delivery {
     pub subscription_ids: Vec<u32>,
     /// When the broker received the message; the Message Expiry Interval counts from here.
     pub received_at: Instant,
+    /// Position in the session's queue (assigned when queued); names the message in the journal.
+    pub seq: u64,
 }
 
 impl Delivery {
@@ -110,6 +117,16 @@ pub struct SessionState {
     pub dropped_qos12: u64,
     pub dropped_too_large: u64,
     pub dropped_expired: u64,
+    /// Sequence number of the next queued message.
+    pub next_seq: u64,
+    /// When the connection ended (wall-clock ms); `None` while connected.
+    pub detached_at_ms: Option<u64>,
+    /// A journal is installed and the session has not ended.
+    pub(crate) journalled: bool,
+    /// The journal holds this session (journalled and expiry > 0): changes are noted.
+    pub(crate) in_journal: bool,
+    /// Changes noted under the current lock, handed to the journal when it is released.
+    pub(crate) changes: Vec<SessionChange>,
 }
 
 impl SessionState {
@@ -126,28 +143,163 @@ impl SessionState {
             dropped_qos12: 0,
             dropped_too_large: 0,
             dropped_expired: 0,
+            next_seq: 0,
+            detached_at_ms: None,
+            journalled: false,
+            in_journal: false,
+            changes: Vec::new(),
         }
+    }
+
+    /// Notes a change for the journal if this session is journalled.
+    pub(crate) fn note(&mut self, change: impl FnOnce(Arc<str>) -> SessionChange) {
+        if self.in_journal {
+            self.changes.push(change(self.client_id.clone()));
+        }
+    }
+
+    /// Notes that a QoS 1/2 message left the session.
+    fn note_removed(&mut self, d: &Delivery) {
+        if d.qos != QoS::AtMostOnce {
+            let seq = d.seq;
+            self.note(|client_id| SessionChange::Removed { client_id, seq });
+        }
+    }
+
+    /// Sets the Session Expiry Interval. The session enters the journal (as a full image) when it
+    /// becomes persistent, and leaves it (deleted) when it stops being persistent.
+    pub(crate) fn set_expiry(&mut self, secs: u32) {
+        self.expiry_interval_secs = secs;
+        let persistent = self.journalled && secs > 0;
+        if persistent && !self.in_journal {
+            self.in_journal = true;
+            let image = self.image(std::time::Instant::now(), clock::now_ms());
+            self.changes.extend(image);
+        } else if !persistent && self.in_journal {
+            self.note(|client_id| SessionChange::Deleted { client_id });
+            self.in_journal = false;
+        }
+    }
+
+    /// A connection resumed the session with `expiry_secs`.
+    pub(crate) fn attached(&mut self, expiry_secs: u32) {
+        self.detached_at_ms = None;
+        let was_journalled = self.in_journal;
+        self.set_expiry(expiry_secs);
+        if was_journalled {
+            self.note(|client_id| SessionChange::Attached {
+                client_id,
+                expiry_secs,
+            });
+        }
+    }
+
+    /// The connection ended at `at_ms`.
+    pub(crate) fn detached(&mut self, at_ms: u64) {
+        self.detached_at_ms = Some(at_ms);
+        let expiry_secs = self.expiry_interval_secs;
+        self.note(|client_id| SessionChange::Detached {
+            client_id,
+            expiry_secs,
+            at_ms,
+        });
+    }
+
+    /// The session ended: deleted from the journal, and nothing more is noted (a router that still
+    /// holds the handle must not add messages to a later session of the same client).
+    pub(crate) fn end(&mut self) {
+        self.note(|client_id| SessionChange::Deleted { client_id });
+        self.in_journal = false;
+        self.journalled = false;
+    }
+
+    /// Adds or replaces a subscription.
+    pub(crate) fn subscribe(&mut self, filter: ByteString, options: SubscriptionOptions) {
+        self.subscriptions.insert(filter.clone(), options);
+        self.note(|client_id| SessionChange::Subscribed {
+            client_id,
+            filter,
+            options,
+        });
+    }
+
+    /// Removes a subscription; returns whether it existed.
+    pub(crate) fn unsubscribe(&mut self, filter: &ByteString) -> bool {
+        let existed = self.subscriptions.remove(filter).is_some();
+        if existed {
+            let filter = filter.clone();
+            self.note(|client_id| SessionChange::Unsubscribed { client_id, filter });
+        }
+        existed
+    }
+
+    /// The changes that recreate this session from nothing: created, (detached), subscriptions,
+    /// then its QoS 1/2 messages in flight and queued. `now`/`now_ms` convert `Instant`s.
+    pub(crate) fn image(&self, now: Instant, now_ms: u64) -> Vec<SessionChange> {
+        let client_id = &self.client_id;
+        let mut image = vec![SessionChange::Created {
+            client_id: client_id.clone(),
+            expiry_secs: self.expiry_interval_secs,
+        }];
+        if let Some(at_ms) = self.detached_at_ms {
+            image.push(SessionChange::Detached {
+                client_id: client_id.clone(),
+                expiry_secs: self.expiry_interval_secs,
+                at_ms,
+            });
+        }
+        for (filter, options) in &self.subscriptions {
+            image.push(SessionChange::Subscribed {
+                client_id: client_id.clone(),
+                filter: filter.clone(),
+                options: *options,
+            });
+        }
+        for (&packet_id, f) in &self.inflight {
+            let seq = f.delivery.seq;
+            image.push(appended(client_id, &f.delivery, now, now_ms));
+            image.push(SessionChange::Sent {
+                client_id: client_id.clone(),
+                seq,
+                packet_id,
+            });
+            if f.phase == Phase::AwaitPubComp {
+                image.push(SessionChange::Released {
+                    client_id: client_id.clone(),
+                    seq,
+                });
+            }
+        }
+        for d in self.queue.iter().filter(|d| d.qos != QoS::AtMostOnce) {
+            image.push(appended(client_id, d, now, now_ms));
+        }
+        image
     }
 
     /// Queues `d`, applying the overflow policy at `max_queued`: QoS 0 goes first (the new one, or
     /// the oldest queued), then the newest QoS 1/2 message is dropped.
-    pub fn enqueue(&mut self, d: Delivery, max_queued: usize) -> Enqueued {
-        if self.queue.len() < max_queued {
-            self.queue.push_back(d);
-            return Enqueued::Queued;
-        }
-        if d.qos == QoS::AtMostOnce {
+    pub fn enqueue(&mut self, mut d: Delivery, max_queued: usize) -> Enqueued {
+        let outcome = if self.queue.len() < max_queued {
+            Enqueued::Queued
+        } else if d.qos == QoS::AtMostOnce {
             self.dropped_qos0 += 1;
             return Enqueued::DroppedQos0;
-        }
-        if let Some(i) = self.queue.iter().position(|q| q.qos == QoS::AtMostOnce) {
+        } else if let Some(i) = self.queue.iter().position(|q| q.qos == QoS::AtMostOnce) {
             self.queue.remove(i);
-            self.queue.push_back(d);
             self.dropped_qos0 += 1;
-            return Enqueued::EvictedQos0;
+            Enqueued::EvictedQos0
+        } else {
+            self.dropped_qos12 += 1;
+            return Enqueued::DroppedNewest;
+        };
+        d.seq = self.next_seq;
+        self.next_seq += 1;
+        if self.in_journal && d.qos != QoS::AtMostOnce {
+            let change = appended(&self.client_id, &d, Instant::now(), clock::now_ms());
+            self.changes.push(change);
         }
-        self.dropped_qos12 += 1;
-        Enqueued::DroppedNewest
+        self.queue.push_back(d);
+        outcome
     }
 
     /// A free packet id (1..=65535, not in flight), advancing the cursor.
@@ -180,6 +332,7 @@ impl SessionState {
             };
             let Ok(expiry_secs) = d.remaining_expiry(now) else {
                 self.dropped_expired += 1;
+                self.note_removed(&d);
                 continue;
             };
             let packet_id = if d.qos == QoS::AtMostOnce {
@@ -208,7 +361,10 @@ impl SessionState {
                     self.queue.push_front(d);
                     return;
                 }
-                Some(Emit::TooLarge) => self.dropped_too_large += 1,
+                Some(Emit::TooLarge) => {
+                    self.dropped_too_large += 1;
+                    self.note_removed(&d);
+                }
                 Some(Emit::Sent) => {
                     if let Some(id) = packet_id {
                         let phase = if d.qos == QoS::AtLeastOnce {
@@ -216,6 +372,12 @@ impl SessionState {
                         } else {
                             Phase::AwaitPubRec
                         };
+                        let seq = d.seq;
+                        self.note(|client_id| SessionChange::Sent {
+                            client_id,
+                            seq,
+                            packet_id: id,
+                        });
                         self.inflight.insert(id, Inflight { delivery: d, phase });
                     }
                 }
@@ -225,15 +387,26 @@ impl SessionState {
 
     /// PUBACK for `id`; returns whether it matched a message in flight.
     pub fn on_puback(&mut self, id: u16) -> bool {
-        if self
-            .inflight
-            .get(&id)
-            .is_some_and(|f| f.phase == Phase::AwaitPubAck)
-        {
-            self.inflight.remove(&id);
-            return true;
+        self.complete(id, Phase::AwaitPubAck)
+    }
+
+    /// Ends the flow of `id` if it is in `phase`.
+    fn complete(&mut self, id: u16, phase: Phase) -> bool {
+        if !self.inflight.get(&id).is_some_and(|f| f.phase == phase) {
+            return false;
         }
-        false
+        if let Some(done) = self.inflight.remove(&id) {
+            self.note_removed(&done.delivery);
+        }
+        true
+    }
+
+    /// Drops a message in flight (it cannot be sent to this client).
+    pub(crate) fn drop_inflight(&mut self, id: u16) {
+        if let Some(dropped) = self.inflight.remove(&id) {
+            self.dropped_too_large += 1;
+            self.note_removed(&dropped.delivery);
+        }
     }
 
     /// PUBREC for `id`: `Some(true)` means send PUBREL, `Some(false)` the flow ended with an error
@@ -242,11 +415,15 @@ impl SessionState {
         let entry = self.inflight.get_mut(&id)?;
         match entry.phase {
             Phase::AwaitPubRec | Phase::AwaitPubComp if reason_code < 0x80 => {
-                entry.phase = Phase::AwaitPubComp;
+                if entry.phase == Phase::AwaitPubRec {
+                    entry.phase = Phase::AwaitPubComp;
+                    let seq = entry.delivery.seq;
+                    self.note(|client_id| SessionChange::Released { client_id, seq });
+                }
                 Some(true)
             }
             Phase::AwaitPubRec => {
-                self.inflight.remove(&id);
+                self.complete(id, Phase::AwaitPubRec);
                 Some(false)
             }
             _ => None,
@@ -255,15 +432,22 @@ impl SessionState {
 
     /// PUBCOMP for `id`; returns whether it completed a QoS 2 flow.
     pub fn on_pubcomp(&mut self, id: u16) -> bool {
-        if self
-            .inflight
-            .get(&id)
-            .is_some_and(|f| f.phase == Phase::AwaitPubComp)
-        {
-            self.inflight.remove(&id);
-            return true;
-        }
-        false
+        self.complete(id, Phase::AwaitPubComp)
+    }
+}
+
+/// The journal form of a queued message.
+fn appended(client_id: &Arc<str>, d: &Delivery, now: Instant, now_ms: u64) -> SessionChange {
+    SessionChange::Appended {
+        client_id: client_id.clone(),
+        seq: d.seq,
+        message: StoredMessage {
+            message: d.message.clone(),
+            qos: d.qos,
+            retain: d.retain,
+            subscription_ids: d.subscription_ids.clone(),
+            received_at_ms: clock::to_ms(d.received_at, now, now_ms),
+        },
     }
 }
 
@@ -271,17 +455,76 @@ impl SessionState {
 pub(crate) struct SessionHandle {
     pub client_id: Arc<str>,
     state: Mutex<SessionState>,
+    journal: Option<Arc<dyn SessionJournal>>,
     /// Wakes the owning connection when messages were queued.
     pub wake: Notify,
     /// Whether a connection owns the session; offline sessions do not queue QoS 0.
     online: AtomicBool,
 }
 
+/// The locked state of a session. Changes noted while it is held go to the journal when it is
+/// dropped (or earlier, with [`SessionGuard::commit`] when the caller must wait for durability).
+pub(crate) struct SessionGuard<'a> {
+    state: MutexGuard<'a, SessionState>,
+    journal: Option<&'a dyn SessionJournal>,
+}
+
+impl SessionGuard<'_> {
+    /// Hands the changes noted so far to the journal; `None` if there were none.
+    pub(crate) fn commit(&mut self) -> Option<Durable> {
+        let journal = self.journal?;
+        if self.state.changes.is_empty() {
+            return None;
+        }
+        Some(journal.record(std::mem::take(&mut self.state.changes)))
+    }
+}
+
+impl std::ops::Deref for SessionGuard<'_> {
+    type Target = SessionState;
+    fn deref(&self) -> &SessionState {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for SessionGuard<'_> {
+    fn deref_mut(&mut self) -> &mut SessionState {
+        &mut self.state
+    }
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        // Not awaited: only changes MQTT acknowledges are waited for, via `commit`.
+        drop(self.commit());
+    }
+}
+
 impl SessionHandle {
-    pub(crate) fn new(client_id: Arc<str>, expiry_interval_secs: u32) -> Self {
+    /// A new session; with a journal, it is journalled from the moment its expiry is above 0.
+    pub(crate) fn new(
+        client_id: Arc<str>,
+        expiry_interval_secs: u32,
+        journal: Option<Arc<dyn SessionJournal>>,
+    ) -> Self {
+        let mut state = SessionState::new(client_id.clone(), 0);
+        state.journalled = journal.is_some();
+        state.set_expiry(expiry_interval_secs);
         Self {
-            state: Mutex::new(SessionState::new(client_id.clone(), expiry_interval_secs)),
+            state: Mutex::new(state),
+            journal,
             client_id,
+            wake: Notify::new(),
+            online: AtomicBool::new(false),
+        }
+    }
+
+    /// A session read back from the journal (already in it: nothing is recorded).
+    pub(crate) fn restored(state: SessionState, journal: Option<Arc<dyn SessionJournal>>) -> Self {
+        Self {
+            client_id: state.client_id.clone(),
+            state: Mutex::new(state),
+            journal,
             wake: Notify::new(),
             online: AtomicBool::new(false),
         }
@@ -289,8 +532,11 @@ impl SessionHandle {
 
     /// Locks the state. A poisoned lock means a panic elsewhere mid-update; the state is still the
     /// best we have, so we carry on with it rather than take the broker down.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, SessionState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock(&self) -> SessionGuard<'_> {
+        SessionGuard {
+            state: self.state.lock().unwrap_or_else(|p| p.into_inner()),
+            journal: self.journal.as_deref(),
+        }
     }
 
     pub(crate) fn set_online(&self, online: bool) {
@@ -298,16 +544,21 @@ impl SessionHandle {
     }
 
     /// Queues a delivery and wakes the connection. Offline sessions skip QoS 0 (MQTT allows it and
-    /// it keeps away sessions from filling with stale telemetry).
-    pub(crate) fn deliver(&self, d: Delivery, max_queued: usize) -> Enqueued {
+    /// it keeps away sessions from filling with stale telemetry). Returns the outcome and, if the
+    /// message entered the journal, when it is durable.
+    pub(crate) fn deliver(&self, d: Delivery, max_queued: usize) -> (Enqueued, Option<Durable>) {
         if d.qos == QoS::AtMostOnce && !self.online.load(Ordering::Acquire) {
-            return Enqueued::DroppedQos0;
+            return (Enqueued::DroppedQos0, None);
         }
-        let outcome = self.lock().enqueue(d, max_queued);
+        let (outcome, durable) = {
+            let mut state = self.lock();
+            let outcome = state.enqueue(d, max_queued);
+            (outcome, state.commit())
+        };
         if outcome != Enqueued::DroppedQos0 && outcome != Enqueued::DroppedNewest {
             self.wake.notify_one();
         }
-        outcome
+        (outcome, durable)
     }
 }
 
@@ -330,6 +581,7 @@ mod tests {
             retain: false,
             subscription_ids: Vec::new(),
             received_at: Instant::now(),
+            seq: 0,
         }
     }
 

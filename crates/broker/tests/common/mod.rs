@@ -28,13 +28,17 @@ pub struct Server {
 
 impl Server {
     pub async fn start(config: BrokerConfig) -> Self {
-        Self::start_secured(config, Security::default()).await
+        Self::serve(Broker::new(config)).await
     }
 
     pub async fn start_secured(config: BrokerConfig, security: Security) -> Self {
+        Self::serve(Broker::builder(config).security(security).build()).await
+    }
+
+    /// Serves an already built (e.g. journalled or restored) broker.
+    pub async fn serve(broker: Broker) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let broker = Broker::with_security(config, security);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(mqstate_broker::serve(
             listener,

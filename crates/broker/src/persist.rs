@@ -1,0 +1,154 @@
+//! The durability port of the broker: what it tells a [`SessionJournal`] about persistent sessions,
+//! retained messages and delayed wills, and how a journal's contents are read back ([`Restored`]).
+//!
+//! The broker knows nothing of where changes go; the binary installs a journal over a write-ahead
+//! log (`BrokerBuilder::journal`). Without one (the default) nothing is recorded.
+//!
+//! What is journalled: sessions with a Session Expiry Interval above 0 (clean, expiry-0 sessions
+//! cost nothing), their subscriptions, their QoS 1/2 messages (queued and in flight, with the packet
+//! id and phase), their pending delayed will, and every retained message. QoS 0 messages are not.
+//!
+//! Ordering contract: every change about one session is recorded while that session's lock is held,
+//! so the journal sees a session's changes in the order they were made. Each change is an
+//! assignment (set or remove one thing), so replaying a suffix of the journal over an image that
+//! already contains part of it gives the same state — this is what lets a snapshot be taken while
+//! changes go on (see `docs/decisions/0004-durable-sessions.md`).
+//!
+//! Times are wall-clock milliseconds since the Unix epoch: `Instant`s do not survive a restart.
+
+mod codec;
+mod replay;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytestring::ByteString;
+
+use crate::message::{Message, QoS};
+use crate::session::SubscriptionOptions;
+use crate::will::Will;
+
+pub use codec::{decode_changes, encode_changes, DecodeError, FORMAT_VERSION};
+pub use replay::{Restored, StoredEntry, StoredSession};
+
+/// Resolves once the recorded changes are durable (fsynced), or with the reason they never will be.
+pub type Durable = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send>>;
+
+/// A change could not be made durable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("session change not durable: {0}")]
+pub struct JournalError(pub String);
+
+/// Where the broker records durable changes (implemented by the binary over a write-ahead log).
+pub trait SessionJournal: Send + Sync {
+    /// Records `changes` as one unit, after everything recorded before this call. Must not block:
+    /// it is called with a session lock held. The broker awaits the result only where MQTT
+    /// acknowledges something (PUBACK/PUBREC, SUBACK, UNSUBACK, CONNACK); other changes are
+    /// recorded and not waited for.
+    fn record(&self, changes: Vec<SessionChange>) -> Durable;
+}
+
+/// A message in a session queue, with its per-subscriber QoS, retain flag and subscription ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredMessage {
+    pub message: Arc<Message>,
+    pub qos: QoS,
+    pub retain: bool,
+    pub subscription_ids: Vec<u32>,
+    /// When the broker received it (wall clock, ms); its Message Expiry Interval counts from here.
+    pub received_at_ms: u64,
+}
+
+/// One durable change. Session messages are identified by a per-session sequence number (`seq`),
+/// the seed's queue deltas: `Created`/`Deleted` are its C/D, `Appended`/`Removed` its A/R.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionChange {
+    /// A new, empty, connected session (replaces any earlier one of the client).
+    Created {
+        client_id: Arc<str>,
+        expiry_secs: u32,
+    },
+    /// The client reconnected to its session: connected again, delayed will cancelled.
+    Attached {
+        client_id: Arc<str>,
+        expiry_secs: u32,
+    },
+    /// The connection ended at `at_ms`; the session expires `expiry_secs` later.
+    Detached {
+        client_id: Arc<str>,
+        expiry_secs: u32,
+        at_ms: u64,
+    },
+    Subscribed {
+        client_id: Arc<str>,
+        filter: ByteString,
+        options: SubscriptionOptions,
+    },
+    Unsubscribed {
+        client_id: Arc<str>,
+        filter: ByteString,
+    },
+    /// A QoS 1/2 message entered the session queue.
+    Appended {
+        client_id: Arc<str>,
+        seq: u64,
+        message: StoredMessage,
+    },
+    /// The message was sent with `packet_id` and waits for PUBACK/PUBREC.
+    Sent {
+        client_id: Arc<str>,
+        seq: u64,
+        packet_id: u16,
+    },
+    /// PUBREC came for the (QoS 2) message: PUBREL was sent, PUBCOMP is awaited.
+    Released { client_id: Arc<str>, seq: u64 },
+    /// The message left the session: acknowledged, expired or dropped.
+    Removed { client_id: Arc<str>, seq: u64 },
+    /// The session ended (expired, discarded by Clean Start, or no longer persistent).
+    Deleted { client_id: Arc<str> },
+    /// A delayed will is due at `at_ms` unless the client reconnects first.
+    WillScheduled {
+        client_id: Arc<str>,
+        will: Will,
+        at_ms: u64,
+    },
+    /// The delayed will was published.
+    WillCancelled { client_id: Arc<str> },
+    /// A retained message was set on its topic.
+    RetainedSet {
+        message: Arc<Message>,
+        received_at_ms: u64,
+    },
+    /// The retained message of `topic` was cleared.
+    RetainedCleared { topic: ByteString },
+}
+
+/// Wall-clock helpers: the journal stores wall-clock ms, the broker computes with `Instant`s.
+pub(crate) mod clock {
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+    /// Milliseconds since the Unix epoch (0 if the clock is before it).
+    pub(crate) fn now_ms() -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    /// The wall-clock time of `at`, given that `now` is `now_ms`.
+    pub(crate) fn to_ms(at: Instant, now: Instant, now_ms: u64) -> u64 {
+        let back = now.saturating_duration_since(at).as_millis();
+        now_ms.saturating_sub(u64::try_from(back).unwrap_or(u64::MAX))
+    }
+
+    /// The `Instant` of wall-clock `ms`, given that `now` is `now_ms`. Times before the monotonic
+    /// clock's origin become `now` (a message then expires a little later, never earlier).
+    pub(crate) fn to_instant(ms: u64, now: Instant, now_ms: u64) -> Instant {
+        if ms <= now_ms {
+            now.checked_sub(Duration::from_millis(now_ms - ms))
+                .unwrap_or(now)
+        } else {
+            now + Duration::from_millis(ms - now_ms)
+        }
+    }
+}

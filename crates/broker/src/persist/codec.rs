@@ -1,0 +1,713 @@
+//! The binary encoding of [`SessionChange`] lists: one journal record, or a whole snapshot image.
+//! Documented in `docs/storage-format.md` ("Session log"). Big-endian like every other file.
+//!
+//! ```text
+//! record   = version u8 (= 1), count u32, change*
+//! change   = marker u8 (ASCII), fields
+//! str/bin  = length u32, bytes (str: UTF-8)
+//! option   = 0 | 1 value
+//! ```
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use bytestring::ByteString;
+
+use super::{SessionChange, StoredMessage};
+use crate::message::{Message, PublishProperties, QoS};
+use crate::session::SubscriptionOptions;
+use crate::will::Will;
+
+/// Version byte at the start of every encoded change list.
+pub const FORMAT_VERSION: u8 = 1;
+
+const CREATED: u8 = b'C';
+const ATTACHED: u8 = b'N';
+const DETACHED: u8 = b'O';
+const SUBSCRIBED: u8 = b'S';
+const UNSUBSCRIBED: u8 = b'U';
+const APPENDED: u8 = b'A';
+const SENT: u8 = b'P';
+const RELEASED: u8 = b'L';
+const REMOVED: u8 = b'R';
+const DELETED: u8 = b'D';
+const WILL_SCHEDULED: u8 = b'W';
+const WILL_CANCELLED: u8 = b'w';
+const RETAINED_SET: u8 = b'T';
+const RETAINED_CLEARED: u8 = b't';
+
+// Property presence bits of an encoded message.
+const PROP_UTF8: u8 = 1;
+const PROP_EXPIRY: u8 = 2;
+const PROP_CONTENT_TYPE: u8 = 4;
+const PROP_RESPONSE_TOPIC: u8 = 8;
+const PROP_CORRELATION: u8 = 16;
+
+/// Bytes that do not decode as a change list.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("session log data does not decode: {what} at byte {offset}")]
+pub struct DecodeError {
+    pub what: &'static str,
+    pub offset: usize,
+}
+
+/// Encodes `changes` (a record or a snapshot image).
+pub fn encode_changes(changes: &[SessionChange]) -> Bytes {
+    let mut out = BytesMut::with_capacity(64);
+    out.put_u8(FORMAT_VERSION);
+    out.put_u32(len32(changes.len()));
+    for change in changes {
+        encode_change(change, &mut out);
+    }
+    out.freeze()
+}
+
+/// Decodes what [`encode_changes`] wrote; never panics on bad input.
+pub fn decode_changes(data: &[u8]) -> Result<Vec<SessionChange>, DecodeError> {
+    let mut r = Reader { data, pos: 0 };
+    let version = r.u8("version")?;
+    if version != FORMAT_VERSION {
+        return Err(r.error("unsupported version"));
+    }
+    let count = r.u32("change count")?;
+    // Each change takes at least 5 bytes: do not trust the count for the allocation.
+    let mut changes = Vec::with_capacity((count as usize).min(data.len() / 5));
+    for _ in 0..count {
+        changes.push(decode_change(&mut r)?);
+    }
+    if r.pos != data.len() {
+        return Err(r.error("trailing bytes"));
+    }
+    Ok(changes)
+}
+
+/// Lengths are `u32` on disk; nothing the broker holds comes near 4 GiB (packets are capped far lower).
+fn len32(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+fn put_bin(out: &mut BytesMut, b: &[u8]) {
+    out.put_u32(len32(b.len()));
+    out.put_slice(b);
+}
+
+fn encode_change(change: &SessionChange, out: &mut BytesMut) {
+    match change {
+        SessionChange::Created {
+            client_id,
+            expiry_secs,
+        } => {
+            out.put_u8(CREATED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u32(*expiry_secs);
+        }
+        SessionChange::Attached {
+            client_id,
+            expiry_secs,
+        } => {
+            out.put_u8(ATTACHED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u32(*expiry_secs);
+        }
+        SessionChange::Detached {
+            client_id,
+            expiry_secs,
+            at_ms,
+        } => {
+            out.put_u8(DETACHED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u32(*expiry_secs);
+            out.put_u64(*at_ms);
+        }
+        SessionChange::Subscribed {
+            client_id,
+            filter,
+            options,
+        } => {
+            out.put_u8(SUBSCRIBED);
+            put_bin(out, client_id.as_bytes());
+            put_bin(out, filter.as_bytes());
+            out.put_u8(options.qos as u8);
+            out.put_u8(u8::from(options.no_local) | u8::from(options.retain_as_published) << 1);
+            out.put_u8(options.retain_handling);
+            put_opt_u32(out, options.subscription_id);
+        }
+        SessionChange::Unsubscribed { client_id, filter } => {
+            out.put_u8(UNSUBSCRIBED);
+            put_bin(out, client_id.as_bytes());
+            put_bin(out, filter.as_bytes());
+        }
+        SessionChange::Appended {
+            client_id,
+            seq,
+            message,
+        } => {
+            out.put_u8(APPENDED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u64(*seq);
+            encode_message(&message.message, out);
+            out.put_u8(message.qos as u8);
+            out.put_u8(u8::from(message.retain));
+            out.put_u32(len32(message.subscription_ids.len()));
+            for id in &message.subscription_ids {
+                out.put_u32(*id);
+            }
+            out.put_u64(message.received_at_ms);
+        }
+        SessionChange::Sent {
+            client_id,
+            seq,
+            packet_id,
+        } => {
+            out.put_u8(SENT);
+            put_bin(out, client_id.as_bytes());
+            out.put_u64(*seq);
+            out.put_u16(*packet_id);
+        }
+        SessionChange::Released { client_id, seq } => {
+            out.put_u8(RELEASED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u64(*seq);
+        }
+        SessionChange::Removed { client_id, seq } => {
+            out.put_u8(REMOVED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u64(*seq);
+        }
+        SessionChange::Deleted { client_id } => {
+            out.put_u8(DELETED);
+            put_bin(out, client_id.as_bytes());
+        }
+        SessionChange::WillScheduled {
+            client_id,
+            will,
+            at_ms,
+        } => {
+            out.put_u8(WILL_SCHEDULED);
+            put_bin(out, client_id.as_bytes());
+            encode_message(&will.message, out);
+            out.put_u32(will.delay_secs);
+            out.put_u64(*at_ms);
+        }
+        SessionChange::WillCancelled { client_id } => {
+            out.put_u8(WILL_CANCELLED);
+            put_bin(out, client_id.as_bytes());
+        }
+        SessionChange::RetainedSet {
+            message,
+            received_at_ms,
+        } => {
+            out.put_u8(RETAINED_SET);
+            encode_message(message, out);
+            out.put_u64(*received_at_ms);
+        }
+        SessionChange::RetainedCleared { topic } => {
+            out.put_u8(RETAINED_CLEARED);
+            put_bin(out, topic.as_bytes());
+        }
+    }
+}
+
+fn put_opt_u32(out: &mut BytesMut, v: Option<u32>) {
+    match v {
+        Some(v) => {
+            out.put_u8(1);
+            out.put_u32(v);
+        }
+        None => out.put_u8(0),
+    }
+}
+
+fn encode_message(m: &Message, out: &mut BytesMut) {
+    put_bin(out, m.topic.as_bytes());
+    put_bin(out, &m.payload);
+    out.put_u8(m.qos as u8);
+    out.put_u8(u8::from(m.retain));
+    let p = &m.properties;
+    let mut bits = 0;
+    for (present, bit) in [
+        (p.payload_is_utf8, PROP_UTF8),
+        (p.message_expiry_interval.is_some(), PROP_EXPIRY),
+        (p.content_type.is_some(), PROP_CONTENT_TYPE),
+        (p.response_topic.is_some(), PROP_RESPONSE_TOPIC),
+        (p.correlation_data.is_some(), PROP_CORRELATION),
+    ] {
+        if present {
+            bits |= bit;
+        }
+    }
+    out.put_u8(bits);
+    if let Some(v) = p.message_expiry_interval {
+        out.put_u32(v);
+    }
+    if let Some(v) = &p.content_type {
+        put_bin(out, v.as_bytes());
+    }
+    if let Some(v) = &p.response_topic {
+        put_bin(out, v.as_bytes());
+    }
+    if let Some(v) = &p.correlation_data {
+        put_bin(out, v);
+    }
+    out.put_u32(len32(p.user_properties.len()));
+    for (k, v) in &p.user_properties {
+        put_bin(out, k.as_bytes());
+        put_bin(out, v.as_bytes());
+    }
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn error(&self, what: &'static str) -> DecodeError {
+        DecodeError {
+            what,
+            offset: self.pos,
+        }
+    }
+
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], DecodeError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|end| *end <= self.data.len())
+            .ok_or_else(|| self.error(what))?;
+        let bytes = &self.data[self.pos..end];
+        self.pos = end;
+        Ok(bytes)
+    }
+
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], DecodeError> {
+        let mut a = [0; N];
+        a.copy_from_slice(self.take(N, what)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self, what: &'static str) -> Result<u8, DecodeError> {
+        Ok(self.array::<1>(what)?[0])
+    }
+
+    fn u16(&mut self, what: &'static str) -> Result<u16, DecodeError> {
+        Ok(u16::from_be_bytes(self.array(what)?))
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, DecodeError> {
+        Ok(u32::from_be_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &'static str) -> Result<u64, DecodeError> {
+        Ok(u64::from_be_bytes(self.array(what)?))
+    }
+
+    fn bool(&mut self, what: &'static str) -> Result<bool, DecodeError> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(self.error(what)),
+        }
+    }
+
+    fn bin(&mut self, what: &'static str) -> Result<&'a [u8], DecodeError> {
+        let len = self.u32(what)?;
+        self.take(len as usize, what)
+    }
+
+    fn bytes(&mut self, what: &'static str) -> Result<Bytes, DecodeError> {
+        Ok(Bytes::copy_from_slice(self.bin(what)?))
+    }
+
+    fn string(&mut self, what: &'static str) -> Result<ByteString, DecodeError> {
+        let start = self.pos;
+        let b = self.bin(what)?;
+        ByteString::try_from(b).map_err(|_| DecodeError {
+            what,
+            offset: start,
+        })
+    }
+
+    fn client_id(&mut self) -> Result<Arc<str>, DecodeError> {
+        Ok(Arc::from(&*self.string("client id")?))
+    }
+
+    fn qos(&mut self, what: &'static str) -> Result<QoS, DecodeError> {
+        match self.u8(what)? {
+            0 => Ok(QoS::AtMostOnce),
+            1 => Ok(QoS::AtLeastOnce),
+            2 => Ok(QoS::ExactlyOnce),
+            _ => Err(self.error(what)),
+        }
+    }
+
+    fn opt_u32(&mut self, what: &'static str) -> Result<Option<u32>, DecodeError> {
+        Ok(if self.bool(what)? {
+            Some(self.u32(what)?)
+        } else {
+            None
+        })
+    }
+
+    /// A count of items each at least `min_size` bytes long, checked against what is left.
+    fn count(&mut self, min_size: usize, what: &'static str) -> Result<usize, DecodeError> {
+        let n = self.u32(what)? as usize;
+        if n.saturating_mul(min_size) > self.data.len() - self.pos {
+            return Err(self.error(what));
+        }
+        Ok(n)
+    }
+}
+
+fn decode_message(r: &mut Reader<'_>) -> Result<Message, DecodeError> {
+    let topic = r.string("topic")?;
+    let payload = r.bytes("payload")?;
+    let qos = r.qos("message QoS")?;
+    let retain = r.bool("retain flag")?;
+    let bits = r.u8("property bits")?;
+    if bits
+        & !(PROP_UTF8 | PROP_EXPIRY | PROP_CONTENT_TYPE | PROP_RESPONSE_TOPIC | PROP_CORRELATION)
+        != 0
+    {
+        return Err(r.error("property bits"));
+    }
+    let mut properties = PublishProperties {
+        payload_is_utf8: bits & PROP_UTF8 != 0,
+        ..PublishProperties::default()
+    };
+    if bits & PROP_EXPIRY != 0 {
+        properties.message_expiry_interval = Some(r.u32("message expiry interval")?);
+    }
+    if bits & PROP_CONTENT_TYPE != 0 {
+        properties.content_type = Some(r.string("content type")?);
+    }
+    if bits & PROP_RESPONSE_TOPIC != 0 {
+        properties.response_topic = Some(r.string("response topic")?);
+    }
+    if bits & PROP_CORRELATION != 0 {
+        properties.correlation_data = Some(r.bytes("correlation data")?);
+    }
+    let n = r.count(8, "user property count")?;
+    for _ in 0..n {
+        let k = r.string("user property name")?;
+        let v = r.string("user property value")?;
+        properties.user_properties.push((k, v));
+    }
+    Ok(Message {
+        topic,
+        payload,
+        qos,
+        retain,
+        properties,
+    })
+}
+
+fn decode_change(r: &mut Reader<'_>) -> Result<SessionChange, DecodeError> {
+    let marker_at = r.pos;
+    let change = match r.u8("marker")? {
+        CREATED => SessionChange::Created {
+            client_id: r.client_id()?,
+            expiry_secs: r.u32("expiry")?,
+        },
+        ATTACHED => SessionChange::Attached {
+            client_id: r.client_id()?,
+            expiry_secs: r.u32("expiry")?,
+        },
+        DETACHED => SessionChange::Detached {
+            client_id: r.client_id()?,
+            expiry_secs: r.u32("expiry")?,
+            at_ms: r.u64("detached at")?,
+        },
+        SUBSCRIBED => {
+            let client_id = r.client_id()?;
+            let filter = r.string("filter")?;
+            let qos = r.qos("subscription QoS")?;
+            let flags = r.u8("subscription flags")?;
+            if flags > 3 {
+                return Err(r.error("subscription flags"));
+            }
+            let retain_handling = r.u8("retain handling")?;
+            if retain_handling > 2 {
+                return Err(r.error("retain handling"));
+            }
+            let subscription_id = r.opt_u32("subscription id")?;
+            SessionChange::Subscribed {
+                client_id,
+                filter,
+                options: SubscriptionOptions {
+                    qos,
+                    no_local: flags & 1 != 0,
+                    retain_as_published: flags & 2 != 0,
+                    retain_handling,
+                    subscription_id,
+                },
+            }
+        }
+        UNSUBSCRIBED => SessionChange::Unsubscribed {
+            client_id: r.client_id()?,
+            filter: r.string("filter")?,
+        },
+        APPENDED => {
+            let client_id = r.client_id()?;
+            let seq = r.u64("seq")?;
+            let message = Arc::new(decode_message(r)?);
+            let qos = r.qos("delivery QoS")?;
+            let retain = r.bool("delivery retain flag")?;
+            let n = r.count(4, "subscription id count")?;
+            let mut subscription_ids = Vec::with_capacity(n);
+            for _ in 0..n {
+                subscription_ids.push(r.u32("subscription id")?);
+            }
+            let received_at_ms = r.u64("received at")?;
+            SessionChange::Appended {
+                client_id,
+                seq,
+                message: StoredMessage {
+                    message,
+                    qos,
+                    retain,
+                    subscription_ids,
+                    received_at_ms,
+                },
+            }
+        }
+        SENT => SessionChange::Sent {
+            client_id: r.client_id()?,
+            seq: r.u64("seq")?,
+            packet_id: r.u16("packet id")?,
+        },
+        RELEASED => SessionChange::Released {
+            client_id: r.client_id()?,
+            seq: r.u64("seq")?,
+        },
+        REMOVED => SessionChange::Removed {
+            client_id: r.client_id()?,
+            seq: r.u64("seq")?,
+        },
+        DELETED => SessionChange::Deleted {
+            client_id: r.client_id()?,
+        },
+        WILL_SCHEDULED => {
+            let client_id = r.client_id()?;
+            let message = decode_message(r)?;
+            let delay_secs = r.u32("will delay")?;
+            SessionChange::WillScheduled {
+                client_id,
+                will: Will {
+                    message,
+                    delay_secs,
+                },
+                at_ms: r.u64("will due at")?,
+            }
+        }
+        WILL_CANCELLED => SessionChange::WillCancelled {
+            client_id: r.client_id()?,
+        },
+        RETAINED_SET => SessionChange::RetainedSet {
+            message: Arc::new(decode_message(r)?),
+            received_at_ms: r.u64("received at")?,
+        },
+        RETAINED_CLEARED => SessionChange::RetainedCleared {
+            topic: r.string("topic")?,
+        },
+        _ => {
+            return Err(DecodeError {
+                what: "unknown marker",
+                offset: marker_at,
+            })
+        }
+    };
+    Ok(change)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn text() -> impl Strategy<Value = String> {
+        "[a-z/#+é]{0,12}"
+    }
+
+    fn qos() -> impl Strategy<Value = QoS> {
+        prop_oneof![
+            Just(QoS::AtMostOnce),
+            Just(QoS::AtLeastOnce),
+            Just(QoS::ExactlyOnce)
+        ]
+    }
+
+    fn message() -> impl Strategy<Value = Message> {
+        (
+            (text(), proptest::collection::vec(any::<u8>(), 0..16), qos()),
+            (any::<bool>(), any::<bool>(), any::<Option<u32>>()),
+            (
+                proptest::option::of(text()),
+                proptest::option::of(text()),
+                proptest::option::of(proptest::collection::vec(any::<u8>(), 0..8)),
+                proptest::collection::vec((text(), text()), 0..3),
+            ),
+        )
+            .prop_map(
+                |((topic, payload, qos), (retain, utf8, expiry), (ct, rt, cd, up))| Message {
+                    topic: topic.into(),
+                    payload: payload.into(),
+                    qos,
+                    retain,
+                    properties: PublishProperties {
+                        payload_is_utf8: utf8,
+                        message_expiry_interval: expiry,
+                        content_type: ct.map(Into::into),
+                        response_topic: rt.map(Into::into),
+                        correlation_data: cd.map(Into::into),
+                        user_properties: up
+                            .into_iter()
+                            .map(|(k, v)| (k.into(), v.into()))
+                            .collect(),
+                    },
+                },
+            )
+    }
+
+    fn options() -> impl Strategy<Value = SubscriptionOptions> {
+        (
+            qos(),
+            any::<bool>(),
+            any::<bool>(),
+            0u8..3,
+            any::<Option<u32>>(),
+        )
+            .prop_map(
+                |(qos, no_local, retain_as_published, retain_handling, subscription_id)| {
+                    SubscriptionOptions {
+                        qos,
+                        no_local,
+                        retain_as_published,
+                        retain_handling,
+                        subscription_id,
+                    }
+                },
+            )
+    }
+
+    fn change() -> impl Strategy<Value = SessionChange> {
+        let id = || text().prop_map(|s| Arc::<str>::from(s.as_str()));
+        prop_oneof![
+            (id(), any::<u32>()).prop_map(|(client_id, expiry_secs)| SessionChange::Created {
+                client_id,
+                expiry_secs
+            }),
+            (id(), any::<u32>()).prop_map(|(client_id, expiry_secs)| SessionChange::Attached {
+                client_id,
+                expiry_secs
+            }),
+            (id(), any::<u32>(), any::<u64>()).prop_map(|(client_id, expiry_secs, at_ms)| {
+                SessionChange::Detached {
+                    client_id,
+                    expiry_secs,
+                    at_ms,
+                }
+            }),
+            (id(), text(), options()).prop_map(|(client_id, f, options)| {
+                SessionChange::Subscribed {
+                    client_id,
+                    filter: f.into(),
+                    options,
+                }
+            }),
+            (id(), text()).prop_map(|(client_id, f)| SessionChange::Unsubscribed {
+                client_id,
+                filter: f.into()
+            }),
+            (
+                id(),
+                any::<u64>(),
+                message(),
+                qos(),
+                any::<bool>(),
+                proptest::collection::vec(any::<u32>(), 0..3),
+                any::<u64>()
+            )
+                .prop_map(|(client_id, seq, m, qos, retain, ids, at)| {
+                    SessionChange::Appended {
+                        client_id,
+                        seq,
+                        message: StoredMessage {
+                            message: Arc::new(m),
+                            qos,
+                            retain,
+                            subscription_ids: ids,
+                            received_at_ms: at,
+                        },
+                    }
+                }),
+            (id(), any::<u64>(), any::<u16>()).prop_map(|(client_id, seq, packet_id)| {
+                SessionChange::Sent {
+                    client_id,
+                    seq,
+                    packet_id,
+                }
+            }),
+            (id(), any::<u64>())
+                .prop_map(|(client_id, seq)| SessionChange::Released { client_id, seq }),
+            (id(), any::<u64>())
+                .prop_map(|(client_id, seq)| SessionChange::Removed { client_id, seq }),
+            id().prop_map(|client_id| SessionChange::Deleted { client_id }),
+            (id(), message(), any::<u32>(), any::<u64>()).prop_map(
+                |(client_id, message, delay_secs, at_ms)| SessionChange::WillScheduled {
+                    client_id,
+                    will: Will {
+                        message,
+                        delay_secs
+                    },
+                    at_ms,
+                }
+            ),
+            id().prop_map(|client_id| SessionChange::WillCancelled { client_id }),
+            (message(), any::<u64>()).prop_map(|(m, at)| SessionChange::RetainedSet {
+                message: Arc::new(m),
+                received_at_ms: at
+            }),
+            text().prop_map(|t| SessionChange::RetainedCleared { topic: t.into() }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_change_round_trips(changes in proptest::collection::vec(change(), 0..6)) {
+            let bytes = encode_changes(&changes);
+            prop_assert_eq!(decode_changes(&bytes).unwrap(), changes);
+        }
+
+        #[test]
+        fn truncated_or_arbitrary_bytes_never_panic(
+            changes in proptest::collection::vec(change(), 1..4),
+            cut in any::<prop::sample::Index>(),
+            junk in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let bytes = encode_changes(&changes);
+            let cut = cut.index(bytes.len());
+            prop_assert!(decode_changes(&bytes[..cut]).is_err());
+            let _ = decode_changes(&junk);
+        }
+    }
+
+    #[test]
+    fn layout_of_a_removal_is_stable() {
+        let bytes = encode_changes(&[SessionChange::Removed {
+            client_id: "c".into(),
+            seq: 7,
+        }]);
+        assert_eq!(
+            &bytes[..],
+            &[1, 0, 0, 0, 1, b'R', 0, 0, 0, 1, b'c', 0, 0, 0, 0, 0, 0, 0, 7]
+        );
+        assert_eq!(
+            decode_changes(&[2, 0, 0, 0, 0]),
+            Err(DecodeError {
+                what: "unsupported version",
+                offset: 1
+            })
+        );
+    }
+}

@@ -1,0 +1,163 @@
+//! Reading a journal back: [`Restored`] applies changes in log order (snapshot image first, then
+//! the records after it) and ends up with what the broker had. Every change is an assignment, so a
+//! change applied twice (once in the image, once from the log) does no harm.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytestring::ByteString;
+
+use super::{SessionChange, StoredMessage};
+use crate::message::Message;
+use crate::session::SubscriptionOptions;
+use crate::will::Will;
+
+/// Durable sessions and retained messages as the journal describes them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Restored {
+    pub sessions: BTreeMap<Arc<str>, StoredSession>,
+    /// Retained message and when it was received (wall-clock ms), by topic.
+    pub retained: BTreeMap<ByteString, (Arc<Message>, u64)>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoredSession {
+    pub expiry_secs: u32,
+    /// When the connection ended (wall-clock ms); `None` if it was connected when the log ended.
+    pub detached_at_ms: Option<u64>,
+    pub subscriptions: BTreeMap<ByteString, SubscriptionOptions>,
+    /// QoS 1/2 messages by sequence number (queue order).
+    pub messages: BTreeMap<u64, StoredEntry>,
+    /// Delayed will and when it is due (wall-clock ms).
+    pub will: Option<(Will, u64)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredEntry {
+    pub message: StoredMessage,
+    /// Packet id it was sent with, if it is in flight.
+    pub packet_id: Option<u16>,
+    /// PUBREC seen: PUBREL is what goes again.
+    pub released: bool,
+}
+
+impl Restored {
+    /// Applies one change. Changes about sessions or messages that do not exist are ignored: they
+    /// are older than the snapshot image (which already has their effect) or raced a session's end.
+    pub fn apply(&mut self, change: SessionChange) {
+        match change {
+            SessionChange::Created {
+                client_id,
+                expiry_secs,
+            } => {
+                self.sessions.insert(
+                    client_id,
+                    StoredSession {
+                        expiry_secs,
+                        ..StoredSession::default()
+                    },
+                );
+            }
+            SessionChange::Attached {
+                client_id,
+                expiry_secs,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.expiry_secs = expiry_secs;
+                    s.detached_at_ms = None;
+                    s.will = None;
+                }
+            }
+            SessionChange::Detached {
+                client_id,
+                expiry_secs,
+                at_ms,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.expiry_secs = expiry_secs;
+                    s.detached_at_ms = Some(at_ms);
+                }
+            }
+            SessionChange::Subscribed {
+                client_id,
+                filter,
+                options,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.subscriptions.insert(filter, options);
+                }
+            }
+            SessionChange::Unsubscribed { client_id, filter } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.subscriptions.remove(&filter);
+                }
+            }
+            SessionChange::Appended {
+                client_id,
+                seq,
+                message,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.messages.insert(
+                        seq,
+                        StoredEntry {
+                            message,
+                            packet_id: None,
+                            released: false,
+                        },
+                    );
+                }
+            }
+            SessionChange::Sent {
+                client_id,
+                seq,
+                packet_id,
+            } => {
+                if let Some(e) = self.entry(&client_id, seq) {
+                    e.packet_id = Some(packet_id);
+                }
+            }
+            SessionChange::Released { client_id, seq } => {
+                if let Some(e) = self.entry(&client_id, seq) {
+                    e.released = true;
+                }
+            }
+            SessionChange::Removed { client_id, seq } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.messages.remove(&seq);
+                }
+            }
+            SessionChange::Deleted { client_id } => {
+                self.sessions.remove(&client_id);
+            }
+            SessionChange::WillScheduled {
+                client_id,
+                will,
+                at_ms,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.will = Some((will, at_ms));
+                }
+            }
+            SessionChange::WillCancelled { client_id } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.will = None;
+                }
+            }
+            SessionChange::RetainedSet {
+                message,
+                received_at_ms,
+            } => {
+                self.retained
+                    .insert(message.topic.clone(), (message, received_at_ms));
+            }
+            SessionChange::RetainedCleared { topic } => {
+                self.retained.remove(&topic);
+            }
+        }
+    }
+
+    fn entry(&mut self, client_id: &str, seq: u64) -> Option<&mut StoredEntry> {
+        self.sessions.get_mut(client_id)?.messages.get_mut(&seq)
+    }
+}

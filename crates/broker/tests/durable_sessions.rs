@@ -1,0 +1,227 @@
+//! Durable sessions through the journal port, with an in-memory journal: what is recorded, when
+//! acknowledgements wait for it, and what a broker restored from it gives back.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use common::*;
+use mqstate_broker::persist::{decode_changes, encode_changes};
+use mqstate_broker::{
+    Broker, BrokerConfig, Durable, JournalError, Restored, SessionChange, SessionJournal,
+};
+use rmqtt_codec::v5::{self, Packet};
+use tokio::sync::watch;
+
+/// Records every change (through the binary encoding) and resolves `Durable` only while open.
+struct MemoryJournal {
+    changes: Mutex<Vec<SessionChange>>,
+    open: watch::Sender<bool>,
+}
+
+impl MemoryJournal {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            changes: Mutex::new(Vec::new()),
+            open: watch::Sender::new(true),
+        })
+    }
+
+    fn set_open(&self, open: bool) {
+        self.open.send_replace(open);
+    }
+
+    fn replay(&self) -> Restored {
+        let mut restored = Restored::default();
+        for change in self.changes.lock().unwrap().iter().cloned() {
+            restored.apply(change);
+        }
+        restored
+    }
+}
+
+impl SessionJournal for MemoryJournal {
+    fn record(&self, changes: Vec<SessionChange>) -> Durable {
+        let decoded = decode_changes(&encode_changes(&changes)).expect("round trip");
+        assert_eq!(decoded, changes);
+        self.changes.lock().unwrap().extend(decoded);
+        let mut open = self.open.subscribe();
+        Box::pin(async move {
+            open.wait_for(|open| *open)
+                .await
+                .map(drop)
+                .map_err(|_| JournalError("journal dropped".into()))
+        })
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+async fn journalled(journal: &Arc<MemoryJournal>) -> Server {
+    Server::serve(
+        Broker::builder(BrokerConfig::default())
+            .journal(journal.clone())
+            .build(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn puback_waits_until_the_queued_message_is_durable() {
+    let journal = MemoryJournal::new();
+    let s = journalled(&journal).await;
+    let (mut sub, ack) = Raw::connect(s.addr, "durable", false, 600).await;
+    assert!(!ack.session_present);
+    sub.subscribe("d/#", 1).await;
+    sub.disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    // A clean session's subscription is not journalled and does not hold anything up.
+    let (mut clean, _) = Raw::connect(s.addr, "clean", true, 0).await;
+    clean.subscribe("c/#", 1).await;
+
+    journal.set_open(false);
+    let (mut publisher, _) = Raw::connect(s.addr, "pub", true, 0).await;
+    assert_eq!(publisher.publish_acked("c/x", b"fast", 1).await, 0);
+    publisher.publish("d/x", b"durable", 1, 2, false).await;
+    let before = publisher.ping().await;
+    assert!(
+        before.is_empty(),
+        "PUBACK sent before the queued message was durable: {before:?}"
+    );
+    journal.set_open(true);
+    match publisher.expect().await {
+        Packet::PublishAck(a) => assert_eq!(a.packet_id.get(), 2),
+        other => panic!("expected PUBACK, got {other:?}"),
+    }
+    let changes = journal.changes.lock().unwrap().clone();
+    assert!(changes.iter().any(|c| matches!(
+        c,
+        SessionChange::Appended { client_id, message, .. }
+            if &**client_id == "durable" && &message.message.payload[..] == b"durable"
+    )));
+    assert!(
+        !changes.iter().any(
+            |c| matches!(c, SessionChange::Created { client_id, .. } if &**client_id == "clean")
+        ),
+        "expiry-0 sessions are not journalled"
+    );
+}
+
+#[tokio::test]
+async fn a_broker_restored_from_the_journal_resumes_sessions_messages_and_retained() {
+    let journal = MemoryJournal::new();
+    let mut s = journalled(&journal).await;
+    let (mut sub, _) = Raw::connect(s.addr, "sub", false, 600).await;
+    let opts = v5::SubscriptionOptions {
+        qos: qos(1),
+        ..Default::default()
+    };
+    sub.subscribe_opts("t/#", opts, Some(7)).await;
+    let (mut publisher, _) = Raw::connect(s.addr, "pub", true, 0).await;
+    assert_eq!(publisher.publish_acked("t/1", b"first", 1).await, 0);
+    // Received and never acknowledged: in flight at the "crash".
+    let first = sub.expect_publish().await;
+    let first_id = first.packet_id.unwrap();
+    drop(sub);
+    assert_eq!(publisher.publish_acked("t/2", b"second", 2).await, 0);
+    publisher.publish("r/x", b"kept", 1, 3, true).await;
+    assert!(matches!(publisher.expect().await, Packet::PublishAck(_)));
+    s.shutdown();
+
+    let restored = journal.replay();
+    assert_eq!(restored.sessions.len(), 1, "{restored:?}");
+    let broker = Broker::new(BrokerConfig::default());
+    let report = broker.restore(restored, now_ms());
+    assert_eq!(
+        (report.sessions, report.messages, report.retained),
+        (1, 2, 1)
+    );
+    let s2 = Server::serve(broker).await;
+    let (mut sub, ack) = Raw::connect(s2.addr, "sub", false, 600).await;
+    assert!(ack.session_present, "Session Present after the restore");
+    let again = sub.expect_publish().await;
+    assert!(again.dup, "an in-flight message goes again with DUP");
+    assert_eq!(again.packet_id, Some(first_id));
+    assert_eq!(&again.payload[..], b"first");
+    let second = sub.expect_publish().await;
+    assert_eq!(&second.payload[..], b"second");
+    assert_eq!(
+        second
+            .properties
+            .as_ref()
+            .map(|p| p.subscription_ids.clone()),
+        Some(vec![std::num::NonZeroU32::new(7).unwrap()]),
+        "subscription ids survive"
+    );
+    // The subscription itself survived: new messages still arrive.
+    let (mut publisher, _) = Raw::connect(s2.addr, "pub", true, 0).await;
+    assert_eq!(publisher.publish_acked("t/3", b"third", 1).await, 0);
+    sub.puback(again.packet_id.unwrap()).await;
+    sub.puback(second.packet_id.unwrap()).await;
+    assert_eq!(&sub.expect_publish().await.payload[..], b"third");
+
+    let (mut late, _) = Raw::connect(s2.addr, "late", true, 0).await;
+    late.subscribe("r/#", 1).await;
+    let kept = late.expect_publish().await;
+    assert!(kept.retain);
+    assert_eq!(&kept.payload[..], b"kept");
+}
+
+#[tokio::test]
+async fn restore_drops_sessions_that_expired_while_down_and_publishes_due_wills() {
+    let journal = MemoryJournal::new();
+    let mut s = journalled(&journal).await;
+    let with_will = |id: &str, expiry: u32, delay: u32| {
+        let mut c = connect_packet(id, false, expiry);
+        c.last_will = Some(v5::LastWill {
+            qos: qos(1),
+            retain: true,
+            topic: format!("will/{id}").into(),
+            message: bytes::Bytes::from_static(b"gone"),
+            will_delay_interval_sec: Some(delay),
+            correlation_data: None,
+            message_expiry_interval: None,
+            content_type: None,
+            user_properties: vec![],
+            is_utf8_payload: None,
+            response_topic: None,
+        });
+        c
+    };
+    // Both connections end abnormally with a delayed will pending.
+    let (short, _) = Raw::connect_with(s.addr, with_will("short", 60, 30)).await;
+    let (long, _) = Raw::connect_with(s.addr, with_will("long", 3600, 600)).await;
+    drop((short, long));
+    let mut events = s.broker.events();
+    for _ in 0..2 {
+        wait_event(&mut events, |e| {
+            matches!(e, mqstate_broker::ClientEvent::Disconnected { .. })
+        })
+        .await;
+    }
+    s.shutdown();
+
+    // Two minutes later: "short" expired (and its will is due), "long" lives on with its will pending.
+    let restored = journal.replay();
+    assert!(restored.sessions["long"].will.is_some());
+    let broker = Broker::new(BrokerConfig::default());
+    let report = broker.restore(restored, now_ms() + 120_000);
+    assert_eq!(
+        (report.sessions, report.expired, report.wills_published),
+        (1, 1, 1)
+    );
+    assert_eq!(broker.session_count(), 1);
+    let s2 = Server::serve(broker).await;
+    let (mut watcher, _) = Raw::connect(s2.addr, "watcher", true, 0).await;
+    watcher.subscribe("will/#", 1).await;
+    let will = watcher.expect_publish().await;
+    assert_eq!(&will.topic[..], "will/short");
+    let (_, ack) = Raw::connect(s2.addr, "long", false, 3600).await;
+    assert!(ack.session_present, "the unexpired session is resumed");
+}
