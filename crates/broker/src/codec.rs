@@ -24,6 +24,7 @@ pub(crate) mod reason {
     pub const PROTOCOL_ERROR: u8 = 0x82;
     pub const UNSUPPORTED_PROTOCOL_VERSION: u8 = 0x84;
     pub const CLIENT_ID_NOT_VALID: u8 = 0x85;
+    pub const NOT_AUTHORIZED: u8 = 0x87;
     pub const SERVER_SHUTTING_DOWN: u8 = 0x8B;
     pub const KEEP_ALIVE_TIMEOUT: u8 = 0x8D;
     pub const SESSION_TAKEN_OVER: u8 = 0x8E;

@@ -34,15 +34,19 @@ mod router;
 mod server;
 pub mod service;
 pub mod session;
+pub mod tls;
 mod topic;
+mod transport;
 mod trie;
+mod websocket;
 pub mod will;
 
 pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
-pub use server::serve;
+pub use server::{serve, Listener};
 pub use service::{Acker, Broker, ClientEvent, ServiceInbox, ServiceRequest};
+pub use transport::{Acceptor, Peer, Transport};
 
 /// Entry points for fuzzing; not part of the supported API.
 #[doc(hidden)]
