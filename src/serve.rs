@@ -1,12 +1,14 @@
 //! `mqstate serve`: resolve settings, recover the data directory, start the broker and the state store,
 //! and stop gracefully on SIGINT/SIGTERM (stop accepting, disconnect clients, flush and fsync the log).
+//! SIGHUP (and any change of the files) reloads the TLS certificate, key and client CA.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use mqstate_broker::{Broker, BrokerConfig};
+use mqstate_broker::tls::{ClientAuth, IdentitySource, Tls, TlsFiles};
+use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
@@ -14,7 +16,10 @@ use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::settings::{Fsync, LogFormat, Persistence, Resolved, Settings};
+use crate::settings::{
+    defaults, Fsync, ListenerKind, ListenerSpec, LogFormat, Persistence, Resolved, Settings,
+    TlsClientAuth, TlsIdentity, TlsSettings,
+};
 
 /// The one stable HLC node id of the state-store service (spec §4: clients check it does not change).
 pub const SERVICE_NODE_ID: &str = "mqstate";
@@ -37,19 +42,34 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         .context("cannot attach the state store to the broker")?;
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let tls = match &settings.tls {
+        Some(t) => Some(Tls::load(tls_files(t)).context("cannot load the TLS certificate")?),
+        None => None,
+    };
     let mut listeners = Vec::new();
-    for addr in &settings.listen {
-        let listener = TcpListener::bind(addr)
+    for spec in &settings.listen {
+        let tcp = TcpListener::bind(spec.addr)
             .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
-        if !addr.ip().is_loopback() {
-            tracing::warn!(%addr, "plain MQTT without authentication on a non-loopback address: anyone who can reach it can read and write everything");
-        }
+            .with_context(|| format!("cannot listen on {spec}"))?;
+        warn_if_open(spec, &settings);
+        let acceptor = match (spec.kind, &tls) {
+            (ListenerKind::Tcp, _) => Acceptor::Tcp,
+            (ListenerKind::Ws, _) => Acceptor::Ws,
+            (ListenerKind::Tls, Some(tls)) => Acceptor::Tls(tls.clone()),
+            (ListenerKind::Wss, Some(tls)) => Acceptor::Wss(tls.clone()),
+            // `resolve` refuses TLS listeners without TLS settings.
+            (ListenerKind::Tls | ListenerKind::Wss, None) => {
+                anyhow::bail!("listener {spec} needs --tls-cert and --tls-key")
+            }
+        };
         listeners.push(tokio::spawn(mqstate_broker::serve(
-            listener,
+            Listener { tcp, acceptor },
             broker.clone(),
             wait_for(shutdown_rx.clone()),
         )));
+    }
+    if let Some(tls) = tls {
+        tokio::spawn(reload_tls(tls, wait_for(shutdown_rx.clone())));
     }
 
     let service_config = ServiceConfig {
@@ -74,7 +94,8 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         stats,
         wait_for(shutdown_rx.clone()),
     ));
-    tracing::info!(listen = ?settings.listen, data_dir = %settings.data_dir.display(), "mqstate ready");
+    let listen: Vec<String> = settings.listen.iter().map(ToString::to_string).collect();
+    tracing::info!(?listen, data_dir = %settings.data_dir.display(), "mqstate ready");
 
     shutdown_signal().await;
     tracing::info!("shutting down: disconnecting clients and flushing the log");
@@ -92,6 +113,89 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Whether clients must authenticate (user name/password, tokens). The authentication settings wire
+/// this; until then nothing but a required client certificate authenticates.
+fn auth_configured(_settings: &Resolved) -> bool {
+    false
+}
+
+/// Warns loudly about a listener on a non-loopback address that anyone who reaches it can use.
+fn warn_if_open(spec: &ListenerSpec, settings: &Resolved) {
+    if spec.addr.ip().is_loopback() || auth_configured(settings) {
+        return;
+    }
+    let listener = spec.to_string();
+    if !spec.uses_tls() {
+        tracing::warn!(%listener, "unencrypted MQTT without authentication on a non-loopback address: anyone who can reach it can read and write everything");
+        return;
+    }
+    let mtls_required = settings
+        .tls
+        .as_ref()
+        .is_some_and(|t| t.client_ca.is_some() && t.client_auth == TlsClientAuth::Required);
+    if !mtls_required {
+        tracing::warn!(%listener, "MQTT over TLS without client authentication on a non-loopback address: anyone who can reach it can read and write everything");
+    }
+}
+
+fn tls_files(t: &TlsSettings) -> TlsFiles {
+    TlsFiles {
+        cert: t.cert.clone(),
+        key: t.key.clone(),
+        client_ca: t.client_ca.clone(),
+        client_auth: match t.client_auth {
+            TlsClientAuth::Required => ClientAuth::Required,
+            TlsClientAuth::Optional => ClientAuth::Optional,
+        },
+        identity: match t.identity {
+            TlsIdentity::Subject => IdentitySource::Subject,
+            TlsIdentity::San => IdentitySource::San,
+        },
+        identity_is_client_id: t.use_identity_as_client_id,
+    }
+}
+
+/// Reloads the TLS files on SIGHUP and whenever they change. Established connections keep the
+/// configuration they started with; a pair that does not load is logged and the old one kept.
+async fn reload_tls(tls: Tls, shutdown: impl std::future::Future<Output = ()>) {
+    #[cfg(unix)]
+    let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(signal) => Some(signal),
+        Err(e) => {
+            tracing::error!("cannot listen for SIGHUP (file changes still reload TLS): {e}");
+            None
+        }
+    };
+    let mut poll = tokio::time::interval(defaults::TLS_RELOAD_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        #[cfg(unix)]
+        let hup = async {
+            match hangup.as_mut() {
+                Some(signal) => signal.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let hup = std::future::pending::<Option<()>>();
+        let outcome = tokio::select! {
+            _ = &mut shutdown => return,
+            _ = hup => Some(tls.reload()),
+            _ = poll.tick() => tls.reload_if_changed(),
+        };
+        match outcome {
+            None => {}
+            Some(Ok(())) => {
+                tracing::info!(cert = %tls.files().cert.display(), "TLS certificate reloaded; new connections use it")
+            }
+            Some(Err(e)) => {
+                tracing::error!("TLS reload failed, keeping the previous certificate: {e}")
+            }
+        }
+    }
 }
 
 /// Opens the data directory and rebuilds the state machine from the snapshot and the log after it.

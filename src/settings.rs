@@ -20,6 +20,8 @@ pub mod defaults {
     pub const MAX_PACKET_SIZE_BYTES: u32 = 1024 * 1024;
     /// Snapshot once the log has grown by this much since the last one.
     pub const SNAPSHOT_THRESHOLD_BYTES: u64 = 64 * 1024 * 1024;
+    /// How often the TLS certificate, key and client CA files are checked for changes.
+    pub const TLS_RELOAD_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 }
 
 /// `fsync` policy of the write-ahead log.
@@ -86,11 +88,103 @@ pub enum Persistence {
     OptIn,
 }
 
+/// What a listener runs before MQTT, from the scheme of its `listen` address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerKind {
+    Tcp,
+    Tls,
+    Ws,
+    Wss,
+}
+
+/// One `listen` entry: `[tcp|tls|ws|wss://]IP:PORT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenerSpec {
+    pub kind: ListenerKind,
+    pub addr: SocketAddr,
+}
+
+impl ListenerSpec {
+    pub fn uses_tls(&self) -> bool {
+        matches!(self.kind, ListenerKind::Tls | ListenerKind::Wss)
+    }
+}
+
+impl std::fmt::Display for ListenerSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = match self.kind {
+            ListenerKind::Tcp => "tcp",
+            ListenerKind::Tls => "tls",
+            ListenerKind::Ws => "ws",
+            ListenerKind::Wss => "wss",
+        };
+        write!(f, "{scheme}://{}", self.addr)
+    }
+}
+
+impl std::str::FromStr for ListenerSpec {
+    type Err = anyhow::Error;
+
+    fn from_str(text: &str) -> anyhow::Result<Self> {
+        let (kind, addr) = match text.split_once("://") {
+            None => (ListenerKind::Tcp, text),
+            Some((scheme, addr)) => {
+                let kind = match scheme.to_ascii_lowercase().as_str() {
+                    "tcp" | "mqtt" => ListenerKind::Tcp,
+                    "tls" | "mqtts" | "ssl" => ListenerKind::Tls,
+                    "ws" => ListenerKind::Ws,
+                    "wss" => ListenerKind::Wss,
+                    other => bail!(
+                        "invalid listen address {text:?}: unknown scheme {other:?} (tcp, tls, ws or wss)"
+                    ),
+                };
+                (kind, addr)
+            }
+        };
+        let addr = addr.parse().with_context(|| {
+            format!(
+                "invalid listen address {text:?}: expected [tcp|tls|ws|wss://]IP:PORT, e.g. tls://0.0.0.0:8883"
+            )
+        })?;
+        Ok(ListenerSpec { kind, addr })
+    }
+}
+
+/// Whether TLS clients must present a certificate signed by `tls_client_ca`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsClientAuth {
+    Required,
+    Optional,
+}
+
+/// Which part of a client certificate is the client's identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsIdentity {
+    /// The subject's common name.
+    Subject,
+    /// The first DNS or URI subject alternative name.
+    San,
+}
+
+/// TLS material and client-certificate options, shared by every `tls://` and `wss://` listener.
+#[derive(Debug, Clone)]
+pub struct TlsSettings {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+    pub client_auth: TlsClientAuth,
+    pub identity: TlsIdentity,
+    pub use_identity_as_client_id: bool,
+}
+
 /// The settings schema: every field optional here; [`Settings::resolve`] fills defaults.
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields, rename_all = "snake_case")]
 pub struct Settings {
-    /// Address to accept MQTT over TCP on (repeatable). Default 127.0.0.1:1883.
+    /// Address to accept MQTT on (repeatable): `IP:PORT` or `tcp://` for plain TCP, `tls://`, `ws://`
+    /// (WebSocket) or `wss://` (WebSocket over TLS) before it. Default 127.0.0.1:1883.
     #[arg(
         long = "listen",
         env = "MQSTATE_LISTEN",
@@ -154,12 +248,39 @@ pub struct Settings {
     /// State store: maximum value size in bytes. Default: the maximum packet size.
     #[arg(long, env = "MQSTATE_MAX_VALUE_BYTES", value_name = "BYTES")]
     pub max_value_bytes: Option<u64>,
+
+    /// PEM certificate chain for `tls://` and `wss://` listeners (reloaded on SIGHUP or change).
+    #[arg(long, env = "MQSTATE_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "MQSTATE_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA certificate(s) of client certificates: enables mTLS on TLS listeners.
+    #[arg(long, env = "MQSTATE_TLS_CLIENT_CA", value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// With --tls-client-ca: required (no certificate, no connection) | optional. Default required.
+    #[arg(long, env = "MQSTATE_TLS_CLIENT_AUTH", value_enum)]
+    pub tls_client_auth: Option<TlsClientAuth>,
+
+    /// Client certificate identity: subject (CN) | san (first DNS/URI name). Default subject.
+    #[arg(long, env = "MQSTATE_TLS_IDENTITY", value_enum)]
+    pub tls_identity: Option<TlsIdentity>,
+
+    /// On TLS listeners, the client id is the certificate identity (told in CONNACK). Default false.
+    #[arg(long, env = "MQSTATE_USE_IDENTITY_AS_CLIENT_ID", value_name = "BOOL",
+          num_args = 0..=1, default_missing_value = "true")]
+    pub use_identity_as_client_id: Option<bool>,
 }
 
 /// Settings with every default applied and every value checked.
 #[derive(Debug, Clone)]
 pub struct Resolved {
-    pub listen: Vec<SocketAddr>,
+    pub listen: Vec<ListenerSpec>,
+    /// Set when a listener uses TLS.
+    pub tls: Option<TlsSettings>,
     pub data_dir: PathBuf,
     pub fsync: Fsync,
     pub persistence: Persistence,
@@ -214,6 +335,14 @@ impl Settings {
             snapshot_threshold_bytes: self
                 .snapshot_threshold_bytes
                 .or(lower.snapshot_threshold_bytes),
+            tls_cert: self.tls_cert.or(lower.tls_cert),
+            tls_key: self.tls_key.or(lower.tls_key),
+            tls_client_ca: self.tls_client_ca.or(lower.tls_client_ca),
+            tls_client_auth: self.tls_client_auth.or(lower.tls_client_auth),
+            tls_identity: self.tls_identity.or(lower.tls_identity),
+            use_identity_as_client_id: self
+                .use_identity_as_client_id
+                .or(lower.use_identity_as_client_id),
         }
     }
 
@@ -223,12 +352,27 @@ impl Settings {
         } else {
             self.listen
         };
-        let mut listen = Vec::with_capacity(listen_text.len());
-        for addr in &listen_text {
-            let parsed: SocketAddr = addr.parse().with_context(|| {
-                format!("invalid listen address {addr:?}: expected IP:PORT, e.g. 127.0.0.1:1883")
-            })?;
-            listen.push(parsed);
+        let listen = listen_text
+            .iter()
+            .map(|text| text.parse())
+            .collect::<anyhow::Result<Vec<ListenerSpec>>>()?;
+        let tls = match (self.tls_cert, self.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsSettings {
+                cert,
+                key,
+                client_ca: self.tls_client_ca,
+                client_auth: self.tls_client_auth.unwrap_or(TlsClientAuth::Required),
+                identity: self.tls_identity.unwrap_or(TlsIdentity::Subject),
+                use_identity_as_client_id: self.use_identity_as_client_id.unwrap_or(false),
+            }),
+            (None, None) => None,
+            (Some(_), None) => bail!("tls_cert is set but tls_key is not: give both"),
+            (None, Some(_)) => bail!("tls_key is set but tls_cert is not: give both"),
+        };
+        if let Some(spec) = listen.iter().find(|s| s.uses_tls()) {
+            if tls.is_none() {
+                bail!("listener {spec} needs a certificate: set tls_cert and tls_key (--tls-cert, --tls-key)");
+            }
         }
         let fsync = match self.fsync.as_deref() {
             None => Fsync::Always,
@@ -245,6 +389,7 @@ impl Settings {
         }
         Ok(Resolved {
             listen,
+            tls,
             data_dir: self
                 .data_dir
                 .unwrap_or_else(|| PathBuf::from(defaults::DATA_DIR)),
@@ -276,8 +421,12 @@ mod tests {
         let r = Settings::default().resolve().unwrap();
         assert_eq!(
             r.listen,
-            vec!["127.0.0.1:1883".parse::<SocketAddr>().unwrap()]
+            vec![ListenerSpec {
+                kind: ListenerKind::Tcp,
+                addr: "127.0.0.1:1883".parse().unwrap()
+            }]
         );
+        assert!(r.tls.is_none());
         assert_eq!(r.data_dir, PathBuf::from("./data"));
         assert_eq!(r.fsync, Fsync::Always);
         assert_eq!(
@@ -297,10 +446,7 @@ mod tests {
         };
         let r = flags.layer(file).resolve().unwrap();
         assert_eq!(r.data_dir, PathBuf::from("/flag"));
-        assert_eq!(
-            r.listen,
-            vec!["127.0.0.1:2000".parse::<SocketAddr>().unwrap()]
-        );
+        assert_eq!(r.listen[0].addr, "127.0.0.1:2000".parse().unwrap());
         assert_eq!(r.fsync, Fsync::Never);
     }
 
@@ -316,6 +462,69 @@ mod tests {
         let r = Settings::from_file(&path).unwrap().resolve().unwrap();
         assert_eq!(r.fsync, Fsync::Interval(Duration::from_millis(5)));
         assert_eq!(r.persistence, Persistence::OptIn);
+    }
+
+    #[test]
+    fn listeners_take_a_scheme_and_tls_listeners_need_a_certificate() {
+        let tls = |listen: &[&str]| Settings {
+            listen: listen.iter().map(|s| s.to_string()).collect(),
+            tls_cert: Some("c.pem".into()),
+            tls_key: Some("k.pem".into()),
+            ..Settings::default()
+        };
+        let r = tls(&[
+            "127.0.0.1:1",
+            "tls://0.0.0.0:2",
+            "ws://[::1]:3",
+            "WSS://127.0.0.1:4",
+        ])
+        .resolve()
+        .unwrap();
+        let kinds: Vec<_> = r.listen.iter().map(|s| s.kind).collect();
+        use ListenerKind::*;
+        assert_eq!(kinds, [Tcp, Tls, Ws, Wss]);
+        assert_eq!(r.listen[1].to_string(), "tls://0.0.0.0:2");
+        let t = r.tls.unwrap();
+        assert_eq!(t.client_auth, TlsClientAuth::Required);
+        assert_eq!(t.identity, TlsIdentity::Subject);
+        assert!(!t.use_identity_as_client_id);
+
+        let no_cert = Settings {
+            listen: vec!["tls://127.0.0.1:8883".into()],
+            ..Settings::default()
+        };
+        let err = format!("{:#}", no_cert.resolve().unwrap_err());
+        assert!(
+            err.contains("tls://127.0.0.1:8883") && err.contains("--tls-cert"),
+            "{err}"
+        );
+        let bad_scheme = format!("{:#}", tls(&["quic://127.0.0.1:1"]).resolve().unwrap_err());
+        assert!(bad_scheme.contains("quic"), "{bad_scheme}");
+        let half = Settings {
+            tls_cert: Some("c.pem".into()),
+            ..Settings::default()
+        };
+        assert!(format!("{:#}", half.resolve().unwrap_err()).contains("tls_key"));
+    }
+
+    #[test]
+    fn tls_options_come_from_the_file_too() {
+        let file: Settings = toml::from_str(
+            "listen = [\"wss://127.0.0.1:9001\"]\ntls_cert = \"c\"\ntls_key = \"k\"\n\
+             tls_client_ca = \"ca\"\ntls_client_auth = \"optional\"\ntls_identity = \"san\"\n\
+             use_identity_as_client_id = true",
+        )
+        .unwrap();
+        let t = Settings::default()
+            .layer(file)
+            .resolve()
+            .unwrap()
+            .tls
+            .unwrap();
+        assert_eq!(t.client_ca, Some(PathBuf::from("ca")));
+        assert_eq!(t.client_auth, TlsClientAuth::Optional);
+        assert_eq!(t.identity, TlsIdentity::San);
+        assert!(t.use_identity_as_client_id);
     }
 
     #[test]

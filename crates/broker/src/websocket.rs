@@ -42,6 +42,8 @@ where
     })
 }
 
+// The signature is tungstenite's handshake callback's.
+#[allow(clippy::result_large_err)]
 fn negotiate(request: &Request, mut response: Response) -> Result<Response, ErrorResponse> {
     let offered = request
         .headers()
