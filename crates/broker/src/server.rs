@@ -83,8 +83,10 @@ async fn upgrade_and_run(
     inner: Arc<Inner>,
     cancel: CancellationToken,
 ) {
+    // Boxed: the handshake's state is large and must not stay in every connection's task.
+    let upgrade = Box::pin(acceptor.upgrade(tcp, addr, &inner.config));
     let upgraded = tokio::select! {
-        r = tokio::time::timeout(inner.config.connect_timeout, acceptor.upgrade(tcp, addr, &inner.config)) => r,
+        r = tokio::time::timeout(inner.config.connect_timeout, upgrade) => r,
         _ = cancel.cancelled() => return,
     };
     let transport = acceptor.transport().scheme();
