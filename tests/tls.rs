@@ -226,6 +226,8 @@ async fn tls_1_2_and_1_3_clients_publish_and_subscribe() {
     let files = Files::new();
     let (cert, key) = files.server_pair(&ca.server_leaf());
     let (_server, addr) = start("tls", &tls_args(&cert, &key, &[]));
+    // A client that never starts its handshake holds up nobody (it runs in its own task).
+    let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     for (name, version) in [
         ("tls13", &client_rustls::version::TLS13),
         ("tls12", &client_rustls::version::TLS12),
@@ -522,6 +524,22 @@ async fn mqtt_over_websocket_needs_subprotocol_mqtt_and_carries_packets_across_f
         .expect("upgrade");
     client.round_trip("ws-client", "t/ws").await;
     client.disconnect().await;
+
+    // MQTT travels in binary frames only: a text frame closes the connection.
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut texter = WsClient::open(tcp, &url, Some("mqtt"))
+        .await
+        .expect("upgrade");
+    texter.round_trip("ws-texter", "t/text").await;
+    {
+        use futures::{SinkExt, StreamExt};
+        texter.ws.send(Message::text("PINGREQ?")).await.unwrap();
+        let end = tokio::time::timeout(GUARD, texter.ws.next()).await.unwrap();
+        assert!(
+            matches!(end, None | Some(Err(_)) | Some(Ok(Message::Close(_)))),
+            "expected the connection to close, got {end:?}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -92,6 +92,10 @@ async fn upgrade_and_run(
     let transport = acceptor.transport().scheme();
     match upgraded {
         Ok(Ok((stream, peer))) => connection::run(stream, peer, inner, cancel).await,
+        // Port probes and health checks close without a word: not worth an info line.
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            tracing::debug!(peer = %addr, transport, "closed during the handshake")
+        }
         Ok(Err(e)) => tracing::info!(peer = %addr, transport, error = %e, "handshake failed"),
         Err(_) => {
             tracing::info!(peer = %addr, transport, "handshake not done within the connect timeout")
