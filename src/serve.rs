@@ -42,24 +42,30 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         .context("cannot attach the state store to the broker")?;
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let tls = match &settings.tls {
-        Some(t) => Some(Tls::load(tls_files(t)).context("cannot load the TLS certificate")?),
-        None => None,
-    };
     let mut listeners = Vec::new();
+    let mut reloadable = Vec::new();
     for spec in &settings.listen {
         let tcp = TcpListener::bind(spec.addr)
             .await
             .with_context(|| format!("cannot listen on {spec}"))?;
         warn_if_open(spec, &settings);
-        let acceptor = match (spec.kind, &tls) {
+        let tls = match &spec.tls {
+            Some(t) => {
+                let tls = Tls::load(tls_files(t))
+                    .with_context(|| format!("cannot load the TLS files of listener {spec}"))?;
+                reloadable.push(tls.clone());
+                Some(tls)
+            }
+            None => None,
+        };
+        let acceptor = match (spec.kind, tls) {
             (ListenerKind::Tcp, _) => Acceptor::Tcp,
             (ListenerKind::Ws, _) => Acceptor::Ws,
-            (ListenerKind::Tls, Some(tls)) => Acceptor::Tls(tls.clone()),
-            (ListenerKind::Wss, Some(tls)) => Acceptor::Wss(tls.clone()),
-            // `resolve` refuses TLS listeners without TLS settings.
+            (ListenerKind::Tls, Some(tls)) => Acceptor::Tls(tls),
+            (ListenerKind::Wss, Some(tls)) => Acceptor::Wss(tls),
+            // `resolve` gives every TLS listener its TLS settings.
             (ListenerKind::Tls | ListenerKind::Wss, None) => {
-                anyhow::bail!("listener {spec} needs --tls-cert and --tls-key")
+                anyhow::bail!("listener {spec} needs a TLS certificate and key")
             }
         };
         listeners.push(tokio::spawn(mqstate_broker::serve(
@@ -68,8 +74,8 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             wait_for(shutdown_rx.clone()),
         )));
     }
-    if let Some(tls) = tls {
-        tokio::spawn(reload_tls(tls, wait_for(shutdown_rx.clone())));
+    if !reloadable.is_empty() {
+        tokio::spawn(reload_tls(reloadable, wait_for(shutdown_rx.clone())));
     }
 
     let service_config = ServiceConfig {
@@ -131,7 +137,7 @@ fn warn_if_open(spec: &ListenerSpec, settings: &Resolved) {
         tracing::warn!(%listener, "unencrypted MQTT without authentication on a non-loopback address: anyone who can reach it can read and write everything");
         return;
     }
-    let mtls_required = settings
+    let mtls_required = spec
         .tls
         .as_ref()
         .is_some_and(|t| t.client_ca.is_some() && t.client_auth == TlsClientAuth::Required);
@@ -157,9 +163,10 @@ fn tls_files(t: &TlsSettings) -> TlsFiles {
     }
 }
 
-/// Reloads the TLS files on SIGHUP and whenever they change. Established connections keep the
-/// configuration they started with; a pair that does not load is logged and the old one kept.
-async fn reload_tls(tls: Tls, shutdown: impl std::future::Future<Output = ()>) {
+/// Reloads the TLS files of every TLS listener on SIGHUP and whenever they change. Established
+/// connections keep the configuration they started with; files that do not load are logged and
+/// the previous configuration kept.
+async fn reload_tls(listeners: Vec<Tls>, shutdown: impl std::future::Future<Output = ()>) {
     #[cfg(unix)]
     let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
         Ok(signal) => Some(signal),
@@ -181,18 +188,25 @@ async fn reload_tls(tls: Tls, shutdown: impl std::future::Future<Output = ()>) {
         };
         #[cfg(not(unix))]
         let hup = std::future::pending::<Option<()>>();
-        let outcome = tokio::select! {
+        let forced = tokio::select! {
             _ = &mut shutdown => return,
-            _ = hup => Some(tls.reload()),
-            _ = poll.tick() => tls.reload_if_changed(),
+            _ = hup => true,
+            _ = poll.tick() => false,
         };
-        match outcome {
-            None => {}
-            Some(Ok(())) => {
-                tracing::info!(cert = %tls.files().cert.display(), "TLS certificate reloaded; new connections use it")
-            }
-            Some(Err(e)) => {
-                tracing::error!("TLS reload failed, keeping the previous certificate: {e}")
+        for tls in &listeners {
+            let outcome = if forced {
+                Some(tls.reload())
+            } else {
+                tls.reload_if_changed()
+            };
+            match outcome {
+                None => {}
+                Some(Ok(())) => {
+                    tracing::info!(cert = %tls.files().cert.display(), "TLS certificate reloaded; new connections use it")
+                }
+                Some(Err(e)) => {
+                    tracing::error!("TLS reload failed, keeping the previous certificate: {e}")
+                }
             }
         }
     }

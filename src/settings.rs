@@ -97,37 +97,29 @@ pub enum ListenerKind {
     Wss,
 }
 
-/// One `listen` entry: `[tcp|tls|ws|wss://]IP:PORT`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One resolved `listen` entry: `[tcp|tls|ws|wss://]IP:PORT[?TLS options]`.
+#[derive(Debug, Clone)]
 pub struct ListenerSpec {
     pub kind: ListenerKind,
     pub addr: SocketAddr,
+    /// The listener's TLS settings: set exactly for `tls://` and `wss://`.
+    pub tls: Option<TlsSettings>,
 }
 
 impl ListenerSpec {
     pub fn uses_tls(&self) -> bool {
         matches!(self.kind, ListenerKind::Tls | ListenerKind::Wss)
     }
-}
 
-impl std::fmt::Display for ListenerSpec {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let scheme = match self.kind {
-            ListenerKind::Tcp => "tcp",
-            ListenerKind::Tls => "tls",
-            ListenerKind::Ws => "ws",
-            ListenerKind::Wss => "wss",
+    /// Parses a `listen` entry. TLS listeners take the `tls_*` settings (`global`), each of which
+    /// the entry may override after a `?`: `tls://0.0.0.0:8883?client_ca=ca.pem&identity=san`.
+    fn parse(text: &str, global: &TlsOptions) -> anyhow::Result<Self> {
+        let (base, query) = match text.split_once('?') {
+            Some((base, query)) => (base, Some(query)),
+            None => (text, None),
         };
-        write!(f, "{scheme}://{}", self.addr)
-    }
-}
-
-impl std::str::FromStr for ListenerSpec {
-    type Err = anyhow::Error;
-
-    fn from_str(text: &str) -> anyhow::Result<Self> {
-        let (kind, addr) = match text.split_once("://") {
-            None => (ListenerKind::Tcp, text),
+        let (kind, addr) = match base.split_once("://") {
+            None => (ListenerKind::Tcp, base),
             Some((scheme, addr)) => {
                 let kind = match scheme.to_ascii_lowercase().as_str() {
                     "tcp" | "mqtt" => ListenerKind::Tcp,
@@ -146,7 +138,111 @@ impl std::str::FromStr for ListenerSpec {
                 "invalid listen address {text:?}: expected [tcp|tls|ws|wss://]IP:PORT, e.g. tls://0.0.0.0:8883"
             )
         })?;
-        Ok(ListenerSpec { kind, addr })
+        let mut spec = ListenerSpec {
+            kind,
+            addr,
+            tls: None,
+        };
+        let mut local = TlsOptions::default();
+        if let Some(query) = query {
+            if !spec.uses_tls() {
+                bail!("listen address {text:?}: options after `?` are TLS options, for tls:// and wss:// only");
+            }
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                local
+                    .set(key, value)
+                    .with_context(|| format!("listen address {text:?}"))?;
+            }
+        }
+        if spec.uses_tls() {
+            spec.tls = Some(local.over(global).resolve(&spec)?);
+        }
+        Ok(spec)
+    }
+}
+
+impl std::fmt::Display for ListenerSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = match self.kind {
+            ListenerKind::Tcp => "tcp",
+            ListenerKind::Tls => "tls",
+            ListenerKind::Ws => "ws",
+            ListenerKind::Wss => "wss",
+        };
+        write!(f, "{scheme}://{}", self.addr)
+    }
+}
+
+/// TLS options as given, globally (`tls_*` settings) or for one listener; unset ones are inherited
+/// (listener from global), then defaulted.
+#[derive(Debug, Clone, Default)]
+struct TlsOptions {
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    client_ca: Option<PathBuf>,
+    client_auth: Option<TlsClientAuth>,
+    identity: Option<TlsIdentity>,
+    use_identity_as_client_id: Option<bool>,
+}
+
+impl TlsOptions {
+    /// One per-listener option; the names are the settings' without `tls_`.
+    fn set(&mut self, key: &str, value: &str) -> anyhow::Result<()> {
+        use clap::ValueEnum;
+        let path = || Some(PathBuf::from(value));
+        match key {
+            "cert" => self.cert = path(),
+            "key" => self.key = path(),
+            "client_ca" => self.client_ca = path(),
+            "client_auth" => {
+                self.client_auth = Some(TlsClientAuth::from_str(value, true).map_err(|_| {
+                    anyhow::anyhow!("client_auth={value:?}: expected required or optional")
+                })?)
+            }
+            "identity" => {
+                self.identity = Some(TlsIdentity::from_str(value, true).map_err(|_| {
+                    anyhow::anyhow!("identity={value:?}: expected subject or san")
+                })?)
+            }
+            "use_identity_as_client_id" => {
+                self.use_identity_as_client_id = Some(value.parse().map_err(|_| {
+                    anyhow::anyhow!("use_identity_as_client_id={value:?}: expected true or false")
+                })?)
+            }
+            other => bail!(
+                "unknown TLS option {other:?}: expected cert, key, client_ca, client_auth, identity or use_identity_as_client_id"
+            ),
+        }
+        Ok(())
+    }
+
+    fn over(self, lower: &TlsOptions) -> TlsOptions {
+        let lower = lower.clone();
+        TlsOptions {
+            cert: self.cert.or(lower.cert),
+            key: self.key.or(lower.key),
+            client_ca: self.client_ca.or(lower.client_ca),
+            client_auth: self.client_auth.or(lower.client_auth),
+            identity: self.identity.or(lower.identity),
+            use_identity_as_client_id: self
+                .use_identity_as_client_id
+                .or(lower.use_identity_as_client_id),
+        }
+    }
+
+    fn resolve(self, listener: &ListenerSpec) -> anyhow::Result<TlsSettings> {
+        let (Some(cert), Some(key)) = (self.cert, self.key) else {
+            bail!("listener {listener} needs a certificate and key: set tls_cert and tls_key (--tls-cert, --tls-key), or cert= and key= after `?`");
+        };
+        Ok(TlsSettings {
+            cert,
+            key,
+            client_ca: self.client_ca,
+            client_auth: self.client_auth.unwrap_or(TlsClientAuth::Required),
+            identity: self.identity.unwrap_or(TlsIdentity::Subject),
+            use_identity_as_client_id: self.use_identity_as_client_id.unwrap_or(false),
+        })
     }
 }
 
@@ -168,7 +264,7 @@ pub enum TlsIdentity {
     San,
 }
 
-/// TLS material and client-certificate options, shared by every `tls://` and `wss://` listener.
+/// TLS material and client-certificate options of one `tls://` or `wss://` listener.
 #[derive(Debug, Clone)]
 pub struct TlsSettings {
     pub cert: PathBuf,
@@ -279,8 +375,6 @@ pub struct Settings {
 #[derive(Debug, Clone)]
 pub struct Resolved {
     pub listen: Vec<ListenerSpec>,
-    /// Set when a listener uses TLS.
-    pub tls: Option<TlsSettings>,
     pub data_dir: PathBuf,
     pub fsync: Fsync,
     pub persistence: Persistence,
@@ -352,28 +446,23 @@ impl Settings {
         } else {
             self.listen
         };
-        let listen = listen_text
-            .iter()
-            .map(|text| text.parse())
-            .collect::<anyhow::Result<Vec<ListenerSpec>>>()?;
-        let tls = match (self.tls_cert, self.tls_key) {
-            (Some(cert), Some(key)) => Some(TlsSettings {
-                cert,
-                key,
-                client_ca: self.tls_client_ca,
-                client_auth: self.tls_client_auth.unwrap_or(TlsClientAuth::Required),
-                identity: self.tls_identity.unwrap_or(TlsIdentity::Subject),
-                use_identity_as_client_id: self.use_identity_as_client_id.unwrap_or(false),
-            }),
-            (None, None) => None,
+        match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => bail!("tls_cert is set but tls_key is not: give both"),
             (None, Some(_)) => bail!("tls_key is set but tls_cert is not: give both"),
-        };
-        if let Some(spec) = listen.iter().find(|s| s.uses_tls()) {
-            if tls.is_none() {
-                bail!("listener {spec} needs a certificate: set tls_cert and tls_key (--tls-cert, --tls-key)");
-            }
+            _ => {}
         }
+        let global_tls = TlsOptions {
+            cert: self.tls_cert,
+            key: self.tls_key,
+            client_ca: self.tls_client_ca,
+            client_auth: self.tls_client_auth,
+            identity: self.tls_identity,
+            use_identity_as_client_id: self.use_identity_as_client_id,
+        };
+        let listen = listen_text
+            .iter()
+            .map(|text| ListenerSpec::parse(text, &global_tls))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let fsync = match self.fsync.as_deref() {
             None => Fsync::Always,
             Some(text) => text.parse().map_err(anyhow::Error::msg)?,
@@ -389,7 +478,6 @@ impl Settings {
         }
         Ok(Resolved {
             listen,
-            tls,
             data_dir: self
                 .data_dir
                 .unwrap_or_else(|| PathBuf::from(defaults::DATA_DIR)),
@@ -419,14 +507,9 @@ mod tests {
     #[test]
     fn defaults_are_the_documented_ones() {
         let r = Settings::default().resolve().unwrap();
-        assert_eq!(
-            r.listen,
-            vec![ListenerSpec {
-                kind: ListenerKind::Tcp,
-                addr: "127.0.0.1:1883".parse().unwrap()
-            }]
-        );
-        assert!(r.tls.is_none());
+        assert_eq!(r.listen.len(), 1);
+        assert_eq!(r.listen[0].to_string(), "tcp://127.0.0.1:1883");
+        assert!(r.listen[0].tls.is_none());
         assert_eq!(r.data_dir, PathBuf::from("./data"));
         assert_eq!(r.fsync, Fsync::Always);
         assert_eq!(
@@ -484,7 +567,9 @@ mod tests {
         use ListenerKind::*;
         assert_eq!(kinds, [Tcp, Tls, Ws, Wss]);
         assert_eq!(r.listen[1].to_string(), "tls://0.0.0.0:2");
-        let t = r.tls.unwrap();
+        assert!(r.listen[0].tls.is_none() && r.listen[2].tls.is_none());
+        let t = r.listen[3].tls.clone().unwrap();
+        assert_eq!(t.cert, PathBuf::from("c.pem"));
         assert_eq!(t.client_auth, TlsClientAuth::Required);
         assert_eq!(t.identity, TlsIdentity::Subject);
         assert!(!t.use_identity_as_client_id);
@@ -508,6 +593,51 @@ mod tests {
     }
 
     #[test]
+    fn each_tls_listener_can_override_the_tls_settings() {
+        let r = Settings {
+            listen: vec![
+                "tls://0.0.0.0:8883".into(),
+                "tls://0.0.0.0:8884?client_ca=/ca.pem&identity=san&use_identity_as_client_id=true"
+                    .into(),
+                "wss://0.0.0.0:8443?cert=/web.pem&key=/web.key&client_auth=optional".into(),
+            ],
+            tls_cert: Some("/c.pem".into()),
+            tls_key: Some("/k.pem".into()),
+            ..Settings::default()
+        }
+        .resolve()
+        .unwrap();
+        let tls: Vec<TlsSettings> = r.listen.iter().map(|l| l.tls.clone().unwrap()).collect();
+        assert_eq!(tls[0].client_ca, None);
+        assert!(!tls[0].use_identity_as_client_id);
+        assert_eq!(tls[1].client_ca, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(tls[1].identity, TlsIdentity::San);
+        assert!(tls[1].use_identity_as_client_id);
+        assert_eq!(tls[1].cert, PathBuf::from("/c.pem"));
+        assert_eq!(tls[2].cert, PathBuf::from("/web.pem"));
+        assert_eq!(tls[2].client_auth, TlsClientAuth::Optional);
+
+        // A listener with its own pair needs no global one.
+        let own = Settings {
+            listen: vec!["tls://127.0.0.1:1?cert=c&key=k".into()],
+            ..Settings::default()
+        };
+        assert!(own.resolve().is_ok());
+        let err = |listen: &str| {
+            let settings = Settings {
+                listen: vec![listen.into()],
+                tls_cert: Some("c".into()),
+                tls_key: Some("k".into()),
+                ..Settings::default()
+            };
+            format!("{:#}", settings.resolve().unwrap_err())
+        };
+        assert!(err("tcp://127.0.0.1:1?identity=san").contains("tls:// and wss:// only"));
+        assert!(err("tls://127.0.0.1:1?colour=blue").contains("colour"));
+        assert!(err("tls://127.0.0.1:1?identity=email").contains("subject or san"));
+    }
+
+    #[test]
     fn tls_options_come_from_the_file_too() {
         let file: Settings = toml::from_str(
             "listen = [\"wss://127.0.0.1:9001\"]\ntls_cert = \"c\"\ntls_key = \"k\"\n\
@@ -515,12 +645,8 @@ mod tests {
              use_identity_as_client_id = true",
         )
         .unwrap();
-        let t = Settings::default()
-            .layer(file)
-            .resolve()
-            .unwrap()
-            .tls
-            .unwrap();
+        let r = Settings::default().layer(file).resolve().unwrap();
+        let t = r.listen[0].tls.clone().unwrap();
         assert_eq!(t.client_ca, Some(PathBuf::from("ca")));
         assert_eq!(t.client_auth, TlsClientAuth::Optional);
         assert_eq!(t.identity, TlsIdentity::San);

@@ -121,8 +121,13 @@ fn arg(path: &Path) -> String {
 
 /// A server with one extra listener (`scheme://addr`) and TLS flags; returns it and that address.
 fn start(scheme: &str, tls_args: &[String]) -> (Server, SocketAddr) {
+    start_listener(scheme, "", tls_args)
+}
+
+/// Like [`start`], with per-listener options (`?key=value&...`) after the address.
+fn start_listener(scheme: &str, options: &str, tls_args: &[String]) -> (Server, SocketAddr) {
     let addr = free_addr();
-    let mut args = vec!["--listen".to_owned(), format!("{scheme}://{addr}")];
+    let mut args = vec!["--listen".to_owned(), format!("{scheme}://{addr}{options}")];
     args.extend_from_slice(tls_args);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let server = Server::start_with(&args);
@@ -309,24 +314,13 @@ async fn certificate_identity_becomes_the_client_id() {
     pub_sub(&client, &mut events, "t/id").await;
     drop(server);
 
-    // SAN identity; client certificates optional, so a client without one connects at TLS level
-    // but cannot have an identity as its client id: CONNACK 0x87.
-    let (_server, addr) = start(
-        "tls",
-        &tls_args(
-            &cert,
-            &key,
-            &[
-                "--tls-client-ca",
-                &arg(&client_ca),
-                "--tls-client-auth",
-                "optional",
-                "--tls-identity",
-                "san",
-                "--use-identity-as-client-id",
-            ],
-        ),
+    // SAN identity, set for this listener only; client certificates optional, so a client without
+    // one connects at TLS level but cannot have an identity as its client id: CONNACK 0x87.
+    let options = format!(
+        "?client_ca={}&client_auth=optional&identity=san&use_identity_as_client_id=true",
+        arg(&client_ca)
     );
+    let (_server, addr) = start_listener("tls", &options, &tls_args(&cert, &key, &[]));
     let (_, _, assigned) = connect(addr, "", client_tls(&ca, BOTH, Some(&device)))
         .await
         .expect("mTLS connect");
