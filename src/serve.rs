@@ -42,6 +42,11 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         .context("cannot attach the state store to the broker")?;
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let hangup = settings
+        .listen
+        .iter()
+        .any(|spec| spec.tls.is_some())
+        .then(Hangup::register);
     let mut listeners = Vec::new();
     let mut reloadable = Vec::new();
     for spec in &settings.listen {
@@ -74,8 +79,12 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             wait_for(shutdown_rx.clone()),
         )));
     }
-    if !reloadable.is_empty() {
-        tokio::spawn(reload_tls(reloadable, wait_for(shutdown_rx.clone())));
+    if let Some(hangup) = hangup {
+        tokio::spawn(reload_tls(
+            reloadable,
+            hangup,
+            wait_for(shutdown_rx.clone()),
+        ));
     }
 
     let service_config = ServiceConfig {
@@ -163,34 +172,52 @@ fn tls_files(t: &TlsSettings) -> TlsFiles {
     }
 }
 
+/// SIGHUP. Registered before any listener starts: until then the signal's default action would end
+/// the server.
+struct Hangup {
+    #[cfg(unix)]
+    signal: Option<tokio::signal::unix::Signal>,
+}
+
+impl Hangup {
+    fn register() -> Hangup {
+        #[cfg(unix)]
+        let signal = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .map_err(|e| {
+                tracing::error!("cannot listen for SIGHUP (file changes still reload TLS): {e}")
+            })
+            .ok();
+        Hangup {
+            #[cfg(unix)]
+            signal,
+        }
+    }
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        if let Some(signal) = self.signal.as_mut() {
+            signal.recv().await;
+            return;
+        }
+        std::future::pending().await
+    }
+}
+
 /// Reloads the TLS files of every TLS listener on SIGHUP and whenever they change. Established
 /// connections keep the configuration they started with; files that do not load are logged and
 /// the previous configuration kept.
-async fn reload_tls(listeners: Vec<Tls>, shutdown: impl std::future::Future<Output = ()>) {
-    #[cfg(unix)]
-    let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(signal) => Some(signal),
-        Err(e) => {
-            tracing::error!("cannot listen for SIGHUP (file changes still reload TLS): {e}");
-            None
-        }
-    };
+async fn reload_tls(
+    listeners: Vec<Tls>,
+    mut hangup: Hangup,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     let mut poll = tokio::time::interval(defaults::TLS_RELOAD_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     loop {
-        #[cfg(unix)]
-        let hup = async {
-            match hangup.as_mut() {
-                Some(signal) => signal.recv().await,
-                None => std::future::pending().await,
-            }
-        };
-        #[cfg(not(unix))]
-        let hup = std::future::pending::<Option<()>>();
         let forced = tokio::select! {
             _ = &mut shutdown => return,
-            _ = hup => true,
+            () = hangup.recv() => true,
             _ = poll.tick() => false,
         };
         for tls in &listeners {
