@@ -1,12 +1,14 @@
 //! `mqstate serve`: resolve settings, recover the data directory, start the broker and the state store,
 //! and stop gracefully on SIGINT/SIGTERM (stop accepting, disconnect clients, flush and fsync the log).
+//! SIGHUP (and any change of the files) reloads the TLS certificate, key and client CA.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use mqstate_broker::{Broker, BrokerConfig};
+use mqstate_broker::tls::{ClientAuth, IdentitySource, Tls, TlsFiles};
+use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
@@ -15,7 +17,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::sessions;
-use crate::settings::{Fsync, LogFormat, Persistence, Resolved, Settings};
+use crate::settings::{
+    defaults, Fsync, ListenerKind, ListenerSpec, LogFormat, Persistence, Resolved, Settings,
+    TlsClientAuth, TlsIdentity, TlsSettings,
+};
 
 /// The one stable HLC node id of the state-store service (spec §4: clients check it does not change).
 pub const SERVICE_NODE_ID: &str = "mqstate";
@@ -61,21 +66,49 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         .context("cannot attach the state store to the broker")?;
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let hangup = settings
+        .listen
+        .iter()
+        .any(|spec| spec.tls.is_some())
+        .then(Hangup::register);
     let mut listeners = Vec::new();
-    for addr in &settings.listen {
-        let listener = TcpListener::bind(addr)
+    let mut reloadable = Vec::new();
+    for spec in &settings.listen {
+        let tcp = TcpListener::bind(spec.addr)
             .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
-        let open =
-            !crate::auth::auth_configured(&settings) || settings.allow_anonymous == Some(true);
-        if !addr.ip().is_loopback() && open {
-            tracing::warn!(%addr, "anonymous MQTT on a non-loopback address: anyone who can reach it can connect (see docs/security.md)");
-        }
+            .with_context(|| format!("cannot listen on {spec}"))?;
+        warn_if_open(spec, &settings);
+        let tls = match &spec.tls {
+            Some(t) => {
+                let tls = Tls::load(tls_files(t))
+                    .with_context(|| format!("cannot load the TLS files of listener {spec}"))?;
+                reloadable.push(tls.clone());
+                Some(tls)
+            }
+            None => None,
+        };
+        let acceptor = match (spec.kind, tls) {
+            (ListenerKind::Tcp, _) => Acceptor::Tcp,
+            (ListenerKind::Ws, _) => Acceptor::Ws,
+            (ListenerKind::Tls, Some(tls)) => Acceptor::Tls(tls),
+            (ListenerKind::Wss, Some(tls)) => Acceptor::Wss(tls),
+            // `resolve` gives every TLS listener its TLS settings.
+            (ListenerKind::Tls | ListenerKind::Wss, None) => {
+                anyhow::bail!("listener {spec} needs a TLS certificate and key")
+            }
+        };
         listeners.push(tokio::spawn(mqstate_broker::serve(
-            listener,
+            Listener { tcp, acceptor },
             broker.clone(),
             wait_for(shutdown_rx.clone()),
         )));
+    }
+    if let Some(hangup) = hangup {
+        tokio::spawn(reload_tls(
+            reloadable,
+            hangup,
+            wait_for(shutdown_rx.clone()),
+        ));
     }
 
     let service_config = ServiceConfig {
@@ -101,7 +134,8 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         stats,
         wait_for(shutdown_rx.clone()),
     ));
-    tracing::info!(listen = ?settings.listen, data_dir = %settings.data_dir.display(), "mqstate ready");
+    let listen: Vec<String> = settings.listen.iter().map(ToString::to_string).collect();
+    tracing::info!(?listen, data_dir = %settings.data_dir.display(), "mqstate ready");
 
     shutdown_signal().await;
     tracing::info!("shutting down: disconnecting clients and flushing the log");
@@ -122,6 +156,110 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Warns loudly about a listener on a non-loopback address that anyone who reaches it can use.
+fn warn_if_open(spec: &ListenerSpec, settings: &Resolved) {
+    let anonymous = settings.allow_anonymous == Some(true);
+    if spec.addr.ip().is_loopback() || (crate::auth::auth_configured(settings) && !anonymous) {
+        return;
+    }
+    let listener = spec.to_string();
+    if !spec.uses_tls() {
+        tracing::warn!(%listener, "unencrypted MQTT without authentication on a non-loopback address: anyone who can reach it can read and write everything");
+        return;
+    }
+    let mtls_required = spec
+        .tls
+        .as_ref()
+        .is_some_and(|t| t.client_ca.is_some() && t.client_auth == TlsClientAuth::Required);
+    if !mtls_required {
+        tracing::warn!(%listener, "MQTT over TLS without client authentication on a non-loopback address: anyone who can reach it can read and write everything");
+    }
+}
+
+fn tls_files(t: &TlsSettings) -> TlsFiles {
+    TlsFiles {
+        cert: t.cert.clone(),
+        key: t.key.clone(),
+        client_ca: t.client_ca.clone(),
+        client_auth: match t.client_auth {
+            TlsClientAuth::Required => ClientAuth::Required,
+            TlsClientAuth::Optional => ClientAuth::Optional,
+        },
+        identity: match t.identity {
+            TlsIdentity::Subject => IdentitySource::Subject,
+            TlsIdentity::San => IdentitySource::San,
+        },
+        identity_is_client_id: t.use_identity_as_client_id,
+    }
+}
+
+/// SIGHUP. Registered before any listener starts: until then the signal's default action would end
+/// the server.
+struct Hangup {
+    #[cfg(unix)]
+    signal: Option<tokio::signal::unix::Signal>,
+}
+
+impl Hangup {
+    fn register() -> Hangup {
+        #[cfg(unix)]
+        let signal = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .map_err(|e| {
+                tracing::error!("cannot listen for SIGHUP (file changes still reload TLS): {e}")
+            })
+            .ok();
+        Hangup {
+            #[cfg(unix)]
+            signal,
+        }
+    }
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        if let Some(signal) = self.signal.as_mut() {
+            signal.recv().await;
+            return;
+        }
+        std::future::pending().await
+    }
+}
+
+/// Reloads the TLS files of every TLS listener on SIGHUP and whenever they change. Established
+/// connections keep the configuration they started with; files that do not load are logged and
+/// the previous configuration kept.
+async fn reload_tls(
+    listeners: Vec<Tls>,
+    mut hangup: Hangup,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let mut poll = tokio::time::interval(defaults::TLS_RELOAD_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        let forced = tokio::select! {
+            _ = &mut shutdown => return,
+            () = hangup.recv() => true,
+            _ = poll.tick() => false,
+        };
+        for tls in &listeners {
+            let outcome = if forced {
+                Some(tls.reload())
+            } else {
+                tls.reload_if_changed()
+            };
+            match outcome {
+                None => {}
+                Some(Ok(())) => {
+                    tracing::info!(cert = %tls.files().cert.display(), "TLS certificate reloaded; new connections use it")
+                }
+                Some(Err(e)) => {
+                    tracing::error!("TLS reload failed, keeping the previous certificate: {e}")
+                }
+            }
+        }
+    }
 }
 
 /// Opens the data directory and rebuilds the state machine from the snapshot and the log after it.

@@ -24,6 +24,8 @@ pub mod defaults {
     pub const AUTH_FAILURE_LIMIT: u32 = 10;
     /// A rate-limited address gets one more attempt per this many seconds.
     pub const AUTH_FAILURE_REFILL_SECS: u64 = 6;
+    /// How often the TLS certificate, key and client CA files are checked for changes.
+    pub const TLS_RELOAD_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 }
 
 /// `fsync` policy of the write-ahead log.
@@ -90,11 +92,199 @@ pub enum Persistence {
     OptIn,
 }
 
+/// What a listener runs before MQTT, from the scheme of its `listen` address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerKind {
+    Tcp,
+    Tls,
+    Ws,
+    Wss,
+}
+
+/// One resolved `listen` entry: `[tcp|tls|ws|wss://]IP:PORT[?TLS options]`.
+#[derive(Debug, Clone)]
+pub struct ListenerSpec {
+    pub kind: ListenerKind,
+    pub addr: SocketAddr,
+    /// The listener's TLS settings: set exactly for `tls://` and `wss://`.
+    pub tls: Option<TlsSettings>,
+}
+
+impl ListenerSpec {
+    pub fn uses_tls(&self) -> bool {
+        matches!(self.kind, ListenerKind::Tls | ListenerKind::Wss)
+    }
+
+    /// Parses a `listen` entry. TLS listeners take the `tls_*` settings (`global`), each of which
+    /// the entry may override after a `?`: `tls://0.0.0.0:8883?client_ca=ca.pem&identity=san`.
+    fn parse(text: &str, global: &TlsOptions) -> anyhow::Result<Self> {
+        let (base, query) = match text.split_once('?') {
+            Some((base, query)) => (base, Some(query)),
+            None => (text, None),
+        };
+        let (kind, addr) = match base.split_once("://") {
+            None => (ListenerKind::Tcp, base),
+            Some((scheme, addr)) => {
+                let kind = match scheme.to_ascii_lowercase().as_str() {
+                    "tcp" | "mqtt" => ListenerKind::Tcp,
+                    "tls" | "mqtts" | "ssl" => ListenerKind::Tls,
+                    "ws" => ListenerKind::Ws,
+                    "wss" => ListenerKind::Wss,
+                    other => bail!(
+                        "invalid listen address {text:?}: unknown scheme {other:?} (tcp, tls, ws or wss)"
+                    ),
+                };
+                (kind, addr)
+            }
+        };
+        let addr = addr.parse().with_context(|| {
+            format!(
+                "invalid listen address {text:?}: expected [tcp|tls|ws|wss://]IP:PORT, e.g. tls://0.0.0.0:8883"
+            )
+        })?;
+        let mut spec = ListenerSpec {
+            kind,
+            addr,
+            tls: None,
+        };
+        let mut local = TlsOptions::default();
+        if let Some(query) = query {
+            if !spec.uses_tls() {
+                bail!("listen address {text:?}: options after `?` are TLS options, for tls:// and wss:// only");
+            }
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                local
+                    .set(key, value)
+                    .with_context(|| format!("listen address {text:?}"))?;
+            }
+        }
+        if spec.uses_tls() {
+            spec.tls = Some(local.over(global).resolve(&spec)?);
+        }
+        Ok(spec)
+    }
+}
+
+impl std::fmt::Display for ListenerSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = match self.kind {
+            ListenerKind::Tcp => "tcp",
+            ListenerKind::Tls => "tls",
+            ListenerKind::Ws => "ws",
+            ListenerKind::Wss => "wss",
+        };
+        write!(f, "{scheme}://{}", self.addr)
+    }
+}
+
+/// TLS options as given, globally (`tls_*` settings) or for one listener; unset ones are inherited
+/// (listener from global), then defaulted.
+#[derive(Debug, Clone, Default)]
+struct TlsOptions {
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    client_ca: Option<PathBuf>,
+    client_auth: Option<TlsClientAuth>,
+    identity: Option<TlsIdentity>,
+    use_identity_as_client_id: Option<bool>,
+}
+
+impl TlsOptions {
+    /// One per-listener option; the names are the settings' without `tls_`.
+    fn set(&mut self, key: &str, value: &str) -> anyhow::Result<()> {
+        use clap::ValueEnum;
+        let path = || Some(PathBuf::from(value));
+        match key {
+            "cert" => self.cert = path(),
+            "key" => self.key = path(),
+            "client_ca" => self.client_ca = path(),
+            "client_auth" => {
+                self.client_auth = Some(TlsClientAuth::from_str(value, true).map_err(|_| {
+                    anyhow::anyhow!("client_auth={value:?}: expected required or optional")
+                })?)
+            }
+            "identity" => {
+                self.identity = Some(TlsIdentity::from_str(value, true).map_err(|_| {
+                    anyhow::anyhow!("identity={value:?}: expected subject or san")
+                })?)
+            }
+            "use_identity_as_client_id" => {
+                self.use_identity_as_client_id = Some(value.parse().map_err(|_| {
+                    anyhow::anyhow!("use_identity_as_client_id={value:?}: expected true or false")
+                })?)
+            }
+            other => bail!(
+                "unknown TLS option {other:?}: expected cert, key, client_ca, client_auth, identity or use_identity_as_client_id"
+            ),
+        }
+        Ok(())
+    }
+
+    fn over(self, lower: &TlsOptions) -> TlsOptions {
+        let lower = lower.clone();
+        TlsOptions {
+            cert: self.cert.or(lower.cert),
+            key: self.key.or(lower.key),
+            client_ca: self.client_ca.or(lower.client_ca),
+            client_auth: self.client_auth.or(lower.client_auth),
+            identity: self.identity.or(lower.identity),
+            use_identity_as_client_id: self
+                .use_identity_as_client_id
+                .or(lower.use_identity_as_client_id),
+        }
+    }
+
+    fn resolve(self, listener: &ListenerSpec) -> anyhow::Result<TlsSettings> {
+        let (Some(cert), Some(key)) = (self.cert, self.key) else {
+            bail!("listener {listener} needs a certificate and key: set tls_cert and tls_key (--tls-cert, --tls-key), or cert= and key= after `?`");
+        };
+        Ok(TlsSettings {
+            cert,
+            key,
+            client_ca: self.client_ca,
+            client_auth: self.client_auth.unwrap_or(TlsClientAuth::Required),
+            identity: self.identity.unwrap_or(TlsIdentity::Subject),
+            use_identity_as_client_id: self.use_identity_as_client_id.unwrap_or(false),
+        })
+    }
+}
+
+/// Whether TLS clients must present a certificate signed by `tls_client_ca`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsClientAuth {
+    Required,
+    Optional,
+}
+
+/// Which part of a client certificate is the client's identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsIdentity {
+    /// The subject's common name.
+    Subject,
+    /// The first DNS or URI subject alternative name.
+    San,
+}
+
+/// TLS material and client-certificate options of one `tls://` or `wss://` listener.
+#[derive(Debug, Clone)]
+pub struct TlsSettings {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+    pub client_auth: TlsClientAuth,
+    pub identity: TlsIdentity,
+    pub use_identity_as_client_id: bool,
+}
+
 /// The settings schema: every field optional here; [`Settings::resolve`] fills defaults.
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields, rename_all = "snake_case")]
 pub struct Settings {
-    /// Address to accept MQTT over TCP on (repeatable). Default 127.0.0.1:1883.
+    /// Address to accept MQTT on (repeatable): `IP:PORT` or `tcp://` for plain TCP, `tls://`, `ws://`
+    /// (WebSocket) or `wss://` (WebSocket over TLS) before it. Default 127.0.0.1:1883.
     #[arg(
         long = "listen",
         env = "MQSTATE_LISTEN",
@@ -189,12 +379,36 @@ pub struct Settings {
     /// Seconds after which a rate-limited address gets one more attempt. Default 6.
     #[arg(long, env = "MQSTATE_AUTH_FAILURE_REFILL", value_name = "SECS")]
     pub auth_failure_refill: Option<u64>,
+    /// PEM certificate chain for `tls://` and `wss://` listeners (reloaded on SIGHUP or change).
+    #[arg(long, env = "MQSTATE_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "MQSTATE_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA certificate(s) of client certificates: enables mTLS on TLS listeners.
+    #[arg(long, env = "MQSTATE_TLS_CLIENT_CA", value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// With --tls-client-ca: required (no certificate, no connection) | optional. Default required.
+    #[arg(long, env = "MQSTATE_TLS_CLIENT_AUTH", value_enum)]
+    pub tls_client_auth: Option<TlsClientAuth>,
+
+    /// Client certificate identity: subject (CN) | san (first DNS/URI name). Default subject.
+    #[arg(long, env = "MQSTATE_TLS_IDENTITY", value_enum)]
+    pub tls_identity: Option<TlsIdentity>,
+
+    /// On TLS listeners, the client id is the certificate identity (told in CONNACK). Default false.
+    #[arg(long, env = "MQSTATE_USE_IDENTITY_AS_CLIENT_ID", value_name = "BOOL",
+          num_args = 0..=1, default_missing_value = "true")]
+    pub use_identity_as_client_id: Option<bool>,
 }
 
 /// Settings with every default applied and every value checked.
 #[derive(Debug, Clone)]
 pub struct Resolved {
-    pub listen: Vec<SocketAddr>,
+    pub listen: Vec<ListenerSpec>,
     pub data_dir: PathBuf,
     pub fsync: Fsync,
     pub persistence: Persistence,
@@ -264,6 +478,14 @@ impl Settings {
             acl_file: self.acl_file.or(lower.acl_file),
             auth_failure_limit: self.auth_failure_limit.or(lower.auth_failure_limit),
             auth_failure_refill: self.auth_failure_refill.or(lower.auth_failure_refill),
+            tls_cert: self.tls_cert.or(lower.tls_cert),
+            tls_key: self.tls_key.or(lower.tls_key),
+            tls_client_ca: self.tls_client_ca.or(lower.tls_client_ca),
+            tls_client_auth: self.tls_client_auth.or(lower.tls_client_auth),
+            tls_identity: self.tls_identity.or(lower.tls_identity),
+            use_identity_as_client_id: self
+                .use_identity_as_client_id
+                .or(lower.use_identity_as_client_id),
         }
     }
 
@@ -273,13 +495,23 @@ impl Settings {
         } else {
             self.listen
         };
-        let mut listen = Vec::with_capacity(listen_text.len());
-        for addr in &listen_text {
-            let parsed: SocketAddr = addr.parse().with_context(|| {
-                format!("invalid listen address {addr:?}: expected IP:PORT, e.g. 127.0.0.1:1883")
-            })?;
-            listen.push(parsed);
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => bail!("tls_cert is set but tls_key is not: give both"),
+            (None, Some(_)) => bail!("tls_key is set but tls_cert is not: give both"),
+            _ => {}
         }
+        let global_tls = TlsOptions {
+            cert: self.tls_cert,
+            key: self.tls_key,
+            client_ca: self.tls_client_ca,
+            client_auth: self.tls_client_auth,
+            identity: self.tls_identity,
+            use_identity_as_client_id: self.use_identity_as_client_id,
+        };
+        let listen = listen_text
+            .iter()
+            .map(|text| ListenerSpec::parse(text, &global_tls))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let fsync = match self.fsync.as_deref() {
             None => Fsync::Always,
             Some(text) => text.parse().map_err(anyhow::Error::msg)?,
@@ -336,10 +568,9 @@ mod tests {
     #[test]
     fn defaults_are_the_documented_ones() {
         let r = Settings::default().resolve().unwrap();
-        assert_eq!(
-            r.listen,
-            vec!["127.0.0.1:1883".parse::<SocketAddr>().unwrap()]
-        );
+        assert_eq!(r.listen.len(), 1);
+        assert_eq!(r.listen[0].to_string(), "tcp://127.0.0.1:1883");
+        assert!(r.listen[0].tls.is_none());
         assert_eq!(r.data_dir, PathBuf::from("./data"));
         assert_eq!(r.fsync, Fsync::Always);
         assert_eq!(
@@ -359,10 +590,7 @@ mod tests {
         };
         let r = flags.layer(file).resolve().unwrap();
         assert_eq!(r.data_dir, PathBuf::from("/flag"));
-        assert_eq!(
-            r.listen,
-            vec!["127.0.0.1:2000".parse::<SocketAddr>().unwrap()]
-        );
+        assert_eq!(r.listen[0].addr, "127.0.0.1:2000".parse().unwrap());
         assert_eq!(r.fsync, Fsync::Never);
     }
 
@@ -378,6 +606,112 @@ mod tests {
         let r = Settings::from_file(&path).unwrap().resolve().unwrap();
         assert_eq!(r.fsync, Fsync::Interval(Duration::from_millis(5)));
         assert_eq!(r.persistence, Persistence::OptIn);
+    }
+
+    #[test]
+    fn listeners_take_a_scheme_and_tls_listeners_need_a_certificate() {
+        let tls = |listen: &[&str]| Settings {
+            listen: listen.iter().map(|s| s.to_string()).collect(),
+            tls_cert: Some("c.pem".into()),
+            tls_key: Some("k.pem".into()),
+            ..Settings::default()
+        };
+        let r = tls(&[
+            "127.0.0.1:1",
+            "tls://0.0.0.0:2",
+            "ws://[::1]:3",
+            "WSS://127.0.0.1:4",
+        ])
+        .resolve()
+        .unwrap();
+        let kinds: Vec<_> = r.listen.iter().map(|s| s.kind).collect();
+        use ListenerKind::*;
+        assert_eq!(kinds, [Tcp, Tls, Ws, Wss]);
+        assert_eq!(r.listen[1].to_string(), "tls://0.0.0.0:2");
+        assert!(r.listen[0].tls.is_none() && r.listen[2].tls.is_none());
+        let t = r.listen[3].tls.clone().unwrap();
+        assert_eq!(t.cert, PathBuf::from("c.pem"));
+        assert_eq!(t.client_auth, TlsClientAuth::Required);
+        assert_eq!(t.identity, TlsIdentity::Subject);
+        assert!(!t.use_identity_as_client_id);
+
+        let no_cert = Settings {
+            listen: vec!["tls://127.0.0.1:8883".into()],
+            ..Settings::default()
+        };
+        let err = format!("{:#}", no_cert.resolve().unwrap_err());
+        assert!(
+            err.contains("tls://127.0.0.1:8883") && err.contains("--tls-cert"),
+            "{err}"
+        );
+        let bad_scheme = format!("{:#}", tls(&["quic://127.0.0.1:1"]).resolve().unwrap_err());
+        assert!(bad_scheme.contains("quic"), "{bad_scheme}");
+        let half = Settings {
+            tls_cert: Some("c.pem".into()),
+            ..Settings::default()
+        };
+        assert!(format!("{:#}", half.resolve().unwrap_err()).contains("tls_key"));
+    }
+
+    #[test]
+    fn each_tls_listener_can_override_the_tls_settings() {
+        let r = Settings {
+            listen: vec![
+                "tls://0.0.0.0:8883".into(),
+                "tls://0.0.0.0:8884?client_ca=/ca.pem&identity=san&use_identity_as_client_id=true"
+                    .into(),
+                "wss://0.0.0.0:8443?cert=/web.pem&key=/web.key&client_auth=optional".into(),
+            ],
+            tls_cert: Some("/c.pem".into()),
+            tls_key: Some("/k.pem".into()),
+            ..Settings::default()
+        }
+        .resolve()
+        .unwrap();
+        let tls: Vec<TlsSettings> = r.listen.iter().map(|l| l.tls.clone().unwrap()).collect();
+        assert_eq!(tls[0].client_ca, None);
+        assert!(!tls[0].use_identity_as_client_id);
+        assert_eq!(tls[1].client_ca, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(tls[1].identity, TlsIdentity::San);
+        assert!(tls[1].use_identity_as_client_id);
+        assert_eq!(tls[1].cert, PathBuf::from("/c.pem"));
+        assert_eq!(tls[2].cert, PathBuf::from("/web.pem"));
+        assert_eq!(tls[2].client_auth, TlsClientAuth::Optional);
+
+        // A listener with its own pair needs no global one.
+        let own = Settings {
+            listen: vec!["tls://127.0.0.1:1?cert=c&key=k".into()],
+            ..Settings::default()
+        };
+        assert!(own.resolve().is_ok());
+        let err = |listen: &str| {
+            let settings = Settings {
+                listen: vec![listen.into()],
+                tls_cert: Some("c".into()),
+                tls_key: Some("k".into()),
+                ..Settings::default()
+            };
+            format!("{:#}", settings.resolve().unwrap_err())
+        };
+        assert!(err("tcp://127.0.0.1:1?identity=san").contains("tls:// and wss:// only"));
+        assert!(err("tls://127.0.0.1:1?colour=blue").contains("colour"));
+        assert!(err("tls://127.0.0.1:1?identity=email").contains("subject or san"));
+    }
+
+    #[test]
+    fn tls_options_come_from_the_file_too() {
+        let file: Settings = toml::from_str(
+            "listen = [\"wss://127.0.0.1:9001\"]\ntls_cert = \"c\"\ntls_key = \"k\"\n\
+             tls_client_ca = \"ca\"\ntls_client_auth = \"optional\"\ntls_identity = \"san\"\n\
+             use_identity_as_client_id = true",
+        )
+        .unwrap();
+        let r = Settings::default().layer(file).resolve().unwrap();
+        let t = r.listen[0].tls.clone().unwrap();
+        assert_eq!(t.client_ca, Some(PathBuf::from("ca")));
+        assert_eq!(t.client_auth, TlsClientAuth::Optional);
+        assert_eq!(t.identity, TlsIdentity::San);
+        assert!(t.use_identity_as_client_id);
     }
 
     #[test]

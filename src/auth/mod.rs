@@ -16,9 +16,15 @@ use mqstate_statestore::guard::Guarded;
 
 use crate::settings::Resolved;
 
-/// Whether clients must prove who they are in some way (the non-loopback warning is about this).
+/// Whether clients can prove who they are in some way: passwords, tokens, or client certificates
+/// on some TLS listener. When they can, anonymous access is off unless `allow_anonymous` says so.
 pub fn auth_configured(settings: &Resolved) -> bool {
-    settings.password_file.is_some() || settings.jwt_public_key.is_some()
+    settings.password_file.is_some()
+        || settings.jwt_public_key.is_some()
+        || settings
+            .listen
+            .iter()
+            .any(|l| l.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
 }
 
 /// The policies `serve` installs: topic rules for the broker, key rules for the state store.
@@ -32,7 +38,7 @@ pub fn load(settings: &Resolved) -> anyhow::Result<Policy> {
         .allow_anonymous
         .unwrap_or(!auth_configured(settings));
     if !allow_anonymous && !auth_configured(settings) {
-        bail!("allow_anonymous is false but no authentication is configured (password_file, jwt_public_key): no client could connect");
+        bail!("allow_anonymous is false but no authentication is configured (password_file, jwt_public_key, tls_client_ca): no client could connect");
     }
     let authenticator: Arc<dyn Authenticator> = if auth_configured(settings) || !allow_anonymous {
         let passwords = match &settings.password_file {

@@ -111,6 +111,17 @@ impl Server {
         child.wait().expect("wait for mqstate serve")
     }
 
+    /// Sends a signal by name (`HUP`, `TERM`, ...) to the running server.
+    pub fn signal(&self, name: &str) {
+        let child = self.child.as_ref().expect("server is running");
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
     /// Starts the server again on the same address and data directory.
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "stop or kill the server first");

@@ -5,7 +5,6 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,8 +13,6 @@ use bytes::BytesMut;
 use bytestring::ByteString;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -33,14 +30,12 @@ use crate::registry::{Attach, Control, Owner};
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
 use crate::topic;
+use crate::transport::{self, Peer, Reader, Stream, Writer};
 use crate::will::Will;
 
 /// Control requests a connection can have queued (takeover requests from racing reconnects,
 /// service disconnects); more are refused and the sender falls back (forced takeover).
 const CONTROL_CHANNEL_CAPACITY: usize = 4;
-/// Bytes reserved for one socket read. Reserved only when the socket is readable, and released
-/// when the connection goes idle, so idle connections hold no read buffer.
-const READ_CHUNK_BYTES: usize = 4096;
 /// Prefix of identifiers assigned to clients that connect with an empty one.
 const ASSIGNED_ID_PREFIX: &str = "mqs-";
 
@@ -136,16 +131,14 @@ fn fail_codes(codes: &mut [u8], result: Result<(), JournalError>) -> bool {
     true
 }
 
-/// Serves one accepted socket until it closes.
+/// Serves one connection (its TLS/WebSocket handshake done) until it closes.
 pub(crate) async fn run(
-    stream: TcpStream,
-    peer: SocketAddr,
+    stream: Stream,
+    peer: Peer,
     inner: Arc<Inner>,
     shutdown: CancellationToken,
 ) {
-    // Latency over packet count: acks and small publishes should not wait for Nagle.
-    let _ = stream.set_nodelay(true);
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     let mut rbuf = BytesMut::new();
     let handshake = tokio::select! {
         r = tokio::time::timeout(inner.config.connect_timeout, read_connect(&mut rd, &mut rbuf, &inner)) => r,
@@ -158,8 +151,11 @@ pub(crate) async fn run(
         }
         Ok(Err(reply)) => {
             if !reply.is_empty() {
-                let _ =
-                    tokio::time::timeout(inner.config.close_timeout, wr.write_all(&reply)).await;
+                let _ = tokio::time::timeout(
+                    inner.config.close_timeout,
+                    transport::send(&mut wr, &reply),
+                )
+                .await;
             }
             tracing::debug!(%peer, "handshake refused");
             return;
@@ -182,7 +178,7 @@ pub(crate) async fn run(
 /// Reads until the first packet (which must be CONNECT) is decoded. `Err` carries the bytes to send
 /// before closing (a refusing CONNACK, or nothing).
 async fn read_connect(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Reader,
     rbuf: &mut BytesMut,
     inner: &Inner,
 ) -> Result<(Codec, Box<ConnectInfo>), BytesMut> {
@@ -223,8 +219,7 @@ async fn read_connect(
                 }
             }
         }
-        rbuf.reserve(READ_CHUNK_BYTES);
-        match tokio::io::AsyncReadExt::read_buf(rd, rbuf).await {
+        match transport::read_some(rd, rbuf).await {
             Ok(0) | Err(_) => return Err(BytesMut::new()),
             Ok(_) => {}
         }
@@ -234,7 +229,7 @@ async fn read_connect(
 /// Writes a refusing CONNACK (the connection closes after it).
 async fn refuse(
     codec: &mut Codec,
-    wr: &mut OwnedWriteHalf,
+    wr: &mut Writer,
     close_timeout: Duration,
     code: u8,
     why: Option<&str>,
@@ -248,7 +243,7 @@ async fn refuse(
         },
         &mut out,
     );
-    let _ = tokio::time::timeout(close_timeout, wr.write_all(&out)).await;
+    let _ = tokio::time::timeout(close_timeout, transport::send(wr, &out)).await;
 }
 
 /// Asks the authenticator (on a blocking thread: password hashes are slow on purpose) unless the
@@ -257,9 +252,9 @@ async fn authenticate(
     inner: &Arc<Inner>,
     connect: &ConnectInfo,
     client_id: &Arc<str>,
-    peer: SocketAddr,
+    peer: &Peer,
 ) -> Result<Identity, u8> {
-    let ip = peer.ip();
+    let ip = peer.addr.ip();
     if let Verdict::Limited { first } = inner.auth_failures.check(ip, std::time::Instant::now()) {
         if first {
             tracing::warn!(address = %ip, "too many failed authentications from this address; refusing its CONNECTs until the limit refills");
@@ -274,9 +269,8 @@ async fn authenticate(
         password: connect.password.clone(),
         auth_method: connect.auth_method.as_deref().map(Arc::from),
         auth_data: connect.auth_data.clone(),
-        peer,
-        // Listeners are plain TCP: there is no client certificate to report.
-        cert_identity: None,
+        peer: peer.addr,
+        cert_identity: peer.cert_identity.clone(),
     };
     let authenticator = inner.security.authenticator.clone();
     match tokio::task::spawn_blocking(move || authenticator.authenticate(&attempt)).await {
@@ -319,7 +313,7 @@ struct Connection {
     /// QoS 2 packet ids whose PUBREC waits for a service or for durability.
     qos2_awaiting_service: BTreeSet<u16>,
     will: Option<Will>,
-    peer: SocketAddr,
+    peer: Peer,
     /// Who the client authenticated as.
     identity: Identity,
     /// A claimed-topic publish waiting for room in its service's inbox. While set, the connection
@@ -342,11 +336,17 @@ impl Connection {
         connect: ConnectInfo,
         rbuf: BytesMut,
         inner: &Arc<Inner>,
-        wr: &mut OwnedWriteHalf,
-        peer: SocketAddr,
+        wr: &mut Writer,
+        peer: Peer,
     ) -> Option<Self> {
         let cfg = &inner.config;
-        let refusal = if connect.client_id.len() > cfg.max_client_id_len {
+        let imposed_id = peer.imposed_client_id();
+        let refusal = if imposed_id.is_err() {
+            Some((
+                reason::NOT_AUTHORIZED,
+                "this listener takes the client id from the client certificate; present one",
+            ))
+        } else if connect.client_id.len() > cfg.max_client_id_len {
             Some((reason::CLIENT_ID_NOT_VALID, "client id too long"))
         } else if connect
             .will
@@ -362,14 +362,17 @@ impl Connection {
             tracing::debug!(%peer, client_id = %connect.client_id, why, "CONNECT refused");
             return None;
         }
-        let assigned_id = connect.client_id.is_empty();
-        let client_id: Arc<str> = if assigned_id {
-            format!("{ASSIGNED_ID_PREFIX}{:016x}", rand::random::<u64>()).into()
-        } else {
-            Arc::from(&*connect.client_id)
+        // An imposed id that differs from the requested one is announced like an assigned one.
+        let (client_id, assigned_id): (Arc<str>, bool) = match imposed_id {
+            Ok(Some(id)) => (id.clone(), **id != *connect.client_id),
+            _ if connect.client_id.is_empty() => (
+                format!("{ASSIGNED_ID_PREFIX}{:016x}", rand::random::<u64>()).into(),
+                true,
+            ),
+            _ => (Arc::from(&*connect.client_id), false),
         };
         // Authentication failures get no reason string: nothing that helps guessing.
-        let identity = match authenticate(inner, &connect, &client_id, peer).await {
+        let identity = match authenticate(inner, &connect, &client_id, &peer).await {
             Ok(identity) => identity,
             Err(code) => {
                 refuse(&mut codec, wr, cfg.close_timeout, code, None).await;
@@ -602,8 +605,8 @@ impl Connection {
 
     async fn serve(
         &mut self,
-        rd: &mut OwnedReadHalf,
-        wr: &mut OwnedWriteHalf,
+        rd: &mut Reader,
+        wr: &mut Writer,
         mut control: mpsc::Receiver<Control>,
         shutdown: &CancellationToken,
     ) -> End {
@@ -618,7 +621,7 @@ impl Connection {
                 self.release_held_acks();
             }
             if !self.out.is_empty() {
-                if wr.write_all(&self.out).await.is_err() {
+                if transport::send(wr, &self.out).await.is_err() {
                     return End::Closed;
                 }
                 self.out.clear();
@@ -666,25 +669,17 @@ impl Connection {
                         return end;
                     }
                 }
-                readable = rd.readable(), if self.stalled.is_none() => {
-                    if readable.is_err() {
-                        return End::Closed;
-                    }
-                    self.rbuf.reserve(READ_CHUNK_BYTES);
-                    match rd.try_read_buf(&mut self.rbuf) {
-                        Ok(0) => return End::Closed,
-                        Ok(_) => {
-                            if let Some(d) = self.keep_alive {
-                                keep_alive_at = Some(Instant::now() + d);
-                            }
-                            if let Err(end) = self.handle_buffered() {
-                                return end;
-                            }
+                read = transport::read_some(rd, &mut self.rbuf), if self.stalled.is_none() => match read {
+                    Ok(0) | Err(_) => return End::Closed,
+                    Ok(_) => {
+                        if let Some(d) = self.keep_alive {
+                            keep_alive_at = Some(Instant::now() + d);
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(_) => return End::Closed,
+                        if let Err(end) = self.handle_buffered() {
+                            return end;
+                        }
                     }
-                }
+                },
                 _ = session.wake.notified() => self.pump(),
                 _ = keep_alive => return End::KeepAliveTimeout,
             }
@@ -1099,7 +1094,7 @@ impl Connection {
 
     /// Sends DISCONNECT if the end calls for one, closes, detaches from the session and publishes
     /// or arms the will.
-    async fn finish(mut self, end: End, wr: &mut OwnedWriteHalf) {
+    async fn finish(mut self, end: End, wr: &mut Writer) {
         let (disconnect, publish_will, takeover_done, why): (
             Option<(u8, Option<String>)>,
             bool,

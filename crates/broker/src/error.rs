@@ -9,4 +9,9 @@ pub enum BrokerError {
         "cannot claim topic {topic:?}: it is not a valid topic name (non-empty, no `+` or `#`)"
     )]
     InvalidTopic { topic: String },
+    #[error("TLS file {}: {reason}", path.display())]
+    Tls {
+        path: std::path::PathBuf,
+        reason: String,
+    },
 }

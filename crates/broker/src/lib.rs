@@ -8,8 +8,9 @@
 //! they claim a topic, get every publish on it as a [`ServiceRequest`], and publish replies or
 //! deliver messages straight into one client's session.
 //!
-//! A tour: [`serve`] (`server.rs`) accepts sockets and spawns one task per connection
-//! (`connection.rs`: handshake, read/decode, keep-alive, batched writes). Connections attach to a
+//! A tour: [`serve`] (`server.rs`) accepts sockets and spawns one task per connection, which runs
+//! the listener's [`Acceptor`] (`transport.rs`: TLS in `tls.rs`, WebSocket in `websocket.rs`) and then
+//! `connection.rs` (handshake, read/decode, keep-alive, batched writes) over the resulting stream. Connections attach to a
 //! session through the `registry` (client id -> session, atomic takeover, will and expiry timers).
 //! A session (`session.rs`) is plain data: subscriptions, a bounded queue, in-flight QoS 1/2 messages.
 //! Publishes go through the `router` (the subscription `trie`, shared groups, the `retained` store)
@@ -42,8 +43,11 @@ mod router;
 mod server;
 pub mod service;
 pub mod session;
+pub mod tls;
 mod topic;
+mod transport;
 mod trie;
+mod websocket;
 pub mod will;
 
 pub use auth::{Authenticator, Authorizer, Identity, Principal, Security};
@@ -51,10 +55,11 @@ pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
 pub use persist::{Durable, JournalError, Restored, SessionChange, SessionJournal};
-pub use server::serve;
+pub use server::{serve, Listener};
 pub use service::{
     Acker, Broker, BrokerBuilder, ClientEvent, RestoreReport, ServiceInbox, ServiceRequest,
 };
+pub use transport::{Acceptor, Peer, Transport};
 
 /// Entry points for fuzzing; not part of the supported API.
 #[doc(hidden)]

@@ -1,35 +1,59 @@
 //! Accept loop and graceful shutdown.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::connection;
-use crate::service::Broker;
+use crate::service::{Broker, Inner};
+use crate::transport::Acceptor;
 
 /// Pause after a failed accept (e.g. out of file descriptors) so the loop does not spin.
 const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 
+/// A bound socket and what runs on its connections before MQTT (TLS, WebSocket).
+pub struct Listener {
+    pub tcp: TcpListener,
+    pub acceptor: Acceptor,
+}
+
+/// A plain TCP listener.
+impl From<TcpListener> for Listener {
+    fn from(tcp: TcpListener) -> Self {
+        Listener {
+            tcp,
+            acceptor: Acceptor::Tcp,
+        }
+    }
+}
+
 /// Serves MQTT on `listener` until `shutdown` completes; then stops accepting, sends every client of
 /// this listener DISCONNECT 0x8B (server shutting down) and waits (bounded by twice the configured
 /// close timeout) for their connections to close. Call once per listener, sharing one `broker`.
-pub async fn serve(listener: TcpListener, broker: Broker, shutdown: impl Future<Output = ()>) {
+pub async fn serve(
+    listener: impl Into<Listener>,
+    broker: Broker,
+    shutdown: impl Future<Output = ()>,
+) {
+    let Listener { tcp, acceptor } = listener.into();
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
     tokio::pin!(shutdown);
-    if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "MQTT listener started");
+    if let Ok(addr) = tcp.local_addr() {
+        tracing::info!(%addr, transport = acceptor.transport().scheme(), "MQTT listener started");
     }
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
+            accepted = tcp.accept() => match accepted {
                 Ok((stream, peer)) => {
                     tracing::debug!(%peer, "connection accepted");
-                    tracker.spawn(connection::run(stream, peer, broker.inner.clone(), cancel.clone()));
+                    tracker.spawn(upgrade_and_run(stream, peer, acceptor.clone(), broker.inner.clone(), cancel.clone()));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed; retrying");
@@ -38,7 +62,7 @@ pub async fn serve(listener: TcpListener, broker: Broker, shutdown: impl Future<
             }
         }
     }
-    drop(listener);
+    drop(tcp);
     cancel.cancel();
     tracker.close();
     let grace = broker.config().close_timeout * 2;
@@ -47,5 +71,34 @@ pub async fn serve(listener: TcpListener, broker: Broker, shutdown: impl Future<
             remaining = tracker.len(),
             "connections still open after the shutdown grace period"
         );
+    }
+}
+
+/// Runs the listener's handshake (in the connection's own task, so a slow client never holds up
+/// the accept loop; bounded by the connect timeout), then the MQTT connection.
+async fn upgrade_and_run(
+    tcp: TcpStream,
+    addr: SocketAddr,
+    acceptor: Acceptor,
+    inner: Arc<Inner>,
+    cancel: CancellationToken,
+) {
+    // Boxed: the handshake's state is large and must not stay in every connection's task.
+    let upgrade = Box::pin(acceptor.upgrade(tcp, addr, &inner.config));
+    let upgraded = tokio::select! {
+        r = tokio::time::timeout(inner.config.connect_timeout, upgrade) => r,
+        _ = cancel.cancelled() => return,
+    };
+    let transport = acceptor.transport().scheme();
+    match upgraded {
+        Ok(Ok((stream, peer))) => connection::run(stream, peer, inner, cancel).await,
+        // Port probes and health checks close without a word: not worth an info line.
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            tracing::debug!(peer = %addr, transport, "closed during the handshake")
+        }
+        Ok(Err(e)) => tracing::info!(peer = %addr, transport, error = %e, "handshake failed"),
+        Err(_) => {
+            tracing::info!(peer = %addr, transport, "handshake not done within the connect timeout")
+        }
     }
 }
