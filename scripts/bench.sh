@@ -32,12 +32,14 @@ start_mqstate() { # name, extra serve flags...
 }
 start_mosquitto() { # name
   PORT=$(free_port); local conf="$OUT/mosquitto.conf"
-  printf 'listener %s 127.0.0.1\nallow_anonymous true\nmax_queued_messages 1000\npersistence false\n' "$PORT" >"$conf"
+  # Mosquitto at its best for this test: Nagle off (its default is on, which adds ~40 ms delayed-ACK
+  # stalls to request/response) and the same in-flight window and queue bound as mqstate's defaults.
+  printf 'listener %s 127.0.0.1\nallow_anonymous true\npersistence false\nset_tcp_nodelay true\nmax_inflight_messages 256\nmax_queued_messages 1000\n' "$PORT" >"$conf"
   mosquitto -c "$conf" >"$OUT/$1.server.log" 2>&1 &
   SERVER_PID=$!; PIDS+=("$SERVER_PID"); wait_port "$PORT"
 }
 start_responder() {
-  "$MQSTATE" bench --responder --port "$PORT" --connections 4 >"$OUT/responder.log" 2>&1 &
+  "$MQSTATE" bench --responder --port "$PORT" --connections 8 >"$OUT/responder.log" 2>&1 &
   PIDS+=("$!"); sleep 1
 }
 bench() { # name, bench flags...

@@ -111,8 +111,8 @@ impl Drop for Responder {
     }
 }
 
-/// Runs `bench` with `args` and returns its `--json` report.
-fn bench(port: u16, args: &[&str]) -> Value {
+/// Runs `bench --port PORT --json FILE ARGS` and returns its table and its `--json` report.
+fn run_bench(port: u16, args: &[&str]) -> (String, Value) {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let out = Command::new(env!("CARGO_BIN_EXE_mqstate"))
@@ -127,9 +127,16 @@ fn bench(port: u16, args: &[&str]) -> Value {
         "bench failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let table = String::from_utf8_lossy(&out.stdout);
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    let report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    (table, report)
+}
+
+/// Runs a measured `bench` and returns its `--json` report.
+fn bench(port: u16, args: &[&str]) -> Value {
+    let (table, report) = run_bench(port, args);
     assert!(table.contains("ops/s") && table.contains("p99"), "{table}");
-    serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap()
+    report
 }
 
 fn assert_sane(report: &Value, ops: u64) {
@@ -242,31 +249,21 @@ fn statestore_load_against_mqstate_serve() {
 #[test]
 fn idle_mode_holds_every_connection_and_reports_server_memory() {
     let server = common::Server::start();
-    let dir = tempfile::tempdir().unwrap();
-    let report = dir.path().join("idle.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_mqstate"))
-        .args([
-            "bench",
+    let pid = server.pid().to_string();
+    let (table, report) = run_bench(
+        server.port(),
+        &[
             "--mode",
             "idle",
             "--connections",
             "200",
             "--duration",
             "0",
-        ])
-        .args(["--port", &server.port().to_string()])
-        .args(["--server-pid", &server.pid().to_string(), "--json"])
-        .arg(&report)
-        .output()
-        .expect("run bench");
-    assert!(
-        out.status.success(),
-        "bench failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+            "--server-pid",
+            &pid,
+        ],
     );
-    let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.contains("per connection"), "{table}");
-    let report: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!(report["connections"], 200, "{report:#}");
     assert!(report["server_rss_before_kib"].as_u64().unwrap() > 0);
     assert!(report["server_rss_after_kib"].as_u64().unwrap() > 0);
