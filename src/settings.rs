@@ -189,6 +189,40 @@ pub struct Settings {
     /// Seconds after which a rate-limited address gets one more attempt. Default 6.
     #[arg(long, env = "MQSTATE_AUTH_FAILURE_REFILL", value_name = "SECS")]
     pub auth_failure_refill: Option<u64>,
+
+    /// Open MQTT sockets at most (handshakes included); more get CONNACK 0x97 or are closed. 0 disables.
+    /// Default 100,000.
+    #[arg(long, env = "MQSTATE_MAX_CONNECTIONS", value_name = "N")]
+    pub max_connections: Option<usize>,
+
+    /// Open MQTT sockets at most from one source address; 0 disables (the default).
+    #[arg(long, env = "MQSTATE_MAX_CONNECTIONS_PER_ADDRESS", value_name = "N")]
+    pub max_connections_per_address: Option<usize>,
+
+    /// Seconds allowed between accepting a socket and a complete CONNECT. Default 10.
+    #[arg(long, env = "MQSTATE_CONNECT_TIMEOUT", value_name = "SECS")]
+    pub connect_timeout: Option<u64>,
+
+    /// Subscriptions one session may hold; more get SUBACK 0x97. 0 disables. Default 1000.
+    #[arg(long, env = "MQSTATE_MAX_SUBSCRIPTIONS_PER_SESSION", value_name = "N")]
+    pub max_subscriptions_per_session: Option<usize>,
+
+    /// Longest topic name or filter in bytes (DISCONNECT 0x90 / SUBACK 0x8F beyond). Default 65535.
+    #[arg(long, env = "MQSTATE_MAX_TOPIC_LENGTH", value_name = "BYTES")]
+    pub max_topic_length: Option<usize>,
+
+    /// Most levels in a topic name or filter (DISCONNECT 0x90 / SUBACK 0x8F beyond). Default 128.
+    #[arg(long, env = "MQSTATE_MAX_TOPIC_LEVELS", value_name = "N")]
+    pub max_topic_levels: Option<usize>,
+
+    /// Seconds a client's socket may take no write batch before the client is disconnected. Default 30.
+    #[arg(long, env = "MQSTATE_SLOW_CONSUMER_TIMEOUT", value_name = "SECS")]
+    pub slow_consumer_timeout: Option<u64>,
+
+    /// State-store requests executed per second per client; more are answered
+    /// `-ERR the quota has been exceeded`. 0 disables (the default).
+    #[arg(long, env = "MQSTATE_STATESTORE_REQUESTS_PER_SECOND", value_name = "N")]
+    pub statestore_requests_per_second: Option<u32>,
 }
 
 /// Settings with every default applied and every value checked.
@@ -218,6 +252,14 @@ pub struct Resolved {
     pub acl_file: Option<PathBuf>,
     pub auth_failure_limit: u32,
     pub auth_failure_refill: Duration,
+    pub max_connections: Option<usize>,
+    pub max_connections_per_address: Option<usize>,
+    pub connect_timeout: Option<Duration>,
+    pub max_subscriptions_per_session: Option<usize>,
+    pub max_topic_length: Option<usize>,
+    pub max_topic_levels: Option<usize>,
+    pub slow_consumer_timeout: Option<Duration>,
+    pub statestore_requests_per_second: u32,
 }
 
 impl Settings {
@@ -264,6 +306,20 @@ impl Settings {
             acl_file: self.acl_file.or(lower.acl_file),
             auth_failure_limit: self.auth_failure_limit.or(lower.auth_failure_limit),
             auth_failure_refill: self.auth_failure_refill.or(lower.auth_failure_refill),
+            max_connections: self.max_connections.or(lower.max_connections),
+            max_connections_per_address: self
+                .max_connections_per_address
+                .or(lower.max_connections_per_address),
+            connect_timeout: self.connect_timeout.or(lower.connect_timeout),
+            max_subscriptions_per_session: self
+                .max_subscriptions_per_session
+                .or(lower.max_subscriptions_per_session),
+            max_topic_length: self.max_topic_length.or(lower.max_topic_length),
+            max_topic_levels: self.max_topic_levels.or(lower.max_topic_levels),
+            slow_consumer_timeout: self.slow_consumer_timeout.or(lower.slow_consumer_timeout),
+            statestore_requests_per_second: self
+                .statestore_requests_per_second
+                .or(lower.statestore_requests_per_second),
         }
     }
 
@@ -292,6 +348,17 @@ impl Settings {
         }
         if self.receive_maximum == Some(0) {
             bail!("receive_maximum must be at least 1 (MQTT 5 §3.2.2.3.3)");
+        }
+        for (name, secs) in [
+            ("connect_timeout", self.connect_timeout),
+            ("slow_consumer_timeout", self.slow_consumer_timeout),
+        ] {
+            if secs == Some(0) {
+                bail!("{name} must be at least 1 second");
+            }
+        }
+        if self.max_topic_levels == Some(0) || self.max_topic_length == Some(0) {
+            bail!("max_topic_length and max_topic_levels must be at least 1");
         }
         Ok(Resolved {
             listen,
@@ -325,6 +392,14 @@ impl Settings {
                 self.auth_failure_refill
                     .unwrap_or(defaults::AUTH_FAILURE_REFILL_SECS),
             ),
+            max_connections: self.max_connections,
+            max_connections_per_address: self.max_connections_per_address,
+            connect_timeout: self.connect_timeout.map(Duration::from_secs),
+            max_subscriptions_per_session: self.max_subscriptions_per_session,
+            max_topic_length: self.max_topic_length,
+            max_topic_levels: self.max_topic_levels,
+            slow_consumer_timeout: self.slow_consumer_timeout.map(Duration::from_secs),
+            statestore_requests_per_second: self.statestore_requests_per_second.unwrap_or(0),
         })
     }
 }
