@@ -470,5 +470,24 @@ mod tests {
             .unwrap_err()
             .contains("milliseconds"));
         assert!("interval(0)".parse::<Fsync>().is_err());
+        let err = Settings {
+            slow_consumer_timeout: Some(0),
+            ..Settings::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("slow_consumer_timeout"));
+    }
+
+    #[test]
+    fn limits_come_from_the_file_too() {
+        let file: Settings = toml::from_str(
+            "max_connections = 5\nconnect_timeout = 3\nstatestore_requests_per_second = 100",
+        )
+        .unwrap();
+        let r = Settings::default().layer(file).resolve().unwrap();
+        assert_eq!(r.max_connections, Some(5));
+        assert_eq!(r.connect_timeout, Some(Duration::from_secs(3)));
+        assert_eq!(r.statestore_requests_per_second, 100);
     }
 }
