@@ -119,6 +119,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         },
         snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
         key_access: policy.key_access,
+        requests_per_second: settings.statestore_requests_per_second,
         ..ServiceConfig::default()
     };
     let stats = Arc::new(ServiceStats::default());
@@ -356,6 +357,23 @@ fn broker_config(settings: &Resolved) -> BrokerConfig {
             .unwrap_or(defaults.session_expiry_max_secs),
         auth_failure_burst: settings.auth_failure_limit,
         auth_failure_refill: settings.auth_failure_refill,
+        max_connections: settings.max_connections.unwrap_or(defaults.max_connections),
+        max_connections_per_address: settings
+            .max_connections_per_address
+            .unwrap_or(defaults.max_connections_per_address),
+        connect_timeout: settings.connect_timeout.unwrap_or(defaults.connect_timeout),
+        max_subscriptions_per_session: settings
+            .max_subscriptions_per_session
+            .unwrap_or(defaults.max_subscriptions_per_session),
+        max_topic_length: settings
+            .max_topic_length
+            .unwrap_or(defaults.max_topic_length),
+        max_topic_levels: settings
+            .max_topic_levels
+            .unwrap_or(defaults.max_topic_levels),
+        slow_consumer_timeout: settings
+            .slow_consumer_timeout
+            .unwrap_or(defaults.slow_consumer_timeout),
         ..defaults
     }
 }

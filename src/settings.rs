@@ -403,6 +403,40 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_USE_IDENTITY_AS_CLIENT_ID", value_name = "BOOL",
           num_args = 0..=1, default_missing_value = "true")]
     pub use_identity_as_client_id: Option<bool>,
+
+    /// Open MQTT sockets at most (handshakes included); more get CONNACK 0x97 or are closed. 0 disables.
+    /// Default 100,000.
+    #[arg(long, env = "MQSTATE_MAX_CONNECTIONS", value_name = "N")]
+    pub max_connections: Option<usize>,
+
+    /// Open MQTT sockets at most from one source address; 0 disables (the default).
+    #[arg(long, env = "MQSTATE_MAX_CONNECTIONS_PER_ADDRESS", value_name = "N")]
+    pub max_connections_per_address: Option<usize>,
+
+    /// Seconds allowed between accepting a socket and a complete CONNECT. Default 10.
+    #[arg(long, env = "MQSTATE_CONNECT_TIMEOUT", value_name = "SECS")]
+    pub connect_timeout: Option<u64>,
+
+    /// Subscriptions one session may hold; more get SUBACK 0x97. 0 disables. Default 1000.
+    #[arg(long, env = "MQSTATE_MAX_SUBSCRIPTIONS_PER_SESSION", value_name = "N")]
+    pub max_subscriptions_per_session: Option<usize>,
+
+    /// Longest topic name or filter in bytes (DISCONNECT 0x90 / SUBACK 0x8F beyond). Default 65535.
+    #[arg(long, env = "MQSTATE_MAX_TOPIC_LENGTH", value_name = "BYTES")]
+    pub max_topic_length: Option<usize>,
+
+    /// Most levels in a topic name or filter (DISCONNECT 0x90 / SUBACK 0x8F beyond). Default 128.
+    #[arg(long, env = "MQSTATE_MAX_TOPIC_LEVELS", value_name = "N")]
+    pub max_topic_levels: Option<usize>,
+
+    /// Seconds a client's socket may take no write batch before the client is disconnected. Default 30.
+    #[arg(long, env = "MQSTATE_SLOW_CONSUMER_TIMEOUT", value_name = "SECS")]
+    pub slow_consumer_timeout: Option<u64>,
+
+    /// State-store requests executed per second per client; more are answered
+    /// `-ERR the quota has been exceeded`. 0 disables (the default).
+    #[arg(long, env = "MQSTATE_STATESTORE_REQUESTS_PER_SECOND", value_name = "N")]
+    pub statestore_requests_per_second: Option<u32>,
 }
 
 /// Settings with every default applied and every value checked.
@@ -432,6 +466,14 @@ pub struct Resolved {
     pub acl_file: Option<PathBuf>,
     pub auth_failure_limit: u32,
     pub auth_failure_refill: Duration,
+    pub max_connections: Option<usize>,
+    pub max_connections_per_address: Option<usize>,
+    pub connect_timeout: Option<Duration>,
+    pub max_subscriptions_per_session: Option<usize>,
+    pub max_topic_length: Option<usize>,
+    pub max_topic_levels: Option<usize>,
+    pub slow_consumer_timeout: Option<Duration>,
+    pub statestore_requests_per_second: u32,
 }
 
 impl Settings {
@@ -486,6 +528,20 @@ impl Settings {
             use_identity_as_client_id: self
                 .use_identity_as_client_id
                 .or(lower.use_identity_as_client_id),
+            max_connections: self.max_connections.or(lower.max_connections),
+            max_connections_per_address: self
+                .max_connections_per_address
+                .or(lower.max_connections_per_address),
+            connect_timeout: self.connect_timeout.or(lower.connect_timeout),
+            max_subscriptions_per_session: self
+                .max_subscriptions_per_session
+                .or(lower.max_subscriptions_per_session),
+            max_topic_length: self.max_topic_length.or(lower.max_topic_length),
+            max_topic_levels: self.max_topic_levels.or(lower.max_topic_levels),
+            slow_consumer_timeout: self.slow_consumer_timeout.or(lower.slow_consumer_timeout),
+            statestore_requests_per_second: self
+                .statestore_requests_per_second
+                .or(lower.statestore_requests_per_second),
         }
     }
 
@@ -525,6 +581,17 @@ impl Settings {
         if self.receive_maximum == Some(0) {
             bail!("receive_maximum must be at least 1 (MQTT 5 §3.2.2.3.3)");
         }
+        for (name, secs) in [
+            ("connect_timeout", self.connect_timeout),
+            ("slow_consumer_timeout", self.slow_consumer_timeout),
+        ] {
+            if secs == Some(0) {
+                bail!("{name} must be at least 1 second");
+            }
+        }
+        if self.max_topic_levels == Some(0) || self.max_topic_length == Some(0) {
+            bail!("max_topic_length and max_topic_levels must be at least 1");
+        }
         Ok(Resolved {
             listen,
             data_dir: self
@@ -557,6 +624,14 @@ impl Settings {
                 self.auth_failure_refill
                     .unwrap_or(defaults::AUTH_FAILURE_REFILL_SECS),
             ),
+            max_connections: self.max_connections,
+            max_connections_per_address: self.max_connections_per_address,
+            connect_timeout: self.connect_timeout.map(Duration::from_secs),
+            max_subscriptions_per_session: self.max_subscriptions_per_session,
+            max_topic_length: self.max_topic_length,
+            max_topic_levels: self.max_topic_levels,
+            slow_consumer_timeout: self.slow_consumer_timeout.map(Duration::from_secs),
+            statestore_requests_per_second: self.statestore_requests_per_second.unwrap_or(0),
         })
     }
 }
@@ -729,5 +804,24 @@ mod tests {
             .unwrap_err()
             .contains("milliseconds"));
         assert!("interval(0)".parse::<Fsync>().is_err());
+        let err = Settings {
+            slow_consumer_timeout: Some(0),
+            ..Settings::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("slow_consumer_timeout"));
+    }
+
+    #[test]
+    fn limits_come_from_the_file_too() {
+        let file: Settings = toml::from_str(
+            "max_connections = 5\nconnect_timeout = 3\nstatestore_requests_per_second = 100",
+        )
+        .unwrap();
+        let r = Settings::default().layer(file).resolve().unwrap();
+        assert_eq!(r.max_connections, Some(5));
+        assert_eq!(r.connect_timeout, Some(Duration::from_secs(3)));
+        assert_eq!(r.statestore_requests_per_second, 100);
     }
 }

@@ -1486,3 +1486,26 @@ async fn session_survives_a_server_restart() {
         "CONNACK Session Present must be 1 after a restart (SDKs treat 0 as fatal)"
     );
 }
+
+#[tokio::test]
+async fn requests_over_the_per_client_rate_get_quota_exceeded_and_others_are_served() {
+    let server = common::Server::start_with(&["--statestore-requests-per-second", "3"]);
+    let mut greedy = Wire::connect(server.port(), "wire-greedy").await;
+    let mut sent = Vec::new();
+    for _ in 0..50 {
+        sent.push(greedy.send(Req::new(&[b"SET", b"rate-k", b"v"])).await);
+    }
+    let (mut ok, mut limited) = (0, 0);
+    for correlation in sent {
+        match greedy.reply(&correlation).await.payload() {
+            b"+OK\r\n" => ok += 1,
+            b"-ERR the quota has been exceeded\r\n" => limited += 1,
+            other => panic!("unexpected reply {:?}", String::from_utf8_lossy(other)),
+        }
+    }
+    assert!(ok >= 3, "the burst is served ({ok} served)");
+    assert!(limited > 0, "requests beyond the rate are refused");
+    // The limit is per client: another one is served at once.
+    let mut modest = Wire::connect(server.port(), "wire-modest").await;
+    modest.expect(&[b"GET", b"rate-k"], b"$1\r\nv\r\n").await;
+}

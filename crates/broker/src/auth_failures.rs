@@ -7,12 +7,7 @@ use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, Copy)]
-struct Bucket {
-    tokens: u32,
-    /// When the bucket last gained (or started counting towards) a token.
-    since: Instant,
-}
+use crate::limits::{Rate, TokenBucket};
 
 /// What [`AuthFailures::check`] says about an address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,10 +20,11 @@ pub(crate) enum Verdict {
 }
 
 pub(crate) struct AuthFailures {
-    burst: u32,
-    refill: Duration,
+    /// `None`: no limit.
+    rate: Option<Rate>,
     max_tracked: usize,
-    buckets: Mutex<HashMap<IpAddr, (Bucket, bool)>>,
+    /// Per address: its bucket and whether its running out was already logged.
+    buckets: Mutex<HashMap<IpAddr, (TokenBucket, bool)>>,
 }
 
 impl AuthFailures {
@@ -36,23 +32,21 @@ impl AuthFailures {
     /// `max_tracked` addresses are remembered.
     pub(crate) fn new(burst: u32, refill: Duration, max_tracked: usize) -> Self {
         AuthFailures {
-            burst,
-            refill,
+            rate: (burst > 0).then_some(Rate { burst, refill }),
             max_tracked: max_tracked.max(1),
             buckets: Mutex::default(),
         }
     }
 
     pub(crate) fn check(&self, ip: IpAddr, now: Instant) -> Verdict {
-        if self.burst == 0 {
+        let Some(rate) = self.rate else {
             return Verdict::Allowed;
-        }
+        };
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         let Some((bucket, warned)) = buckets.get_mut(&ip) else {
             return Verdict::Allowed;
         };
-        self.refill(bucket, now);
-        if bucket.tokens > 0 {
+        if bucket.available(rate, now) > 0 {
             *warned = false;
             Verdict::Allowed
         } else {
@@ -63,52 +57,24 @@ impl AuthFailures {
     }
 
     pub(crate) fn record_failure(&self, ip: IpAddr, now: Instant) {
-        if self.burst == 0 {
+        let Some(rate) = self.rate else {
             return;
-        }
+        };
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         if !buckets.contains_key(&ip) && buckets.len() >= self.max_tracked {
             // Forget addresses that have earned all their tokens back; if none has, forget one at
             // random rather than grow without bound.
-            buckets.retain(|_, (b, _)| {
-                let mut b = *b;
-                self.refill(&mut b, now);
-                b.tokens < self.burst
-            });
+            buckets.retain(|_, (b, _)| b.available(rate, now) < rate.burst);
             if buckets.len() >= self.max_tracked {
                 if let Some(victim) = buckets.keys().next().copied() {
                     buckets.remove(&victim);
                 }
             }
         }
-        let (bucket, _) = buckets.entry(ip).or_insert((
-            Bucket {
-                tokens: self.burst,
-                since: now,
-            },
-            false,
-        ));
-        self.refill(bucket, now);
-        if bucket.tokens == self.burst {
-            // The refill clock starts with the first token taken.
-            bucket.since = now;
-        }
-        bucket.tokens = bucket.tokens.saturating_sub(1);
-    }
-
-    fn refill(&self, bucket: &mut Bucket, now: Instant) {
-        if self.refill.is_zero() {
-            bucket.tokens = self.burst;
-            return;
-        }
-        let elapsed = now.saturating_duration_since(bucket.since);
-        let earned = elapsed.as_nanos() / self.refill.as_nanos();
-        if earned == 0 {
-            return;
-        }
-        let earned = u32::try_from(earned).unwrap_or(u32::MAX);
-        bucket.tokens = bucket.tokens.saturating_add(earned).min(self.burst);
-        bucket.since += self.refill * earned;
+        let (bucket, _) = buckets
+            .entry(ip)
+            .or_insert((TokenBucket::full(rate, now), false));
+        bucket.try_take(rate, now);
     }
 }
 

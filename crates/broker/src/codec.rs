@@ -34,6 +34,7 @@ pub(crate) mod reason {
     pub const RECEIVE_MAXIMUM_EXCEEDED: u8 = 0x93;
     pub const TOPIC_ALIAS_INVALID: u8 = 0x94;
     pub const PACKET_TOO_LARGE: u8 = 0x95;
+    pub const QUOTA_EXCEEDED: u8 = 0x97;
     pub const SHARED_SUBSCRIPTIONS_NOT_SUPPORTED: u8 = 0x9E;
 }
 

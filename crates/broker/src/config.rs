@@ -54,6 +54,24 @@ pub struct BrokerConfig {
     /// Source addresses whose failures are remembered at once; bounds the limiter's memory.
     /// Default 65,536.
     pub auth_failure_tracked_max: usize,
+    /// Open sockets at most, handshakes in progress included; more are refused right after accept
+    /// (CONNACK 0x97 when a refusal slot is free, else just closed). 0 disables. Default 100,000.
+    pub max_connections: usize,
+    /// Open sockets at most from one source address; refused like `max_connections`. 0 disables
+    /// (the default: many devices may share one NAT address).
+    pub max_connections_per_address: usize,
+    /// Subscriptions one session may hold; filters beyond get SUBACK 0x97. 0 disables. Default 1000.
+    pub max_subscriptions_per_session: usize,
+    /// Longest topic name or filter, in bytes: PUBLISH (and will) topics beyond get DISCONNECT
+    /// (CONNACK) 0x90, filters SUBACK 0x8F. Default 65,535 (the MQTT maximum).
+    pub max_topic_length: usize,
+    /// Most `/`-separated levels in a topic name or filter; answered like `max_topic_length`.
+    /// Default 128.
+    pub max_topic_levels: usize,
+    /// A client whose socket does not take a write batch (at most `write_batch_bytes`) within this
+    /// time is disconnected: the socket is closed (no DISCONNECT: the stream may end mid-packet and
+    /// the client is not reading) and its session follows normal expiry. Default 30 s.
+    pub slow_consumer_timeout: Duration,
 }
 
 impl Default for BrokerConfig {
@@ -78,6 +96,12 @@ impl Default for BrokerConfig {
             auth_failure_burst: 10,
             auth_failure_refill: Duration::from_secs(6),
             auth_failure_tracked_max: 65_536,
+            max_connections: 100_000,
+            max_connections_per_address: 0,
+            max_subscriptions_per_session: 1000,
+            max_topic_length: 65_535,
+            max_topic_levels: 128,
+            slow_consumer_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -91,6 +115,12 @@ impl BrokerConfig {
         let millis = u64::from(keep_alive_secs) * 100 * u64::from(self.keep_alive_tolerance_tenths);
         Some(Duration::from_millis(millis))
     }
+
+    /// Whether a topic name or filter is within `max_topic_length` and `max_topic_levels`.
+    pub(crate) fn topic_within_limits(&self, topic: &str) -> bool {
+        topic.len() <= self.max_topic_length
+            && topic.bytes().filter(|b| *b == b'/').count() < self.max_topic_levels
+    }
 }
 
 #[cfg(test)]
@@ -102,5 +132,18 @@ mod tests {
         let cfg = BrokerConfig::default();
         assert_eq!(cfg.keep_alive_deadline(10), Some(Duration::from_secs(15)));
         assert_eq!(cfg.keep_alive_deadline(0), None);
+    }
+
+    #[test]
+    fn topic_limits_count_bytes_and_levels() {
+        let cfg = BrokerConfig {
+            max_topic_length: 8,
+            max_topic_levels: 3,
+            ..BrokerConfig::default()
+        };
+        assert!(cfg.topic_within_limits("a/b/c"));
+        assert!(!cfg.topic_within_limits("a/b/c/d"));
+        assert!(cfg.topic_within_limits("abcdefgh"));
+        assert!(!cfg.topic_within_limits("abcdefghi"));
     }
 }

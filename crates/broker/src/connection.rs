@@ -24,6 +24,7 @@ use crate::codec::{
     SubRequest, Version, Violation,
 };
 use crate::inbound::TopicAliases;
+use crate::limits::{RefusalSlot, Refused};
 use crate::message::{Message, QoS};
 use crate::persist::{Durable, JournalError};
 use crate::registry::{Attach, Control, Owner};
@@ -38,6 +39,8 @@ use crate::will::Will;
 const CONTROL_CHANNEL_CAPACITY: usize = 4;
 /// Prefix of identifiers assigned to clients that connect with an empty one.
 const ASSIGNED_ID_PREFIX: &str = "mqs-";
+/// Largest CONNECT read from a socket refused by the connection limits (to learn its version).
+const REFUSED_CONNECT_MAX_BYTES: u32 = 64 * 1024;
 
 /// Why a connection ended.
 enum End {
@@ -49,6 +52,9 @@ enum End {
     },
     Violation(Violation),
     KeepAliveTimeout,
+    /// The socket took no write batch within the slow-consumer timeout; the write buffer may end
+    /// mid-packet, so nothing more is sent.
+    SlowConsumer,
     TakenOver(Option<oneshot::Sender<()>>),
     Kicked {
         reason_code: u8,
@@ -141,7 +147,7 @@ pub(crate) async fn run(
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut rbuf = BytesMut::new();
     let handshake = tokio::select! {
-        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(&mut rd, &mut rbuf, &inner)) => r,
+        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(&mut rd, &mut rbuf, inner.config.max_packet_size)) => r,
         _ = shutdown.cancelled() => return,
     };
     let (codec, connect) = match handshake {
@@ -175,12 +181,42 @@ pub(crate) async fn run(
     conn.finish(end, &mut wr).await;
 }
 
+/// Answers a socket refused by the connection limits: reads its CONNECT (briefly, and only up to a
+/// small size) to learn its protocol version, then sends CONNACK 0x97 Quota exceeded.
+pub(crate) async fn refuse_over_limit(
+    stream: tokio::net::TcpStream,
+    inner: Arc<Inner>,
+    refused: Refused,
+    _slot: RefusalSlot,
+) {
+    let (mut rd, mut wr) = tokio::io::split(Box::new(stream) as Stream);
+    let mut rbuf = BytesMut::new();
+    let close_timeout = inner.config.close_timeout;
+    let read = read_connect(&mut rd, &mut rbuf, REFUSED_CONNECT_MAX_BYTES);
+    match tokio::time::timeout(close_timeout, read).await {
+        Ok(Ok((mut codec, _))) => {
+            refuse(
+                &mut codec,
+                &mut wr,
+                close_timeout,
+                reason::QUOTA_EXCEEDED,
+                Some(refused.why()),
+            )
+            .await
+        }
+        Ok(Err(reply)) if !reply.is_empty() => {
+            let _ = tokio::time::timeout(close_timeout, transport::send(&mut wr, &reply)).await;
+        }
+        _ => {}
+    }
+}
+
 /// Reads until the first packet (which must be CONNECT) is decoded. `Err` carries the bytes to send
 /// before closing (a refusing CONNACK, or nothing).
 async fn read_connect(
     rd: &mut Reader,
     rbuf: &mut BytesMut,
-    inner: &Inner,
+    max_packet_size: u32,
 ) -> Result<(Codec, Box<ConnectInfo>), BytesMut> {
     let mut codec: Option<Codec> = None;
     loop {
@@ -191,7 +227,7 @@ async fn read_connect(
                 Probe::UnsupportedLevel(level) => {
                     return Err(BytesMut::from(codec::unsupported_level_connack(level)))
                 }
-                Probe::Mqtt(v) => codec = Some(Codec::new(v, inner.config.max_packet_size)),
+                Probe::Mqtt(v) => codec = Some(Codec::new(v, max_packet_size)),
             }
         }
         if let Some(c) = codec.as_mut() {
@@ -354,6 +390,15 @@ impl Connection {
             .is_some_and(|w| !topic::is_valid_topic_name(&w.message.topic))
         {
             Some((reason::TOPIC_NAME_INVALID, "invalid will topic"))
+        } else if connect
+            .will
+            .as_ref()
+            .is_some_and(|w| !cfg.topic_within_limits(&w.message.topic))
+        {
+            Some((
+                reason::TOPIC_NAME_INVALID,
+                "will topic longer or deeper than the server allows",
+            ))
         } else {
             None
         };
@@ -621,8 +666,11 @@ impl Connection {
                 self.release_held_acks();
             }
             if !self.out.is_empty() {
-                if transport::send(wr, &self.out).await.is_err() {
-                    return End::Closed;
+                let slow = self.inner.config.slow_consumer_timeout;
+                match tokio::time::timeout(slow, transport::send(wr, &self.out)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return End::Closed,
+                    Err(_) => return End::SlowConsumer,
                 }
                 self.out.clear();
                 if self.out.capacity() > self.inner.config.idle_buffer_bytes {
@@ -799,6 +847,12 @@ impl Connection {
             return Err(End::Violation(Violation::new(
                 reason::TOPIC_NAME_INVALID,
                 "PUBLISH topic has wildcards",
+            )));
+        }
+        if !self.inner.config.topic_within_limits(&topic) {
+            return Err(End::Violation(Violation::new(
+                reason::TOPIC_NAME_INVALID,
+                "PUBLISH topic longer or deeper than the server allows",
             )));
         }
         let packet_id = p.packet_id.unwrap_or(0);
@@ -985,6 +1039,10 @@ impl Connection {
                 codes.push(reason::TOPIC_FILTER_INVALID);
                 continue;
             };
+            if !self.inner.config.topic_within_limits(filter.filter) {
+                codes.push(reason::TOPIC_FILTER_INVALID);
+                continue;
+            }
             if filter.group.is_some() {
                 if !self.inner.config.shared_subscriptions {
                     codes.push(reason::SHARED_SUBSCRIPTIONS_NOT_SUPPORTED);
@@ -1006,6 +1064,18 @@ impl Connection {
                 tracing::debug!(client_id = %self.client_id, filter = %raw, "SUBSCRIBE not authorized");
                 codes.push(reason::NOT_AUTHORIZED);
                 continue;
+            }
+            let max_subscriptions = self.inner.config.max_subscriptions_per_session;
+            if max_subscriptions > 0 {
+                let state = session.lock();
+                if state.subscriptions.len() >= max_subscriptions
+                    && !state.subscriptions.contains_key(&raw)
+                {
+                    drop(state);
+                    tracing::debug!(client_id = %self.client_id, filter = %raw, "SUBSCRIBE refused: the session holds the most subscriptions allowed");
+                    codes.push(reason::QUOTA_EXCEEDED);
+                    continue;
+                }
             }
             let options = SubscriptionOptions {
                 qos: req.qos,
@@ -1117,6 +1187,15 @@ impl Connection {
                 None,
                 "keep-alive timeout",
             ),
+            End::SlowConsumer => {
+                self.out.clear();
+                (
+                    None,
+                    true,
+                    None,
+                    "slow consumer: the socket took no write within the slow-consumer timeout",
+                )
+            }
             End::TakenOver(done) => (
                 Some((reason::SESSION_TAKEN_OVER, None)),
                 true,

@@ -35,6 +35,7 @@ pub mod config;
 mod connection;
 pub mod error;
 mod inbound;
+pub mod limits;
 pub mod message;
 pub mod persist;
 mod registry;

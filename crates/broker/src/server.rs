@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::connection;
+use crate::limits::Refused;
 use crate::service::{Broker, Inner};
 use crate::transport::Acceptor;
 
@@ -51,10 +52,17 @@ pub async fn serve(
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = tcp.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    tracing::debug!(%peer, "connection accepted");
-                    tracker.spawn(upgrade_and_run(stream, peer, acceptor.clone(), broker.inner.clone(), cancel.clone()));
-                }
+                Ok((stream, peer)) => match broker.inner.connections.admit(peer.ip()) {
+                    Ok(permit) => {
+                        tracing::debug!(%peer, "connection accepted");
+                        let run = upgrade_and_run(stream, peer, acceptor.clone(), broker.inner.clone(), cancel.clone());
+                        tracker.spawn(async move {
+                            run.await;
+                            drop(permit);
+                        });
+                    }
+                    Err(refused) => refuse(stream, peer, &acceptor, refused, &broker.inner, &tracker),
+                },
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed; retrying");
                     tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
@@ -100,5 +108,34 @@ async fn upgrade_and_run(
         Err(_) => {
             tracing::info!(peer = %addr, transport, "handshake not done within the connect timeout")
         }
+    }
+}
+
+/// A socket over the connection limits. On a plain TCP listener it is answered with CONNACK 0x97 if a
+/// refusal slot is free (a well-behaved client learns why); otherwise (no slot, or a listener whose
+/// handshake would have to run first) it is closed at once, so a flood costs nothing.
+fn refuse(
+    stream: TcpStream,
+    peer: SocketAddr,
+    acceptor: &Acceptor,
+    refused: Refused,
+    inner: &Arc<Inner>,
+    tracker: &TaskTracker,
+) {
+    if inner.connections.first_refusal() {
+        tracing::warn!(%peer, open = inner.connections.open(), "refusing connections: {}", refused.why());
+    } else {
+        tracing::debug!(%peer, "connection refused: {}", refused.why());
+    }
+    if !matches!(acceptor, Acceptor::Tcp) {
+        return;
+    }
+    if let Some(slot) = inner.connections.begin_refusal() {
+        tracker.spawn(connection::refuse_over_limit(
+            stream,
+            inner.clone(),
+            refused,
+            slot,
+        ));
     }
 }

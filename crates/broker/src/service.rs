@@ -36,6 +36,7 @@ use crate::auth::{Identity, Security};
 use crate::auth_failures::AuthFailures;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
+use crate::limits::{Connections, MAX_REFUSALS_IN_PROGRESS};
 use crate::message::{Message, QoS};
 use crate::persist::{clock, Restored, SessionChange, SessionJournal};
 use crate::registry::{Control, Effects, Registry, Timer};
@@ -158,6 +159,7 @@ pub(crate) struct Inner {
     pub config: BrokerConfig,
     pub security: Security,
     pub auth_failures: AuthFailures,
+    pub connections: Arc<Connections>,
     pub router: Router,
     pub registry: Registry,
     claims: RwLock<HashMap<ByteString, mpsc::Sender<ServiceRequest>>>,
@@ -194,6 +196,11 @@ impl Broker {
                 config.auth_failure_refill,
                 config.auth_failure_tracked_max,
             ),
+            connections: Arc::new(Connections::new(
+                config.max_connections,
+                config.max_connections_per_address,
+                MAX_REFUSALS_IN_PROGRESS,
+            )),
             security,
             router: Router::new(
                 config.max_queued_messages,

@@ -5,6 +5,7 @@
 //! * [`dedup`] — the duplicate-request cache: a retried request gets its first reply, never a second run.
 //! * [`access`] — key-level authorization (`-ERR not authorized`); [`guard`] — the built-in topic rules
 //!   (only the state store publishes in its namespace; clients subscribe to their own notifications only).
+//! * `rate` — requests per second per client (`-ERR the quota has been exceeded` beyond).
 //!
 //! Architecture invariant: this is the only crate that knows both the broker port and the store.
 
@@ -12,4 +13,5 @@ pub mod access;
 pub mod dedup;
 pub mod envelope;
 pub mod guard;
+mod rate;
 pub mod service;

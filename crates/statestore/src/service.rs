@@ -27,6 +27,7 @@ use tokio::sync::{broadcast, mpsc};
 use crate::access::KeyAccess;
 use crate::dedup::{DedupCache, Seen, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{Rejection, ReplyBuilder, Request};
+use crate::rate::RequestRates;
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
@@ -56,6 +57,9 @@ pub struct ServiceConfig {
     pub dedup_max_entries: usize,
     /// Which keys each client may read and write.
     pub key_access: KeyAccess,
+    /// Requests executed per second per client (a burst of one second's worth); more are answered
+    /// `-ERR the quota has been exceeded`. 0 (the default) disables the limit.
+    pub requests_per_second: u32,
 }
 
 impl Default for ServiceConfig {
@@ -67,6 +71,7 @@ impl Default for ServiceConfig {
             request_limits: RequestLimits::default(),
             dedup_max_entries: DEFAULT_MAX_ENTRIES,
             key_access: KeyAccess::default(),
+            requests_per_second: 0,
         }
     }
 }
@@ -79,6 +84,8 @@ pub struct ServiceStats {
     pub bad_requests: std::sync::atomic::AtomicU64,
     pub duplicates: std::sync::atomic::AtomicU64,
     pub durability_failures: std::sync::atomic::AtomicU64,
+    /// Requests answered `-ERR the quota has been exceeded` by the per-client rate limit.
+    pub rate_limited: std::sync::atomic::AtomicU64,
 }
 
 /// One unit of work for the completer, in execution order.
@@ -157,6 +164,7 @@ pub async fn run(
         Arc::clone(&durable_lsn),
         failure_tx,
     ));
+    let rates = RequestRates::new(config.requests_per_second);
     let mut executor = Executor {
         broker: broker.clone(),
         machine,
@@ -172,6 +180,7 @@ pub async fn run(
         durable_lsn,
         failures,
         degraded: None,
+        rates,
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -198,6 +207,7 @@ struct Executor {
     failures: mpsc::UnboundedReceiver<()>,
     /// Set while the log refuses writes; when the last attempt to recover was made.
     degraded: Option<Instant>,
+    rates: RequestRates,
 }
 
 /// How often a degraded log is asked to recover (disk space may have come back).
@@ -237,6 +247,7 @@ impl Executor {
                     // re-register after reconnecting.
                     Ok(ClientEvent::Disconnected { client_id } | ClientEvent::SessionEnded { client_id }) => {
                         self.machine.drop_client(&client_id);
+                        self.rates.forget(&client_id);
                     }
                     Ok(_) => {}
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
@@ -375,6 +386,10 @@ impl Executor {
         request: &Request,
         identity: &Identity,
     ) -> Option<(Execution, bool, Option<Delta>)> {
+        if !self.rates.allow(&request.client_id, Instant::now()) {
+            self.stats.rate_limited.fetch_add(1, Relaxed);
+            return Some((error_execution(ErrorKind::QuotaExceeded), false, None));
+        }
         let now_ms = unix_now_ms();
         let parsed = parse_request(&request.payload, &self.config.request_limits)
             .map_err(|e| e.kind())
