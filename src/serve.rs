@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use mqstate_broker::{Broker, BrokerConfig};
 use mqstate_protocol::topic::INVOKE_TOPIC;
-use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
+use mqstate_statestore::service::{self, Durability, ServiceConfig};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
 use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
@@ -61,7 +61,6 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
         ..ServiceConfig::default()
     };
-    let stats = Arc::new(ServiceStats::default());
     let store = tokio::spawn(service::run(
         broker.clone(),
         inbox,
@@ -71,7 +70,6 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             next_lsn,
         },
         service_config,
-        stats,
         wait_for(shutdown_rx.clone()),
     ));
     tracing::info!(listen = ?settings.listen, data_dir = %settings.data_dir.display(), "mqstate ready");

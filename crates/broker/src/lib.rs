@@ -28,6 +28,7 @@ mod connection;
 pub mod error;
 mod inbound;
 pub mod message;
+mod metrics;
 mod registry;
 mod retained;
 mod router;

@@ -29,6 +29,7 @@ pub async fn serve(listener: TcpListener, broker: Broker, shutdown: impl Future<
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     tracing::debug!(%peer, "connection accepted");
+                    crate::metrics::connection_accepted();
                     tracker.spawn(connection::run(stream, peer, broker.inner.clone(), cancel.clone()));
                 }
                 Err(e) => {

@@ -8,4 +8,5 @@
 
 pub mod dedup;
 pub mod envelope;
+pub mod metrics;
 pub mod service;
