@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod client;
 mod data;
+mod metrics;
 mod serve;
 mod settings;
 

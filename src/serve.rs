@@ -12,8 +12,9 @@ use mqstate_statestore::service::{self, Durability, ServiceConfig};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
 use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
+use crate::metrics::{self, Exporter};
 use crate::settings::{Fsync, LogFormat, Persistence, Resolved, Settings};
 
 /// The one stable HLC node id of the state-store service (spec §4: clients check it does not change).
@@ -27,6 +28,26 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let settings = flags.layer(file).resolve()?;
     init_logging(settings.log_format, &settings.log)?;
     tracing::debug!(?settings, "settings");
+
+    // Up before recovery, so that /health answers and /ready says 503 while a large log replays.
+    let (stop_metrics, metrics_stopped) = oneshot::channel::<()>();
+    let metrics = match settings.metrics_listen {
+        Some(addr) => {
+            let exporter = Exporter::install()?;
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+            let task = tokio::spawn(metrics::serve(
+                listener,
+                Arc::clone(&exporter),
+                async move {
+                    let _ = metrics_stopped.await;
+                },
+            ));
+            Some((exporter, task))
+        }
+        None => None,
+    };
 
     let (machine, wal, next_lsn) = recover(&settings)?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
@@ -72,9 +93,21 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         service_config,
         wait_for(shutdown_rx.clone()),
     ));
+    if let Some((exporter, _)) = &metrics {
+        let broker = broker.clone();
+        let wal_stats = Arc::clone(wal.stats());
+        exporter.on_scrape(move || {
+            metrics::record_sessions(broker.session_count());
+            metrics::record_wal(&wal_stats.snapshot());
+        });
+        exporter.set_ready(true);
+    }
     tracing::info!(listen = ?settings.listen, data_dir = %settings.data_dir.display(), "mqstate ready");
 
     shutdown_signal().await;
+    if let Some((exporter, _)) = &metrics {
+        exporter.set_ready(false);
+    }
     tracing::info!("shutting down: disconnecting clients and flushing the log");
     let _ = shutdown_tx.send(true);
     for listener in listeners {
@@ -87,6 +120,10 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             .await
             .context("the log could not be flushed at shutdown")?,
         Err(_) => tracing::warn!("log writer still shared at shutdown; relying on its last fsync"),
+    }
+    let _ = stop_metrics.send(());
+    if let Some((_, task)) = metrics {
+        let _ = task.await;
     }
     tracing::info!("stopped");
     Ok(())
@@ -147,6 +184,7 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
         next_lsn = entry.lsn + 1;
     }
     let elapsed = started.elapsed();
+    metrics::record_recovery(elapsed);
     tracing::info!(
         keys = machine.keyspace().len(),
         records = recovered.records.len(),

@@ -99,6 +99,10 @@ pub struct Settings {
     )]
     pub listen: Vec<String>,
 
+    /// Address of the HTTP endpoint with Prometheus `/metrics`, `/health` and `/ready`. Default: off.
+    #[arg(long, env = "MQSTATE_METRICS_LISTEN", value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
+
     /// Directory of the durable state (log, snapshot, metadata). Default ./data.
     #[arg(long, env = "MQSTATE_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
@@ -160,6 +164,7 @@ pub struct Settings {
 #[derive(Debug, Clone)]
 pub struct Resolved {
     pub listen: Vec<SocketAddr>,
+    pub metrics_listen: Option<SocketAddr>,
     pub data_dir: PathBuf,
     pub fsync: Fsync,
     pub persistence: Persistence,
@@ -198,6 +203,7 @@ impl Settings {
             } else {
                 self.listen
             },
+            metrics_listen: self.metrics_listen.or(lower.metrics_listen),
             data_dir: self.data_dir.or(lower.data_dir),
             fsync: self.fsync.or(lower.fsync),
             persistence: self.persistence.or(lower.persistence),
@@ -230,6 +236,12 @@ impl Settings {
             })?;
             listen.push(parsed);
         }
+        let metrics_listen = match &self.metrics_listen {
+            None => None,
+            Some(addr) => Some(addr.parse().with_context(|| {
+                format!("invalid metrics listen address {addr:?}: expected IP:PORT, e.g. 127.0.0.1:9090")
+            })?),
+        };
         let fsync = match self.fsync.as_deref() {
             None => Fsync::Always,
             Some(text) => text.parse().map_err(anyhow::Error::msg)?,
@@ -245,6 +257,7 @@ impl Settings {
         }
         Ok(Resolved {
             listen,
+            metrics_listen,
             data_dir: self
                 .data_dir
                 .unwrap_or_else(|| PathBuf::from(defaults::DATA_DIR)),
@@ -280,6 +293,7 @@ mod tests {
         );
         assert_eq!(r.data_dir, PathBuf::from("./data"));
         assert_eq!(r.fsync, Fsync::Always);
+        assert_eq!(r.metrics_listen, None);
         assert_eq!(
             r.max_value_bytes,
             u64::from(defaults::MAX_PACKET_SIZE_BYTES)
