@@ -19,7 +19,7 @@ mod settings;
     version,
     about = "MQTT 5 broker with a built-in durable state store"
 )]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
 }

@@ -139,7 +139,7 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_SESSION_EXPIRY_MAX", value_name = "SECS")]
     pub session_expiry_max: Option<u32>,
 
-    /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes.
+    /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes. Default 64 MiB.
     #[arg(long, env = "MQSTATE_SNAPSHOT_THRESHOLD", value_name = "BYTES")]
     pub snapshot_threshold_bytes: Option<u64>,
 
@@ -279,6 +279,9 @@ impl Settings {
         })
     }
 }
+
+#[cfg(test)]
+mod reference;
 
 #[cfg(test)]
 mod tests {
