@@ -345,6 +345,13 @@ mod tests {
         .resolve()
         .unwrap_err();
         assert!(format!("{err:#}").contains("nonsense"));
+        let err = Settings {
+            metrics_listen: Some("localhost".into()),
+            ..Settings::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("invalid metrics listen address \"localhost\""));
         assert!("interval(x)"
             .parse::<Fsync>()
             .unwrap_err()
