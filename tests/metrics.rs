@@ -158,3 +158,36 @@ fn counters_move_with_mqtt_and_state_store_traffic() {
     assert_eq!(value(&after, "mqstate_clients_connected"), 0.0);
     assert!(after.contains("# HELP mqstate_statestore_requests_total"));
 }
+
+#[test]
+fn snapshots_are_counted_and_timed() {
+    let metrics = free_addr();
+    let server = Server::start_with(&[
+        "--metrics-listen",
+        &metrics.to_string(),
+        "--snapshot-threshold-bytes",
+        "1",
+    ]);
+    let output = cli(&server, &["set", "snap", "shot"]);
+    assert!(output.status.success(), "{output:?}");
+    // The snapshot is written in the background after the reply.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = scrape(metrics);
+        if sample(&text, r#"mqstate_snapshots_total{result="ok"}"#).is_some()
+            || std::time::Instant::now() > deadline
+        {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        sample(&text, r#"mqstate_snapshots_total{result="ok"}"#),
+        Some(1.0),
+        "{text}"
+    );
+    for phase in ["encode", "write"] {
+        let series = format!(r#"mqstate_snapshot_duration_seconds_count{{phase="{phase}"}}"#);
+        assert_eq!(sample(&text, &series), Some(1.0), "{series}: {text}");
+    }
+}
