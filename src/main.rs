@@ -10,6 +10,7 @@ mod auth;
 mod bench;
 mod client;
 mod data;
+mod metrics;
 mod serve;
 mod sessions;
 mod settings;
@@ -20,7 +21,7 @@ mod settings;
     version,
     about = "MQTT 5 broker with a built-in durable state store"
 )]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
 }
@@ -28,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the broker and state store (default: 127.0.0.1:1883, data in ./data).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     #[command(flatten)]
     Client(client::Command),
     /// Load generator for any AIO state store (or plain MQTT pub/sub).

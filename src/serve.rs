@@ -10,12 +10,13 @@ use anyhow::Context;
 use mqstate_broker::tls::{ClientAuth, IdentitySource, Tls, TlsFiles};
 use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
-use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
+use mqstate_statestore::service::{self, Durability, ServiceConfig};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
 use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
+use crate::metrics::{self, Exporter};
 use crate::sessions;
 use crate::settings::{
     defaults, Fsync, ListenerKind, ListenerSpec, LogFormat, Persistence, Resolved, Settings,
@@ -34,13 +35,33 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     init_logging(settings.log_format, &settings.log)?;
     tracing::debug!(?settings, "settings");
 
+    // Up before recovery, so that /health answers and /ready says 503 while a large log replays.
+    let (stop_metrics, metrics_stopped) = oneshot::channel::<()>();
+    let metrics = match settings.metrics_listen {
+        Some(addr) => {
+            let exporter = Exporter::install()?;
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+            let task = tokio::spawn(metrics::serve(
+                listener,
+                Arc::clone(&exporter),
+                async move {
+                    let _ = metrics_stopped.await;
+                },
+            ));
+            Some((exporter, task))
+        }
+        None => None,
+    };
+
     let (machine, wal, next_lsn) = recover(&settings)?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
     let policy = crate::auth::load(&settings)?;
     let (restored, session_log, appender) = sessions::recover(
         &settings.data_dir,
-        wal_options(&settings),
+        wal_options(&settings, "sessions"),
         settings.snapshot_threshold_bytes,
     )?;
     let session_log = Arc::new(session_log);
@@ -60,6 +81,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         wills_published = report.wills_published,
         "MQTT sessions recovered"
     );
+    let session_log_stats = appender.wal_stats();
     let appender = tokio::spawn(appender.run(broker.clone()));
     let inbox = broker
         .claim_topic(INVOKE_TOPIC)
@@ -122,7 +144,6 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         requests_per_second: settings.statestore_requests_per_second,
         ..ServiceConfig::default()
     };
-    let stats = Arc::new(ServiceStats::default());
     let store = tokio::spawn(service::run(
         broker.clone(),
         inbox,
@@ -132,13 +153,26 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             next_lsn,
         },
         service_config,
-        stats,
         wait_for(shutdown_rx.clone()),
     ));
+    if let Some((exporter, _)) = &metrics {
+        let broker = broker.clone();
+        let logs = [Arc::clone(wal.stats()), session_log_stats.clone()];
+        exporter.on_scrape(move || {
+            metrics::record_sessions(broker.session_count());
+            for log in &logs {
+                metrics::record_wal(log);
+            }
+        });
+        exporter.set_ready(true);
+    }
     let listen: Vec<String> = settings.listen.iter().map(ToString::to_string).collect();
     tracing::info!(?listen, data_dir = %settings.data_dir.display(), "mqstate ready");
 
     shutdown_signal().await;
+    if let Some((exporter, _)) = &metrics {
+        exporter.set_ready(false);
+    }
     tracing::info!("shutting down: disconnecting clients and flushing the log");
     let _ = shutdown_tx.send(true);
     for listener in listeners {
@@ -154,6 +188,10 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             .await
             .context("the log could not be flushed at shutdown")?,
         Err(_) => tracing::warn!("log writer still shared at shutdown; relying on its last fsync"),
+    }
+    let _ = stop_metrics.send(());
+    if let Some((_, task)) = metrics {
+        let _ = task.await;
     }
     tracing::info!("stopped");
     Ok(())
@@ -267,8 +305,8 @@ async fn reload_tls(
 /// Returns the state, the log, and the LSN the next record will get.
 fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
     let started = Instant::now();
-    let (wal, recovered) =
-        Wal::open(&settings.data_dir, wal_options(settings)).with_context(|| {
+    let (wal, recovered) = Wal::open(&settings.data_dir, wal_options(settings, "statestore"))
+        .with_context(|| {
             format!(
                 "cannot open the data directory {}",
                 settings.data_dir.display()
@@ -309,6 +347,7 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
         next_lsn = entry.lsn + 1;
     }
     let elapsed = started.elapsed();
+    metrics::record_recovery(elapsed);
     tracing::info!(
         keys = machine.keyspace().len(),
         records = recovered.records.len(),
@@ -320,8 +359,9 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
 }
 
 /// Options of both logs (state store and sessions).
-fn wal_options(settings: &Resolved) -> WalOptions {
+fn wal_options(settings: &Resolved, name: &'static str) -> WalOptions {
     WalOptions {
+        name,
         fsync: match settings.fsync {
             Fsync::Always => FsyncPolicy::Always,
             Fsync::Interval(every) => FsyncPolicy::Interval(every),

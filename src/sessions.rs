@@ -16,7 +16,7 @@ use anyhow::Context;
 use bytes::Bytes;
 use mqstate_broker::persist::{decode_changes, encode_changes};
 use mqstate_broker::{Broker, Durable, JournalError, Restored, SessionChange, SessionJournal};
-use mqstate_wal::{PendingCommit, Snapshot, Wal, WalError, WalOptions, WalWriter};
+use mqstate_wal::{PendingCommit, Snapshot, Wal, WalError, WalOptions, WalStats, WalWriter};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
@@ -99,6 +99,13 @@ pub fn recover(
         logged_since_snapshot: logged,
     };
     Ok((restored, SessionLog { tx }, appender))
+}
+
+impl Appender {
+    /// The session log writer's counters (for metrics).
+    pub fn wal_stats(&self) -> Arc<WalStats> {
+        Arc::clone(self.wal.stats())
+    }
 }
 
 impl SessionLog {

@@ -293,6 +293,10 @@ pub struct Settings {
     )]
     pub listen: Vec<String>,
 
+    /// Address of the HTTP endpoint with Prometheus `/metrics`, `/health` and `/ready`. Default: off.
+    #[arg(long, env = "MQSTATE_METRICS_LISTEN", value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
+
     /// Directory of the durable state (log, snapshot, metadata). Default ./data.
     #[arg(long, env = "MQSTATE_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
@@ -329,7 +333,7 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_SESSION_EXPIRY_MAX", value_name = "SECS")]
     pub session_expiry_max: Option<u32>,
 
-    /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes.
+    /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes. Default 64 MiB.
     #[arg(long, env = "MQSTATE_SNAPSHOT_THRESHOLD", value_name = "BYTES")]
     pub snapshot_threshold_bytes: Option<u64>,
 
@@ -379,15 +383,15 @@ pub struct Settings {
     /// Seconds after which a rate-limited address gets one more attempt. Default 6.
     #[arg(long, env = "MQSTATE_AUTH_FAILURE_REFILL", value_name = "SECS")]
     pub auth_failure_refill: Option<u64>,
-    /// PEM certificate chain for `tls://` and `wss://` listeners (reloaded on SIGHUP or change).
+    /// PEM certificate chain for `tls://` and `wss://` listeners (reloaded on SIGHUP or change). Default none.
     #[arg(long, env = "MQSTATE_TLS_CERT", value_name = "FILE")]
     pub tls_cert: Option<PathBuf>,
 
-    /// PEM private key of --tls-cert.
+    /// PEM private key of --tls-cert. Default none.
     #[arg(long, env = "MQSTATE_TLS_KEY", value_name = "FILE")]
     pub tls_key: Option<PathBuf>,
 
-    /// PEM CA certificate(s) of client certificates: enables mTLS on TLS listeners.
+    /// PEM CA certificate(s) of client certificates: enables mTLS on TLS listeners. Default none.
     #[arg(long, env = "MQSTATE_TLS_CLIENT_CA", value_name = "FILE")]
     pub tls_client_ca: Option<PathBuf>,
 
@@ -409,7 +413,7 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_MAX_CONNECTIONS", value_name = "N")]
     pub max_connections: Option<usize>,
 
-    /// Open MQTT sockets at most from one source address; 0 disables (the default).
+    /// Open MQTT sockets at most from one source address; 0 disables. Default 0.
     #[arg(long, env = "MQSTATE_MAX_CONNECTIONS_PER_ADDRESS", value_name = "N")]
     pub max_connections_per_address: Option<usize>,
 
@@ -434,7 +438,7 @@ pub struct Settings {
     pub slow_consumer_timeout: Option<u64>,
 
     /// State-store requests executed per second per client; more are answered
-    /// `-ERR the quota has been exceeded`. 0 disables (the default).
+    /// `-ERR the quota has been exceeded`. 0 disables. Default 0.
     #[arg(long, env = "MQSTATE_STATESTORE_REQUESTS_PER_SECOND", value_name = "N")]
     pub statestore_requests_per_second: Option<u32>,
 }
@@ -443,6 +447,7 @@ pub struct Settings {
 #[derive(Debug, Clone)]
 pub struct Resolved {
     pub listen: Vec<ListenerSpec>,
+    pub metrics_listen: Option<SocketAddr>,
     pub data_dir: PathBuf,
     pub fsync: Fsync,
     pub persistence: Persistence,
@@ -497,6 +502,7 @@ impl Settings {
             } else {
                 self.listen
             },
+            metrics_listen: self.metrics_listen.or(lower.metrics_listen),
             data_dir: self.data_dir.or(lower.data_dir),
             fsync: self.fsync.or(lower.fsync),
             persistence: self.persistence.or(lower.persistence),
@@ -568,6 +574,12 @@ impl Settings {
             .iter()
             .map(|text| ListenerSpec::parse(text, &global_tls))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let metrics_listen = match &self.metrics_listen {
+            None => None,
+            Some(addr) => Some(addr.parse().with_context(|| {
+                format!("invalid metrics listen address {addr:?}: expected IP:PORT, e.g. 127.0.0.1:9090")
+            })?),
+        };
         let fsync = match self.fsync.as_deref() {
             None => Fsync::Always,
             Some(text) => text.parse().map_err(anyhow::Error::msg)?,
@@ -594,6 +606,7 @@ impl Settings {
         }
         Ok(Resolved {
             listen,
+            metrics_listen,
             data_dir: self
                 .data_dir
                 .unwrap_or_else(|| PathBuf::from(defaults::DATA_DIR)),
@@ -637,6 +650,9 @@ impl Settings {
 }
 
 #[cfg(test)]
+mod reference;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -648,6 +664,7 @@ mod tests {
         assert!(r.listen[0].tls.is_none());
         assert_eq!(r.data_dir, PathBuf::from("./data"));
         assert_eq!(r.fsync, Fsync::Always);
+        assert_eq!(r.metrics_listen, None);
         assert_eq!(
             r.max_value_bytes,
             u64::from(defaults::MAX_PACKET_SIZE_BYTES)
@@ -799,6 +816,13 @@ mod tests {
         .resolve()
         .unwrap_err();
         assert!(format!("{err:#}").contains("nonsense"));
+        let err = Settings {
+            metrics_listen: Some("localhost".into()),
+            ..Settings::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("invalid metrics listen address \"localhost\""));
         assert!("interval(x)"
             .parse::<Fsync>()
             .unwrap_err()

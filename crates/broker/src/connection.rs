@@ -26,6 +26,7 @@ use crate::codec::{
 use crate::inbound::TopicAliases;
 use crate::limits::{RefusalSlot, Refused};
 use crate::message::{Message, QoS};
+use crate::metrics;
 use crate::persist::{Durable, JournalError};
 use crate::registry::{Attach, Control, Owner};
 use crate::service::{ClientEvent, Inner, ServiceRequest};
@@ -565,6 +566,7 @@ impl Connection {
         };
         self.codec.connack(ack, &mut self.out);
         tracing::info!(client_id = %self.client_id, peer = %self.peer, session_present, version = ?self.codec.version(), "client connected");
+        metrics::client_connected();
         self.inner.emit(ClientEvent::Connected {
             client_id: self.client_id.clone(),
         });
@@ -629,6 +631,7 @@ impl Connection {
         let codec = &self.codec;
         let out = &mut self.out;
         let mut full = false;
+        let mut sent = metrics::SentByQos::default();
         session
             .lock()
             .pump(std::time::Instant::now(), self.send_window, |p| {
@@ -637,11 +640,13 @@ impl Connection {
                     return None;
                 }
                 Some(if codec.publish(p, max_packet, out) {
+                    sent.add(p.qos);
                     Emit::Sent
                 } else {
                     Emit::TooLarge
                 })
             });
+        sent.report();
         if full {
             // Continue after this batch is flushed.
             session.wake.notify_one();
@@ -890,6 +895,7 @@ impl Connection {
             }
             return Ok(());
         }
+        metrics::message_received(p.qos);
         let message = Message {
             topic,
             payload: p.payload,
@@ -1246,5 +1252,6 @@ impl Connection {
             let _ = done.send(());
         }
         tracing::info!(client_id = %self.client_id, peer = %self.peer, reason = why, "client disconnected");
+        metrics::client_disconnected();
     }
 }

@@ -37,6 +37,7 @@ pub mod error;
 mod inbound;
 pub mod limits;
 pub mod message;
+mod metrics;
 pub mod persist;
 mod registry;
 mod retained;

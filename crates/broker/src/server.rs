@@ -55,6 +55,7 @@ pub async fn serve(
                 Ok((stream, peer)) => match broker.inner.connections.admit(peer.ip()) {
                     Ok(permit) => {
                         tracing::debug!(%peer, "connection accepted");
+                        crate::metrics::connection_accepted();
                         let run = upgrade_and_run(stream, peer, acceptor.clone(), broker.inner.clone(), cancel.clone());
                         tracker.spawn(async move {
                             run.await;

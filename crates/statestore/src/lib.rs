@@ -13,5 +13,6 @@ pub mod access;
 pub mod dedup;
 pub mod envelope;
 pub mod guard;
+pub mod metrics;
 mod rate;
 pub mod service;

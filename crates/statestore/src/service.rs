@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -27,6 +27,7 @@ use tokio::sync::{broadcast, mpsc};
 use crate::access::KeyAccess;
 use crate::dedup::{DedupCache, Seen, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{Rejection, ReplyBuilder, Request};
+use crate::metrics;
 use crate::rate::RequestRates;
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
@@ -35,6 +36,8 @@ pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
 pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x87;
 /// PUBACK reason when a request could not be made durable (0x80 Unspecified error).
 pub const PUBACK_UNSPECIFIED_ERROR: u8 = 0x80;
+/// `result` label of a write that could not be made durable.
+const NOT_DURABLE: &str = "not_durable";
 
 /// Which changes go to the log (spec §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,18 +79,6 @@ impl Default for ServiceConfig {
     }
 }
 
-/// Counters for metrics and tests.
-#[derive(Debug, Default)]
-pub struct ServiceStats {
-    pub requests: std::sync::atomic::AtomicU64,
-    pub dropped_no_response_topic: std::sync::atomic::AtomicU64,
-    pub bad_requests: std::sync::atomic::AtomicU64,
-    pub duplicates: std::sync::atomic::AtomicU64,
-    pub durability_failures: std::sync::atomic::AtomicU64,
-    /// Requests answered `-ERR the quota has been exceeded` by the per-client rate limit.
-    pub rate_limited: std::sync::atomic::AtomicU64,
-}
-
 /// One unit of work for the completer, in execution order.
 // `Reply` is the per-request variant and `Snapshot` the rare one: boxing `Reply` to shrink the enum would
 // cost an allocation per request.
@@ -99,9 +90,19 @@ enum Outcome {
         notifications: Vec<(Arc<str>, Message)>,
         reply: Option<ReplyTo>,
         acker: Option<Acker>,
+        /// For the request metrics; `None` for expiries and cached replies.
+        timing: Option<Timing>,
     },
     /// Everything before this is durable once it is reached: write the snapshot.
     Snapshot(Snapshot),
+}
+
+/// What the completer needs to count a request once its outcome is known.
+struct Timing {
+    command: &'static str,
+    /// `ok`, `error` or `not_durable`; a failed commit turns it into `not_durable`.
+    result: &'static str,
+    received: Instant,
 }
 
 struct ReplyTo {
@@ -142,7 +143,6 @@ pub async fn run(
     inbox: ServiceInbox,
     recovered: Recovered,
     config: ServiceConfig,
-    stats: Arc<ServiceStats>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let Recovered {
@@ -160,7 +160,6 @@ pub async fn run(
         rx,
         Arc::clone(&wal),
         Arc::clone(&dedup),
-        Arc::clone(&stats),
         Arc::clone(&durable_lsn),
         failure_tx,
     ));
@@ -172,7 +171,6 @@ pub async fn run(
         next_lsn,
         logged_since_snapshot: 0,
         config,
-        stats,
         dedup,
         replies,
         tx,
@@ -194,7 +192,6 @@ struct Executor {
     next_lsn: u64,
     logged_since_snapshot: u64,
     config: ServiceConfig,
-    stats: Arc<ServiceStats>,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     replies: ReplyBuilder,
     tx: mpsc::Sender<Outcome>,
@@ -262,7 +259,6 @@ impl Executor {
     }
 
     async fn handle(&mut self, mut service_request: ServiceRequest) {
-        self.stats.requests.fetch_add(1, Relaxed);
         let acker = service_request.take_ack();
         let request = match Request::from_message(
             service_request.client_id.clone(),
@@ -288,27 +284,27 @@ impl Executor {
         let acker = match seen {
             Seen::New(acker) => acker,
             Seen::Pending => {
-                self.stats.duplicates.fetch_add(1, Relaxed);
+                metrics::request_counted(metrics::UNPARSED, "duplicate");
                 return;
             }
             Seen::Done(reply, acker) => {
-                self.stats.duplicates.fetch_add(1, Relaxed);
+                metrics::request_counted(metrics::UNPARSED, "duplicate");
                 let reply = ReplyTo::cached(&request, *reply);
                 self.send(Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
                     reply: Some(reply),
                     acker: Some(acker),
+                    timing: None,
                 })
                 .await;
                 return;
             }
         };
         let started = Instant::now();
-        let executed = self.execute(&request, &service_request.identity).await;
+        let (command, executed) = self.execute(&request, &service_request.identity).await;
         let expiry_left = request.expiry.saturating_sub(started.elapsed());
         let Some((execution, persist, undo)) = executed else {
-            self.stats.durability_failures.fetch_add(1, Relaxed);
             let message = self.replies.reply(
                 &request,
                 Bytes::from_static(NOT_DURABLE_REPLY),
@@ -321,6 +317,11 @@ impl Executor {
                 notifications: Vec::new(),
                 reply: Some(reply),
                 acker: Some(acker),
+                timing: Some(Timing {
+                    command,
+                    result: NOT_DURABLE,
+                    received: started,
+                }),
             })
             .await;
             return;
@@ -348,6 +349,13 @@ impl Executor {
             message: self.replies.reply(&request, payload, version, expiry_left),
             on_failure: None,
         };
+        let timing = |result| {
+            Some(Timing {
+                command,
+                result,
+                received: started,
+            })
+        };
         let outcome = match commit {
             Ok(commit) => {
                 let mut reply = reply_to(execution.reply.encode(), execution.ts.as_ref());
@@ -360,17 +368,21 @@ impl Executor {
                     notifications: self.notifications(&execution.notifications),
                     reply: Some(reply),
                     acker: Some(acker),
+                    timing: timing(match execution.reply {
+                        Reply::Error(_) => "error",
+                        _ => "ok",
+                    }),
                 }
             }
             Err(message) => {
                 tracing::error!(client_id = %request.client_id, "state store write refused: {message}");
-                self.stats.durability_failures.fetch_add(1, Relaxed);
                 let reply = reply_to(Bytes::from_static(NOT_DURABLE_REPLY), None);
                 Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
                     reply: Some(reply),
                     acker: Some(acker),
+                    timing: timing(NOT_DURABLE),
                 }
             }
         };
@@ -378,29 +390,34 @@ impl Executor {
         self.maybe_snapshot().await;
     }
 
-    /// Executes a request; returns the execution, whether its change is to be logged, and the delta
-    /// that would undo it (for writes).
+    /// Executes a request; returns its metrics label and the execution, whether its change is to be
+    /// logged, and the delta that would undo it (for writes).
     /// `None` when the command is a write and the log refuses writes.
     async fn execute(
         &mut self,
         request: &Request,
         identity: &Identity,
-    ) -> Option<(Execution, bool, Option<Delta>)> {
+    ) -> (&'static str, Option<(Execution, bool, Option<Delta>)>) {
         if !self.rates.allow(&request.client_id, Instant::now()) {
-            self.stats.rate_limited.fetch_add(1, Relaxed);
-            return Some((error_execution(ErrorKind::QuotaExceeded), false, None));
+            return (
+                metrics::UNPARSED,
+                Some((error_execution(ErrorKind::QuotaExceeded), false, None)),
+            );
         }
         let now_ms = unix_now_ms();
         let parsed = parse_request(&request.payload, &self.config.request_limits)
             .map_err(|e| e.kind())
             .and_then(Command::parse);
+        let label = metrics::command_label(parsed.as_ref().ok());
         let (ts, ft) = match (&request.timestamp, &request.fencing_token) {
             (Ok(ts), Ok(ft)) => (ts.clone(), ft.clone()),
-            (Err(kind), _) | (_, Err(kind)) => return Some((error_execution(*kind), false, None)),
+            (Err(kind), _) | (_, Err(kind)) => {
+                return (label, Some((error_execution(*kind), false, None)))
+            }
         };
         let command = match parsed {
             Ok(command) => command,
-            Err(kind) => return Some((error_execution(kind), false, None)),
+            Err(kind) => return (label, Some((error_execution(kind), false, None))),
         };
         let who = Principal {
             client_id: &request.client_id,
@@ -419,7 +436,10 @@ impl Executor {
         };
         if !allowed {
             tracing::debug!(client_id = %request.client_id, user = ?identity.user, "state store request not authorized");
-            return Some((error_execution(ErrorKind::NotAuthorized), false, None));
+            return (
+                label,
+                Some((error_execution(ErrorKind::NotAuthorized), false, None)),
+            );
         }
         let is_scan = matches!(command, Command::Scan { .. });
         let written_key = match &command {
@@ -429,7 +449,7 @@ impl Executor {
             _ => None,
         };
         if written_key.is_some() && !self.log_accepts_writes().await {
-            return None;
+            return (label, None);
         }
         let undo = written_key.map(|key| self.undo_delta(key));
         let context = RequestContext {
@@ -443,7 +463,15 @@ impl Executor {
         if let (true, Reply::Keys { keys: found, .. }) = (is_scan, &mut execution.reply) {
             found.retain(|key| keys.may_read(who, key));
         }
-        Some((execution, persist, undo))
+        if execution.delta.is_some() {
+            self.report_keyspace_size();
+        }
+        (label, Some((execution, persist, undo)))
+    }
+
+    fn report_keyspace_size(&self) {
+        let keyspace = self.machine.keyspace();
+        metrics::keyspace_size(keyspace.len(), keyspace.stored_bytes());
     }
 
     /// The delta that puts `key` back as it is now.
@@ -478,6 +506,7 @@ impl Executor {
         }
         self.next_lsn = durable;
         self.degraded = Some(Instant::now());
+        self.report_keyspace_size();
         tracing::error!(rolled_back, durable_lsn = durable, "log write failed: undurable writes rolled back; writes are refused until the log recovers, reads go on");
     }
 
@@ -545,9 +574,11 @@ impl Executor {
                 notifications,
                 reply: None,
                 acker: None,
+                timing: None,
             })
             .await;
         }
+        self.report_keyspace_size();
         self.maybe_snapshot().await;
     }
 
@@ -556,10 +587,15 @@ impl Executor {
             return;
         }
         self.logged_since_snapshot = 0;
+        let started = Instant::now();
         let state = match self.machine.snapshot_encode() {
             Ok(state) => state,
-            Err(e) => return tracing::error!("snapshot not taken: {e}"),
+            Err(e) => {
+                metrics::snapshot_finished(false);
+                return tracing::error!("snapshot not taken: {e}");
+            }
         };
+        metrics::snapshot_phase("encode", started.elapsed());
         let snapshot = Snapshot {
             last_index: self.next_lsn - 1,
             last_term: 0,
@@ -571,11 +607,12 @@ impl Executor {
     async fn reject(&mut self, client_id: &Arc<str>, rejection: Rejection, acker: Acker) {
         match rejection {
             Rejection::NoResponseTopic => {
-                self.stats.dropped_no_response_topic.fetch_add(1, Relaxed);
+                metrics::request_counted(metrics::UNPARSED, "dropped");
                 tracing::debug!(%client_id, "state store request without a response topic dropped");
                 acker.ack(0x00);
             }
             Rejection::ForbiddenResponseTopic(topic) => {
+                metrics::request_counted(metrics::UNPARSED, "forbidden");
                 tracing::info!(%client_id, %topic, "disconnecting client: state store response topic is reserved");
                 self.broker.disconnect(
                     client_id,
@@ -590,7 +627,7 @@ impl Executor {
                 correlation_data,
                 message,
             } => {
-                self.stats.bad_requests.fetch_add(1, Relaxed);
+                metrics::request_counted(metrics::UNPARSED, "bad_request");
                 let reply =
                     self.replies
                         .bad_request(response_topic, correlation_data.clone(), message);
@@ -606,6 +643,7 @@ impl Executor {
                     notifications: Vec::new(),
                     reply: Some(reply),
                     acker: Some(acker),
+                    timing: None,
                 })
                 .await;
             }
@@ -640,7 +678,6 @@ async fn complete(
     mut rx: mpsc::Receiver<Outcome>,
     wal: Arc<WalWriter>,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
-    stats: Arc<ServiceStats>,
     durable_lsn: Arc<AtomicU64>,
     failures: mpsc::UnboundedSender<()>,
 ) {
@@ -651,7 +688,11 @@ async fn complete(
                 // In the background: appends and completions go on while the snapshot is written.
                 tokio::spawn(async move {
                     let last_index = snapshot.last_index;
-                    match wal.install_snapshot(snapshot).await {
+                    let started = Instant::now();
+                    let written = wal.install_snapshot(snapshot).await;
+                    metrics::snapshot_phase("write", started.elapsed());
+                    metrics::snapshot_finished(written.is_ok());
+                    match written {
                         Ok(()) => tracing::info!(last_index, "snapshot written"),
                         Err(e) => tracing::error!(last_index, "snapshot failed: {e}"),
                     }
@@ -662,6 +703,7 @@ async fn complete(
                 notifications,
                 reply,
                 acker,
+                timing,
             } => {
                 let durable = match commit {
                     None => Ok(()),
@@ -673,6 +715,7 @@ async fn complete(
                         durable_lsn.store(lsn + 1, Release);
                     }),
                 };
+                let durable_ok = durable.is_ok();
                 let (reply, reason) = match durable {
                     Ok(()) => {
                         for (client_id, message) in notifications {
@@ -681,7 +724,6 @@ async fn complete(
                         (reply.map(|r| (r.client_id, r.correlation, r.message)), 0x00)
                     }
                     Err(e) => {
-                        stats.durability_failures.fetch_add(1, Relaxed);
                         tracing::error!("state store write not durable: {e}");
                         let _ = failures.send(());
                         let failed = reply
@@ -702,6 +744,14 @@ async fn complete(
                 }
                 if let Some(acker) = acker {
                     acker.ack(reason);
+                }
+                if let Some(timing) = timing {
+                    let result = if durable_ok {
+                        timing.result
+                    } else {
+                        NOT_DURABLE
+                    };
+                    metrics::request_completed(timing.command, result, timing.received.elapsed());
                 }
             }
         }

@@ -156,10 +156,11 @@ impl Wal {
             .last()
             .is_none_or(|r| r.lsn + 1 == active.written.next_lsn));
 
+        let stats = Arc::new(WalStats::new(options.name));
         let wal = Wal {
             dir,
             options,
-            stats: Arc::new(WalStats::default()),
+            stats,
             closed,
             active,
             failure: None,

@@ -34,6 +34,8 @@ pub enum FsyncPolicy {
 /// Options of [`crate::Wal::open`].
 #[derive(Debug, Clone)]
 pub struct WalOptions {
+    /// Which log this is, as the `log` label of its metrics (a server runs more than one).
+    pub name: &'static str,
     pub segment_soft_limit_bytes: u64,
     pub segment_hard_limit_bytes: u64,
     pub record_max_bytes: usize,
@@ -47,6 +49,7 @@ pub struct WalOptions {
 impl Default for WalOptions {
     fn default() -> Self {
         Self {
+            name: "log",
             segment_soft_limit_bytes: DEFAULT_SEGMENT_SOFT_LIMIT_BYTES,
             segment_hard_limit_bytes: DEFAULT_SEGMENT_HARD_LIMIT_BYTES,
             record_max_bytes: DEFAULT_RECORD_MAX_BYTES,

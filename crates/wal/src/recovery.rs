@@ -34,8 +34,14 @@ impl LoadedSegment {
 /// with a warning; empty files count as absent.
 pub(crate) fn load_segments(dir: &DataDir) -> Result<Vec<LoadedSegment>, WalError> {
     let log_dir = dir.log_dir();
+    let entries = match fs::read_dir(&log_dir) {
+        Ok(entries) => entries,
+        // A directory restored from a copied snapshot alone has no log yet.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(WalError::io("list", &log_dir)(e)),
+    };
     let mut found = Vec::new();
-    for entry in fs::read_dir(&log_dir).map_err(WalError::io("list", &log_dir))? {
+    for entry in entries {
         let path = entry.map_err(WalError::io("list", &log_dir))?.path();
         let name = path
             .file_name()

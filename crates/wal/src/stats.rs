@@ -1,4 +1,8 @@
 //! Counters of the writer, readable at any time (for metrics) without locking.
+//!
+//! The binary exports these counters at scrape time. The distributions they cannot carry go to the
+//! `metrics` facade from here, once per batch and per fsync (a no-op without an installed recorder):
+//! `mqstate_wal_batch_records` and `mqstate_wal_fsync_duration_seconds`.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
@@ -6,6 +10,8 @@ use std::time::Duration;
 /// Live counters, shared between the writer and whoever reports metrics.
 #[derive(Debug, Default)]
 pub struct WalStats {
+    /// The `log` label of the histograms.
+    name: &'static str,
     batches: AtomicU64,
     records: AtomicU64,
     bytes_written: AtomicU64,
@@ -30,12 +36,25 @@ pub struct WalStatsSnapshot {
 }
 
 impl WalStats {
+    pub(crate) fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            ..Self::default()
+        }
+    }
+
+    /// The log's name (its `log` metrics label).
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
     pub(crate) fn record_batch(&self, records: usize, bytes: usize) {
         let records = records as u64;
         self.batches.fetch_add(1, Relaxed);
         self.records.fetch_add(records, Relaxed);
         self.bytes_written.fetch_add(bytes as u64, Relaxed);
         self.largest_batch_records.fetch_max(records, Relaxed);
+        metrics::histogram!("mqstate_wal_batch_records", "log" => self.name).record(records as f64);
     }
 
     pub(crate) fn record_fsync(&self, took: Duration) {
@@ -43,6 +62,8 @@ impl WalStats {
         self.fsyncs.fetch_add(1, Relaxed);
         self.fsync_micros_total.fetch_add(micros, Relaxed);
         self.fsync_micros_max.fetch_max(micros, Relaxed);
+        metrics::histogram!("mqstate_wal_fsync_duration_seconds", "log" => self.name)
+            .record(took.as_secs_f64());
     }
 
     pub(crate) fn record_write_error(&self) {

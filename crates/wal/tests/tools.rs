@@ -124,3 +124,33 @@ fn repair_of_a_healthy_directory_changes_nothing() {
     let (_, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
     assert_eq!(recovered.records.len(), 6);
 }
+
+#[test]
+fn a_directory_holding_only_a_copied_snapshot_verifies_and_opens() {
+    let original = tempfile::tempdir().unwrap();
+    populate(original.path());
+    let (mut wal, _) = Wal::open(original.path(), small_segments()).unwrap();
+    wal.install_snapshot(&Snapshot {
+        last_index: 5,
+        last_term: 0,
+        state: Bytes::from_static(b"state"),
+    })
+    .unwrap();
+    drop(wal);
+    let restored = tempfile::tempdir().unwrap();
+    fs::copy(
+        original.path().join("mqstate.snapshot"),
+        restored.path().join("mqstate.snapshot"),
+    )
+    .unwrap();
+
+    let report = verify(restored.path()).unwrap();
+    assert!(report.segments.is_empty(), "{report:?}");
+    assert_eq!(report.snapshot.unwrap().last_index, 5);
+    let (_, recovered) = Wal::open(restored.path(), small_segments()).unwrap();
+    assert_eq!(
+        recovered.snapshot.unwrap().state,
+        Bytes::from_static(b"state")
+    );
+    assert!(recovered.records.is_empty());
+}

@@ -1,0 +1,62 @@
+//! The service's metrics, through the `metrics` facade: the binary decides whether and how they are
+//! exported. Without an installed recorder each call is a no-op.
+//!
+//! * `mqstate_statestore_requests_total{command, result}` — every request once: `result` is `ok`,
+//!   `error` (an `-ERR` reply), `not_durable` (the write could not be logged), `duplicate` (a retry
+//!   answered from the cache), `bad_request` (envelope refused), `forbidden` (reserved response topic;
+//!   the client is disconnected) or `dropped` (no response topic). `command` is the command word, or
+//!   `unparsed` when the request was not parsed (envelope refused, duplicate, RESP or syntax error).
+//! * `mqstate_statestore_request_duration_seconds{command}` — from receipt to the reply being
+//!   published, durability wait included.
+//! * `mqstate_statestore_keys`, `mqstate_statestore_bytes` — size of the keyspace.
+//! * `mqstate_snapshot_duration_seconds{phase}` (`encode` on the executor, `write` in the background) and
+//!   `mqstate_snapshots_total{result}`.
+
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use mqstate_protocol::Command;
+
+/// The `command` label of a request whose command was not (or could not be) parsed.
+pub const UNPARSED: &str = "unparsed";
+
+/// The `command` label: the command word, or [`UNPARSED`] for a request that does not parse.
+pub fn command_label(command: Option<&Command>) -> &'static str {
+    match command {
+        Some(Command::Set { .. }) => "set",
+        Some(Command::Get { .. }) => "get",
+        Some(Command::Del { .. }) => "del",
+        Some(Command::VDel { .. }) => "vdel",
+        Some(Command::KeyNotify { .. }) => "keynotify",
+        Some(Command::KeyNotifyStop { .. }) => "keynotify_stop",
+        Some(Command::Scan { .. }) => "scan",
+        None => UNPARSED,
+    }
+}
+
+/// A request that got a reply from execution (or a `not_durable` one), with its latency.
+pub fn request_completed(command: &'static str, result: &'static str, took: Duration) {
+    request_counted(command, result);
+    histogram!("mqstate_statestore_request_duration_seconds", "command" => command)
+        .record(took.as_secs_f64());
+}
+
+/// A request answered or dropped without being executed.
+pub fn request_counted(command: &'static str, result: &'static str) {
+    counter!("mqstate_statestore_requests_total", "command" => command, "result" => result)
+        .increment(1);
+}
+
+pub fn keyspace_size(keys: usize, bytes: u64) {
+    gauge!("mqstate_statestore_keys").set(keys as f64);
+    gauge!("mqstate_statestore_bytes").set(bytes as f64);
+}
+
+pub fn snapshot_phase(phase: &'static str, took: Duration) {
+    histogram!("mqstate_snapshot_duration_seconds", "phase" => phase).record(took.as_secs_f64());
+}
+
+pub fn snapshot_finished(ok: bool) {
+    let result = if ok { "ok" } else { "error" };
+    counter!("mqstate_snapshots_total", "result" => result).increment(1);
+}
