@@ -9,122 +9,17 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::{AsyncClient, Event, MqttOptions};
-use tokio::sync::{mpsc, oneshot};
-
+use common::state::{bulk, StateClient, NIL, OK, WAIT};
 use common::Server;
 
-const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
-/// Hang guard for every wait in this file, not a performance claim.
-const WAIT: Duration = Duration::from_secs(30);
 /// Bytes before a record's data: marker, term, checksum, length (storage-format.md).
 const RECORD_HEADER_BYTES: u64 = 4 + 8 + 4 + 4;
-const OK: &[u8] = b"+OK\r\n";
-const NIL: &[u8] = b"$-1\r\n";
 
 // ---------------------------------------------------------------------------------------------
-// A raw MQTT 5 state-store client
+// Writing and reading keys
 // ---------------------------------------------------------------------------------------------
-
-/// The GET reply payload for `value`.
-fn bulk(value: &[u8]) -> bytes::Bytes {
-    mqstate_protocol::Reply::Bulk(bytes::Bytes::copy_from_slice(value)).encode()
-}
-
-fn hlc_now() -> String {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis();
-    format!("{ms:015}:{:05}:test", 0)
-}
-
-struct StateClient {
-    client: AsyncClient,
-    replies: mpsc::UnboundedReceiver<Publish>,
-    response_topic: String,
-    next_correlation: u64,
-}
-
-impl StateClient {
-    async fn connect(addr: SocketAddr, id: &str) -> StateClient {
-        let mut options = MqttOptions::new(id, addr.ip().to_string(), addr.port());
-        options.set_keep_alive(Duration::from_secs(30));
-        let (client, mut eventloop) = AsyncClient::new(options, 64);
-        let (tx, replies) = mpsc::unbounded_channel();
-        let (subscribed_tx, subscribed_rx) = oneshot::channel();
-        tokio::spawn(async move {
-            let mut subscribed = Some(subscribed_tx);
-            loop {
-                match eventloop.poll().await {
-                    Ok(Event::Incoming(Packet::SubAck(_))) => {
-                        if let Some(s) = subscribed.take() {
-                            let _ = s.send(());
-                        }
-                    }
-                    Ok(Event::Incoming(Packet::Publish(p))) => {
-                        let _ = tx.send(p);
-                    }
-                    Ok(_) => {}
-                    // The server is gone: stop here rather than let rumqttc reconnect.
-                    Err(_) => return,
-                }
-            }
-        });
-        let response_topic = format!("clients/{id}/statestore/response");
-        client
-            .subscribe(response_topic.clone(), QoS::AtLeastOnce)
-            .await
-            .unwrap();
-        tokio::time::timeout(WAIT, subscribed_rx)
-            .await
-            .expect("SUBACK in time")
-            .expect("connection alive until SUBACK");
-        StateClient {
-            client,
-            replies,
-            response_topic,
-            next_correlation: 0,
-        }
-    }
-
-    /// One request; returns the reply payload.
-    async fn request(&mut self, args: &[&[u8]]) -> Bytes {
-        self.next_correlation += 1;
-        let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
-        let properties = PublishProperties {
-            response_topic: Some(self.response_topic.clone()),
-            correlation_data: Some(correlation.clone()),
-            user_properties: vec![("__ts".to_owned(), hlc_now())],
-            ..PublishProperties::default()
-        };
-        self.client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                mqstate_protocol::encode_request(args),
-                properties,
-            )
-            .await
-            .unwrap();
-        loop {
-            let publish = tokio::time::timeout(WAIT, self.replies.recv())
-                .await
-                .expect("reply in time")
-                .expect("connection alive until the reply");
-            let props = publish.properties.clone().unwrap_or_default();
-            if props.correlation_data.as_ref() == Some(&correlation) {
-                return publish.payload;
-            }
-        }
-    }
-}
 
 async fn set_keys(addr: SocketAddr, keys: &[(String, String)]) {
     let mut client = StateClient::connect(addr, "writer").await;

@@ -32,7 +32,10 @@ use crate::envelope::{Rejection, ReplyBuilder, Request};
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
 /// Reason code of the DISCONNECT sent for a forbidden response topic (0x87 Not authorized).
 pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x87;
-/// PUBACK reason when a request could not be made durable (0x80 Unspecified error).
+/// PUBACK reason when a request could not be made durable and no reply can say so (0x80
+/// Unspecified error). A request with a response topic gets the `-ERR` reply and a successful
+/// PUBACK instead: the request was handled, and clients (rumqttc, the AIO SDK) drop or fail the
+/// exchange on a failed PUBACK before reading the reply (decision 0012).
 pub const PUBACK_UNSPECIFIED_ERROR: u8 = 0x80;
 
 /// Which changes go to the log (spec §8).
@@ -669,9 +672,12 @@ async fn complete(
                         stats.durability_failures.fetch_add(1, Relaxed);
                         tracing::error!("state store write not durable: {e}");
                         let _ = failures.send(());
-                        let failed = reply
-                            .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)));
-                        (failed, PUBACK_UNSPECIFIED_ERROR)
+                        match reply
+                            .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)))
+                        {
+                            Some(failed) => (Some(failed), 0x00),
+                            None => (None, PUBACK_UNSPECIFIED_ERROR),
+                        }
                     }
                 };
                 if let Some((client_id, correlation, message)) = reply {
