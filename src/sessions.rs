@@ -76,7 +76,7 @@ pub fn recover(
             format!(
                 "the session snapshot in {} does not decode; run `mqstate data verify {}`",
                 path.display(),
-                path.display()
+                data_dir.display()
             )
         })?;
         for change in image {
@@ -87,9 +87,12 @@ pub fn recover(
     for entry in &recovered.records {
         let changes = decode_changes(&entry.data).with_context(|| {
             format!(
-                "session log record {} in {} does not decode",
+                "session log record {} in {} does not decode; run `mqstate data verify {}`, then \
+                 `mqstate data repair {}` to cut the session log before it",
                 entry.lsn,
-                path.display()
+                path.display(),
+                data_dir.display(),
+                data_dir.display()
             )
         })?;
         for change in changes {

@@ -1,6 +1,7 @@
 //! `mqstate data inspect|verify|repair` against data written by a real server: what inspect shows,
 //! that verify and the server's start-up agree on damage (file and offset), that repair keeps what
-//! came before the damage, and that a torn tail is cut by the server on its own.
+//! came before the damage, and that a torn tail is cut by the server on its own — for the state
+//! store's log and for the session log in `<data-dir>/sessions/`.
 
 mod common;
 
@@ -11,6 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
+use common::mqtt::Client;
 use common::state::{bulk, StateClient, NIL, OK, WAIT};
 use common::Server;
 
@@ -320,4 +324,153 @@ fn torn_tail_is_cut_at_start_and_earlier_records_survive() {
         Some(0),
         "clean after the server cut the tail"
     );
+}
+
+/// The session log's records as `inspect --json` lists them: segment, offset and change ops.
+fn inspect_session_json(dir: &Path) -> Vec<(PathBuf, u64, Vec<String>)> {
+    let out = data_tool(&["inspect", "--json"], dir);
+    assert!(out.status.success(), "inspect: {}", text(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut records = Vec::new();
+    for segment in doc["sessions"]["segments"]
+        .as_array()
+        .expect("a session log")
+    {
+        let path = PathBuf::from(segment["path"].as_str().unwrap());
+        for r in segment["records"].as_array().unwrap() {
+            let ops = r["delta"]
+                .as_array()
+                .unwrap_or_else(|| panic!("a decoded change list: {r}"))
+                .iter()
+                .map(|c| c["op"].as_str().unwrap().to_owned())
+                .collect();
+            records.push((path.clone(), r["offset"].as_u64().unwrap(), ops));
+        }
+    }
+    records
+}
+
+#[test]
+fn session_log_is_inspected_verified_and_repaired_by_name() {
+    const TOPIC: &str = "tools/sessions";
+    let mut server = Server::start();
+    runtime().block_on(async {
+        let mut subscriber = Client::connect(server.addr, "tools-sub", true).await;
+        subscriber.subscribe(TOPIC).await;
+        subscriber.client.disconnect().await.unwrap();
+        let mut publisher = Client::connect(server.addr, "tools-pub", false).await;
+        for payload in ["m1", "m2", "m3"] {
+            publisher
+                .publish(TOPIC, Bytes::from_static(payload.as_bytes()))
+                .await;
+        }
+    });
+    assert!(server.stop().success(), "graceful stop");
+    let dir = server.data_dir().to_path_buf();
+
+    let out = data_tool(&["inspect"], &dir);
+    let shown = text(&out.stdout);
+    assert!(out.status.success(), "inspect: {}", text(&out.stderr));
+    assert!(shown.contains("session log: "), "{shown}");
+    assert!(
+        shown.contains(&format!(
+            "subscribed \"tools-sub\" filter \"{TOPIC}\" qos 1"
+        )),
+        "{shown}"
+    );
+    assert!(
+        shown.contains(&format!(
+            "appended \"tools-sub\" seq 1 topic \"{TOPIC}\" payload \"m2\""
+        )),
+        "inspect decodes the queued messages: {shown}"
+    );
+
+    let out = data_tool(&["verify"], &dir);
+    let said = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "verify: {}", text(&out.stderr));
+    assert!(
+        said.contains("state-store log") && said.contains("session log"),
+        "{said}"
+    );
+
+    // Damage the record of m2: m3's follows it intact, so this is corruption, not a torn tail.
+    let records = inspect_session_json(&dir);
+    let appended: Vec<_> = records
+        .iter()
+        .filter(|(_, _, ops)| ops == &["appended"])
+        .collect();
+    assert_eq!(
+        appended.len(),
+        3,
+        "one record per queued message: {records:?}"
+    );
+    let (path, offset, _) = appended[1].clone();
+    flip_byte(&path, offset + RECORD_HEADER_BYTES + 1);
+    let file_name = path.display().to_string();
+    let at_offset = format!("byte offset {offset}");
+
+    let out = data_tool(&["verify"], &dir);
+    let complaint = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "verify on damage: {complaint}");
+    assert!(
+        complaint.contains("session log"),
+        "names the log: {complaint}"
+    );
+    assert!(
+        complaint.contains(&file_name),
+        "names the file: {complaint}"
+    );
+    assert!(
+        complaint.contains(&at_offset),
+        "names the offset: {complaint}"
+    );
+    assert!(
+        text(&out.stdout).contains("state-store log"),
+        "the state-store log is still reported clean: {}",
+        text(&out.stdout)
+    );
+
+    let log = dir.with_file_name("refused.log");
+    let (mut child, _) = spawn_serve(&dir, &log);
+    let status = wait_exit(&mut child, "start on a corrupt session log");
+    assert!(
+        !status.success(),
+        "the server must refuse a corrupt session log"
+    );
+    let refusal = fs::read_to_string(&log).unwrap();
+    assert!(
+        refusal.contains(&file_name) && refusal.contains(&at_offset),
+        "start-up error names file and offset: {refusal}"
+    );
+
+    let out = data_tool(&["repair", "--yes"], &dir);
+    let said = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "repair: {said} {}",
+        text(&out.stderr)
+    );
+    assert!(
+        said.contains("session log") && said.contains(&format!("cut {file_name} at {at_offset}")),
+        "repair says which log and what it cut: {said}"
+    );
+    assert_eq!(data_tool(&["verify"], &dir).status.code(), Some(0));
+
+    server.restart();
+    runtime().block_on(async {
+        let mut subscriber = Client::connect(server.addr, "tools-sub", true).await;
+        assert_eq!(
+            subscriber.next_message().await,
+            "m1",
+            "kept: before the damage"
+        );
+        let mut publisher = Client::connect(server.addr, "tools-pub", false).await;
+        publisher.publish(TOPIC, Bytes::from_static(b"m4")).await;
+        assert_eq!(
+            subscriber.next_message().await,
+            "m4",
+            "m2 and m3 came after the damage and were dropped by the repair"
+        );
+    });
 }

@@ -11,17 +11,14 @@ mod common;
 
 use std::fs::{self, File};
 use std::io::Write;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{ConnectProperties, Packet, PubAckReason, Publish};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::{AsyncClient, ConnectionError, Event, MqttOptions, StateError};
-use tokio::sync::mpsc;
+use rumqttc::v5::mqttbytes::v5::PubAckReason;
 
+use common::mqtt::Client;
 use common::state::{bulk, StateClient, NIL, OK, WAIT};
 use common::Server;
 
@@ -120,100 +117,6 @@ impl Drop for Disk {
     }
 }
 
-/// An MQTT client that reports PUBACK reason codes and received publishes.
-struct Client {
-    client: AsyncClient,
-    acks: mpsc::UnboundedReceiver<PubAckReason>,
-    subacks: mpsc::UnboundedReceiver<()>,
-    received: mpsc::UnboundedReceiver<Publish>,
-}
-
-impl Client {
-    /// Connects; a `persistent` client keeps its session for an hour (clean start off).
-    async fn connect(addr: SocketAddr, id: &str, persistent: bool) -> Client {
-        let mut options = MqttOptions::new(id, addr.ip().to_string(), addr.port());
-        options.set_keep_alive(Duration::from_secs(30));
-        if persistent {
-            options.set_clean_start(false);
-            options.set_connect_properties(ConnectProperties {
-                session_expiry_interval: Some(3600),
-                ..ConnectProperties::new()
-            });
-        }
-        let (client, mut eventloop) = AsyncClient::new(options, 64);
-        let (ack_tx, acks) = mpsc::unbounded_channel();
-        let (publish_tx, received) = mpsc::unbounded_channel();
-        let (suback_tx, subacks) = mpsc::unbounded_channel();
-        let (connected_tx, mut connected) = mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            loop {
-                match eventloop.poll().await {
-                    Ok(Event::Incoming(Packet::ConnAck(_))) => {
-                        let _ = connected_tx.send(());
-                    }
-                    Ok(Event::Incoming(Packet::PubAck(ack))) => {
-                        let _ = ack_tx.send(ack.reason);
-                    }
-                    Ok(Event::Incoming(Packet::Publish(p))) => {
-                        let _ = publish_tx.send(p);
-                    }
-                    Ok(Event::Incoming(Packet::SubAck(_))) => {
-                        let _ = suback_tx.send(());
-                    }
-                    Ok(_) => {}
-                    // rumqttc reports a failed PUBACK as an error and reconnects on the next poll
-                    // (the publisher's session is not persistent, so nothing is lost by that).
-                    Err(ConnectionError::MqttState(StateError::PubAckFail { reason })) => {
-                        let _ = ack_tx.send(reason);
-                    }
-                    Err(_) => return,
-                }
-            }
-        });
-        tokio::time::timeout(WAIT, connected.recv())
-            .await
-            .expect("CONNACK in time")
-            .expect("connection alive until CONNACK");
-        Client {
-            client,
-            acks,
-            subacks,
-            received,
-        }
-    }
-
-    async fn subscribe(&mut self) {
-        self.client
-            .subscribe(TOPIC, QoS::AtLeastOnce)
-            .await
-            .unwrap();
-        tokio::time::timeout(WAIT, self.subacks.recv())
-            .await
-            .expect("SUBACK in time")
-            .expect("connection alive until SUBACK");
-    }
-
-    /// Publishes at QoS 1 and returns the PUBACK's reason.
-    async fn publish(&mut self, payload: Bytes) -> PubAckReason {
-        self.client
-            .publish(TOPIC, QoS::AtLeastOnce, false, payload)
-            .await
-            .unwrap();
-        tokio::time::timeout(WAIT, self.acks.recv())
-            .await
-            .expect("PUBACK in time")
-            .expect("connection alive until PUBACK")
-    }
-
-    async fn next_message(&mut self) -> Bytes {
-        tokio::time::timeout(WAIT, self.received.recv())
-            .await
-            .expect("a queued message in time")
-            .expect("connection alive")
-            .payload
-    }
-}
-
 /// A payload of [`BIG`] bytes that names itself.
 fn big(name: &str) -> Bytes {
     let mut payload = name.as_bytes().to_vec();
@@ -252,7 +155,7 @@ async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
 
     // A persistent subscriber goes offline, so every QoS 1 publish is queued in its session.
     let mut subscriber = Client::connect(addr, "offline-subscriber", true).await;
-    subscriber.subscribe().await;
+    subscriber.subscribe(TOPIC).await;
     subscriber.client.disconnect().await.unwrap();
     let mut state = StateClient::connect(addr, "state-client").await;
     let mut publisher = Client::connect(addr, "publisher", false).await;
@@ -263,7 +166,7 @@ async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
         OK
     );
     assert_eq!(
-        publisher.publish(before.clone()).await,
+        publisher.publish(TOPIC, before.clone()).await,
         PubAckReason::Success
     );
 
@@ -287,7 +190,7 @@ async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
         "the refused SET was rolled back"
     );
     assert_eq!(
-        publisher.publish(refused.clone()).await,
+        publisher.publish(TOPIC, refused.clone()).await,
         PubAckReason::UnspecifiedError,
         "a publish that a persistent session queues on a full disk"
     );
@@ -306,7 +209,7 @@ async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
     }
     let deadline = give_up_at();
     loop {
-        match publisher.publish(after.clone()).await {
+        match publisher.publish(TOPIC, after.clone()).await {
             PubAckReason::Success => break,
             PubAckReason::UnspecifiedError => {
                 assert!(
