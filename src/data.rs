@@ -1,5 +1,5 @@
 //! `mqstate data inspect|verify|repair DIR`: the operator's tools for a data directory. They work
-//! offline (stop the server first) and read it exactly the way recovery does (`mqstate_wal::tools`),
+//! offline (stop the server first; `repair` takes the directory lock and refuses while a server holds it) and read it exactly the way recovery does (`mqstate_wal::tools`),
 //! adding what only this layer knows: that a data directory holds two logs (the state store's, and
 //! the broker's session log in `sessions/`), how to decode their records and snapshots, and how to
 //! talk to a person at a terminal.
@@ -589,8 +589,11 @@ fn verify(dir: &Path) -> Result<ExitCode, DataError> {
 fn repair(dir: &Path, yes: bool) -> Result<ExitCode, DataError> {
     existing_dir(dir)?;
     let mut damaged = Vec::new();
+    // Held until the end: a server must not open the logs while they are judged and cut.
+    let mut _locks = Vec::new();
     for log in Log::present(dir) {
         let log_dir = log.dir(dir);
+        _locks.push(DataDir::new(&log_dir).lock()?);
         let damage = match find_damage(log, &log_dir)? {
             Some(damage) => damage,
             // The server would cut a torn tail by itself; repairing it here is harmless.

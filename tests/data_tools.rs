@@ -474,3 +474,35 @@ fn session_log_is_inspected_verified_and_repaired_by_name() {
         );
     });
 }
+
+#[test]
+fn a_data_directory_in_use_refuses_a_second_server_and_repair() {
+    let server = Server::start();
+    let dir = server.data_dir().to_path_buf();
+
+    let log = dir.with_file_name("second.log");
+    let (mut second, _) = spawn_serve(&dir, &log);
+    let status = wait_exit(&mut second, "a second server on the same data directory");
+    assert!(!status.success(), "a second server must refuse to start");
+    let refusal = fs::read_to_string(&log).unwrap();
+    assert!(
+        refusal.contains("in use by another process")
+            && refusal.contains(&dir.display().to_string()),
+        "the refusal names the directory and why: {refusal}"
+    );
+
+    let out = data_tool(&["repair", "--yes"], &dir);
+    let complaint = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "repair while the server runs: {complaint}"
+    );
+    assert!(
+        complaint.contains("in use by another process"),
+        "{complaint}"
+    );
+
+    // The first server is untouched and keeps serving.
+    runtime().block_on(set_keys(server.addr, &numbered(1)));
+}
