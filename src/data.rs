@@ -1,8 +1,9 @@
 //! `mqstate data inspect|verify|repair DIR`: the operator's tools for a data directory. They work
-//! offline (stop the server first; `repair` takes the directory lock and refuses while a server holds it) and read it exactly the way recovery does (`mqstate_wal::tools`),
-//! adding what only this layer knows: that a data directory holds two logs (the state store's, and
-//! the broker's session log in `sessions/`), how to decode their records and snapshots, and how to
-//! talk to a person at a terminal.
+//! offline (stop the server first; `repair` takes the directory lock and refuses while a server
+//! holds it) and read it exactly the way recovery does (`mqstate_wal::tools`), adding what only this
+//! layer knows: that a data directory holds two logs (the state store's, and the broker's session
+//! log in `sessions/`), how to decode their records and snapshots, and how to talk to a person at a
+//! terminal.
 
 mod session_view;
 
