@@ -8,9 +8,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use mqstate_broker::{Broker, BrokerConfig};
 use mqstate_protocol::topic::INVOKE_TOPIC;
+use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
-use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
+use mqstate_wal::{Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -29,7 +30,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     init_logging(settings.log_format, &settings.log)?;
     tracing::debug!(?settings, "settings");
 
-    let (machine, wal, next_lsn) = recover(&settings)?;
+    let (machine, wal, next_lsn, metadata) = recover(&settings)?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
     let policy = crate::auth::load(&settings)?;
@@ -96,6 +97,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             machine,
             wal: Arc::clone(&wal),
             next_lsn,
+            metadata,
         },
         service_config,
         stats,
@@ -124,9 +126,11 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     Ok(())
 }
 
-/// Opens the data directory and rebuilds the state machine from the snapshot and the log after it.
-/// Returns the state, the log, and the LSN the next record will get.
-fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
+/// Opens the data directory and rebuilds the state machine from the snapshot and the log after it,
+/// with its clock resumed at the ceiling in the metadata file (no timestamp handed out before the
+/// restart is handed out again). Returns the state, the log, the LSN the next record will get and
+/// the metadata.
+fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metadata)> {
     let started = Instant::now();
     let (wal, recovered) =
         Wal::open(&settings.data_dir, wal_options(settings)).with_context(|| {
@@ -177,7 +181,12 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
         elapsed_ms = elapsed.as_millis() as u64,
         "state recovered"
     );
-    Ok((machine, wal, next_lsn))
+    machine.observe_clock(&Hlc::new(
+        recovered.metadata.hlc_high_water_ms,
+        0,
+        SERVICE_NODE_ID.into(),
+    ));
+    Ok((machine, wal, next_lsn, recovered.metadata))
 }
 
 /// Options of both logs (state store and sessions).

@@ -21,11 +21,25 @@ pub fn bulk(value: &[u8]) -> bytes::Bytes {
 }
 
 pub fn hlc_now() -> String {
+    hlc_in(0)
+}
+
+/// A client timestamp `ahead_ms` ahead of this machine's wall clock.
+pub fn hlc_in(ahead_ms: u64) -> String {
     let ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
-        .as_millis();
+        .as_millis()
+        + u128::from(ahead_ms);
     format!("{ms:015}:{:05}:test", 0)
+}
+
+/// The (wall ms, counter) of an HLC text, for comparing versions.
+pub fn hlc_order(ts: &str) -> (u64, u32) {
+    let mut parts = ts.split(':');
+    let wall = parts.next().unwrap().parse().unwrap();
+    let counter = parts.next().unwrap().parse().unwrap();
+    (wall, counter)
 }
 
 pub struct StateClient {
@@ -79,12 +93,17 @@ impl StateClient {
 
     /// One request; returns the reply payload.
     pub async fn request(&mut self, args: &[&[u8]]) -> Bytes {
+        self.request_at(args, hlc_now()).await.0
+    }
+
+    /// One request stamped `__ts = ts`; returns the reply payload and the reply's `__ts`.
+    pub async fn request_at(&mut self, args: &[&[u8]], ts: String) -> (Bytes, Option<String>) {
         self.next_correlation += 1;
         let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
         let properties = PublishProperties {
             response_topic: Some(self.response_topic.clone()),
             correlation_data: Some(correlation.clone()),
-            user_properties: vec![("__ts".to_owned(), hlc_now())],
+            user_properties: vec![("__ts".to_owned(), ts)],
             ..PublishProperties::default()
         };
         self.client
@@ -104,7 +123,12 @@ impl StateClient {
                 .expect("connection alive until the reply");
             let props = publish.properties.clone().unwrap_or_default();
             if props.correlation_data.as_ref() == Some(&correlation) {
-                return publish.payload;
+                let ts = props
+                    .user_properties
+                    .iter()
+                    .find(|(name, _)| name == "__ts")
+                    .map(|(_, value)| value.clone());
+                return (publish.payload, ts);
             }
         }
     }

@@ -21,7 +21,7 @@ use mqstate_broker::{
 };
 use mqstate_protocol::{parse_request, Command, ErrorKind, Reply, RequestLimits};
 use mqstate_store::{Delta, Execution, KeyNotification, RequestContext, StateMachine};
-use mqstate_wal::{PendingCommit, Snapshot, WalWriter};
+use mqstate_wal::{Metadata, PendingCommit, Snapshot, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
@@ -130,6 +130,9 @@ pub struct Recovered {
     pub wal: Arc<WalWriter>,
     /// The LSN the next appended record will get.
     pub next_lsn: u64,
+    /// The log's metadata file as recovered; its `hlc_high_water_ms` is the clock ceiling, already
+    /// restored into `machine`'s clock.
+    pub metadata: Metadata,
 }
 
 /// Runs the service until `shutdown` resolves.
@@ -145,6 +148,7 @@ pub async fn run(
         machine,
         wal,
         next_lsn,
+        metadata,
     } = recovered;
     let (tx, rx) = mpsc::channel(COMPLETION_QUEUE_CAPACITY);
     let (failure_tx, failures) = mpsc::unbounded_channel();
@@ -175,7 +179,10 @@ pub async fn run(
         durable_lsn,
         failures,
         degraded: None,
+        metadata,
+        ceiling_failed_at: None,
     };
+    executor.raise_clock_ceiling().await;
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
     let _ = completer.await;
@@ -201,7 +208,18 @@ struct Executor {
     failures: mpsc::UnboundedReceiver<()>,
     /// Set while the log refuses writes; when the last attempt to recover was made.
     degraded: Option<Instant>,
+    /// The metadata on disk. Its `hlc_high_water_ms` is the clock ceiling: every timestamp that
+    /// leaves the service has a wall time below it, so a restart that resumes the clock at the
+    /// ceiling never hands out an older one, whatever was deleted or the wall clock did.
+    metadata: Metadata,
+    /// When raising the ceiling last failed (disk full); it is retried at most once per
+    /// [`LOG_RETRY_INTERVAL`].
+    ceiling_failed_at: Option<Instant>,
 }
+
+/// How far ahead of the clock the ceiling is set: the metadata file is rewritten about once per
+/// this much clock advance (decision 0012).
+pub const CLOCK_CEILING_LEASE_MS: u64 = 10_000;
 
 /// How often a degraded log is asked to recover (disk space may have come back).
 pub const LOG_RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -600,7 +618,41 @@ impl Executor {
         }
     }
 
-    async fn send(&self, outcome: Outcome) {
+    /// Keeps the clock ceiling above the clock: called before any outcome (which may carry a
+    /// timestamp) leaves the executor.
+    async fn raise_clock_ceiling(&mut self) {
+        let high_water_ms = self.machine.clock().high_water().wall_ms;
+        if high_water_ms < self.metadata.hlc_high_water_ms {
+            return;
+        }
+        if self
+            .ceiling_failed_at
+            .is_some_and(|at| at.elapsed() < LOG_RETRY_INTERVAL)
+        {
+            return;
+        }
+        let raised = Metadata {
+            hlc_high_water_ms: high_water_ms
+                .max(unix_now_ms())
+                .saturating_add(CLOCK_CEILING_LEASE_MS),
+            ..self.metadata.clone()
+        };
+        match self.wal.write_metadata(raised.clone()).await {
+            Ok(()) => {
+                self.metadata = raised;
+                self.ceiling_failed_at = None;
+            }
+            Err(e) => {
+                // Replies go on (reads must survive a full disk); only a crash before the disk
+                // recovers, followed by a wall clock stepping back, could then reissue a timestamp.
+                tracing::error!("cannot raise the HLC ceiling in the metadata file: {e}");
+                self.ceiling_failed_at = Some(Instant::now());
+            }
+        }
+    }
+
+    async fn send(&mut self, outcome: Outcome) {
+        self.raise_clock_ceiling().await;
         if self.tx.send(outcome).await.is_err() {
             tracing::error!("state store completer stopped; outcome dropped");
         }
