@@ -11,7 +11,9 @@ use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, Durability, ServiceConfig, ServiceStats};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
-use mqstate_wal::{Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter};
+use mqstate_wal::{
+    write_metadata, DataDir, Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter,
+};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -44,10 +46,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         .security(policy.security)
         .journal(session_log.clone())
         .build();
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let report = broker.restore(restored, now_ms);
+    let report = broker.restore(restored, unix_now_ms());
     tracing::info!(
         sessions = report.sessions,
         messages = report.messages,
@@ -181,12 +180,33 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
         elapsed_ms = elapsed.as_millis() as u64,
         "state recovered"
     );
+    // Resume at the old ceiling (above everything handed out before) and persist a new one above
+    // it before anything is handed out. Failpoints stand for crashes of a serving process, not of
+    // this step: a crash here leaves the old file, and nothing was handed out.
     machine.observe_clock(&Hlc::new(
         recovered.metadata.hlc_high_water_ms,
         0,
         SERVICE_NODE_ID.into(),
     ));
-    Ok((machine, wal, next_lsn, recovered.metadata))
+    let metadata = Metadata {
+        hlc_high_water_ms: service::next_clock_ceiling(
+            machine.clock().high_water().wall_ms,
+            unix_now_ms(),
+        ),
+        ..recovered.metadata
+    };
+    write_metadata(
+        &DataDir::new(&settings.data_dir),
+        &metadata,
+        &Failpoints::default(),
+    )
+    .with_context(|| {
+        format!(
+            "cannot record the clock ceiling in {}",
+            settings.data_dir.display()
+        )
+    })?;
+    Ok((machine, wal, next_lsn, metadata))
 }
 
 /// Options of both logs (state store and sessions).
@@ -277,4 +297,10 @@ fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
         LogFormat::Json => builder.json().try_init(),
     };
     result.map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
+}
+
+fn unix_now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -130,8 +130,8 @@ pub struct Recovered {
     pub wal: Arc<WalWriter>,
     /// The LSN the next appended record will get.
     pub next_lsn: u64,
-    /// The log's metadata file as recovered; its `hlc_high_water_ms` is the clock ceiling, already
-    /// restored into `machine`'s clock.
+    /// The log's metadata file, its `hlc_high_water_ms` (the clock ceiling) already above
+    /// `machine`'s clock.
     pub metadata: Metadata,
 }
 
@@ -182,7 +182,6 @@ pub async fn run(
         metadata,
         ceiling_failed_at: None,
     };
-    executor.raise_clock_ceiling().await;
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
     let _ = completer.await;
@@ -220,6 +219,13 @@ struct Executor {
 /// How far ahead of the clock the ceiling is set: the metadata file is rewritten about once per
 /// this much clock advance (decision 0012).
 pub const CLOCK_CEILING_LEASE_MS: u64 = 10_000;
+
+/// The clock ceiling to persist when the clock's wall time reached `high_water_ms` at `now_ms`.
+pub fn next_clock_ceiling(high_water_ms: u64, now_ms: u64) -> u64 {
+    high_water_ms
+        .max(now_ms)
+        .saturating_add(CLOCK_CEILING_LEASE_MS)
+}
 
 /// How often a degraded log is asked to recover (disk space may have come back).
 pub const LOG_RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -632,9 +638,7 @@ impl Executor {
             return;
         }
         let raised = Metadata {
-            hlc_high_water_ms: high_water_ms
-                .max(unix_now_ms())
-                .saturating_add(CLOCK_CEILING_LEASE_MS),
+            hlc_high_water_ms: next_clock_ceiling(high_water_ms, unix_now_ms()),
             ..self.metadata.clone()
         };
         match self.wal.write_metadata(raised.clone()).await {
