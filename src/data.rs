@@ -1,7 +1,11 @@
 //! `mqstate data inspect|verify|repair DIR`: the operator's tools for a data directory. They work
-//! offline (stop the server first: nothing locks the directory) and read it exactly the way
-//! recovery does (`mqstate_wal::tools`), adding what only this layer knows: how to decode the
-//! state-store deltas and snapshot, and how to talk to a person at a terminal.
+//! offline (stop the server first; `repair` takes the directory lock and refuses while a server
+//! holds it) and read it exactly the way recovery does (`mqstate_wal::tools`), adding what only this
+//! layer knows: that a data directory holds two logs (the state store's, and the broker's session
+//! log in `sessions/`), how to decode their records and snapshots, and how to talk to a person at a
+//! terminal.
+
+mod session_view;
 
 use std::fmt;
 use std::io::{self, BufRead, IsTerminal, Write};
@@ -14,6 +18,7 @@ use mqstate_wal::{read_snapshot, DataDir, Metadata, SegmentEnd, WalError};
 use serde_json::{json, Value};
 
 use crate::serve::SERVICE_NODE_ID;
+use crate::sessions;
 
 /// Bytes of a key or value `inspect` shows before truncating (`--max-bytes` overrides it).
 pub const DEFAULT_SHOW_BYTES: usize = 64;
@@ -93,28 +98,105 @@ fn existing_dir(dir: &Path) -> Result<(), DataError> {
     }
 }
 
+/// The two logs of a data directory, each in the `mqstate-wal` layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Log {
+    /// The state store's log, at the top of the data directory.
+    Store,
+    /// The broker's session log, `<data-dir>/sessions/` (absent before the first start with it).
+    Sessions,
+}
+
+impl Log {
+    fn name(self) -> &'static str {
+        match self {
+            Log::Store => "state-store log",
+            Log::Sessions => "session log",
+        }
+    }
+
+    fn dir(self, data_dir: &Path) -> PathBuf {
+        match self {
+            Log::Store => data_dir.to_path_buf(),
+            Log::Sessions => sessions::dir(data_dir),
+        }
+    }
+
+    /// The logs present in `data_dir`.
+    fn present(data_dir: &Path) -> Vec<Log> {
+        let mut logs = vec![Log::Store];
+        if Log::Sessions.dir(data_dir).is_dir() {
+            logs.push(Log::Sessions);
+        }
+        logs
+    }
+
+    fn describe(self, data: &[u8], max_bytes: usize, as_json: bool) -> String {
+        match self {
+            Log::Store => {
+                let view = DeltaView::decode(data, max_bytes);
+                if as_json {
+                    view.to_json().to_string()
+                } else {
+                    view.to_string()
+                }
+            }
+            Log::Sessions => session_view::describe(data, max_bytes, as_json),
+        }
+    }
+
+    /// Why a record's data does not decode as this log's records; `None` if it does.
+    fn decode_error(self, data: &[u8]) -> Option<String> {
+        match self {
+            Log::Store => Delta::decode(data).err().map(|e| e.to_string()),
+            Log::Sessions => session_view::decode_error(data),
+        }
+    }
+
+    fn what_a_record_is(self) -> &'static str {
+        match self {
+            Log::Store => "a state change",
+            Log::Sessions => "a session change list",
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // inspect
 // ---------------------------------------------------------------------------------------------
 
+/// Text: the state-store log, then the session log under a heading. JSON: the state-store log's
+/// fields at the top level and the session log's under `"sessions"` (null if there is none).
 fn inspect(dir: &Path, as_json: bool, max_bytes: usize) -> Result<ExitCode, DataError> {
     existing_dir(dir)?;
-    let describe = |data: &[u8]| -> String {
-        let view = DeltaView::decode(data, max_bytes);
-        if as_json {
-            view.to_json().to_string()
-        } else {
-            view.to_string()
-        }
-    };
-    let report = tools::inspect(dir, &describe)?;
-    let snapshot = SnapshotFacts::read(dir);
     let mut out = io::BufWriter::new(io::stdout().lock());
+    let mut sessions_json = Value::Null;
+    let mut store_json = Value::Null;
+    for log in Log::present(dir) {
+        let log_dir = log.dir(dir);
+        let report = tools::inspect(&log_dir, &|data: &[u8]| {
+            log.describe(data, max_bytes, as_json)
+        })?;
+        let snapshot = SnapshotFacts::read(log, &log_dir);
+        if as_json {
+            let doc = report_json(&report, &snapshot);
+            match log {
+                Log::Store => store_json = doc,
+                Log::Sessions => sessions_json = doc,
+            }
+        } else {
+            if log == Log::Sessions {
+                writeln!(out, "\n{}: {}", log.name(), log_dir.display())?;
+            }
+            write_report(&mut out, &report, &snapshot)?;
+        }
+    }
     if as_json {
-        serde_json::to_writer_pretty(&mut out, &report_json(&report, &snapshot))?;
+        if let Value::Object(fields) = &mut store_json {
+            fields.insert("sessions".to_owned(), sessions_json);
+        }
+        serde_json::to_writer_pretty(&mut out, &store_json)?;
         writeln!(out)?;
-    } else {
-        write_report(&mut out, &report, &snapshot)?;
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
@@ -245,21 +327,30 @@ impl fmt::Display for Shown {
 enum SnapshotFacts {
     /// No snapshot file, or one the WAL tools already report as damaged.
     Unavailable,
-    Keys(usize),
+    /// What it holds, e.g. `[("keys", 12)]`.
+    Counts(Vec<(&'static str, usize)>),
     Undecodable(String),
 }
 
 impl SnapshotFacts {
-    fn read(dir: &Path) -> SnapshotFacts {
-        let Ok(Some(snapshot)) = read_snapshot(&DataDir::new(dir)) else {
+    fn read(log: Log, log_dir: &Path) -> SnapshotFacts {
+        let Ok(Some(snapshot)) = read_snapshot(&DataDir::new(log_dir)) else {
             return SnapshotFacts::Unavailable;
         };
-        let config = StoreConfig {
-            node_id: SERVICE_NODE_ID.into(),
-            limits: Limits::default(),
+        let counts = match log {
+            Log::Store => {
+                let config = StoreConfig {
+                    node_id: SERVICE_NODE_ID.into(),
+                    limits: Limits::default(),
+                };
+                StateMachine::snapshot_decode(&snapshot.state, config)
+                    .map(|machine| vec![("keys", machine.keyspace().len())])
+                    .map_err(|e| e.to_string())
+            }
+            Log::Sessions => session_view::snapshot_counts(&snapshot.state),
         };
-        match StateMachine::snapshot_decode(&snapshot.state, config) {
-            Ok(machine) => SnapshotFacts::Keys(machine.keyspace().len()),
+        match counts {
+            Ok(counts) => SnapshotFacts::Counts(counts),
             Err(e) => SnapshotFacts::Undecodable(format!(
                 "the snapshot state does not decode ({e}); the server will refuse to start"
             )),
@@ -309,7 +400,12 @@ fn write_report(out: &mut impl Write, report: &Report, snapshot: &SnapshotFacts)
                 s.last_index, s.last_term, s.state_bytes
             )?;
             match facts {
-                SnapshotFacts::Keys(n) => writeln!(out, ", {n} keys")?,
+                SnapshotFacts::Counts(counts) => {
+                    for (what, n) in counts {
+                        write!(out, ", {n} {what}")?;
+                    }
+                    writeln!(out)?;
+                }
                 SnapshotFacts::Undecodable(e) => writeln!(out, "; {e}")?,
                 SnapshotFacts::Unavailable => writeln!(out)?,
             }
@@ -385,15 +481,19 @@ fn report_json(report: &Report, snapshot: &SnapshotFacts) -> Value {
         })
         .collect();
     let snapshot_json = report.snapshot.map(|s| {
-        let (keys, error) = match snapshot {
-            SnapshotFacts::Keys(n) => (Some(*n), None),
-            SnapshotFacts::Undecodable(e) => (None, Some(e.clone())),
-            SnapshotFacts::Unavailable => (None, None),
-        };
-        json!({
+        let mut doc = json!({
             "last_index": s.last_index, "last_term": s.last_term, "state_bytes": s.state_bytes,
-            "keys": keys, "error": error,
-        })
+        });
+        match snapshot {
+            SnapshotFacts::Counts(counts) => {
+                for (what, n) in counts {
+                    doc[what.replace(' ', "_")] = json!(n);
+                }
+            }
+            SnapshotFacts::Undecodable(e) => doc["error"] = json!(e),
+            SnapshotFacts::Unavailable => {}
+        }
+        doc
     });
     let metadata_json = report.metadata.as_ref().map(|m| {
         json!({
@@ -414,9 +514,9 @@ fn report_json(report: &Report, snapshot: &SnapshotFacts) -> Value {
 // verify
 // ---------------------------------------------------------------------------------------------
 
-/// Damage in a directory, as the server's start-up would see it: the first finding only.
-fn find_damage(dir: &Path) -> Result<Option<String>, DataError> {
-    let report = match tools::verify(dir) {
+/// Damage in one log, as the server's start-up would see it: the first finding only.
+fn find_damage(log: Log, log_dir: &Path) -> Result<Option<String>, DataError> {
+    let report = match tools::verify(log_dir) {
         Ok(report) => report,
         Err(e @ (WalError::Corrupt { .. } | WalError::Gap { .. })) => {
             return Ok(Some(e.to_string()))
@@ -425,25 +525,25 @@ fn find_damage(dir: &Path) -> Result<Option<String>, DataError> {
     };
     debug_assert!(report.problems.is_empty(), "verify passed with problems");
     // Framing is intact; the server also decodes every record and the snapshot state.
-    if let SnapshotFacts::Undecodable(e) = SnapshotFacts::read(dir) {
+    if let SnapshotFacts::Undecodable(e) = SnapshotFacts::read(log, log_dir) {
         return Ok(Some(format!(
             "{}: {e}; restore it from a backup",
-            DataDir::new(dir).snapshot_path().display()
+            DataDir::new(log_dir).snapshot_path().display()
         )));
     }
-    let decoded = tools::inspect(dir, &|data: &[u8]| match Delta::decode(data) {
-        Ok(_) => String::new(),
-        Err(e) => e.to_string(),
+    let decoded = tools::inspect(log_dir, &|data: &[u8]| {
+        log.decode_error(data).unwrap_or_default()
     })?;
     for segment in &decoded.segments {
         if let Some(bad) = segment.records.iter().find(|r| !r.summary.is_empty()) {
             return Ok(Some(format!(
-                "{}: record lsn {} at byte offset {} has a valid checksum but does not decode as a \
-                 state change ({}); this is a bug in the writer: keep a copy of the directory, report it, \
+                "{}: record lsn {} at byte offset {} has a valid checksum but does not decode as {} \
+                 ({}); this is a bug in the writer: keep a copy of the directory, report it, \
                  then run `mqstate data repair` to cut the log before it",
                 segment.path.display(),
                 bad.lsn,
                 bad.offset,
+                log.what_a_record_is(),
                 bad.summary
             )));
         }
@@ -451,81 +551,112 @@ fn find_damage(dir: &Path) -> Result<Option<String>, DataError> {
     Ok(None)
 }
 
+/// Checks every log of the directory; exit 1 if any is damaged.
 fn verify(dir: &Path) -> Result<ExitCode, DataError> {
     existing_dir(dir)?;
-    match find_damage(dir)? {
-        Some(damage) => {
-            eprintln!("mqstate data verify: {}: DAMAGED: {damage}", dir.display());
-            Ok(ExitCode::from(EXIT_DAMAGED))
-        }
-        None => {
-            let torn = tools::inspect(dir, &|_| String::new())?.torn_tail;
-            let mut out = io::stdout().lock();
-            writeln!(out, "{}: clean", dir.display())?;
-            if let Some(torn) = torn {
-                writeln!(
-                    out,
-                    "note: torn last record (never acknowledged), cut off at the next start: {torn}"
-                )?;
+    let mut damaged = false;
+    for log in Log::present(dir) {
+        let log_dir = log.dir(dir);
+        match find_damage(log, &log_dir)? {
+            Some(damage) => {
+                damaged = true;
+                eprintln!(
+                    "mqstate data verify: {} {}: DAMAGED: {damage}",
+                    log.name(),
+                    log_dir.display()
+                );
             }
-            Ok(ExitCode::SUCCESS)
+            None => {
+                let torn = tools::inspect(&log_dir, &|_| String::new())?.torn_tail;
+                let mut out = io::stdout().lock();
+                writeln!(out, "{} {}: clean", log.name(), log_dir.display())?;
+                if let Some(torn) = torn {
+                    writeln!(
+                        out,
+                        "note: torn last record (never acknowledged), cut off at the next start: {torn}"
+                    )?;
+                }
+            }
         }
     }
+    Ok(ExitCode::from(if damaged { EXIT_DAMAGED } else { 0 }))
 }
 
 // ---------------------------------------------------------------------------------------------
 // repair
 // ---------------------------------------------------------------------------------------------
 
+/// Repairs every damaged log of the directory, after one confirmation for all of them.
 fn repair(dir: &Path, yes: bool) -> Result<ExitCode, DataError> {
     existing_dir(dir)?;
-    let damage = match find_damage(dir)? {
-        Some(damage) => damage,
-        None => match tools::inspect(dir, &|_| String::new())?.torn_tail {
+    let mut damaged = Vec::new();
+    // Held until the end: a server must not open the logs while they are judged and cut.
+    let mut _locks = Vec::new();
+    for log in Log::present(dir) {
+        let log_dir = log.dir(dir);
+        _locks.push(DataDir::new(&log_dir).lock()?);
+        let damage = match find_damage(log, &log_dir)? {
+            Some(damage) => damage,
             // The server would cut a torn tail by itself; repairing it here is harmless.
-            Some(torn) => torn,
-            None => {
-                println!("{}: clean; nothing to repair", dir.display());
-                return Ok(ExitCode::SUCCESS);
-            }
-        },
-    };
-    eprintln!("found: {damage}");
+            None => match tools::inspect(&log_dir, &|_| String::new())?.torn_tail {
+                Some(torn) => torn,
+                None => {
+                    println!(
+                        "{} {}: clean; nothing to repair",
+                        log.name(),
+                        log_dir.display()
+                    );
+                    continue;
+                }
+            },
+        };
+        eprintln!("found in the {}: {damage}", log.name());
+        damaged.push((log, log_dir));
+    }
+    if damaged.is_empty() {
+        return Ok(ExitCode::SUCCESS);
+    }
     eprintln!(
-        "repair keeps every record before the first damage and deletes everything after it \
-         (later segments included)"
+        "repair keeps every record before the first damage of each log and deletes everything \
+         after it (later segments included)"
     );
     if !yes {
         confirm()?;
     }
-    let report = match tools::repair(dir) {
-        Ok(report) => report,
-        Err(e @ (WalError::Corrupt { .. } | WalError::Gap { .. })) => {
-            eprintln!(
-                "mqstate data repair: repair only cuts the log and cannot fix this: {e}; restore \
-                 the named file from a backup"
-            );
-            return Ok(ExitCode::from(EXIT_DAMAGED));
-        }
-        Err(e) => return Err(e.into()),
-    };
-    print_repair(&report)?;
-    match find_damage(dir)? {
-        None => {
-            println!(
-                "{}: repaired; `mqstate serve` can start on it",
-                dir.display()
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        Some(left) => {
-            eprintln!(
-                "mqstate data repair: damage remains that repair cannot fix: {left}; restore the \
-                 named file from a backup"
-            );
-            Ok(ExitCode::from(EXIT_DAMAGED))
+    let mut left_damaged = false;
+    for (log, log_dir) in damaged {
+        println!("{} {}:", log.name(), log_dir.display());
+        let report = match tools::repair(&log_dir) {
+            Ok(report) => report,
+            Err(e @ (WalError::Corrupt { .. } | WalError::Gap { .. })) => {
+                eprintln!(
+                    "mqstate data repair: {}: repair only cuts the log and cannot fix this: {e}; \
+                     restore the named file from a backup",
+                    log.name()
+                );
+                left_damaged = true;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        print_repair(&report)?;
+        match find_damage(log, &log_dir)? {
+            None => println!(
+                "{} {}: repaired; `mqstate serve` can start on it",
+                log.name(),
+                log_dir.display()
+            ),
+            Some(left) => {
+                eprintln!(
+                    "mqstate data repair: {}: damage remains that repair cannot fix: {left}; \
+                     restore the named file from a backup",
+                    log.name()
+                );
+                left_damaged = true;
+            }
         }
     }
+    Ok(ExitCode::from(if left_damaged { EXIT_DAMAGED } else { 0 }))
 }
 
 fn confirm() -> Result<(), DataError> {

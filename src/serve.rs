@@ -10,9 +10,12 @@ use anyhow::Context;
 use mqstate_broker::tls::{ClientAuth, IdentitySource, Tls, TlsFiles};
 use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
+use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, Durability, ServiceConfig};
 use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
-use mqstate_wal::{Failpoints, FsyncPolicy, Wal, WalOptions, WalWriter};
+use mqstate_wal::{
+    write_metadata, DataDir, Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter,
+};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
@@ -55,7 +58,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         None => None,
     };
 
-    let (machine, wal, next_lsn) = recover(&settings)?;
+    let (machine, wal, next_lsn, metadata) = recover(&settings)?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
     let policy = crate::auth::load(&settings)?;
@@ -69,10 +72,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         .security(policy.security)
         .journal(session_log.clone())
         .build();
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let report = broker.restore(restored, now_ms);
+    let report = broker.restore(restored, unix_now_ms());
     tracing::info!(
         sessions = report.sessions,
         messages = report.messages,
@@ -151,6 +151,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             machine,
             wal: Arc::clone(&wal),
             next_lsn,
+            metadata,
         },
         service_config,
         wait_for(shutdown_rx.clone()),
@@ -301,9 +302,11 @@ async fn reload_tls(
     }
 }
 
-/// Opens the data directory and rebuilds the state machine from the snapshot and the log after it.
-/// Returns the state, the log, and the LSN the next record will get.
-fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
+/// Opens the data directory and rebuilds the state machine from the snapshot and the log after it,
+/// with its clock resumed at the ceiling in the metadata file (no timestamp handed out before the
+/// restart is handed out again). Returns the state, the log, the LSN the next record will get and
+/// the metadata.
+fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metadata)> {
     let started = Instant::now();
     let (wal, recovered) = Wal::open(&settings.data_dir, wal_options(settings, "statestore"))
         .with_context(|| {
@@ -355,7 +358,33 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64)> {
         elapsed_ms = elapsed.as_millis() as u64,
         "state recovered"
     );
-    Ok((machine, wal, next_lsn))
+    // Resume at the old ceiling (above everything handed out before) and persist a new one above
+    // it before anything is handed out. Failpoints stand for crashes of a serving process, not of
+    // this step: a crash here leaves the old file, and nothing was handed out.
+    machine.observe_clock(&Hlc::new(
+        recovered.metadata.hlc_high_water_ms,
+        0,
+        SERVICE_NODE_ID.into(),
+    ));
+    let metadata = Metadata {
+        hlc_high_water_ms: service::next_clock_ceiling(
+            machine.clock().high_water().wall_ms,
+            unix_now_ms(),
+        ),
+        ..recovered.metadata
+    };
+    write_metadata(
+        &DataDir::new(&settings.data_dir),
+        &metadata,
+        &Failpoints::default(),
+    )
+    .with_context(|| {
+        format!(
+            "cannot record the clock ceiling in {}",
+            settings.data_dir.display()
+        )
+    })?;
+    Ok((machine, wal, next_lsn, metadata))
 }
 
 /// Options of both logs (state store and sessions).
@@ -464,4 +493,10 @@ fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
         LogFormat::Json => builder.json().try_init(),
     };
     result.map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
+}
+
+fn unix_now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

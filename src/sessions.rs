@@ -7,10 +7,15 @@
 //! appender writes a snapshot: it appends an empty checkpoint record, takes the broker's image, and
 //! installs the image as a snapshot at the checkpoint's LSN. Changes made while the image is taken
 //! land after the checkpoint and replay harmlessly over it (`mqstate_broker::persist`).
+//!
+//! A failed write (disk full, I/O error) puts the log in its failed state: it refuses records
+//! (their callers get the error, so nothing unpersisted is acknowledged) until a retry cuts it back
+//! to its last good record. The appender owns that recovery: told of a failure, it retries at once
+//! and then every [`RETRY_INTERVAL`] until the disk works again, whether or not records arrive.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
@@ -22,7 +27,7 @@ use tokio::task::JoinHandle;
 
 /// Directory of the session log under the data directory.
 pub const SESSIONS_DIR: &str = "sessions";
-/// A failed log is asked to recover at most this often.
+/// How often a failed log is asked to recover.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 enum Command {
@@ -30,8 +35,8 @@ enum Command {
         data: Bytes,
         done: oneshot::Sender<Result<PendingCommit, WalError>>,
     },
-    /// A commit failed: cut the log back so that later records can be written.
-    Retry,
+    /// A commit failed: the log refuses records until a retry succeeds.
+    Failed,
     /// Flush and stop; answers when everything before it is durable.
     Close { done: oneshot::Sender<()> },
 }
@@ -44,6 +49,8 @@ pub struct SessionLog {
 /// The appender side, started once the broker exists ([`Appender::run`]).
 pub struct Appender {
     rx: mpsc::UnboundedReceiver<Command>,
+    /// For the snapshot task to report a failed checkpoint (weak: it must not keep the log open).
+    tx: mpsc::WeakUnboundedSender<Command>,
     wal: WalWriter,
     snapshot_threshold_bytes: u64,
     logged_since_snapshot: u64,
@@ -69,7 +76,7 @@ pub fn recover(
             format!(
                 "the session snapshot in {} does not decode; run `mqstate data verify {}`",
                 path.display(),
-                path.display()
+                data_dir.display()
             )
         })?;
         for change in image {
@@ -80,9 +87,12 @@ pub fn recover(
     for entry in &recovered.records {
         let changes = decode_changes(&entry.data).with_context(|| {
             format!(
-                "session log record {} in {} does not decode",
+                "session log record {} in {} does not decode; run `mqstate data verify {}`, then \
+                 `mqstate data repair {}` to cut the session log before it",
                 entry.lsn,
-                path.display()
+                path.display(),
+                data_dir.display(),
+                data_dir.display()
             )
         })?;
         for change in changes {
@@ -94,6 +104,7 @@ pub fn recover(
     let (tx, rx) = mpsc::unbounded_channel();
     let appender = Appender {
         rx,
+        tx: tx.downgrade(),
         wal,
         snapshot_threshold_bytes,
         logged_since_snapshot: logged,
@@ -135,7 +146,7 @@ impl SessionJournal for SessionLog {
                 Err(error) => Err(error),
             };
             result.map(drop).map_err(|error| {
-                let _ = tx.send(Command::Retry);
+                let _ = tx.send(Command::Failed);
                 JournalError(error.to_string())
             })
         })
@@ -143,12 +154,22 @@ impl SessionJournal for SessionLog {
 }
 
 impl Appender {
-    /// Appends records in order until the log is closed; snapshots `broker` as the log grows.
+    /// Appends records in order until the log is closed; snapshots `broker` as the log grows, and
+    /// brings the log back after a failed write.
     pub async fn run(mut self, broker: Broker) {
         let wal = Arc::new(self.wal);
         let mut snapshot: Option<JoinHandle<()>> = None;
-        let mut last_retry: Option<Instant> = None;
-        while let Some(command) = self.rx.recv().await {
+        // While the log is failed: when to ask it to recover next.
+        let mut retry_at: Option<tokio::time::Instant> = None;
+        loop {
+            let command = tokio::select! {
+                command = self.rx.recv() => command,
+                () = sleep_until(retry_at), if retry_at.is_some() => {
+                    retry_at = retry(&wal).await;
+                    continue;
+                }
+            };
+            let Some(command) = command else { break };
             match command {
                 Command::Append { data, done } => {
                     self.logged_since_snapshot += data.len() as u64;
@@ -156,17 +177,13 @@ impl Appender {
                     let idle = snapshot.as_ref().is_none_or(JoinHandle::is_finished);
                     if idle && self.logged_since_snapshot >= self.snapshot_threshold_bytes {
                         self.logged_since_snapshot = 0;
-                        snapshot = start_snapshot(&wal, &broker).await;
+                        snapshot = start_snapshot(&wal, &broker, self.tx.clone()).await;
                     }
                 }
-                Command::Retry => {
-                    if last_retry.is_none_or(|at| at.elapsed() >= RETRY_INTERVAL) {
-                        last_retry = Some(Instant::now());
-                        if let Err(error) = wal.retry().await {
-                            tracing::error!(%error, "the session log cannot recover yet");
-                        }
-                    }
-                }
+                // Records queued behind the failed one are refused by the log in order, so
+                // retrying right away cannot let a later record in before an earlier failed one.
+                Command::Failed if retry_at.is_none() => retry_at = retry(&wal).await,
+                Command::Failed => {}
                 Command::Close { done } => {
                     if let Some(running) = snapshot.take() {
                         let _ = running.await;
@@ -187,9 +204,30 @@ impl Appender {
     }
 }
 
+/// Asks the failed log to recover; returns when to try again if it cannot yet.
+async fn retry(wal: &WalWriter) -> Option<tokio::time::Instant> {
+    match wal.retry().await {
+        Ok(()) => None,
+        Err(error) => {
+            tracing::error!(%error, "the session log refuses records until the disk works again");
+            Some(tokio::time::Instant::now() + RETRY_INTERVAL)
+        }
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at).await;
+    }
+}
+
 /// Appends a checkpoint, takes the broker's image and installs it as a snapshot at the checkpoint
 /// in the background (appends go on meanwhile).
-async fn start_snapshot(wal: &Arc<WalWriter>, broker: &Broker) -> Option<JoinHandle<()>> {
+async fn start_snapshot(
+    wal: &Arc<WalWriter>,
+    broker: &Broker,
+    failed: mpsc::WeakUnboundedSender<Command>,
+) -> Option<JoinHandle<()>> {
     let checkpoint = match wal.append(0, encode_changes(&[])).await {
         Ok(pending) => pending,
         Err(error) => {
@@ -217,7 +255,72 @@ async fn start_snapshot(wal: &Arc<WalWriter>, broker: &Broker) -> Option<JoinHan
         .await;
         match result {
             Ok(last_index) => tracing::info!(last_index, changes, "session log snapshot written"),
-            Err(error) => tracing::error!(%error, "session log snapshot failed"),
+            Err(error) => {
+                tracing::error!(%error, "session log snapshot failed");
+                if let Some(tx) = failed.upgrade() {
+                    let _ = tx.send(Command::Failed);
+                }
+            }
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use mqstate_broker::BrokerConfig;
+    use mqstate_wal::failpoint::AFTER_WRITE_BEFORE_FSYNC;
+    use mqstate_wal::{FailAction, Failpoints};
+
+    use super::*;
+
+    /// A log whose fsyncs fail while `failing` is set.
+    fn failing_options(failing: &Arc<AtomicBool>) -> WalOptions {
+        let failing = Arc::clone(failing);
+        WalOptions {
+            failpoints: Failpoints::with_hook(move |name| {
+                if name == AFTER_WRITE_BEFORE_FSYNC && failing.load(Ordering::SeqCst) {
+                    FailAction::Error
+                } else {
+                    FailAction::Continue
+                }
+            }),
+            ..WalOptions::default()
+        }
+    }
+
+    fn created(client_id: &str) -> SessionChange {
+        SessionChange::Created {
+            client_id: client_id.into(),
+            expiry_secs: 60,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn recovers_after_a_failed_write_and_keeps_only_what_it_acknowledged() {
+        let dir = tempfile::tempdir().unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        let (_, log, appender) = recover(dir.path(), failing_options(&failing), u64::MAX).unwrap();
+        let broker = Broker::builder(BrokerConfig::default()).build();
+        let running = tokio::spawn(appender.run(broker));
+
+        log.record(vec![created("before")]).await.unwrap();
+        failing.store(true, Ordering::SeqCst);
+        assert!(log.record(vec![created("lost-1")]).await.is_err());
+        // Still failing: the appender's own retries fail too and nothing is acknowledged.
+        tokio::time::sleep(RETRY_INTERVAL * 2).await;
+        assert!(log.record(vec![created("lost-2")]).await.is_err());
+        tokio::time::sleep(RETRY_INTERVAL / 4).await;
+        failing.store(false, Ordering::SeqCst);
+        // The disk works again: the log recovers without further failed records driving it.
+        tokio::time::sleep(RETRY_INTERVAL * 2).await;
+        log.record(vec![created("after")]).await.unwrap();
+        log.close().await;
+        running.await.unwrap();
+
+        let (restored, _, _) = recover(dir.path(), WalOptions::default(), u64::MAX).unwrap();
+        let ids: Vec<&str> = restored.sessions.keys().map(|id| &**id).collect();
+        assert_eq!(ids, ["after", "before"]);
+    }
 }

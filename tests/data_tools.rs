@@ -1,6 +1,7 @@
 //! `mqstate data inspect|verify|repair` against data written by a real server: what inspect shows,
 //! that verify and the server's start-up agree on damage (file and offset), that repair keeps what
-//! came before the damage, and that a torn tail is cut by the server on its own.
+//! came before the damage, and that a torn tail is cut by the server on its own — for the state
+//! store's log and for the session log in `<data-dir>/sessions/`.
 
 mod common;
 
@@ -9,122 +10,20 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::{AsyncClient, Event, MqttOptions};
-use tokio::sync::{mpsc, oneshot};
 
+use common::mqtt::Client;
+use common::state::{bulk, StateClient, NIL, OK, WAIT};
 use common::Server;
 
-const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
-/// Hang guard for every wait in this file, not a performance claim.
-const WAIT: Duration = Duration::from_secs(30);
 /// Bytes before a record's data: marker, term, checksum, length (storage-format.md).
 const RECORD_HEADER_BYTES: u64 = 4 + 8 + 4 + 4;
-const OK: &[u8] = b"+OK\r\n";
-const NIL: &[u8] = b"$-1\r\n";
 
 // ---------------------------------------------------------------------------------------------
-// A raw MQTT 5 state-store client
+// Writing and reading keys
 // ---------------------------------------------------------------------------------------------
-
-/// The GET reply payload for `value`.
-fn bulk(value: &[u8]) -> bytes::Bytes {
-    mqstate_protocol::Reply::Bulk(bytes::Bytes::copy_from_slice(value)).encode()
-}
-
-fn hlc_now() -> String {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis();
-    format!("{ms:015}:{:05}:test", 0)
-}
-
-struct StateClient {
-    client: AsyncClient,
-    replies: mpsc::UnboundedReceiver<Publish>,
-    response_topic: String,
-    next_correlation: u64,
-}
-
-impl StateClient {
-    async fn connect(addr: SocketAddr, id: &str) -> StateClient {
-        let mut options = MqttOptions::new(id, addr.ip().to_string(), addr.port());
-        options.set_keep_alive(Duration::from_secs(30));
-        let (client, mut eventloop) = AsyncClient::new(options, 64);
-        let (tx, replies) = mpsc::unbounded_channel();
-        let (subscribed_tx, subscribed_rx) = oneshot::channel();
-        tokio::spawn(async move {
-            let mut subscribed = Some(subscribed_tx);
-            loop {
-                match eventloop.poll().await {
-                    Ok(Event::Incoming(Packet::SubAck(_))) => {
-                        if let Some(s) = subscribed.take() {
-                            let _ = s.send(());
-                        }
-                    }
-                    Ok(Event::Incoming(Packet::Publish(p))) => {
-                        let _ = tx.send(p);
-                    }
-                    Ok(_) => {}
-                    // The server is gone: stop here rather than let rumqttc reconnect.
-                    Err(_) => return,
-                }
-            }
-        });
-        let response_topic = format!("clients/{id}/statestore/response");
-        client
-            .subscribe(response_topic.clone(), QoS::AtLeastOnce)
-            .await
-            .unwrap();
-        tokio::time::timeout(WAIT, subscribed_rx)
-            .await
-            .expect("SUBACK in time")
-            .expect("connection alive until SUBACK");
-        StateClient {
-            client,
-            replies,
-            response_topic,
-            next_correlation: 0,
-        }
-    }
-
-    /// One request; returns the reply payload.
-    async fn request(&mut self, args: &[&[u8]]) -> Bytes {
-        self.next_correlation += 1;
-        let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
-        let properties = PublishProperties {
-            response_topic: Some(self.response_topic.clone()),
-            correlation_data: Some(correlation.clone()),
-            user_properties: vec![("__ts".to_owned(), hlc_now())],
-            ..PublishProperties::default()
-        };
-        self.client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                mqstate_protocol::encode_request(args),
-                properties,
-            )
-            .await
-            .unwrap();
-        loop {
-            let publish = tokio::time::timeout(WAIT, self.replies.recv())
-                .await
-                .expect("reply in time")
-                .expect("connection alive until the reply");
-            let props = publish.properties.clone().unwrap_or_default();
-            if props.correlation_data.as_ref() == Some(&correlation) {
-                return publish.payload;
-            }
-        }
-    }
-}
 
 async fn set_keys(addr: SocketAddr, keys: &[(String, String)]) {
     let mut client = StateClient::connect(addr, "writer").await;
@@ -425,4 +324,185 @@ fn torn_tail_is_cut_at_start_and_earlier_records_survive() {
         Some(0),
         "clean after the server cut the tail"
     );
+}
+
+/// The session log's records as `inspect --json` lists them: segment, offset and change ops.
+fn inspect_session_json(dir: &Path) -> Vec<(PathBuf, u64, Vec<String>)> {
+    let out = data_tool(&["inspect", "--json"], dir);
+    assert!(out.status.success(), "inspect: {}", text(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut records = Vec::new();
+    for segment in doc["sessions"]["segments"]
+        .as_array()
+        .expect("a session log")
+    {
+        let path = PathBuf::from(segment["path"].as_str().unwrap());
+        for r in segment["records"].as_array().unwrap() {
+            let ops = r["delta"]
+                .as_array()
+                .unwrap_or_else(|| panic!("a decoded change list: {r}"))
+                .iter()
+                .map(|c| c["op"].as_str().unwrap().to_owned())
+                .collect();
+            records.push((path.clone(), r["offset"].as_u64().unwrap(), ops));
+        }
+    }
+    records
+}
+
+#[test]
+fn session_log_is_inspected_verified_and_repaired_by_name() {
+    const TOPIC: &str = "tools/sessions";
+    let mut server = Server::start();
+    runtime().block_on(async {
+        let mut subscriber = Client::connect(server.addr, "tools-sub", true).await;
+        subscriber.subscribe(TOPIC).await;
+        subscriber.client.disconnect().await.unwrap();
+        let mut publisher = Client::connect(server.addr, "tools-pub", false).await;
+        for payload in ["m1", "m2", "m3"] {
+            publisher
+                .publish(TOPIC, Bytes::from_static(payload.as_bytes()))
+                .await;
+        }
+    });
+    assert!(server.stop().success(), "graceful stop");
+    let dir = server.data_dir().to_path_buf();
+
+    let out = data_tool(&["inspect"], &dir);
+    let shown = text(&out.stdout);
+    assert!(out.status.success(), "inspect: {}", text(&out.stderr));
+    assert!(shown.contains("session log: "), "{shown}");
+    assert!(
+        shown.contains(&format!(
+            "subscribed \"tools-sub\" filter \"{TOPIC}\" qos 1"
+        )),
+        "{shown}"
+    );
+    assert!(
+        shown.contains(&format!(
+            "appended \"tools-sub\" seq 1 topic \"{TOPIC}\" payload \"m2\""
+        )),
+        "inspect decodes the queued messages: {shown}"
+    );
+
+    let out = data_tool(&["verify"], &dir);
+    let said = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "verify: {}", text(&out.stderr));
+    assert!(
+        said.contains("state-store log") && said.contains("session log"),
+        "{said}"
+    );
+
+    // Damage the record of m2: m3's follows it intact, so this is corruption, not a torn tail.
+    let records = inspect_session_json(&dir);
+    let appended: Vec<_> = records
+        .iter()
+        .filter(|(_, _, ops)| ops == &["appended"])
+        .collect();
+    assert_eq!(
+        appended.len(),
+        3,
+        "one record per queued message: {records:?}"
+    );
+    let (path, offset, _) = appended[1].clone();
+    flip_byte(&path, offset + RECORD_HEADER_BYTES + 1);
+    let file_name = path.display().to_string();
+    let at_offset = format!("byte offset {offset}");
+
+    let out = data_tool(&["verify"], &dir);
+    let complaint = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "verify on damage: {complaint}");
+    assert!(
+        complaint.contains("session log"),
+        "names the log: {complaint}"
+    );
+    assert!(
+        complaint.contains(&file_name),
+        "names the file: {complaint}"
+    );
+    assert!(
+        complaint.contains(&at_offset),
+        "names the offset: {complaint}"
+    );
+    assert!(
+        text(&out.stdout).contains("state-store log"),
+        "the state-store log is still reported clean: {}",
+        text(&out.stdout)
+    );
+
+    let log = dir.with_file_name("refused.log");
+    let (mut child, _) = spawn_serve(&dir, &log);
+    let status = wait_exit(&mut child, "start on a corrupt session log");
+    assert!(
+        !status.success(),
+        "the server must refuse a corrupt session log"
+    );
+    let refusal = fs::read_to_string(&log).unwrap();
+    assert!(
+        refusal.contains(&file_name) && refusal.contains(&at_offset),
+        "start-up error names file and offset: {refusal}"
+    );
+
+    let out = data_tool(&["repair", "--yes"], &dir);
+    let said = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "repair: {said} {}",
+        text(&out.stderr)
+    );
+    assert!(
+        said.contains("session log") && said.contains(&format!("cut {file_name} at {at_offset}")),
+        "repair says which log and what it cut: {said}"
+    );
+    assert_eq!(data_tool(&["verify"], &dir).status.code(), Some(0));
+
+    server.restart();
+    runtime().block_on(async {
+        let mut subscriber = Client::connect(server.addr, "tools-sub", true).await;
+        assert_eq!(
+            subscriber.next_message().await,
+            "m1",
+            "kept: before the damage"
+        );
+        let mut publisher = Client::connect(server.addr, "tools-pub", false).await;
+        publisher.publish(TOPIC, Bytes::from_static(b"m4")).await;
+        assert_eq!(
+            subscriber.next_message().await,
+            "m4",
+            "m2 and m3 came after the damage and were dropped by the repair"
+        );
+    });
+}
+
+#[test]
+fn a_data_directory_in_use_refuses_a_second_server_and_repair() {
+    let server = Server::start();
+    let dir = server.data_dir().to_path_buf();
+
+    let log = dir.with_file_name("second.log");
+    let (mut second, _) = spawn_serve(&dir, &log);
+    let status = wait_exit(&mut second, "a second server on the same data directory");
+    assert!(!status.success(), "a second server must refuse to start");
+    let refusal = fs::read_to_string(&log).unwrap();
+    assert!(
+        refusal.contains("in use by another process")
+            && refusal.contains(&dir.display().to_string()),
+        "the refusal names the directory and why: {refusal}"
+    );
+
+    let out = data_tool(&["repair", "--yes"], &dir);
+    let complaint = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "repair while the server runs: {complaint}"
+    );
+    assert!(
+        complaint.contains("in use by another process"),
+        "{complaint}"
+    );
+
+    // The first server is untouched and keeps serving.
+    runtime().block_on(set_keys(server.addr, &numbered(1)));
 }

@@ -2,6 +2,9 @@
 //! with its own data directory, and stops it (gracefully or with SIGKILL) on demand.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod mqtt;
+pub mod state;
+
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,6 +18,7 @@ pub struct Server {
     pub addr: SocketAddr,
     data_dir: PathBuf,
     extra_args: Vec<String>,
+    env: Vec<(String, String)>,
     _temp: Option<tempfile::TempDir>,
 }
 
@@ -33,7 +37,26 @@ impl Server {
             addr: free_addr(),
             data_dir,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
             _temp: Some(temp),
+        };
+        server.spawn();
+        server
+    }
+
+    /// Starts a server on `data_dir` (which the caller owns) with extra `serve` flags and
+    /// environment variables.
+    pub fn start_in(data_dir: &Path, extra_args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut server = Server {
+            child: None,
+            addr: free_addr(),
+            data_dir: data_dir.to_path_buf(),
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            _temp: None,
         };
         server.spawn();
         server
@@ -60,6 +83,7 @@ impl Server {
             .arg("--data-dir")
             .arg(&self.data_dir)
             .args(&self.extra_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env(
                 "MQSTATE_LOG",
                 std::env::var("MQSTATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),

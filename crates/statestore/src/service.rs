@@ -21,7 +21,7 @@ use mqstate_broker::{
 };
 use mqstate_protocol::{parse_request, Command, ErrorKind, Reply, RequestLimits};
 use mqstate_store::{Delta, Execution, KeyNotification, RequestContext, StateMachine};
-use mqstate_wal::{PendingCommit, Snapshot, WalWriter};
+use mqstate_wal::{Metadata, PendingCommit, Snapshot, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
@@ -34,7 +34,10 @@ use crate::rate::RequestRates;
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
 /// Reason code of the DISCONNECT sent for a forbidden response topic (0x87 Not authorized).
 pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x87;
-/// PUBACK reason when a request could not be made durable (0x80 Unspecified error).
+/// PUBACK reason when a request could not be made durable and no reply can say so (0x80
+/// Unspecified error). A request with a response topic gets the `-ERR` reply and a successful
+/// PUBACK instead: the request was handled, and clients (rumqttc, the AIO SDK) drop or fail the
+/// exchange on a failed PUBACK before reading the reply (decision 0012).
 pub const PUBACK_UNSPECIFIED_ERROR: u8 = 0x80;
 /// `result` label of a write that could not be made durable.
 const NOT_DURABLE: &str = "not_durable";
@@ -135,6 +138,9 @@ pub struct Recovered {
     pub wal: Arc<WalWriter>,
     /// The LSN the next appended record will get.
     pub next_lsn: u64,
+    /// The log's metadata file, its `hlc_high_water_ms` (the clock ceiling) already above
+    /// `machine`'s clock.
+    pub metadata: Metadata,
 }
 
 /// Runs the service until `shutdown` resolves.
@@ -149,6 +155,7 @@ pub async fn run(
         machine,
         wal,
         next_lsn,
+        metadata,
     } = recovered;
     let (tx, rx) = mpsc::channel(COMPLETION_QUEUE_CAPACITY);
     let (failure_tx, failures) = mpsc::unbounded_channel();
@@ -179,6 +186,8 @@ pub async fn run(
         failures,
         degraded: None,
         rates,
+        metadata,
+        ceiling_failed_at: None,
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -205,6 +214,24 @@ struct Executor {
     /// Set while the log refuses writes; when the last attempt to recover was made.
     degraded: Option<Instant>,
     rates: RequestRates,
+    /// The metadata on disk. Its `hlc_high_water_ms` is the clock ceiling: every timestamp that
+    /// leaves the service has a wall time below it, so a restart that resumes the clock at the
+    /// ceiling never hands out an older one, whatever was deleted or the wall clock did.
+    metadata: Metadata,
+    /// When raising the ceiling last failed (disk full); it is retried at most once per
+    /// [`LOG_RETRY_INTERVAL`].
+    ceiling_failed_at: Option<Instant>,
+}
+
+/// How far ahead of the clock the ceiling is set: the metadata file is rewritten about once per
+/// this much clock advance (decision 0012).
+pub const CLOCK_CEILING_LEASE_MS: u64 = 10_000;
+
+/// The clock ceiling to persist when the clock's wall time reached `high_water_ms` at `now_ms`.
+pub fn next_clock_ceiling(high_water_ms: u64, now_ms: u64) -> u64 {
+    high_water_ms
+        .max(now_ms)
+        .saturating_add(CLOCK_CEILING_LEASE_MS)
 }
 
 /// How often a degraded log is asked to recover (disk space may have come back).
@@ -650,7 +677,39 @@ impl Executor {
         }
     }
 
-    async fn send(&self, outcome: Outcome) {
+    /// Keeps the clock ceiling above the clock: called before any outcome (which may carry a
+    /// timestamp) leaves the executor.
+    async fn raise_clock_ceiling(&mut self) {
+        let high_water_ms = self.machine.clock().high_water().wall_ms;
+        if high_water_ms < self.metadata.hlc_high_water_ms {
+            return;
+        }
+        if self
+            .ceiling_failed_at
+            .is_some_and(|at| at.elapsed() < LOG_RETRY_INTERVAL)
+        {
+            return;
+        }
+        let raised = Metadata {
+            hlc_high_water_ms: next_clock_ceiling(high_water_ms, unix_now_ms()),
+            ..self.metadata.clone()
+        };
+        match self.wal.write_metadata(raised.clone()).await {
+            Ok(()) => {
+                self.metadata = raised;
+                self.ceiling_failed_at = None;
+            }
+            Err(e) => {
+                // Replies go on (reads must survive a full disk); only a crash before the disk
+                // recovers, followed by a wall clock stepping back, could then reissue a timestamp.
+                tracing::error!("cannot raise the HLC ceiling in the metadata file: {e}");
+                self.ceiling_failed_at = Some(Instant::now());
+            }
+        }
+    }
+
+    async fn send(&mut self, outcome: Outcome) {
+        self.raise_clock_ceiling().await;
         if self.tx.send(outcome).await.is_err() {
             tracing::error!("state store completer stopped; outcome dropped");
         }
@@ -726,9 +785,12 @@ async fn complete(
                     Err(e) => {
                         tracing::error!("state store write not durable: {e}");
                         let _ = failures.send(());
-                        let failed = reply
-                            .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)));
-                        (failed, PUBACK_UNSPECIFIED_ERROR)
+                        match reply
+                            .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)))
+                        {
+                            Some(failed) => (Some(failed), 0x00),
+                            None => (None, PUBACK_UNSPECIFIED_ERROR),
+                        }
                     }
                 };
                 if let Some((client_id, correlation, message)) = reply {

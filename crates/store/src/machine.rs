@@ -362,6 +362,12 @@ impl StateMachine {
         expired
     }
 
+    /// Raises the clock to `seen` without issuing anything: a restart restores the persisted
+    /// high-water mark this way, so no timestamp handed out before it is handed out again.
+    pub fn observe_clock(&mut self, seen: &Hlc) {
+        self.clock.observe(seen);
+    }
+
     /// Applies a delta exactly as recorded (no conditions, quotas or notifications) and raises the
     /// clock to its version. Replaying a log of deltas on an empty state machine rebuilds the keyspace.
     pub fn apply_delta(&mut self, delta: &Delta) {

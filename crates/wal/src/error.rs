@@ -87,6 +87,9 @@ pub enum WalError {
     Failed { cause: String },
     #[error("the write-ahead log writer has stopped; restart the server")]
     Closed,
+    #[error("{} is in use by another process (it holds the lock on {}); stop that process first, \
+             or give this one another data directory", path.display(), crate::layout::LOCK_FILE)]
+    Locked { path: PathBuf },
 }
 
 impl WalError {

@@ -1,11 +1,15 @@
 //! Crash-test hooks: named points where a test or an operator can make the process abort (to
 //! test recovery) or an I/O call fail (to test the failed state).
 //!
-//! Armed from the environment with `MQSTATE_FAILPOINT=<name>` (aborts there) or in-process with
-//! [`Failpoints::with_hook`]. Disarmed, a check costs one `Option` test.
+//! Armed from the environment with `MQSTATE_FAILPOINT=<name>` (aborts there), with
+//! `MQSTATE_FAILPOINT=enospc:<marker file>` (every failpoint fails with "no space left on device"
+//! while the marker file exists: a disk that fills and frees on demand, for tests that cannot mount
+//! a small filesystem), or in-process with [`Failpoints::with_hook`]. Disarmed, a check costs one
+//! `Option` test.
 
 use std::fmt;
 use std::io;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// After a batch is written to the segment and before it is fsynced.
@@ -14,8 +18,11 @@ pub const AFTER_WRITE_BEFORE_FSYNC: &str = "after-write-before-fsync";
 pub const MID_SNAPSHOT: &str = "mid-snapshot";
 /// After a temp file (snapshot, metadata, segment) is fsynced, before it is renamed into place.
 pub const BEFORE_RENAME: &str = "before-rename";
-/// The environment variable that arms one failpoint to abort.
+/// The environment variable that arms one failpoint to abort (or all of them to fail, see
+/// [`ENOSPC_PREFIX`]).
 pub const FAILPOINT_ENV: &str = "MQSTATE_FAILPOINT";
+/// `MQSTATE_FAILPOINT=enospc:<path>`: the disk is "full" while `<path>` exists.
+pub const ENOSPC_PREFIX: &str = "enospc:";
 
 /// What an armed failpoint does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +32,8 @@ pub enum FailAction {
     Abort,
     /// The I/O call at this point fails with an injected error.
     Error,
+    /// The I/O call at this point fails as on a full disk (`ErrorKind::StorageFull`).
+    NoSpace,
 }
 
 type Hook = Arc<dyn Fn(&str) -> FailAction + Send + Sync>;
@@ -34,18 +43,35 @@ type Hook = Arc<dyn Fn(&str) -> FailAction + Send + Sync>;
 pub struct Failpoints(Option<Hook>);
 
 impl Failpoints {
-    /// Arms the failpoint named by `MQSTATE_FAILPOINT`, if set, to abort.
+    /// Arms what `MQSTATE_FAILPOINT` names, if set: one failpoint to abort, or with
+    /// [`ENOSPC_PREFIX`] every failpoint to fail while the marker file exists.
     pub fn from_env() -> Self {
-        match std::env::var(FAILPOINT_ENV) {
-            Ok(armed) if !armed.is_empty() => Self::with_hook(move |name| {
-                if name == armed {
-                    FailAction::Abort
+        std::env::var(FAILPOINT_ENV).map_or_else(|_| Self::default(), |spec| Self::parse(&spec))
+    }
+
+    /// The failpoints a `MQSTATE_FAILPOINT` value arms.
+    fn parse(spec: &str) -> Self {
+        if let Some(marker) = spec.strip_prefix(ENOSPC_PREFIX) {
+            let marker = PathBuf::from(marker);
+            return Self::with_hook(move |_| {
+                if marker.exists() {
+                    FailAction::NoSpace
                 } else {
                     FailAction::Continue
                 }
-            }),
-            _ => Self::default(),
+            });
         }
+        if spec.is_empty() {
+            return Self::default();
+        }
+        let armed = spec.to_owned();
+        Self::with_hook(move |name| {
+            if name == armed {
+                FailAction::Abort
+            } else {
+                FailAction::Continue
+            }
+        })
     }
 
     pub fn with_hook(hook: impl Fn(&str) -> FailAction + Send + Sync + 'static) -> Self {
@@ -63,6 +89,10 @@ impl Failpoints {
             FailAction::Error => Err(io::Error::other(format!(
                 "injected failure at failpoint {name}"
             ))),
+            FailAction::NoSpace => Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!("no space left on device (injected at failpoint {name})"),
+            )),
         }
     }
 }
@@ -74,5 +104,30 @@ impl fmt::Debug for Failpoints {
         } else {
             "Failpoints(none)"
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enospc_fails_every_point_while_the_marker_exists() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("full");
+        let failpoints = Failpoints::parse(&format!("{ENOSPC_PREFIX}{}", marker.display()));
+        assert!(failpoints.check(AFTER_WRITE_BEFORE_FSYNC).is_ok());
+        std::fs::write(&marker, b"").unwrap();
+        for name in [AFTER_WRITE_BEFORE_FSYNC, MID_SNAPSHOT, BEFORE_RENAME] {
+            let error = failpoints.check(name).unwrap_err();
+            assert_eq!(error.kind(), io::ErrorKind::StorageFull, "{name}");
+        }
+        std::fs::remove_file(&marker).unwrap();
+        assert!(failpoints.check(BEFORE_RENAME).is_ok());
+    }
+
+    #[test]
+    fn empty_spec_arms_nothing() {
+        assert!(Failpoints::parse("").0.is_none());
     }
 }

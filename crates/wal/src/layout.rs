@@ -1,7 +1,8 @@
 //! Where the files live under the data directory, and the file operations every format shares:
-//! optional reads (size 0 = absent), atomic replacement through `temp/`, directory fsync.
+//! optional reads (size 0 = absent), atomic replacement through `temp/`, directory fsync, and the
+//! lock that keeps a second process out of a directory in use.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
@@ -14,6 +15,13 @@ pub const LOG_DIR: &str = "log";
 pub const TEMP_DIR: &str = "temp";
 pub const SNAPSHOT_FILE: &str = "mqstate.snapshot";
 pub const METADATA_FILE: &str = "mqstate.metadata";
+pub const LOCK_FILE: &str = "LOCK";
+
+/// Proof that this process holds a data directory's lock ([`DataDir::lock`]).
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
 
 /// The data directory (`<data>/`), with `log/` and `temp/` below it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +52,30 @@ impl DataDir {
 
     pub fn metadata_path(&self) -> PathBuf {
         self.root.join(METADATA_FILE)
+    }
+
+    pub fn lock_path(&self) -> PathBuf {
+        self.root.join(LOCK_FILE)
+    }
+
+    /// Takes the exclusive lock on `<data>/LOCK` (an advisory `flock`), or fails with
+    /// [`WalError::Locked`] if another process holds it. Held until the [`DirLock`] is dropped; the
+    /// kernel drops it when the process ends, however it ends, so a crash leaves nothing to clean.
+    pub fn lock(&self) -> Result<DirLock, WalError> {
+        let path = self.lock_path();
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(WalError::io("open the lock file", &path))?;
+        match file.try_lock() {
+            Ok(()) => Ok(DirLock { _file: file }),
+            Err(TryLockError::WouldBlock) => Err(WalError::Locked {
+                path: self.root.clone(),
+            }),
+            Err(TryLockError::Error(e)) => Err(WalError::io("lock", &path)(e)),
+        }
     }
 
     pub fn segment_path(&self, first_lsn: Lsn) -> PathBuf {
@@ -115,4 +147,21 @@ pub(crate) fn replace_atomically(
     fs::rename(&temp, target).map_err(WalError::io("rename into place", target))?;
     let parent = target.parent().unwrap_or(dir.root());
     sync_dir(parent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_locked_directory_refuses_a_second_lock_until_released() {
+        let temp = tempfile::tempdir().unwrap();
+        let dir = DataDir::new(temp.path());
+        let held = dir.lock().unwrap();
+        let refused = dir.lock().unwrap_err();
+        assert!(matches!(refused, WalError::Locked { .. }), "{refused}");
+        assert!(refused.to_string().contains("in use"), "{refused}");
+        drop(held);
+        dir.lock().unwrap();
+    }
 }

@@ -41,7 +41,7 @@ pub type Term = u64;
 
 pub use error::{Damage, FormatError, WalError};
 pub use failpoint::{FailAction, Failpoints};
-pub use layout::DataDir;
+pub use layout::{DataDir, DirLock};
 pub use log::{delete_segments, Entry, Recovered, Wal};
 pub use metadata::{decode_metadata, encode_metadata, read_metadata, write_metadata, Metadata};
 pub use options::{FsyncPolicy, WalOptions};

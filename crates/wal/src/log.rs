@@ -12,7 +12,7 @@ use bytes::Bytes;
 
 use crate::error::WalError;
 use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC};
-use crate::layout::{replace_atomically, sync_dir, DataDir};
+use crate::layout::{replace_atomically, sync_dir, DataDir, DirLock};
 use crate::metadata::{read_metadata, write_metadata, Metadata};
 use crate::options::WalOptions;
 use crate::recovery::{check_log, cut_segment_at, load_segments, LoadedSegment};
@@ -81,17 +81,22 @@ pub struct Wal {
     closed: Vec<ClosedSegment>,
     active: ActiveSegment,
     failure: Option<Failure>,
+    /// Keeps other processes (a second server, `mqstate data repair`) out while the log is open.
+    _lock: DirLock,
 }
 
 impl Wal {
-    /// Opens (or creates) the data directory and recovers it: a torn last record is cut off,
-    /// anything else damaged is an error that names the file and offset.
+    /// Opens (or creates) the data directory, locks it against other processes
+    /// ([`WalError::Locked`]) and recovers it: a torn last record is cut off, anything else damaged
+    /// is an error that names the file and offset.
     pub fn open(
         dir: impl Into<PathBuf>,
         options: WalOptions,
     ) -> Result<(Wal, Recovered), WalError> {
         let dir = DataDir::new(dir);
         dir.create()?;
+        // Before anything is cleared or cut: those files may be another process's live ones.
+        let lock = dir.lock()?;
         dir.clear_temp()?;
         let metadata = match read_metadata(&dir)? {
             Some(metadata) => metadata,
@@ -164,6 +169,7 @@ impl Wal {
             closed,
             active,
             failure: None,
+            _lock: lock,
         };
         Ok((
             wal,

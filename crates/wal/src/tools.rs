@@ -162,6 +162,7 @@ pub struct RepairReport {
 /// Keeps the log up to its first damage and drops everything after it (cutting the damaged
 /// segment, deleting later ones). Snapshot and metadata damage is not repairable here: restore
 /// those files from a backup or another replica.
+/// The caller holds the directory's lock ([`DataDir::lock`]): a log a server has open must not be cut.
 pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport, WalError> {
     let data = DataDir::new(dir.as_ref());
     read_metadata(&data)?;

@@ -19,6 +19,7 @@ use crate::error::WalError;
 use crate::failpoint::Failpoints;
 use crate::layout::DataDir;
 use crate::log::{delete_segments, Wal};
+use crate::metadata::{write_metadata, Metadata};
 use crate::options::FsyncPolicy;
 use crate::snapshot::{write_snapshot, Snapshot};
 use crate::stats::WalStats;
@@ -151,6 +152,15 @@ impl WalWriter {
         let obsolete = rx.await.unwrap_or(Err(WalError::Closed))?;
         let dir = self.dir.clone();
         tokio::task::spawn_blocking(move || delete_segments(&dir, &obsolete))
+            .await
+            .map_err(|_| WalError::Closed)?
+    }
+
+    /// Replaces the metadata file (atomically, fsynced; on a blocking-pool thread). Callers write
+    /// one at a time: the file is replaced through one temp name.
+    pub async fn write_metadata(&self, metadata: Metadata) -> Result<(), WalError> {
+        let (dir, failpoints) = (self.dir.clone(), self.failpoints.clone());
+        tokio::task::spawn_blocking(move || write_metadata(&dir, &metadata, &failpoints))
             .await
             .map_err(|_| WalError::Closed)?
     }
