@@ -334,7 +334,7 @@ pub struct Settings {
     pub session_expiry_max: Option<u32>,
 
     /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes. Default 64 MiB.
-    #[arg(long, env = "MQSTATE_SNAPSHOT_THRESHOLD", value_name = "BYTES")]
+    #[arg(long, env = "MQSTATE_SNAPSHOT_THRESHOLD_BYTES", value_name = "BYTES")]
     pub snapshot_threshold_bytes: Option<u64>,
 
     /// State store: maximum number of keys. Default 10,000,000.
