@@ -56,6 +56,19 @@ impl Writer {
         self.buffer("HLC node id", hlc.node_id.as_bytes())
     }
 
+    /// Overwrites the wall time and counter of an HLC written at `at` (its node id stays).
+    pub(crate) fn patch_hlc_time(&mut self, at: usize, hlc: &Hlc) {
+        let wall = i64::try_from(hlc.wall_ms).unwrap_or(i64::MAX);
+        let counter = i32::try_from(hlc.counter).unwrap_or(i32::MAX);
+        self.buf[at..at + 8].copy_from_slice(&wall.to_be_bytes());
+        self.buf[at + 8..at + 12].copy_from_slice(&counter.to_be_bytes());
+    }
+
+    /// Overwrites an `Int32` written at `at`.
+    pub(crate) fn patch_i32(&mut self, at: usize, value: i32) {
+        self.buf[at..at + 4].copy_from_slice(&value.to_be_bytes());
+    }
+
     pub(crate) fn nullable_hlc(&mut self, hlc: Option<&Hlc>) -> Result<(), StoreError> {
         self.bool(hlc.is_some());
         hlc.map_or(Ok(()), |h| self.hlc(h))

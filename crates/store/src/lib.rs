@@ -8,7 +8,8 @@
 //!   durable and the [`KeyNotification`]s to publish. Also `expire_due`, `next_deadline`,
 //!   `drop_client` and `apply_delta`.
 //! * [`delta`] — [`Delta`] (put / delete) and its binary form (`storage-format.md` conventions).
-//! * [`snapshot`] — `StateMachine::snapshot_encode` / `snapshot_decode`.
+//! * [`snapshot`] — [`SnapshotEncoder`] (chunk by chunk, while the machine changes),
+//!   `StateMachine::snapshot_encode` (in one go) / `snapshot_decode`.
 //! * [`keyspace`] — [`Keyspace`] and [`Entry`], with the `(deadline, key)` expiry index.
 //! * [`limits`] — [`Limits`], every bound with its default.
 //! * [`error`] — [`StoreError`] (configuration and codec failures; command errors are replies).
@@ -33,3 +34,4 @@ pub use limits::Limits;
 pub use machine::{
     Execution, Expiration, KeyNotification, RequestContext, StateMachine, StoreConfig,
 };
+pub use snapshot::{Progress, SnapshotEncoder};

@@ -6,6 +6,14 @@
 //! entry = key Buffer | value Buffer | version HLC | fencing token Nullable<HLC> | expires at Nullable<Int64>
 //! ```
 //! The result is the `state` Buffer of the snapshot file; its framing and checksum belong to the WAL.
+//!
+//! [`SnapshotEncoder`] encodes in chunks so a large keyspace never stops the caller for long: the state
+//! machine may change between chunks. Such a *fuzzy* snapshot is exact once the deltas applied after
+//! it was started are replayed on it: each delta assigns a key's whole entry (or removes it), so
+//! replaying one the snapshot already reflects changes nothing, and the last delta of each key wins
+//! (decision 0014). The count and the high-water mark are written last, into the header.
+
+use bytes::Bytes;
 
 use crate::codec::{Reader, Writer};
 use crate::error::StoreError;
@@ -19,27 +27,118 @@ pub const SNAPSHOT_VERSION: i32 = 1;
 
 const CONTEXT: &str = "key-value snapshot";
 
-impl StateMachine {
-    /// Encodes the keyspace and the clock's high-water mark.
-    pub fn snapshot_encode(&self) -> Result<Vec<u8>, StoreError> {
-        let mut w = Writer::default();
+/// Encoded bytes per key besides key and value (lengths, version, token, expiry; node ids of a few
+/// bytes), to size the buffer once: growing a buffer of hundreds of megabytes by doubling would copy
+/// it on the encoding thread.
+const ENTRY_OVERHEAD_ESTIMATE: usize = 48;
+
+/// Whether [`SnapshotEncoder::step`] reached the end of the keyspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Keys after the cursor remain.
+    Continue,
+    /// Every key has been encoded; call [`SnapshotEncoder::finish`].
+    Done,
+}
+
+/// A snapshot being encoded chunk by chunk, in key order, from a cursor.
+pub struct SnapshotEncoder {
+    w: Writer,
+    /// Where the high-water HLC's wall time and counter are patched in at the end.
+    high_water_at: usize,
+    count_at: usize,
+    count: usize,
+    /// The last key encoded: the next chunk starts after it.
+    cursor: Option<Bytes>,
+}
+
+impl SnapshotEncoder {
+    /// Writes the header, with the count and the high-water mark still to come.
+    pub fn new(machine: &StateMachine) -> Result<SnapshotEncoder, StoreError> {
+        let keyspace = machine.keyspace();
+        let estimate = usize::try_from(keyspace.stored_bytes())
+            .unwrap_or(usize::MAX)
+            .saturating_add(keyspace.len().saturating_mul(ENTRY_OVERHEAD_ESTIMATE));
+        let mut w = Writer {
+            buf: Vec::with_capacity(estimate),
+        };
         w.u8(SNAPSHOT_MARKER);
         w.i32(SNAPSHOT_VERSION);
-        w.hlc(&self.clock.high_water())?;
-        let count = i32::try_from(self.keyspace.len()).map_err(|_| StoreError::BufferTooLarge {
+        let high_water_at = w.buf.len();
+        w.hlc(&machine.clock.high_water())?;
+        let count_at = w.buf.len();
+        w.i32(0);
+        Ok(SnapshotEncoder {
+            w,
+            high_water_at,
+            count_at,
+            count: 0,
+            cursor: None,
+        })
+    }
+
+    /// Encodes the keys after the cursor, stopping after `max_keys` keys or once the chunk reached
+    /// `max_bytes` (at least one key per call).
+    pub fn step(
+        &mut self,
+        machine: &StateMachine,
+        max_keys: usize,
+        max_bytes: usize,
+    ) -> Result<Progress, StoreError> {
+        let chunk_start = self.w.buf.len();
+        let after = self.cursor.take();
+        let mut encoded = 0usize;
+        let (progress, last) = {
+            let mut keys = machine.keyspace.iter_after(after.as_deref());
+            let mut last = None;
+            let progress = loop {
+                let chunk_full = encoded >= max_keys || self.w.buf.len() - chunk_start >= max_bytes;
+                if encoded > 0 && chunk_full {
+                    break Progress::Continue;
+                }
+                let Some((key, entry)) = keys.next() else {
+                    break Progress::Done;
+                };
+                encode_entry(&mut self.w, key, entry)?;
+                encoded += 1;
+                last = Some(key.clone());
+            };
+            (progress, last)
+        };
+        self.count += encoded;
+        self.cursor = last.or(after);
+        Ok(progress)
+    }
+
+    /// Encodes what is left, then fills in the count and the clock's high-water mark as of now
+    /// (the clock only grows, so it is at least every encoded version).
+    pub fn finish(mut self, machine: &StateMachine) -> Result<Vec<u8>, StoreError> {
+        while self.step(machine, usize::MAX, usize::MAX)? == Progress::Continue {}
+        let count = i32::try_from(self.count).map_err(|_| StoreError::BufferTooLarge {
             what: "snapshot key count",
-            len: self.keyspace.len(),
+            len: self.count,
             max: i32::MAX as usize,
         })?;
-        w.i32(count);
-        for (key, entry) in self.keyspace.iter() {
-            w.buffer("key", key)?;
-            w.buffer("value", &entry.value)?;
-            w.hlc(&entry.version)?;
-            w.nullable_hlc(entry.fencing_token.as_ref())?;
-            w.nullable_u64(entry.expires_at_ms);
-        }
-        Ok(w.buf)
+        self.w.patch_i32(self.count_at, count);
+        self.w
+            .patch_hlc_time(self.high_water_at, &machine.clock.high_water());
+        Ok(self.w.buf)
+    }
+}
+
+fn encode_entry(w: &mut Writer, key: &[u8], entry: &Entry) -> Result<(), StoreError> {
+    w.buffer("key", key)?;
+    w.buffer("value", &entry.value)?;
+    w.hlc(&entry.version)?;
+    w.nullable_hlc(entry.fencing_token.as_ref())?;
+    w.nullable_u64(entry.expires_at_ms);
+    Ok(())
+}
+
+impl StateMachine {
+    /// Encodes the keyspace and the clock's high-water mark in one go.
+    pub fn snapshot_encode(&self) -> Result<Vec<u8>, StoreError> {
+        SnapshotEncoder::new(self)?.finish(self)
     }
 
     /// Rebuilds a state machine from [`snapshot_encode`](Self::snapshot_encode) output. Arbitrary
@@ -85,3 +184,6 @@ impl StateMachine {
         Ok(machine)
     }
 }
+
+#[cfg(test)]
+mod tests;
