@@ -9,8 +9,8 @@
 //! * `mqstate_statestore_request_duration_seconds{command}` — from receipt to the reply being
 //!   published, durability wait included.
 //! * `mqstate_statestore_keys`, `mqstate_statestore_bytes` — size of the keyspace.
-//! * `mqstate_snapshot_duration_seconds{phase}` (`encode` on the executor, `write` in the background) and
-//!   `mqstate_snapshots_total{result}`.
+//! * `mqstate_snapshot_duration_seconds{phase}` (`encode`: executor time over all of a snapshot's
+//!   chunks; `write` in the background) and `mqstate_snapshots_total{result}`.
 
 use std::time::Duration;
 

@@ -8,6 +8,10 @@
 //!   record is durable, and only then delivers the notifications, publishes the reply and acknowledges
 //!   the publish. Reads travel the same queue, so a reply never reveals a write that is not yet durable,
 //!   and a notification always precedes the reply of the write that caused it (spec §6).
+//!
+//! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), then
+//! queued to the completer like any outcome, so they are written once every record they may reflect is
+//! durable, in the background.
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
@@ -20,7 +24,9 @@ use mqstate_broker::{
     service::Acker, Broker, ClientEvent, Identity, Message, Principal, ServiceInbox, ServiceRequest,
 };
 use mqstate_protocol::{parse_request, Command, ErrorKind, Reply, RequestLimits};
-use mqstate_store::{Delta, Execution, KeyNotification, RequestContext, StateMachine};
+use mqstate_store::{
+    Delta, Execution, KeyNotification, Progress, RequestContext, SnapshotEncoder, StateMachine,
+};
 use mqstate_wal::{Metadata, PendingCommit, Snapshot, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
@@ -97,8 +103,29 @@ enum Outcome {
         timing: Option<Timing>,
     },
     /// Everything before this is durable once it is reached: write the snapshot.
-    Snapshot(Snapshot),
+    Snapshot {
+        snapshot: Snapshot,
+        /// The snapshot may reflect every record below this LSN: unless all of them became
+        /// durable, it is not written.
+        reflects_below: u64,
+    },
 }
+
+/// A snapshot being encoded between requests (decision 0014).
+struct SnapshotInProgress {
+    encoder: SnapshotEncoder,
+    /// The last record logged when encoding started: replay resumes after it.
+    last_index: u64,
+    /// Executor time spent encoding, over all chunks.
+    encoding: Duration,
+    chunks: u32,
+}
+
+/// Keys encoded per executor turn. A chunk of 1,024 small keys takes a few hundred microseconds, so a
+/// request waits at most that long behind one, and a million keys need a thousand turns.
+pub const SNAPSHOT_CHUNK_KEYS: usize = 1024;
+/// Encoded bytes after which a chunk ends early, so large values do not make a chunk slow.
+pub const SNAPSHOT_CHUNK_BYTES: usize = 256 * 1024;
 
 /// What the completer needs to count a request once its outcome is known.
 struct Timing {
@@ -177,6 +204,7 @@ pub async fn run(
         wal,
         next_lsn,
         logged_since_snapshot: 0,
+        snapshot: None,
         config,
         dedup,
         replies,
@@ -200,6 +228,7 @@ struct Executor {
     wal: Arc<WalWriter>,
     next_lsn: u64,
     logged_since_snapshot: u64,
+    snapshot: Option<SnapshotInProgress>,
     config: ServiceConfig,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     replies: ReplyBuilder,
@@ -281,7 +310,11 @@ impl Executor {
                 },
                 Some(()) = self.failures.recv() => self.roll_back_undurable(),
                 () = sleep_until(deadline) => self.expire().await,
+                // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
+                // after each request or event (below).
+                () = std::future::ready(()), if self.snapshot.is_some() => {}
             }
+            self.advance_snapshot().await;
         }
     }
 
@@ -414,7 +447,6 @@ impl Executor {
             }
         };
         self.send(outcome).await;
-        self.maybe_snapshot().await;
     }
 
     /// Executes a request; returns its metrics label and the execution, whether its change is to be
@@ -531,6 +563,11 @@ impl Executor {
             self.machine.apply_delta(&undo);
             rolled_back += 1;
         }
+        // It may hold rolled-back writes, and the LSNs it was started at are handed out again.
+        if self.snapshot.take().is_some() {
+            metrics::snapshot_finished(false);
+            tracing::warn!("snapshot in progress abandoned after the log write failure");
+        }
         self.next_lsn = durable;
         self.degraded = Some(Instant::now());
         self.report_keyspace_size();
@@ -606,29 +643,73 @@ impl Executor {
             .await;
         }
         self.report_keyspace_size();
-        self.maybe_snapshot().await;
     }
 
-    async fn maybe_snapshot(&mut self) {
-        if self.logged_since_snapshot < self.config.snapshot_threshold_bytes || self.next_lsn == 0 {
+    /// Starts a snapshot once enough was logged since the last one, and encodes the next chunk of
+    /// the one in progress; when it is complete, queues it behind the records it may reflect.
+    async fn advance_snapshot(&mut self) {
+        let Some(mut progress) = self.snapshot.take().or_else(|| self.start_snapshot()) else {
             return;
-        }
-        self.logged_since_snapshot = 0;
+        };
         let started = Instant::now();
-        let state = match self.machine.snapshot_encode() {
+        let stepped =
+            progress
+                .encoder
+                .step(&self.machine, SNAPSHOT_CHUNK_KEYS, SNAPSHOT_CHUNK_BYTES);
+        progress.encoding += started.elapsed();
+        progress.chunks += 1;
+        let finished = match stepped {
+            Ok(Progress::Continue) => {
+                self.snapshot = Some(progress);
+                return;
+            }
+            Ok(Progress::Done) => progress.encoder.finish(&self.machine),
+            Err(e) => Err(e),
+        };
+        let state = match finished {
             Ok(state) => state,
             Err(e) => {
                 metrics::snapshot_finished(false);
                 return tracing::error!("snapshot not taken: {e}");
             }
         };
-        metrics::snapshot_phase("encode", started.elapsed());
+        metrics::snapshot_phase("encode", progress.encoding);
+        tracing::debug!(
+            last_index = progress.last_index,
+            chunks = progress.chunks,
+            encoding_ms = progress.encoding.as_millis() as u64,
+            "snapshot encoded"
+        );
         let snapshot = Snapshot {
-            last_index: self.next_lsn - 1,
+            last_index: progress.last_index,
             last_term: 0,
             state: Bytes::from(state),
         };
-        self.send(Outcome::Snapshot(snapshot)).await;
+        self.send(Outcome::Snapshot {
+            snapshot,
+            reflects_below: self.next_lsn,
+        })
+        .await;
+    }
+
+    fn start_snapshot(&mut self) -> Option<SnapshotInProgress> {
+        if self.logged_since_snapshot < self.config.snapshot_threshold_bytes || self.next_lsn == 0 {
+            return None;
+        }
+        self.logged_since_snapshot = 0;
+        match SnapshotEncoder::new(&self.machine) {
+            Ok(encoder) => Some(SnapshotInProgress {
+                encoder,
+                last_index: self.next_lsn - 1,
+                encoding: Duration::ZERO,
+                chunks: 0,
+            }),
+            Err(e) => {
+                metrics::snapshot_finished(false);
+                tracing::error!("snapshot not taken: {e}");
+                None
+            }
+        }
     }
 
     async fn reject(&mut self, client_id: &Arc<str>, rejection: Rejection, acker: Acker) {
@@ -742,7 +823,18 @@ async fn complete(
 ) {
     while let Some(outcome) = rx.recv().await {
         match outcome {
-            Outcome::Snapshot(snapshot) => {
+            Outcome::Snapshot {
+                snapshot,
+                reflects_below,
+            } => {
+                if durable_lsn.load(Acquire) < reflects_below {
+                    metrics::snapshot_finished(false);
+                    tracing::warn!(
+                        last_index = snapshot.last_index,
+                        "snapshot not written: it may hold writes whose log records did not become durable"
+                    );
+                    continue;
+                }
                 let wal = Arc::clone(&wal);
                 // In the background: appends and completions go on while the snapshot is written.
                 tokio::spawn(async move {
