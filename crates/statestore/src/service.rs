@@ -311,8 +311,10 @@ impl Executor {
                 Some(()) = self.failures.recv() => self.roll_back_undurable(),
                 () = sleep_until(deadline) => self.expire().await,
                 // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
-                // after each request or event (below).
-                () = std::future::ready(()), if self.snapshot.is_some() => {}
+                // after each request or event (below). Yielding, not `ready()`: a task that is never
+                // pending keeps its worker thread, and the tasks queued behind it (connections, the
+                // completer) would wait for the whole snapshot.
+                () = tokio::task::yield_now(), if self.snapshot.is_some() => {}
             }
             self.advance_snapshot().await;
         }
