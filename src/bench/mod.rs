@@ -1,7 +1,7 @@
 //! `mqstate bench`: a load generator for any AIO state store, or plain MQTT pub/sub.
 //!
-//! * `--mode statestore` (default): each connection is one raw MQTT 5 client (rumqttc v5) keeping
-//!   `--inflight` QoS 1 requests outstanding, matched to replies by correlation data ([`statestore`]).
+//! * `--mode statestore` (default): each connection is one raw MQTT 5 client keeping `--inflight` QoS 1
+//!   requests outstanding, matched to replies by correlation data ([`statestore`]).
 //! * `--mode pubsub`: publishers and subscribers measuring delivered messages/s and end-to-end latency
 //!   from a timestamp in the payload ([`pubsub`]); `--publishers 1 --subscribers 100` is fan-out.
 //! * `--mode idle`: opens `--connections` MQTT connections that stay idle, and with `--server-pid`
@@ -9,17 +9,22 @@
 //! * `--responder`: answers every request with `+OK` without storing anything — the cost of MQTT
 //!   request/response alone, as a baseline and as a stand-in store for tests ([`responder`]).
 //!
+//! Connections are our own thin MQTT 5 client with TCP_NODELAY ([`wire`]) on plain TCP, rumqttc with
+//! `--tls` ([`link`]): the load generator must not add Nagle delays to what it measures.
+//!
 //! Latencies go into one HDR histogram ([`stats`]); a sampler keeps per-second throughput for the plot
 //! and the live progress line ([`progress`]); the end of a run prints a table and optionally writes
 //! `--json` and `--plot` ([`plot`]).
 
 mod idle;
+mod link;
 mod plot;
 mod progress;
 mod pubsub;
 mod responder;
 mod statestore;
 mod stats;
+mod wire;
 mod workload;
 
 use std::path::PathBuf;
@@ -42,8 +47,6 @@ pub const RESPONDER_FILTER: &str =
 pub const DEFAULT_DURATION_S: f64 = 10.0;
 /// Smallest pubsub payload: the send timestamp (8 bytes) must fit.
 pub const MIN_PAYLOAD_BYTES: usize = 8;
-/// Requests queued between a connection's sender and its event loop, per in-flight slot.
-pub const QUEUE_PER_INFLIGHT: usize = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {

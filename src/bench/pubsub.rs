@@ -6,22 +6,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use rumqttc::v5::mqttbytes::v5::{Filter, Packet};
+use rumqttc::v5::mqttbytes::v5::Filter;
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::Event;
 use tokio::task::JoinSet;
 
+use super::link::{self, Incoming, Sender};
 use super::stats::Outcome;
-use super::{BenchArgs, Shared, QUEUE_PER_INFLIGHT};
+use super::{BenchArgs, Shared};
 use crate::client::error::CliError;
-use crate::client::rpc::{self, Connected};
 
 pub struct Prepared {
     topic_root: String,
     qos: QoS,
     payload: usize,
-    publishers: Vec<Connected>,
-    subscribers: Vec<Connected>,
+    publishers: Vec<(Sender, Incoming)>,
+    subscribers: Vec<(Sender, Incoming)>,
     timeout: Duration,
 }
 
@@ -52,18 +51,17 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         QoS::AtLeastOnce
     };
     let timeout = args.conn.timeout();
-    let capacity = usize::from(args.inflight) * QUEUE_PER_INFLIGHT;
     let mut subscribers = Vec::new();
     for i in 0..args.subscribers {
-        let options = args.conn.mqtt_options(&format!("{prefix}-sub-{i}"))?;
         let filter = Filter::new(format!("{topic_root}/#"), qos);
-        subscribers.push(rpc::open(options, vec![filter], capacity, timeout).await?);
+        let client_id = format!("{prefix}-sub-{i}");
+        // Subscribers publish nothing: the window is irrelevant.
+        subscribers.push(link::open(&args.conn, &client_id, vec![filter], 1).await?);
     }
     let mut publishers = Vec::new();
     for i in 0..args.publishers {
-        let mut options = args.conn.mqtt_options(&format!("{prefix}-pub-{i}"))?;
-        options.set_outgoing_inflight_upper_limit(args.inflight);
-        publishers.push(rpc::open(options, Vec::new(), capacity, timeout).await?);
+        let client_id = format!("{prefix}-pub-{i}");
+        publishers.push(link::open(&args.conn, &client_id, Vec::new(), args.inflight).await?);
     }
     Ok(super::Prepared::Pubsub(Prepared {
         topic_root,
@@ -86,18 +84,14 @@ impl Prepared {
                     .saturating_duration_since(Instant::now()),
         );
         let mut subscribers = JoinSet::new();
-        for connected in self.subscribers {
+        for (sender, mut incoming) in self.subscribers {
             let shared = Arc::clone(&shared);
             let delivered = Arc::clone(&delivered);
             let prefix = self.topic_root.clone();
             subscribers.spawn(async move {
-                let client = connected.client;
-                let mut eventloop = connected.eventloop;
                 loop {
-                    match eventloop.poll().await {
-                        Ok(Event::Incoming(Packet::Publish(p)))
-                            if p.topic.starts_with(prefix.as_bytes()) =>
-                        {
+                    match incoming.recv().await {
+                        Ok(p) if p.topic.starts_with(prefix.as_bytes()) => {
                             delivered.fetch_add(1, Ordering::Relaxed);
                             let now = SystemTime::now();
                             if let Some(sent) = sent_us(&p.payload) {
@@ -120,41 +114,28 @@ impl Prepared {
                         }
                     }
                 }
-                drop(client);
+                drop(sender);
             });
         }
         let published = Arc::new(AtomicU64::new(0));
         let mut publishers = JoinSet::new();
-        for (i, connected) in self.publishers.into_iter().enumerate() {
+        for (i, (sender, incoming)) in self.publishers.into_iter().enumerate() {
             let shared = Arc::clone(&shared);
             let published = Arc::clone(&published);
             let topic = format!("{}/{i}", self.topic_root);
             let (qos, size, timeout) = (self.qos, self.payload, self.timeout);
             publishers.spawn(async move {
-                let client = connected.client;
-                let mut eventloop = connected.eventloop;
-                let poller = tokio::spawn(async move {
-                    loop {
-                        if let Err(e) = eventloop.poll().await {
-                            return e.to_string();
-                        }
-                    }
-                });
                 while shared.take_ticket() {
                     let payload = stamped_payload(size, unix_us(SystemTime::now()));
-                    if let Err(e) = client.publish(topic.as_str(), qos, false, payload).await {
+                    if let Err(e) = sender.publish(topic.as_str(), qos, payload, None).await {
                         shared.recorder.count(&format!("connection: {e}"), true, 1);
                         break;
                     }
                     published.fetch_add(1, Ordering::Relaxed);
                 }
-                // DISCONNECT goes out after the queued publishes; the poller ends when the socket closes.
-                let _ = client.disconnect().await;
-                if let Ok(Ok(reason)) = tokio::time::timeout(timeout, poller).await {
-                    if !reason.contains("disconnect") && !reason.contains("Disconnect") {
-                        tracing::debug!(reason, "publisher connection ended");
-                    }
-                }
+                // DISCONNECT goes out after the queued publishes.
+                let _ = tokio::time::timeout(timeout, sender.disconnect()).await;
+                drop(incoming);
             });
         }
         while publishers.join_next().await.is_some() {}

@@ -1,39 +1,29 @@
 //! `bench --responder`: answer every state-store request with `+OK` (`__stat` 200, correlation data
 //! echoed) without storing anything — what MQTT request/response alone costs.
 
-use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{Filter, Packet, Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::{Filter, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::{AsyncClient, ClientError, Event};
 use tokio::task::JoinSet;
 
+use super::link::{self, Incoming, Sender};
 use super::BenchArgs;
 use crate::client::error::CliError;
-use crate::client::rpc::{self, Connected};
-
-/// Replies queued between the event loop and rumqttc's request channel, per connection.
-pub const REPLY_CHANNEL_CAPACITY: usize = 4096;
+use crate::client::rpc;
 
 pub async fn run(args: &BenchArgs) -> Result<(), CliError> {
     let prefix = args.conn.client_id("mqstate-responder");
     let mut connections = Vec::new();
     for i in 0..args.connections {
         let client_id = format!("{prefix}-{i}");
-        let options = args.conn.mqtt_options(&client_id)?;
         let filter = Filter::new(args.responder_topic.as_str(), QoS::AtLeastOnce);
-        let connected = rpc::open(
-            options,
-            vec![filter],
-            REPLY_CHANNEL_CAPACITY,
-            args.conn.timeout(),
-        )
-        .await?;
-        connections.push((client_id, connected));
+        // Replies in flight are limited by the server's Receive Maximum alone.
+        let (sender, incoming) = link::open(&args.conn, &client_id, vec![filter], u16::MAX).await?;
+        connections.push((client_id, sender, incoming));
     }
     // Scripts and tests wait for this line before sending requests.
     println!(
@@ -44,8 +34,8 @@ pub async fn run(args: &BenchArgs) -> Result<(), CliError> {
 
     let answered = Arc::new(AtomicU64::new(0));
     let mut tasks = JoinSet::new();
-    for (client_id, connected) in connections {
-        tasks.spawn(serve(client_id, connected, Arc::clone(&answered)));
+    for (client_id, sender, incoming) in connections {
+        tasks.spawn(serve(client_id, sender, incoming, Arc::clone(&answered)));
     }
     let duration = args.duration.map(std::time::Duration::from_secs_f64);
     tokio::select! {
@@ -98,63 +88,30 @@ fn reply_to(
     Some((topic, reply))
 }
 
-/// One connection's loop. Replies are queued locally and handed to rumqttc with `try_publish`, so the
-/// event loop is never blocked on its own request channel (which only it drains).
+/// One connection's loop: each request is answered before the next is taken, so a full reply window
+/// holds requests back in the server rather than here.
 async fn serve(
     client_id: String,
-    connected: Connected,
+    sender: Sender,
+    mut incoming: Incoming,
     answered: Arc<AtomicU64>,
 ) -> Result<(), String> {
-    let Connected {
-        client,
-        mut eventloop,
-        early,
-    } = connected;
-    let mut clock = rpc::client_clock(&client_id);
-    let mut queue: VecDeque<(String, PublishProperties)> = VecDeque::new();
-    queue.extend(
-        early
-            .iter()
-            .filter_map(|p| reply_to(p, &client_id, &mut clock)),
-    );
-    loop {
-        flush(&client, &mut queue, &answered)?;
-        match eventloop.poll().await {
-            Ok(Event::Incoming(Packet::Publish(request))) => {
-                queue.extend(reply_to(&request, &client_id, &mut clock));
-            }
-            Ok(_) => {}
-            Err(e) => return Err(e.to_string()),
-        }
-    }
-}
-
-fn flush(
-    client: &AsyncClient,
-    queue: &mut VecDeque<(String, PublishProperties)>,
-    answered: &AtomicU64,
-) -> Result<(), String> {
     const OK: &[u8] = b"+OK\r\n";
-    while let Some((topic, properties)) = queue.pop_front() {
-        match client.try_publish_with_properties(
-            topic.as_str(),
-            QoS::AtLeastOnce,
-            false,
-            Bytes::from_static(OK),
-            properties.clone(),
-        ) {
-            Ok(()) => {
-                answered.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(ClientError::TryRequest(_)) => {
-                // Channel full: keep the reply and let the event loop drain the channel first.
-                queue.push_front((topic, properties));
-                return Ok(());
-            }
-            Err(e) => return Err(e.to_string()),
+    let mut clock = rpc::client_clock(&client_id);
+    loop {
+        let request = incoming.recv().await?;
+        if let Some((topic, properties)) = reply_to(&request, &client_id, &mut clock) {
+            sender
+                .publish(
+                    &topic,
+                    QoS::AtLeastOnce,
+                    Bytes::from_static(OK),
+                    Some(properties),
+                )
+                .await?;
+            answered.fetch_add(1, Ordering::Relaxed);
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]

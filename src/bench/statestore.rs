@@ -1,5 +1,5 @@
-//! State-store load: per connection, a sender keeps `--inflight` requests outstanding and the event
-//! loop task matches replies to them by correlation data, recording latency and reply kind.
+//! State-store load: per connection, a sender keeps `--inflight` requests outstanding and a task on the
+//! incoming side matches replies to them by correlation data, recording latency and reply kind.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -10,24 +10,25 @@ use mqstate_protocol::topic::{INVOKE_TOPIC, NOTIFY_TOPIC_PREFIX};
 use mqstate_protocol::{encode_request, HybridClock};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use rumqttc::v5::mqttbytes::v5::{Filter, Packet, Publish};
+use rumqttc::v5::mqttbytes::v5::{Filter, Publish};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::{AsyncClient, Event, EventLoop};
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 
+use super::link::{self, Incoming, Sender};
 use super::stats::{classify, Outcome};
 use super::workload::{key_name, value_of_size, KeyChooser, Mix, Op};
-use super::{BenchArgs, Shared, QUEUE_PER_INFLIGHT};
+use super::{BenchArgs, Shared};
 use crate::client::error::CliError;
-use crate::client::rpc::{self, Connected};
+use crate::client::rpc;
 
 /// One connection, connected and subscribed.
 struct Connection {
     client_id: String,
     response_topic: String,
     notify_prefix: String,
-    connected: Connected,
+    sender: Sender,
+    incoming: Incoming,
 }
 
 pub struct Prepared {
@@ -57,16 +58,16 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         if args.mix.contains(Op::KeyNotify) {
             filters.push(Filter::new(format!("{notify_prefix}+"), QoS::AtLeastOnce));
         }
-        let options = args.conn.mqtt_options(&client_id)?;
-        let timeout = args.conn.timeout();
+        let conn = args.conn.clone();
+        let window = args.inflight;
         opening.spawn(async move {
-            let connected =
-                rpc::open(options, filters, inflight * QUEUE_PER_INFLIGHT, timeout).await?;
+            let (sender, incoming) = link::open(&conn, &client_id, filters, window).await?;
             Ok::<_, CliError>(Connection {
                 client_id,
                 response_topic,
                 notify_prefix,
-                connected,
+                sender,
+                incoming,
             })
         });
     }
@@ -123,14 +124,14 @@ impl Worker {
             client_id,
             response_topic,
             notify_prefix,
-            connected,
+            sender,
+            incoming,
         } = connection;
         let pending: Pending = Arc::default();
         let slots = Arc::new(Semaphore::new(self.inflight));
         let drained = Arc::new(Notify::new());
-        let client = connected.client.clone();
         let mut events = tokio::spawn(replies(
-            connected.eventloop,
+            incoming,
             Arc::clone(&self.shared),
             Arc::clone(&pending),
             Arc::clone(&slots),
@@ -139,7 +140,7 @@ impl Worker {
             notify_prefix,
         ));
         let sent = self
-            .send(&client, &client_id, &response_topic, &pending, &slots)
+            .send(&sender, &client_id, &response_topic, &pending, &slots)
             .await;
         if let Err(reason) = sent {
             self.shared
@@ -172,14 +173,14 @@ impl Worker {
         if lost > 0 {
             self.shared.recorder.count("timeout", true, lost);
         }
-        let _ = client.disconnect().await;
+        let _ = tokio::time::timeout(self.timeout, sender.disconnect()).await;
         let _ = tokio::time::timeout(self.timeout, &mut events).await;
         events.abort();
     }
 
     async fn send(
         &self,
-        client: &AsyncClient,
+        sender: &Sender,
         client_id: &str,
         response_topic: &str,
         pending: &Pending,
@@ -218,17 +219,16 @@ impl Worker {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .insert(seq, (Instant::now(), op));
-            client
-                .publish_with_properties(INVOKE_TOPIC, QoS::AtLeastOnce, false, payload, properties)
-                .await
-                .map_err(|e| e.to_string())?;
+            sender
+                .publish(INVOKE_TOPIC, QoS::AtLeastOnce, payload, Some(properties))
+                .await?;
         }
     }
 }
 
-/// The event loop of one connection: matches replies, counts notifications, ends on a connection error.
+/// The incoming side of one connection: matches replies, counts notifications, ends with the connection.
 async fn replies(
-    mut eventloop: EventLoop,
+    mut incoming: Incoming,
     shared: Arc<Shared>,
     pending: Pending,
     slots: Arc<Semaphore>,
@@ -237,23 +237,14 @@ async fn replies(
     notify_prefix: String,
 ) {
     loop {
-        match eventloop.poll().await {
-            Ok(Event::Incoming(Packet::Publish(publish))) => {
+        match incoming.recv().await {
+            Ok(publish) => {
                 if publish.topic.as_ref() == response_topic.as_bytes() {
                     on_reply(&shared, &pending, &slots, &drained, &publish);
                 } else if publish.topic.starts_with(notify_prefix.as_bytes()) {
                     shared.recorder.count("notification", false, 1);
                 }
             }
-            Ok(Event::Incoming(Packet::Disconnect(d))) => {
-                shared.recorder.count(
-                    &format!("connection: broker sent DISCONNECT {:?}", d.reason_code),
-                    true,
-                    1,
-                );
-                break;
-            }
-            Ok(_) => {}
             Err(e) => {
                 if !shared.stopped.load(std::sync::atomic::Ordering::Relaxed) {
                     shared.recorder.count(&format!("connection: {e}"), true, 1);

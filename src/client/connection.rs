@@ -113,6 +113,18 @@ impl ConnectionArgs {
             .map_err(|e| CliError::usage("connection settings", e.to_string()))
     }
 
+    /// User name and password (read from `--password-file`) of a raw MQTT connection, if a user is given.
+    pub fn credentials(&self) -> Result<Option<(String, String)>, CliError> {
+        let Some(username) = &self.username else {
+            return Ok(None);
+        };
+        let password = match &self.password_file {
+            Some(path) => read_password(path)?,
+            None => String::new(),
+        };
+        Ok(Some((username.clone(), password)))
+    }
+
     /// Options for a raw rumqttc v5 connection.
     pub fn mqtt_options(&self, client_id: &str) -> Result<MqttOptions, CliError> {
         let mut options = MqttOptions::new(client_id, self.host.as_str(), self.port);
@@ -121,12 +133,8 @@ impl ConnectionArgs {
             .set_clean_start(true)
             .set_max_packet_size(Some(MAX_PACKET_BYTES))
             .set_connection_timeout(self.timeout);
-        if let Some(username) = &self.username {
-            let password = match &self.password_file {
-                Some(path) => read_password(path)?,
-                None => String::new(),
-            };
-            options.set_credentials(username.as_str(), password);
+        if let Some((username, password)) = self.credentials()? {
+            options.set_credentials(username, password);
         }
         if self.tls {
             let ca_path = self.ca.as_ref().ok_or_else(|| {
