@@ -798,7 +798,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn disconnect_flushes_queued_publishes_first() {
+    async fn disconnect_flushes_queued_publishes_then_waits_for_the_server_to_close() {
         let (link, mut broker) = connected(connack(None), options(8, Vec::new())).await;
         for _ in 0..3 {
             link.sender
@@ -806,10 +806,19 @@ mod tests {
                 .await
                 .unwrap();
         }
-        link.sender.disconnect().await;
+        let sender = link.sender.clone();
+        let disconnecting = tokio::spawn(async move { sender.disconnect().await });
         for _ in 0..3 {
             assert!(matches!(broker.next().await, Packet::Publish(_)));
         }
         assert!(matches!(broker.next().await, Packet::Disconnect(_)));
+        // Still open from the server's side: the client waits rather than resetting the socket.
+        tokio::task::yield_now().await;
+        assert!(!disconnecting.is_finished());
+        broker.writer.shutdown().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), disconnecting)
+            .await
+            .expect("disconnect returns once the server closes")
+            .unwrap();
     }
 }
