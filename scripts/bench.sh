@@ -21,7 +21,7 @@ cargo build --release --quiet
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; return 1; }
 PIDS=()
-stop_all() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done; PIDS=(); }
+stop_all() { local pid; for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; done; PIDS=(); }
 trap stop_all EXIT
 
 start_mqstate() { # name, extra serve flags...
@@ -62,9 +62,10 @@ statestore() {
 }
 
 pubsub() {
-  for shape in "16 16" "1 100"; do
-    set -- $shape; local p=$1 s=$2
-    local common=(--mode pubsub --publishers "$p" --subscribers "$s" --qos 1 --payload 64 --inflight 16)
+  # 16 -> 16 with a publish window of 1 (each publisher waits for its PUBACK), 1 -> 100 with 16.
+  for shape in "16 16 1" "1 100 16"; do
+    set -- $shape; local p=$1 s=$2 w=$3
+    local common=(--mode pubsub --publishers "$p" --subscribers "$s" --qos 1 --payload 64 --inflight "$w")
     start_mosquitto "mosquitto-pubsub-${p}x${s}"; bench "pubsub-mosquitto-${p}x${s}" "${common[@]}"; stop_all
     start_mqstate "mqstate-pubsub-${p}x${s}"; bench "pubsub-mqstate-${p}x${s}" "${common[@]}"; stop_all
   done
