@@ -736,6 +736,20 @@ impl Connection {
                 _ = session.wake.notified() => self.pump(),
                 _ = keep_alive => return End::KeepAliveTimeout,
             }
+            self.gather_ready(&session);
+        }
+    }
+
+    /// Takes in whatever else is ready right now, so that it leaves in the same write: a service
+    /// acknowledges a request and publishes its reply at about the same moment, and one `send` for
+    /// both halves the system calls of a request/response exchange.
+    fn gather_ready(&mut self, session: &SessionHandle) {
+        use futures::FutureExt;
+        while let Some(Some(deferred)) = self.pending.next().now_or_never() {
+            self.on_deferred(deferred);
+        }
+        if session.wake.notified().now_or_never().is_some() {
+            self.pump();
         }
     }
 
