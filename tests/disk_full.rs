@@ -19,7 +19,7 @@ use bytes::Bytes;
 use rumqttc::v5::mqttbytes::v5::PubAckReason;
 
 use common::mqtt::Client;
-use common::state::{bulk, StateClient, NIL, OK, WAIT};
+use common::state::{bulk, hlc_now, StateClient, NIL, OK, WAIT};
 use common::Server;
 
 /// The state store's refusal while the log cannot write (crates/statestore/src/service.rs).
@@ -172,13 +172,16 @@ async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
 
     disk.fill();
     let refused = big("refused");
-    let reply = state.request(&[b"SET", b"refused", &refused]).await;
+    let (reply, version) = state
+        .request_at(&[b"SET", b"refused", &refused], hlc_now())
+        .await;
     assert_eq!(
         reply.as_ref(),
         NOT_DURABLE,
         "a SET on a full disk: {}",
         String::from_utf8_lossy(&reply)
     );
+    assert_eq!(version, None, "a write that was not stored has no version");
     assert_eq!(
         state.request(&[b"GET", b"kept"]).await,
         bulk(&before),

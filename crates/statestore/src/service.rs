@@ -139,8 +139,6 @@ struct ReplyTo {
     client_id: Arc<str>,
     correlation: Bytes,
     message: Message,
-    /// Sent instead of `message` if the write turns out not durable.
-    on_failure: Option<Message>,
 }
 
 impl ReplyTo {
@@ -149,7 +147,6 @@ impl ReplyTo {
             client_id: request.client_id.clone(),
             correlation: request.correlation_data.clone(),
             message,
-            on_failure: None,
         }
     }
 }
@@ -158,6 +155,17 @@ impl ReplyTo {
 /// spec has none for this, and clients surface any `-ERR` text to the application.
 pub const NOT_DURABLE_REPLY: &[u8] =
     b"-ERR the write could not be made durable on the server's disk; retry later\r\n";
+
+/// The reply a write gets instead of `reply` when its log record did not become durable: same
+/// envelope, the error payload, and no `__ts` (no version was stored).
+fn not_durable(mut reply: Message) -> Message {
+    reply.payload = Bytes::from_static(NOT_DURABLE_REPLY);
+    reply
+        .properties
+        .user_properties
+        .retain(|(name, _)| name != crate::envelope::prop::TIMESTAMP);
+    reply
+}
 
 /// The recovered state the service starts from.
 pub struct Recovered {
@@ -409,7 +417,6 @@ impl Executor {
             client_id: request.client_id.clone(),
             correlation: request.correlation_data.clone(),
             message: self.replies.reply(&request, payload, version, expiry_left),
-            on_failure: None,
         };
         let timing = |result| {
             Some(Timing {
@@ -420,11 +427,7 @@ impl Executor {
         };
         let outcome = match commit {
             Ok(commit) => {
-                let mut reply = reply_to(execution.reply.encode(), execution.ts.as_ref());
-                if commit.is_some() {
-                    reply.on_failure =
-                        Some(reply_to(Bytes::from_static(NOT_DURABLE_REPLY), None).message);
-                }
+                let reply = reply_to(execution.reply.encode(), execution.ts.as_ref());
                 Outcome::Reply {
                     commit,
                     notifications: self.notifications(&execution.notifications),
@@ -746,7 +749,6 @@ impl Executor {
                     client_id: client_id.clone(),
                     correlation: correlation_data.unwrap_or_default(),
                     message: reply,
-                    on_failure: None,
                 };
                 self.send(Outcome::Reply {
                     commit: None,
@@ -879,9 +881,8 @@ async fn complete(
                     Err(e) => {
                         tracing::error!("state store write not durable: {e}");
                         let _ = failures.send(());
-                        match reply
-                            .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)))
-                        {
+                        // Only writes have commits, and a write's reply becomes the error.
+                        match reply.map(|r| (r.client_id, r.correlation, not_durable(r.message))) {
                             Some(failed) => (Some(failed), 0x00),
                             None => (None, PUBACK_UNSPECIFIED_ERROR),
                         }
