@@ -4,6 +4,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -72,6 +73,9 @@ struct Failure {
     keep: Position,
 }
 
+/// A batch buffer that grew beyond this (a burst of large values) is not kept for the next batch.
+const BATCH_BUFFER_KEPT: usize = 1 << 20;
+
 /// The write-ahead log: closed segments plus the active one that appends go to.
 #[derive(Debug)]
 pub struct Wal {
@@ -81,6 +85,9 @@ pub struct Wal {
     closed: Vec<ClosedSegment>,
     active: ActiveSegment,
     failure: Option<Failure>,
+    /// The encoding buffer of `write_batch`, kept between batches so that a batch does not grow
+    /// a fresh one record by record.
+    batch: Vec<u8>,
     /// Keeps other processes (a second server, `mqstate data repair`) out while the log is open.
     _lock: DirLock,
 }
@@ -169,6 +176,7 @@ impl Wal {
             closed,
             active,
             failure: None,
+            batch: Vec::new(),
             _lock: lock,
         };
         Ok((
@@ -236,7 +244,11 @@ impl Wal {
     ) -> Result<Range<Lsn>, WalError> {
         self.refuse_if_failed()?;
         let before = self.active.written;
-        let mut buf = Vec::new();
+        let mut buf = std::mem::take(&mut self.batch);
+        buf.clear();
+        if buf.capacity() > BATCH_BUFFER_KEPT {
+            buf = Vec::new();
+        }
         let mut count = 0u64;
         for (term, data) in records {
             self.check_record(term, data.len())?;
@@ -244,22 +256,20 @@ impl Wal {
             count += 1;
         }
         buf.extend_from_slice(&END_MARKER);
-        let written = self
-            .active
-            .file
-            .seek(SeekFrom::Start(before.end_offset))
-            .and_then(|_| self.active.file.write_all(&buf));
+        let written = self.active.file.write_all_at(&buf, before.end_offset);
+        let batch_len = buf.len();
+        self.batch = buf;
         if let Err(e) = written {
             let error = WalError::io("write", &self.active.path)(e);
             self.fail(&error, before);
             return Err(error);
         }
         let after = Position {
-            end_offset: before.end_offset + (buf.len() - END_MARKER.len()) as u64,
+            end_offset: before.end_offset + (batch_len - END_MARKER.len()) as u64,
             next_lsn: before.next_lsn + count,
         };
         self.active.written = after;
-        self.stats.record_batch(count as usize, buf.len());
+        self.stats.record_batch(count as usize, batch_len);
         Ok(before.next_lsn..after.next_lsn)
     }
 
