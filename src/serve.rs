@@ -421,6 +421,9 @@ fn broker_config(settings: &Resolved) -> BrokerConfig {
         max_queued_messages: settings
             .max_queued_messages
             .unwrap_or(defaults.max_queued_messages),
+        max_queued_bytes: settings
+            .max_queued_bytes
+            .unwrap_or(defaults.max_queued_bytes),
         session_expiry_max_secs: settings
             .session_expiry_max
             .unwrap_or(defaults.session_expiry_max_secs),

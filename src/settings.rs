@@ -329,6 +329,11 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_MAX_QUEUED_MESSAGES", value_name = "N")]
     pub max_queued_messages: Option<usize>,
 
+    /// Topic and payload bytes queued per session while the client is away or slow; a single larger
+    /// message still enters an empty queue. Default 67108864 (64 MiB).
+    #[arg(long, env = "MQSTATE_MAX_QUEUED_BYTES", value_name = "BYTES")]
+    pub max_queued_bytes: Option<usize>,
+
     /// Upper bound on the Session Expiry Interval a client may ask for, in seconds. Default 7 days.
     #[arg(long, env = "MQSTATE_SESSION_EXPIRY_MAX", value_name = "SECS")]
     pub session_expiry_max: Option<u32>,
@@ -457,6 +462,7 @@ pub struct Resolved {
     /// The rest default to the broker's and the store's own documented defaults when unset.
     pub receive_maximum: Option<u16>,
     pub max_queued_messages: Option<usize>,
+    pub max_queued_bytes: Option<usize>,
     pub session_expiry_max: Option<u32>,
     pub max_keys: Option<u64>,
     pub max_bytes: Option<u64>,
@@ -511,6 +517,7 @@ impl Settings {
             max_packet_size: self.max_packet_size.or(lower.max_packet_size),
             receive_maximum: self.receive_maximum.or(lower.receive_maximum),
             max_queued_messages: self.max_queued_messages.or(lower.max_queued_messages),
+            max_queued_bytes: self.max_queued_bytes.or(lower.max_queued_bytes),
             session_expiry_max: self.session_expiry_max.or(lower.session_expiry_max),
             max_keys: self.max_keys.or(lower.max_keys),
             max_bytes: self.max_bytes.or(lower.max_bytes),
@@ -617,6 +624,7 @@ impl Settings {
             max_packet_size,
             receive_maximum: self.receive_maximum,
             max_queued_messages: self.max_queued_messages,
+            max_queued_bytes: self.max_queued_bytes,
             session_expiry_max: self.session_expiry_max,
             max_keys: self.max_keys,
             max_bytes: self.max_bytes,

@@ -15,6 +15,9 @@ pub struct BrokerConfig {
     pub topic_alias_maximum: u16,
     /// Messages queued per session (connected or not) before the overflow policy applies. Default 1000.
     pub max_queued_messages: usize,
+    /// Topic and payload bytes queued per session before the overflow policy applies (a larger
+    /// single message still enters an empty queue). Default 64 MiB.
+    pub max_queued_bytes: usize,
     /// Cap on QoS 1/2 messages in flight towards one client, on top of the client's own Receive
     /// Maximum. Default 256.
     pub max_inflight: u16,
@@ -81,6 +84,7 @@ impl Default for BrokerConfig {
             receive_maximum: 1024,
             topic_alias_maximum: 64,
             max_queued_messages: 1000,
+            max_queued_bytes: 64 * 1024 * 1024,
             max_inflight: 256,
             session_expiry_max_secs: 7 * 24 * 3600,
             server_keep_alive_secs: None,

@@ -1146,7 +1146,7 @@ impl Connection {
         self.codec.suback(packet_id, codes, &mut self.out);
         let session = self.session().clone();
         for d in retained {
-            session.deliver(d, self.inner.config.max_queued_messages);
+            session.deliver(d, self.inner.router.queue_limit(Some(&session.client_id)));
         }
     }
 

@@ -16,9 +16,10 @@
 //! Publishes go through the `router` (the subscription `trie`, shared groups, the `retained` store)
 //! into session queues; the owning connection is woken and drains its queue.
 //!
-//! Overflow policy: each session queue holds at most [`BrokerConfig::max_queued_messages`]. When it
-//! is full a new QoS 0 message is dropped; a new QoS 1/2 message evicts the oldest queued QoS 0
-//! message, or, if there is none, is itself dropped (counted per session). Publishers are never
+//! Overflow policy: each session queue holds at most [`BrokerConfig::max_queued_messages`] messages
+//! and [`BrokerConfig::max_queued_bytes`] of topics and payloads (a single larger message still enters
+//! an empty queue). When it is full a new QoS 0 message is dropped; a new QoS 1/2 message evicts the
+//! oldest queued QoS 0 messages, or, if that is not enough, is itself dropped (counted per session). Publishers are never
 //! blocked or disconnected because a subscriber is slow. Messages from services (replies to a
 //! client's own requests) may exceed the limit by the Receive Maximum: while a client's queue is full
 //! its connection holds back the acks of its service requests, which bounds the replies it is owed.
@@ -39,6 +40,7 @@ pub mod limits;
 pub mod message;
 mod metrics;
 pub mod persist;
+pub mod queue;
 mod registry;
 mod retained;
 mod router;

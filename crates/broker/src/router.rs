@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use crate::message::{Message, QoS};
 use crate::persist::{clock, Durable, SessionChange, SessionJournal};
+use crate::queue::QueueLimit;
 use crate::retained::{Retained, RetainedStore};
 use crate::session::{Delivery, SessionHandle, SubscriptionOptions};
 use crate::topic::ParsedFilter;
@@ -29,9 +30,9 @@ struct Target {
 pub(crate) struct Router {
     trie: RwLock<Trie<Subscriber>>,
     retained: Mutex<RetainedStore>,
-    max_queued: usize,
+    limit: QueueLimit,
     /// Queue limit for messages published by services (see [`Router::new`]).
-    service_max_queued: usize,
+    service_limit: QueueLimit,
     journal: Option<Arc<dyn SessionJournal>>,
 }
 
@@ -44,30 +45,31 @@ pub(crate) struct Routed {
 }
 
 impl Router {
-    /// Client publishes may fill a session queue up to `max_queued`. Service publishes (replies to a
-    /// client's own requests) may use `service_headroom` more: the connection stops acknowledging
-    /// service requests while its queue is at `max_queued`, so a client has at most its Receive
-    /// Maximum of replies still coming, and they are owed QoS 1 messages that must not be dropped.
+    /// Client publishes may fill a session queue up to `limit`. Service publishes (replies to a
+    /// client's own requests) may use `service_headroom` more messages, and are not bounded by bytes:
+    /// the connection stops acknowledging service requests while its queue holds `limit.messages`,
+    /// so a client has at most its Receive Maximum of replies still coming, and they are owed QoS 1
+    /// messages that must not be dropped.
     pub(crate) fn new(
-        max_queued: usize,
+        limit: QueueLimit,
         service_headroom: usize,
         journal: Option<Arc<dyn SessionJournal>>,
     ) -> Self {
         Self {
             trie: RwLock::default(),
             retained: Mutex::default(),
-            max_queued,
-            service_max_queued: max_queued.saturating_add(service_headroom),
+            limit,
+            service_limit: QueueLimit::messages(limit.messages.saturating_add(service_headroom)),
             journal,
         }
     }
 
     /// The queue limit for a message from `publisher` (`None` = a service).
-    pub(crate) fn queue_limit(&self, publisher: Option<&str>) -> usize {
+    pub(crate) fn queue_limit(&self, publisher: Option<&str>) -> QueueLimit {
         if publisher.is_none() {
-            self.service_max_queued
+            self.service_limit
         } else {
-            self.max_queued
+            self.limit
         }
     }
 

@@ -39,6 +39,7 @@ use crate::error::BrokerError;
 use crate::limits::{Connections, MAX_REFUSALS_IN_PROGRESS};
 use crate::message::{Message, QoS};
 use crate::persist::{clock, Restored, SessionChange, SessionJournal};
+use crate::queue::QueueLimit;
 use crate::registry::{Control, Effects, Registry, Timer};
 use crate::router::Router;
 use crate::session::{Delivery, Inflight, Phase, SessionHandle, SessionState};
@@ -203,7 +204,10 @@ impl Broker {
             )),
             security,
             router: Router::new(
-                config.max_queued_messages,
+                QueueLimit {
+                    messages: config.max_queued_messages,
+                    bytes: config.max_queued_bytes,
+                },
                 usize::from(config.receive_maximum),
                 journal.clone(),
             ),

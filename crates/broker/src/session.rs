@@ -8,7 +8,7 @@
 //! buffer to the journal before the lock is released, so the journal sees the changes of a session
 //! in the order they were made. Only QoS 1/2 messages are journalled.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -19,6 +19,7 @@ use tokio::sync::Notify;
 use crate::codec::OutPublish;
 use crate::message::{Message, QoS};
 use crate::persist::{clock, Durable, SessionChange, SessionJournal, StoredMessage};
+use crate::queue::{queued_bytes, MessageQueue, QueueLimit};
 
 /// Options of one subscription, as granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +109,7 @@ pub struct SessionState {
     pub expiry_interval_secs: u32,
     /// By the filter exactly as subscribed (including any `$share/group/` prefix).
     pub subscriptions: HashMap<ByteString, SubscriptionOptions>,
-    pub queue: VecDeque<Delivery>,
+    pub queue: MessageQueue,
     pub inflight: BTreeMap<u16, Inflight>,
     /// Inbound QoS 2 packet ids received (and routed) but not yet released by PUBREL.
     pub inbound_qos2: BTreeSet<u16>,
@@ -135,7 +136,7 @@ impl SessionState {
             client_id,
             expiry_interval_secs,
             subscriptions: HashMap::new(),
-            queue: VecDeque::new(),
+            queue: MessageQueue::default(),
             inflight: BTreeMap::new(),
             inbound_qos2: BTreeSet::new(),
             next_packet_id: 1,
@@ -276,17 +277,15 @@ impl SessionState {
         image
     }
 
-    /// Queues `d`, applying the overflow policy at `max_queued`: QoS 0 goes first (the new one, or
-    /// the oldest queued), then the newest QoS 1/2 message is dropped.
-    pub fn enqueue(&mut self, mut d: Delivery, max_queued: usize) -> Enqueued {
-        let outcome = if self.queue.len() < max_queued {
+    /// Queues `d`, applying the overflow policy at `limit`: QoS 0 goes first (the new one, or
+    /// the oldest queued ones), then the newest QoS 1/2 message is dropped.
+    pub fn enqueue(&mut self, mut d: Delivery, limit: QueueLimit) -> Enqueued {
+        let outcome = if self.queue.fits(&d, limit) {
             Enqueued::Queued
         } else if d.qos == QoS::AtMostOnce {
             self.dropped_qos0 += 1;
             return Enqueued::DroppedQos0;
-        } else if let Some(i) = self.queue.iter().position(|q| q.qos == QoS::AtMostOnce) {
-            self.queue.remove(i);
-            self.dropped_qos0 += 1;
+        } else if self.make_room_evicting_qos0(&d, limit) {
             Enqueued::EvictedQos0
         } else {
             self.dropped_qos12 += 1;
@@ -300,6 +299,36 @@ impl SessionState {
         }
         self.queue.push_back(d);
         outcome
+    }
+
+    /// Evicts the oldest queued QoS 0 messages until `d` fits, if evicting them all would be enough
+    /// (otherwise evicts nothing).
+    fn make_room_evicting_qos0(&mut self, d: &Delivery, limit: QueueLimit) -> bool {
+        let (qos0_count, qos0_bytes) = self
+            .queue
+            .iter()
+            .filter(|q| q.qos == QoS::AtMostOnce)
+            .fold((0usize, 0usize), |(n, b), q| (n + 1, b + queued_bytes(q)));
+        let count_after = self.queue.len() - qos0_count;
+        let bytes_after = self.queue.bytes() - qos0_bytes;
+        let would_fit = count_after == 0
+            || (count_after < limit.messages
+                && bytes_after.saturating_add(queued_bytes(d)) <= limit.bytes);
+        if !would_fit {
+            return false;
+        }
+        while !self.queue.fits(d, limit) {
+            if self
+                .queue
+                .remove_first(|q| q.qos == QoS::AtMostOnce)
+                .is_none()
+            {
+                break;
+            }
+            self.dropped_qos0 += 1;
+        }
+        debug_assert!(self.queue.fits(d, limit));
+        true
     }
 
     /// A free packet id (1..=65535, not in flight), advancing the cursor.
@@ -546,13 +575,13 @@ impl SessionHandle {
     /// Queues a delivery and wakes the connection. Offline sessions skip QoS 0 (MQTT allows it and
     /// it keeps away sessions from filling with stale telemetry). Returns the outcome and, if the
     /// message entered the journal, when it is durable.
-    pub(crate) fn deliver(&self, d: Delivery, max_queued: usize) -> (Enqueued, Option<Durable>) {
+    pub(crate) fn deliver(&self, d: Delivery, limit: QueueLimit) -> (Enqueued, Option<Durable>) {
         if d.qos == QoS::AtMostOnce && !self.online.load(Ordering::Acquire) {
             return (Enqueued::DroppedQos0, None);
         }
         let (outcome, durable) = {
             let mut state = self.lock();
-            let outcome = state.enqueue(d, max_queued);
+            let outcome = state.enqueue(d, limit);
             (outcome, state.commit())
         };
         if outcome != Enqueued::DroppedQos0 && outcome != Enqueued::DroppedNewest {
@@ -588,21 +617,24 @@ mod tests {
     #[test]
     fn overflow_drops_qos0_first_then_newest() {
         let mut s = SessionState::new("c".into(), 0);
-        assert_eq!(s.enqueue(delivery(QoS::AtMostOnce, 0), 2), Enqueued::Queued);
         assert_eq!(
-            s.enqueue(delivery(QoS::AtLeastOnce, 1), 2),
+            s.enqueue(delivery(QoS::AtMostOnce, 0), QueueLimit::messages(2)),
             Enqueued::Queued
         );
         assert_eq!(
-            s.enqueue(delivery(QoS::AtMostOnce, 2), 2),
+            s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(2)),
+            Enqueued::Queued
+        );
+        assert_eq!(
+            s.enqueue(delivery(QoS::AtMostOnce, 2), QueueLimit::messages(2)),
             Enqueued::DroppedQos0
         );
         assert_eq!(
-            s.enqueue(delivery(QoS::AtLeastOnce, 3), 2),
+            s.enqueue(delivery(QoS::AtLeastOnce, 3), QueueLimit::messages(2)),
             Enqueued::EvictedQos0
         );
         assert_eq!(
-            s.enqueue(delivery(QoS::ExactlyOnce, 4), 2),
+            s.enqueue(delivery(QoS::ExactlyOnce, 4), QueueLimit::messages(2)),
             Enqueued::DroppedNewest
         );
         let payloads: Vec<u8> = s.queue.iter().map(|d| d.message.payload[0]).collect();
@@ -610,11 +642,102 @@ mod tests {
         assert_eq!((s.dropped_qos0, s.dropped_qos12), (2, 1));
     }
 
+    fn sized(qos: QoS, n: u8, payload_len: usize) -> Delivery {
+        let mut d = delivery(qos, n);
+        Arc::make_mut(&mut d.message).payload = Bytes::from(vec![n; payload_len]);
+        d
+    }
+
+    #[test]
+    fn the_byte_bound_evicts_as_much_qos0_as_needed_then_drops_the_newest() {
+        // Topic "t" (1 byte) + payload: each message below counts 1 + 9 = 10 bytes.
+        let limit = QueueLimit {
+            messages: 100,
+            bytes: 30,
+        };
+        let mut s = SessionState::new("c".into(), 0);
+        for (qos, n) in [
+            (QoS::AtMostOnce, 0),
+            (QoS::AtMostOnce, 1),
+            (QoS::AtLeastOnce, 2),
+        ] {
+            assert_eq!(s.enqueue(sized(qos, n, 9), limit), Enqueued::Queued);
+        }
+        assert_eq!(s.queue.bytes(), 30);
+        assert_eq!(
+            s.enqueue(sized(QoS::AtMostOnce, 3, 9), limit),
+            Enqueued::DroppedQos0
+        );
+        // 20 bytes do not fit beside 30: both queued QoS 0 messages make room.
+        assert_eq!(
+            s.enqueue(sized(QoS::AtLeastOnce, 4, 19), limit),
+            Enqueued::EvictedQos0
+        );
+        assert_eq!(s.queue.bytes(), 30);
+        // Nothing left to evict: the newest QoS 1/2 message is dropped, the queue kept.
+        assert_eq!(
+            s.enqueue(sized(QoS::ExactlyOnce, 5, 1), limit),
+            Enqueued::DroppedNewest
+        );
+        let queued: Vec<u8> = s.queue.iter().map(|d| d.message.payload[0]).collect();
+        assert_eq!(queued, vec![2, 4]);
+        assert_eq!((s.dropped_qos0, s.dropped_qos12), (3, 1));
+    }
+
+    #[test]
+    fn qos0_is_not_evicted_when_that_would_not_make_room() {
+        let limit = QueueLimit {
+            messages: 100,
+            bytes: 30,
+        };
+        let mut s = SessionState::new("c".into(), 0);
+        assert_eq!(
+            s.enqueue(sized(QoS::AtMostOnce, 0, 9), limit),
+            Enqueued::Queued
+        );
+        assert_eq!(
+            s.enqueue(sized(QoS::AtLeastOnce, 1, 19), limit),
+            Enqueued::Queued
+        );
+        assert_eq!(
+            s.enqueue(sized(QoS::AtLeastOnce, 2, 19), limit),
+            Enqueued::DroppedNewest
+        );
+        assert_eq!(
+            s.queue.len(),
+            2,
+            "the QoS 0 message stays: evicting it would not help"
+        );
+    }
+
+    #[test]
+    fn a_message_larger_than_the_byte_bound_still_enters_an_empty_queue() {
+        let limit = QueueLimit {
+            messages: 100,
+            bytes: 30,
+        };
+        let mut s = SessionState::new("c".into(), 0);
+        assert_eq!(
+            s.enqueue(sized(QoS::AtLeastOnce, 0, 100), limit),
+            Enqueued::Queued
+        );
+        assert_eq!(
+            s.enqueue(sized(QoS::AtLeastOnce, 1, 1), limit),
+            Enqueued::DroppedNewest
+        );
+        let mut sent = 0;
+        s.pump(Instant::now(), 10, |_| {
+            sent += 1;
+            Some(Emit::Sent)
+        });
+        assert_eq!((sent, s.queue.bytes()), (1, 0));
+    }
+
     #[test]
     fn pump_respects_receive_maximum_and_acks_open_the_window() {
         let mut s = SessionState::new("c".into(), 0);
         for n in 0..4 {
-            s.enqueue(delivery(QoS::AtLeastOnce, n), 10);
+            s.enqueue(delivery(QoS::AtLeastOnce, n), QueueLimit::messages(10));
         }
         let mut sent = Vec::new();
         s.pump(Instant::now(), 2, |p| {
@@ -635,14 +758,14 @@ mod tests {
     #[test]
     fn qos2_flow_and_too_large_and_expiry() {
         let mut s = SessionState::new("c".into(), 0);
-        s.enqueue(delivery(QoS::ExactlyOnce, 0), 10);
+        s.enqueue(delivery(QoS::ExactlyOnce, 0), QueueLimit::messages(10));
         s.pump(Instant::now(), 10, |_| Some(Emit::Sent));
         assert_eq!(s.on_pubrec(1, 0), Some(true));
         assert!(!s.on_puback(1));
         assert!(s.on_pubcomp(1));
         assert!(s.inflight.is_empty());
 
-        s.enqueue(delivery(QoS::AtLeastOnce, 1), 10);
+        s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(10));
         s.pump(Instant::now(), 10, |_| Some(Emit::TooLarge));
         assert!(s.inflight.is_empty());
         assert_eq!(s.dropped_too_large, 1);
@@ -653,7 +776,7 @@ mod tests {
         old.message = Arc::new(msg);
         let now = Instant::now();
         old.received_at = now.checked_sub(Duration::from_secs(6)).unwrap();
-        s.enqueue(old, 10);
+        s.enqueue(old, QueueLimit::messages(10));
         s.pump(now, 10, |_| panic!("expired message must not be sent"));
         assert_eq!(s.dropped_expired, 1);
     }
@@ -676,8 +799,8 @@ mod tests {
     fn packet_ids_skip_those_in_flight_and_wrap() {
         let mut s = SessionState::new("c".into(), 0);
         s.next_packet_id = u16::MAX;
-        s.enqueue(delivery(QoS::AtLeastOnce, 0), 10);
-        s.enqueue(delivery(QoS::AtLeastOnce, 1), 10);
+        s.enqueue(delivery(QoS::AtLeastOnce, 0), QueueLimit::messages(10));
+        s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(10));
         let mut ids = Vec::new();
         s.pump(Instant::now(), 10, |p| {
             ids.push(p.packet_id);

@@ -204,3 +204,37 @@ async fn a_client_that_never_reads_is_disconnected_and_others_go_on() {
     assert_eq!(other.publish_acked("x", b"y", 1).await, 0x00);
     drop(stuck);
 }
+
+static BIG: [u8; 400] = [b'x'; 400];
+
+#[tokio::test]
+async fn an_offline_session_queues_up_to_its_byte_bound_and_drops_the_rest() {
+    let s = Server::start(BrokerConfig {
+        max_queued_bytes: 1000,
+        ..BrokerConfig::default()
+    })
+    .await;
+    let (mut sub, _) = Raw::connect(s.addr, "away", true, 300).await;
+    assert_eq!(
+        sub.subscribe("q", 1).await,
+        [SubscribeAckReason::GrantedQos1]
+    );
+    sub.disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    let (mut publisher, _) = Raw::connect(s.addr, "publisher", true, 0).await;
+    // 1 topic byte + 400 payload bytes each: two fit under 1,000 bytes, the other two do not.
+    for packet_id in 1..=4 {
+        // Dropping for one subscriber is not the publisher's failure (MQTT cannot say so).
+        assert_eq!(publisher.publish_acked("q", &BIG, packet_id).await, 0);
+    }
+    let (mut sub, ack) = Raw::connect(s.addr, "away", false, 300).await;
+    assert!(ack.session_present);
+    for _ in 0..2 {
+        assert_eq!(sub.expect_publish().await.payload.len(), 400);
+    }
+    let later = sub.ping().await;
+    assert!(
+        !later.iter().any(|p| matches!(p, Packet::Publish(_))),
+        "only two messages fit the byte bound, got more: {later:?}"
+    );
+}
