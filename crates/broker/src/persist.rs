@@ -45,8 +45,8 @@ pub struct JournalError(pub String);
 pub trait SessionJournal: Send + Sync {
     /// Records `changes` as one unit, after everything recorded before this call. Must not block:
     /// it is called with a session lock held. The broker awaits the result only where MQTT
-    /// acknowledges something (PUBACK/PUBREC, SUBACK, UNSUBACK, CONNACK); other changes are
-    /// recorded and not waited for.
+    /// acknowledges something (PUBACK/PUBREC/PUBCOMP, SUBACK, UNSUBACK, CONNACK); other changes
+    /// are recorded and not waited for.
     fn record(&self, changes: Vec<SessionChange>) -> Durable;
 }
 
