@@ -125,8 +125,7 @@ impl Raw {
     }
 }
 
-async fn qos2_ids_survive(restart: impl FnOnce(&mut Server)) {
-    let mut server = Server::start();
+async fn qos2_ids_survive(mut server: Server, restart: impl FnOnce(&mut Server)) {
     let (mut sub, _) = Raw::connect(server.addr, "q2-sub", true).await;
     let mut subscribe = Subscribe::new(Filter::new(TOPIC, QoS::ExactlyOnce), None);
     subscribe.pkid = 1;
@@ -171,7 +170,7 @@ async fn qos2_ids_survive(restart: impl FnOnce(&mut Server)) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inbound_qos2_ids_survive_a_graceful_restart() {
-    qos2_ids_survive(|server| {
+    qos2_ids_survive(Server::start(), |server| {
         assert!(server.stop().success(), "graceful stop");
         server.restart();
     })
@@ -180,9 +179,44 @@ async fn inbound_qos2_ids_survive_a_graceful_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inbound_qos2_ids_survive_kill9() {
-    qos2_ids_survive(|server| {
+    qos2_ids_survive(Server::start(), |server| {
         server.kill9();
         server.restart();
     })
     .await;
+}
+
+/// With a 1-byte threshold the session log starts a snapshot after a record whenever none is
+/// running: records are made (a persistent session connects) until `data inspect` shows both ids
+/// in the snapshot, then kill -9, and the restart reads them from the snapshot image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbound_qos2_ids_survive_kill9_in_a_snapshot() {
+    let server = Server::start_with(&["--snapshot-threshold-bytes", "1"]);
+    qos2_ids_survive(server, |server| {
+        let deadline = std::time::Instant::now() + WAIT;
+        while snapshot_qos2_ids(server.data_dir()) != Some(2) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no session snapshot with both ids"
+            );
+            tokio::runtime::Handle::current()
+                .block_on(async { Raw::connect(server.addr, "snapshot-poke", true).await });
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server.kill9();
+        server.restart();
+    })
+    .await;
+}
+
+/// The inbound QoS 2 ids the session snapshot holds, as `mqstate data inspect --json` counts them.
+fn snapshot_qos2_ids(dir: &std::path::Path) -> Option<u64> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .args(["data", "inspect", "--json"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "inspect: {out:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    doc["sessions"]["snapshot"]["inbound_qos2_packet_ids"].as_u64()
 }

@@ -56,7 +56,7 @@ pub(super) fn snapshot_counts(state: &[u8]) -> Result<Vec<(&'static str, usize)>
     Ok(vec![
         ("sessions", restored.sessions.len()),
         ("queued messages", messages),
-        ("inbound QoS 2 packet ids awaiting PUBREL", qos2_ids),
+        ("inbound qos2 packet ids", qos2_ids),
         ("delayed wills", wills),
         ("retained messages", restored.retained.len()),
     ])
