@@ -48,9 +48,15 @@ pub(super) fn snapshot_counts(state: &[u8]) -> Result<Vec<(&'static str, usize)>
         .values()
         .filter(|s| s.will.is_some())
         .count();
+    let qos2_ids = restored
+        .sessions
+        .values()
+        .map(|s| s.inbound_qos2.len())
+        .sum();
     Ok(vec![
         ("sessions", restored.sessions.len()),
         ("queued messages", messages),
+        ("inbound qos2 packet ids", qos2_ids),
         ("delayed wills", wills),
         ("retained messages", restored.retained.len()),
     ])
@@ -68,6 +74,8 @@ fn op(change: &SessionChange) -> &'static str {
         SessionChange::Released { .. } => "released",
         SessionChange::Removed { .. } => "removed",
         SessionChange::Deleted { .. } => "deleted",
+        SessionChange::Qos2Received { .. } => "qos2-received",
+        SessionChange::Qos2Released { .. } => "qos2-released",
         SessionChange::WillScheduled { .. } => "will-scheduled",
         SessionChange::WillCancelled { .. } => "will-cancelled",
         SessionChange::RetainedSet { .. } => "retained-set",
@@ -87,6 +95,8 @@ fn client_id(change: &SessionChange) -> Option<&str> {
         | SessionChange::Released { client_id, .. }
         | SessionChange::Removed { client_id, .. }
         | SessionChange::Deleted { client_id }
+        | SessionChange::Qos2Received { client_id, .. }
+        | SessionChange::Qos2Released { client_id, .. }
         | SessionChange::WillScheduled { client_id, .. }
         | SessionChange::WillCancelled { client_id } => Some(client_id),
         SessionChange::RetainedSet { .. } | SessionChange::RetainedCleared { .. } => None,
@@ -159,6 +169,14 @@ fn text(change: &SessionChange, max_bytes: usize) -> String {
             format!("removed {} seq {seq}", id(client_id))
         }
         SessionChange::Deleted { client_id } => format!("deleted {}", id(client_id)),
+        SessionChange::Qos2Received {
+            client_id,
+            packet_id,
+        } => format!("qos2-received {} packet-id {packet_id}", id(client_id)),
+        SessionChange::Qos2Released {
+            client_id,
+            packet_id,
+        } => format!("qos2-released {} packet-id {packet_id}", id(client_id)),
         SessionChange::WillScheduled {
             client_id,
             will,
@@ -202,10 +220,19 @@ mod tests {
                 client_id: "dev\n1".into(),
                 seq: 7,
             },
+            SessionChange::Qos2Received {
+                client_id: "p".into(),
+                packet_id: 9,
+            },
+            SessionChange::Qos2Released {
+                client_id: "p".into(),
+                packet_id: 9,
+            },
         ]);
         assert_eq!(
             describe(&data, 64, false),
-            "created \"dev\\n1\" expiry 60s; removed \"dev\\n1\" seq 7"
+            "created \"dev\\n1\" expiry 60s; removed \"dev\\n1\" seq 7; \
+             qos2-received \"p\" packet-id 9; qos2-released \"p\" packet-id 9"
         );
         let listed: Value = serde_json::from_str(&describe(&data, 64, true)).unwrap();
         assert_eq!(listed[1]["op"], "removed");

@@ -84,6 +84,13 @@ enum Deferred {
         packet_id: u16,
         codes: Vec<u8>,
     },
+    /// A PUBCOMP or failed PUBREC that hands an inbound QoS 2 packet id back to the client, now
+    /// that the id's release is durable.
+    Released {
+        packet_id: u16,
+        kind: AckKind,
+        code: u8,
+    },
 }
 
 type Pending = Pin<Box<dyn Future<Output = Deferred> + Send>>;
@@ -96,10 +103,22 @@ async fn all_durable(durable: Vec<Durable>) -> Result<(), JournalError> {
     Ok(())
 }
 
-/// The PUBACK/PUBREC of a publish, once its service acknowledged it (dropped unacked = 0x80).
-fn service_ack(packet_id: u16, kind: AckKind, rx: oneshot::Receiver<u8>) -> Pending {
+/// The PUBACK/PUBREC of a publish, once its service acknowledged it (dropped unacked = 0x80) and
+/// `journalled` (the packet id of a QoS 2 publish, in a persistent session) is durable.
+fn service_ack(
+    packet_id: u16,
+    kind: AckKind,
+    rx: oneshot::Receiver<u8>,
+    journalled: Option<Durable>,
+) -> Pending {
     Box::pin(async move {
-        let code = rx.await.unwrap_or(reason::UNSPECIFIED);
+        let mut code = rx.await.unwrap_or(reason::UNSPECIFIED);
+        if let Some(durable) = journalled.filter(|_| code < reason::UNSPECIFIED) {
+            if let Err(error) = durable.await {
+                tracing::error!(%error, "publish not acknowledged");
+                code = reason::UNSPECIFIED;
+            }
+        }
         Deferred::Ack {
             packet_id,
             kind,
@@ -119,6 +138,22 @@ fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>) -> Pending 
             }
         };
         Deferred::Ack {
+            packet_id,
+            kind,
+            code,
+        }
+    })
+}
+
+/// The PUBCOMP (or failed PUBREC) of an inbound QoS 2 packet id, once its release is durable.
+fn released_ack(packet_id: u16, kind: AckKind, code: u8, durable: Durable) -> Pending {
+    Box::pin(async move {
+        if let Err(error) = durable.await {
+            // Nothing better to answer: PUBCOMP has no failure code, and withholding it would
+            // leave the client's flow hanging on a connection it cannot retry on.
+            tracing::error!(%error, packet_id, "release of an inbound QoS 2 packet id not durable");
+        }
+        Deferred::Released {
             packet_id,
             kind,
             code,
@@ -792,14 +827,13 @@ impl Connection {
                 }
             }
             Inbound::PubRel { packet_id } => {
-                let known = self.session().lock().inbound_qos2.remove(&packet_id);
-                let code = if known {
-                    reason::SUCCESS
-                } else {
-                    reason::PACKET_ID_NOT_FOUND
-                };
-                self.codec
-                    .ack(AckKind::Complete, packet_id, code, &mut self.out);
+                self.release_qos2(packet_id, AckKind::Complete, |known| {
+                    if known {
+                        reason::SUCCESS
+                    } else {
+                        reason::PACKET_ID_NOT_FOUND
+                    }
+                });
             }
             Inbound::PubComp { packet_id } => {
                 if self.session().lock().on_pubcomp(packet_id) {
@@ -940,27 +974,37 @@ impl Connection {
                     AckKind::Acknowledge
                 }
                 QoS::ExactlyOnce => {
-                    self.session().lock().inbound_qos2.insert(packet_id);
                     self.qos2_awaiting_service.insert(packet_id);
                     AckKind::Received
                 }
             };
-            self.pending.push(service_ack(packet_id, kind, ack));
+            let journalled = (p.qos == QoS::ExactlyOnce)
+                .then(|| self.receive_qos2(packet_id))
+                .flatten();
+            self.pending
+                .push(service_ack(packet_id, kind, ack, journalled));
             return Ok(());
         }
-        let routed = self.inner.router.route(message, Some(&self.client_id));
-        if p.qos != QoS::AtMostOnce && !routed.durable.is_empty() {
+        let mut durable = self
+            .inner
+            .router
+            .route(message, Some(&self.client_id))
+            .durable;
+        if p.qos == QoS::ExactlyOnce {
+            // Recorded after the deliveries, so the log never holds the id without them: a retry
+            // after a restart is only taken for a duplicate when the original's deliveries survived.
+            durable.extend(self.receive_qos2(packet_id));
+        }
+        if p.qos != QoS::AtMostOnce && !durable.is_empty() {
             // It changed durable state: acknowledge once that is on disk.
             let kind = if p.qos == QoS::AtLeastOnce {
                 self.inbound_qos1_pending += 1;
                 AckKind::Acknowledge
             } else {
-                self.session().lock().inbound_qos2.insert(packet_id);
                 self.qos2_awaiting_service.insert(packet_id);
                 AckKind::Received
             };
-            self.pending
-                .push(durable_ack(packet_id, kind, routed.durable));
+            self.pending.push(durable_ack(packet_id, kind, durable));
             return Ok(());
         }
         match p.qos {
@@ -972,12 +1016,38 @@ impl Connection {
                 &mut self.out,
             ),
             QoS::ExactlyOnce => {
-                self.session().lock().inbound_qos2.insert(packet_id);
                 self.codec
-                    .ack(AckKind::Received, packet_id, reason::SUCCESS, &mut self.out);
+                    .ack(AckKind::Received, packet_id, reason::SUCCESS, &mut self.out)
             }
         }
         Ok(())
+    }
+
+    /// Takes in an inbound QoS 2 packet id; returns when that is durable if the session is
+    /// persistent.
+    fn receive_qos2(&self, packet_id: u16) -> Option<Durable> {
+        let mut session = self.session().lock();
+        session.receive_qos2(packet_id);
+        session.commit()
+    }
+
+    /// Releases an inbound QoS 2 packet id and sends the `kind` ack that tells the client (with the
+    /// code `code` picks from whether the id was in use). In a persistent session the ack waits
+    /// until the release is durable: the client reuses the id once it has the ack, and a release
+    /// lost in a crash would bring the id back at restart, so that the next publish with it, if
+    /// retried after the restart, would be taken for a retry of the old one and never routed.
+    fn release_qos2(&mut self, packet_id: u16, kind: AckKind, code: impl FnOnce(bool) -> u8) {
+        let (code, durable) = {
+            let mut session = self.session().lock();
+            let known = session.release_qos2(packet_id);
+            (code(known), session.commit())
+        };
+        match durable {
+            Some(durable) => self
+                .pending
+                .push(released_ack(packet_id, kind, code, durable)),
+            None => self.codec.ack(kind, packet_id, code, &mut self.out),
+        }
     }
 
     fn on_deferred(&mut self, deferred: Deferred) {
@@ -995,6 +1065,11 @@ impl Connection {
             Deferred::UnsubAck { packet_id, codes } => {
                 self.codec.unsuback(packet_id, codes, &mut self.out)
             }
+            Deferred::Released {
+                packet_id,
+                kind,
+                code,
+            } => self.codec.ack(kind, packet_id, code, &mut self.out),
         }
     }
 
@@ -1033,7 +1108,8 @@ impl Connection {
                 self.qos2_awaiting_service.remove(&packet_id);
                 if code >= reason::UNSPECIFIED {
                     // A failed PUBREC ends the QoS 2 flow: no PUBREL will come.
-                    self.session().lock().inbound_qos2.remove(&packet_id);
+                    self.release_qos2(packet_id, kind, |_| code);
+                    return;
                 }
             }
             AckKind::Release | AckKind::Complete => {

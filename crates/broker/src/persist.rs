@@ -6,7 +6,8 @@
 //!
 //! What is journalled: sessions with a Session Expiry Interval above 0 (clean, expiry-0 sessions
 //! cost nothing), their subscriptions, their QoS 1/2 messages (queued and in flight, with the packet
-//! id and phase), their pending delayed will, and every retained message. QoS 0 messages are not.
+//! id and phase), the packet ids of their inbound QoS 2 publishes awaiting PUBREL, their pending
+//! delayed will, and every retained message. QoS 0 messages are not.
 //!
 //! Ordering contract: every change about one session is recorded while that session's lock is held,
 //! so the journal sees a session's changes in the order they were made. Each change is an
@@ -44,8 +45,8 @@ pub struct JournalError(pub String);
 pub trait SessionJournal: Send + Sync {
     /// Records `changes` as one unit, after everything recorded before this call. Must not block:
     /// it is called with a session lock held. The broker awaits the result only where MQTT
-    /// acknowledges something (PUBACK/PUBREC, SUBACK, UNSUBACK, CONNACK); other changes are
-    /// recorded and not waited for.
+    /// acknowledges something (PUBACK/PUBREC/PUBCOMP, SUBACK, UNSUBACK, CONNACK); other changes
+    /// are recorded and not waited for.
     fn record(&self, changes: Vec<SessionChange>) -> Durable;
 }
 
@@ -107,6 +108,11 @@ pub enum SessionChange {
     Removed { client_id: Arc<str>, seq: u64 },
     /// The session ended (expired, discarded by Clean Start, or no longer persistent).
     Deleted { client_id: Arc<str> },
+    /// The client's QoS 2 PUBLISH with `packet_id` was received and routed: a retry of it must
+    /// not be routed again until PUBREL releases the id.
+    Qos2Received { client_id: Arc<str>, packet_id: u16 },
+    /// PUBREL released the inbound QoS 2 `packet_id` (or its PUBREC failed): the client may reuse it.
+    Qos2Released { client_id: Arc<str>, packet_id: u16 },
     /// A delayed will is due at `at_ms` unless the client reconnects first.
     WillScheduled {
         client_id: Arc<str>,

@@ -346,6 +346,7 @@ impl Broker {
             let mut state = SessionState::new(client_id.clone(), stored.expiry_secs);
             state.journalled = inner.journal.is_some();
             state.in_journal = state.journalled && stored.expiry_secs > 0;
+            state.inbound_qos2 = stored.inbound_qos2;
             for (seq, entry) in stored.messages {
                 let d = Delivery {
                     message: entry.message.message,

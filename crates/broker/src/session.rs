@@ -224,6 +224,30 @@ impl SessionState {
         });
     }
 
+    /// The client's QoS 2 PUBLISH `packet_id` was received and routed: until PUBREL releases the
+    /// id, a retry of it is acknowledged and not routed again.
+    pub(crate) fn receive_qos2(&mut self, packet_id: u16) {
+        if self.inbound_qos2.insert(packet_id) {
+            self.note(|client_id| SessionChange::Qos2Received {
+                client_id,
+                packet_id,
+            });
+        }
+    }
+
+    /// Releases an inbound QoS 2 packet id (PUBREL, or a failed PUBREC ended the flow); returns
+    /// whether it was in use.
+    pub(crate) fn release_qos2(&mut self, packet_id: u16) -> bool {
+        let known = self.inbound_qos2.remove(&packet_id);
+        if known {
+            self.note(|client_id| SessionChange::Qos2Released {
+                client_id,
+                packet_id,
+            });
+        }
+        known
+    }
+
     /// Removes a subscription; returns whether it existed.
     pub(crate) fn unsubscribe(&mut self, filter: &ByteString) -> bool {
         let existed = self.subscriptions.remove(filter).is_some();
@@ -235,7 +259,8 @@ impl SessionState {
     }
 
     /// The changes that recreate this session from nothing: created, (detached), subscriptions,
-    /// then its QoS 1/2 messages in flight and queued. `now`/`now_ms` convert `Instant`s.
+    /// inbound QoS 2 packet ids awaiting PUBREL, then its QoS 1/2 messages in flight and queued.
+    /// `now`/`now_ms` convert `Instant`s.
     pub(crate) fn image(&self, now: Instant, now_ms: u64) -> Vec<SessionChange> {
         let client_id = &self.client_id;
         let mut image = vec![SessionChange::Created {
@@ -254,6 +279,12 @@ impl SessionState {
                 client_id: client_id.clone(),
                 filter: filter.clone(),
                 options: *options,
+            });
+        }
+        for &packet_id in &self.inbound_qos2 {
+            image.push(SessionChange::Qos2Received {
+                client_id: client_id.clone(),
+                packet_id,
             });
         }
         for (&packet_id, f) in &self.inflight {
@@ -792,6 +823,57 @@ mod tests {
         assert_eq!(
             d.remaining_expiry(d.received_at + Duration::from_secs(10)),
             Err(())
+        );
+    }
+
+    #[test]
+    fn inbound_qos2_ids_are_journalled_only_for_persistent_sessions() {
+        let mut clean = SessionState::new("c".into(), 0);
+        clean.journalled = true;
+        clean.set_expiry(0);
+        clean.receive_qos2(5);
+        assert!(clean.release_qos2(5));
+        assert!(clean.changes.is_empty(), "{:?}", clean.changes);
+
+        let mut s = SessionState::new("p".into(), 0);
+        s.journalled = true;
+        s.set_expiry(60);
+        s.changes.clear();
+        s.receive_qos2(5);
+        s.receive_qos2(5);
+        s.receive_qos2(6);
+        assert!(s.release_qos2(5));
+        assert!(!s.release_qos2(5), "a second PUBREL finds nothing");
+        let id = |packet_id| (Arc::<str>::from("p"), packet_id);
+        let noted: Vec<_> = s
+            .changes
+            .drain(..)
+            .map(|c| match c {
+                SessionChange::Qos2Received {
+                    client_id,
+                    packet_id,
+                } => ('Q', (client_id, packet_id)),
+                SessionChange::Qos2Released {
+                    client_id,
+                    packet_id,
+                } => ('q', (client_id, packet_id)),
+                other => panic!("unexpected change {other:?}"),
+            })
+            .collect();
+        assert_eq!(noted, vec![('Q', id(5)), ('Q', id(6)), ('q', id(5))]);
+        let image = s.image(Instant::now(), clock::now_ms());
+        assert!(image.contains(&SessionChange::Qos2Received {
+            client_id: "p".into(),
+            packet_id: 6
+        }));
+        let mut restored = crate::persist::Restored::default();
+        for change in image {
+            restored.apply(change);
+        }
+        assert_eq!(
+            restored.sessions["p"].inbound_qos2,
+            BTreeSet::from([6]),
+            "the image restores the ids in use"
         );
     }
 

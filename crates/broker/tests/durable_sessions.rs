@@ -225,3 +225,170 @@ async fn restore_drops_sessions_that_expired_while_down_and_publishes_due_wills(
     let (_, ack) = Raw::connect(s2.addr, "long", false, 3600).await;
     assert!(ack.session_present, "the unexpired session is resumed");
 }
+
+async fn pubrel(c: &mut Raw, packet_id: u16) {
+    c.send(Packet::PublishRelease(v5::PublishAck2 {
+        packet_id: pid(packet_id),
+        reason_code: v5::PublishAck2Reason::Success,
+        properties: vec![],
+        reason_string: None,
+    }))
+    .await;
+}
+
+/// A retry of a QoS 2 publish, as a client re-sends it after reconnecting.
+async fn publish_dup(c: &mut Raw, topic: &str, payload: &'static [u8], packet_id: u16) {
+    c.send(Packet::Publish(Box::new(rmqtt_codec::types::Publish {
+        dup: true,
+        retain: false,
+        qos: qos(2),
+        topic: topic.into(),
+        packet_id: Some(pid(packet_id)),
+        payload: bytes::Bytes::from_static(payload),
+        properties: Some(v5::PublishProperties::default()),
+    })))
+    .await;
+}
+
+/// The packet id and reason code of the next packet, which must be a PUBREC.
+async fn expect_pubrec(c: &mut Raw) -> (u16, u8) {
+    match c.expect().await {
+        Packet::PublishReceived(a) => (a.packet_id.get(), a.reason_code.into()),
+        other => panic!("expected PUBREC, got {other:?}"),
+    }
+}
+
+/// The packet id and reason code of the next packet, which must be a PUBCOMP.
+async fn expect_pubcomp(c: &mut Raw) -> (u16, u8) {
+    match c.expect().await {
+        Packet::PublishComplete(a) => (a.packet_id.get(), a.reason_code.into()),
+        other => panic!("expected PUBCOMP, got {other:?}"),
+    }
+}
+
+fn qos2_ids(journal: &MemoryJournal, of: &str) -> Vec<(char, u16)> {
+    journal
+        .changes
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|c| match c {
+            SessionChange::Qos2Received {
+                client_id,
+                packet_id,
+            } if &**client_id == of => Some(('Q', *packet_id)),
+            SessionChange::Qos2Released {
+                client_id,
+                packet_id,
+            } if &**client_id == of => Some(('q', *packet_id)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn inbound_qos2_ids_survive_a_restore_so_pubrel_completes_and_a_retry_is_not_routed_twice() {
+    let journal = MemoryJournal::new();
+    let mut s = journalled(&journal).await;
+    let (mut sub, _) = Raw::connect(s.addr, "sub", false, 600).await;
+    sub.subscribe("q/#", 2).await;
+    sub.disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    let (mut publisher, _) = Raw::connect(s.addr, "pub", false, 600).await;
+
+    // Nobody subscribes to q-none, yet the PUBREC still waits: it promises the id is kept.
+    journal.set_open(false);
+    publisher.publish("q-none", b"none", 2, 6, false).await;
+    publisher.publish("q/1", b"released", 2, 7, false).await;
+    publisher.publish("q/2", b"retried", 2, 8, false).await;
+    let before = publisher.ping().await;
+    assert!(
+        before.is_empty(),
+        "PUBREC sent before the packet id was durable: {before:?}"
+    );
+    journal.set_open(true);
+    let mut recs = vec![
+        expect_pubrec(&mut publisher).await,
+        expect_pubrec(&mut publisher).await,
+        expect_pubrec(&mut publisher).await,
+    ];
+    recs.sort_unstable();
+    assert_eq!(recs, vec![(6, 0), (7, 0), (8, 0)]);
+    pubrel(&mut publisher, 6).await;
+    assert_eq!(expect_pubcomp(&mut publisher).await, (6, 0));
+    assert_eq!(
+        qos2_ids(&journal, "pub"),
+        vec![('Q', 6), ('Q', 7), ('Q', 8), ('q', 6)]
+    );
+    // The "crash": 7 got its PUBREC (PUBREL comes after the restart), 8's PUBREC was "lost".
+    drop(publisher);
+    s.shutdown();
+
+    let restored = journal.replay();
+    assert_eq!(
+        restored.sessions["pub"].inbound_qos2,
+        std::collections::BTreeSet::from([7, 8])
+    );
+    let broker = Broker::builder(BrokerConfig::default())
+        .journal(journal.clone())
+        .build();
+    broker.restore(restored, now_ms());
+    let s2 = Server::serve(broker).await;
+    let (mut publisher, ack) = Raw::connect(s2.addr, "pub", false, 600).await;
+    assert!(ack.session_present);
+    pubrel(&mut publisher, 7).await;
+    assert_eq!(
+        expect_pubcomp(&mut publisher).await,
+        (7, 0),
+        "PUBREL after the restore completes with Success, not 0x92"
+    );
+    publish_dup(&mut publisher, "q/2", b"retried", 8).await;
+    assert_eq!(expect_pubrec(&mut publisher).await, (8, 0));
+    pubrel(&mut publisher, 8).await;
+    assert_eq!(expect_pubcomp(&mut publisher).await, (8, 0));
+    // A released id is free again: a new publish with it is routed, not taken for a retry.
+    publisher.publish("q/3", b"reused", 2, 7, false).await;
+    assert_eq!(expect_pubrec(&mut publisher).await, (7, 0));
+
+    let (mut sub, ack) = Raw::connect(s2.addr, "sub", false, 600).await;
+    assert!(ack.session_present);
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let p = sub.expect_publish().await;
+        got.push(String::from_utf8(p.payload.to_vec()).unwrap());
+    }
+    assert_eq!(got, vec!["released", "retried", "reused"]);
+    let more = sub.ping().await;
+    assert!(
+        more.is_empty(),
+        "the retried QoS 2 publish was delivered twice: {more:?}"
+    );
+}
+
+#[tokio::test]
+async fn pubcomp_waits_for_the_release_and_clean_sessions_journal_no_ids() {
+    let journal = MemoryJournal::new();
+    let s = journalled(&journal).await;
+    let (mut publisher, _) = Raw::connect(s.addr, "pub", false, 600).await;
+    publisher.publish("t", b"x", 2, 3, false).await;
+    assert_eq!(expect_pubrec(&mut publisher).await, (3, 0));
+    journal.set_open(false);
+    pubrel(&mut publisher, 3).await;
+    let before = publisher.ping().await;
+    assert!(
+        before.is_empty(),
+        "PUBCOMP sent before the release of the id was durable: {before:?}"
+    );
+    journal.set_open(true);
+    assert_eq!(expect_pubcomp(&mut publisher).await, (3, 0));
+    assert_eq!(qos2_ids(&journal, "pub"), vec![('Q', 3), ('q', 3)]);
+
+    // A clean session neither records ids nor waits for the journal.
+    journal.set_open(false);
+    let (mut clean, _) = Raw::connect(s.addr, "clean", true, 0).await;
+    clean.publish("t", b"y", 2, 3, false).await;
+    assert_eq!(expect_pubrec(&mut clean).await, (3, 0));
+    pubrel(&mut clean, 3).await;
+    assert_eq!(expect_pubcomp(&mut clean).await, (3, 0));
+    assert!(qos2_ids(&journal, "clean").is_empty());
+}

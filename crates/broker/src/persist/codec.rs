@@ -31,6 +31,8 @@ const SENT: u8 = b'P';
 const RELEASED: u8 = b'L';
 const REMOVED: u8 = b'R';
 const DELETED: u8 = b'D';
+const QOS2_RECEIVED: u8 = b'Q';
+const QOS2_RELEASED: u8 = b'q';
 const WILL_SCHEDULED: u8 = b'W';
 const WILL_CANCELLED: u8 = b'w';
 const RETAINED_SET: u8 = b'T';
@@ -177,6 +179,22 @@ fn encode_change(change: &SessionChange, out: &mut BytesMut) {
         SessionChange::Deleted { client_id } => {
             out.put_u8(DELETED);
             put_bin(out, client_id.as_bytes());
+        }
+        SessionChange::Qos2Received {
+            client_id,
+            packet_id,
+        } => {
+            out.put_u8(QOS2_RECEIVED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u16(*packet_id);
+        }
+        SessionChange::Qos2Released {
+            client_id,
+            packet_id,
+        } => {
+            out.put_u8(QOS2_RELEASED);
+            put_bin(out, client_id.as_bytes());
+            out.put_u16(*packet_id);
         }
         SessionChange::WillScheduled {
             client_id,
@@ -487,6 +505,14 @@ fn decode_change(r: &mut Reader<'_>) -> Result<SessionChange, DecodeError> {
         DELETED => SessionChange::Deleted {
             client_id: r.client_id()?,
         },
+        QOS2_RECEIVED => SessionChange::Qos2Received {
+            client_id: r.client_id()?,
+            packet_id: r.u16("packet id")?,
+        },
+        QOS2_RELEASED => SessionChange::Qos2Released {
+            client_id: r.client_id()?,
+            packet_id: r.u16("packet id")?,
+        },
         WILL_SCHEDULED => {
             let client_id = r.client_id()?;
             let message = decode_message(r)?;
@@ -653,6 +679,18 @@ mod tests {
             (id(), any::<u64>())
                 .prop_map(|(client_id, seq)| SessionChange::Removed { client_id, seq }),
             id().prop_map(|client_id| SessionChange::Deleted { client_id }),
+            (id(), any::<u16>()).prop_map(|(client_id, packet_id)| {
+                SessionChange::Qos2Received {
+                    client_id,
+                    packet_id,
+                }
+            }),
+            (id(), any::<u16>()).prop_map(|(client_id, packet_id)| {
+                SessionChange::Qos2Released {
+                    client_id,
+                    packet_id,
+                }
+            }),
             (id(), message(), any::<u32>(), any::<u64>()).prop_map(
                 |(client_id, message, delay_secs, at_ms)| SessionChange::WillScheduled {
                     client_id,
@@ -693,7 +731,7 @@ mod tests {
     }
 
     #[test]
-    fn layout_of_a_removal_is_stable() {
+    fn layouts_of_a_removal_and_an_inbound_qos2_id_are_stable() {
         let bytes = encode_changes(&[SessionChange::Removed {
             client_id: "c".into(),
             seq: 7,
@@ -701,6 +739,14 @@ mod tests {
         assert_eq!(
             &bytes[..],
             &[1, 0, 0, 0, 1, b'R', 0, 0, 0, 1, b'c', 0, 0, 0, 0, 0, 0, 0, 7]
+        );
+        let bytes = encode_changes(&[SessionChange::Qos2Received {
+            client_id: "c".into(),
+            packet_id: 0x1234,
+        }]);
+        assert_eq!(
+            &bytes[..],
+            &[1, 0, 0, 0, 1, b'Q', 0, 0, 0, 1, b'c', 0x12, 0x34]
         );
         assert_eq!(
             decode_changes(&[2, 0, 0, 0, 0]),

@@ -2,7 +2,7 @@
 //! the records after it) and ends up with what the broker had. Every change is an assignment, so a
 //! change applied twice (once in the image, once from the log) does no harm.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use bytestring::ByteString;
@@ -30,6 +30,8 @@ pub struct StoredSession {
     pub messages: BTreeMap<u64, StoredEntry>,
     /// Delayed will and when it is due (wall-clock ms).
     pub will: Option<(Will, u64)>,
+    /// Packet ids of inbound QoS 2 publishes received and not yet released by PUBREL.
+    pub inbound_qos2: BTreeSet<u16>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,6 +131,22 @@ impl Restored {
             }
             SessionChange::Deleted { client_id } => {
                 self.sessions.remove(&client_id);
+            }
+            SessionChange::Qos2Received {
+                client_id,
+                packet_id,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.inbound_qos2.insert(packet_id);
+                }
+            }
+            SessionChange::Qos2Released {
+                client_id,
+                packet_id,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.inbound_qos2.remove(&packet_id);
+                }
             }
             SessionChange::WillScheduled {
                 client_id,
