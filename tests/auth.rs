@@ -8,14 +8,11 @@ mod common;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use azure_iot_operations_mqtt::aio::connection_settings::MqttConnectionSettingsBuilder;
-use azure_iot_operations_mqtt::session::{Session, SessionOptionsBuilder};
-use azure_iot_operations_protocol::application::ApplicationContextBuilder;
 use azure_iot_operations_services::state_store::{self, ErrorKind, ServiceError, SetOptions};
 use bytes::Bytes;
+use common::sdk::SdkClient;
 use rumqttc::v5::mqttbytes::v5::{
     ConnectProperties, ConnectReturnCode, Packet, PubAckReason, PublishProperties,
     SubscribeReasonCode,
@@ -408,42 +405,6 @@ async fn acl_allows_and_denies_topics_with_substitution() {
     );
 }
 
-/// An official SDK state-store client on a session with client id `id`.
-async fn sdk_client(
-    port: u16,
-    id: &str,
-) -> (Arc<state_store::Client>, tokio::task::JoinHandle<()>) {
-    let settings = MqttConnectionSettingsBuilder::default()
-        .client_id(id)
-        .hostname("127.0.0.1")
-        .tcp_port(port)
-        .use_tls(false)
-        .build()
-        .unwrap();
-    let options = SessionOptionsBuilder::default()
-        .connection_settings(settings)
-        .build()
-        .unwrap();
-    let session = Session::new(options).unwrap();
-    let store = state_store::Client::new(
-        ApplicationContextBuilder::default().build().unwrap(),
-        session.create_managed_client(),
-        session.create_session_monitor(),
-        state_store::ClientOptionsBuilder::default()
-            .build()
-            .unwrap(),
-    )
-    .unwrap();
-    let monitor = session.create_session_monitor();
-    let task = tokio::spawn(async move {
-        let _ = session.run().await;
-    });
-    tokio::time::timeout(WAIT, monitor.connected())
-        .await
-        .expect("SDK session did not connect");
-    (Arc::new(store), task)
-}
-
 fn not_authorized(result: Result<impl std::fmt::Debug, state_store::Error>) -> bool {
     match result {
         Err(e) => matches!(
@@ -467,7 +428,8 @@ async fn key_acl_through_the_official_sdk() {
     )
     .unwrap();
     let server = common::Server::start_with(&["--acl-file", acl.to_str().unwrap()]);
-    let (store, _task) = sdk_client(server.port(), "sdk-keys").await;
+    let sdk = SdkClient::connect(server.port(), "sdk-keys").await;
+    let store = &sdk.store;
     let t = Duration::from_secs(10);
 
     let set = store
@@ -579,7 +541,8 @@ async fn built_in_rules_hold_without_configuration() {
     // A client never receives another's notifications, even subscribed to everything.
     let (spy, mut spy_events) = connect(options(port, "spy")).await.unwrap();
     assert_eq!(subscribe_result(&spy, &mut spy_events, "#").await, Ok(()));
-    let (store, _task) = sdk_client(port, "watcher").await;
+    let sdk = SdkClient::connect(port, "watcher").await;
+    let store = &sdk.store;
     let t = Duration::from_secs(10);
     let mut observation = store.observe(b"k".to_vec(), t).await.unwrap().response;
     store

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod mqtt;
+pub mod sdk;
 pub mod state;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
