@@ -69,6 +69,10 @@ pub struct BenchArgs {
     /// Connections (state-store mode, idle mode and responder).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
     pub connections: u16,
+    /// Threads of the load generator. One, like redis-benchmark, leaves the most CPU to a server on the
+    /// same machine and needs no hand-offs between threads; more when one core cannot drive the server.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: u16,
     /// Requests in flight per connection (pubsub: outgoing QoS 1 window per publisher).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub inflight: u16,
@@ -116,6 +120,16 @@ pub struct BenchArgs {
     pub plot: Option<PathBuf>,
     #[command(flatten)]
     pub conn: ConnectionArgs,
+}
+
+/// The async runtime a bench command runs on: `--threads` workers, the current thread alone for one.
+pub fn runtime(args: &BenchArgs) -> tokio::runtime::Builder {
+    if args.threads == 1 {
+        return tokio::runtime::Builder::new_current_thread();
+    }
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(usize::from(args.threads));
+    builder
 }
 
 pub async fn run(args: BenchArgs) -> ExitCode {

@@ -157,7 +157,7 @@ async fn publish_until_stopped(
                 return link.flush().await;
             }
             let payload = stamped_payload(size, unix_us(SystemTime::now()));
-            link.publish(wire::publish(topic, qos, payload, None))?;
+            link.publish(&mut wire::publish(topic, qos, payload, None))?;
             published.fetch_add(1, Ordering::Relaxed);
             queued += 1;
         }

@@ -112,13 +112,13 @@ async fn serve(
             };
             link.acknowledge(&request)?;
             if let Some((topic, properties)) = reply_to(&request, &client_id, &mut clock) {
-                let reply = wire::publish(
+                let mut reply = wire::publish(
                     &Bytes::from(topic),
                     QoS::AtLeastOnce,
                     Bytes::from_static(OK),
                     Some(properties),
                 );
-                link.publish(reply)?;
+                link.publish(&mut reply)?;
                 answered.fetch_add(1, Ordering::Relaxed);
             }
         }

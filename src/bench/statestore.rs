@@ -3,12 +3,13 @@
 //! with the next requests (one write per turn, [`wire`](super::wire)).
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use mqstate_protocol::topic::{INVOKE_TOPIC, NOTIFY_TOPIC_PREFIX};
-use mqstate_protocol::{encode_request, HybridClock};
+use mqstate_protocol::{encode_request, Hlc, HybridClock};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use rumqttc::v5::mqttbytes::v5::{Filter, Publish};
@@ -151,7 +152,17 @@ impl Worker {
         let mut rng = StdRng::seed_from_u64(self.seed ^ rand::random::<u64>());
         let value: Bytes = value_of_size(self.value_size, &mut rng);
         let mut clock: HybridClock = rpc::client_clock(&self.client_id);
+        // One PUBLISH for every request: only payload, correlation data and timestamp change.
+        let properties = rpc::request_properties(
+            &self.client_id,
+            &self.response_topic,
+            Bytes::new(),
+            &clock.now(rpc::now_ms()),
+            None,
+            self.timeout,
+        );
         let invoke = Bytes::from_static(INVOKE_TOPIC.as_bytes());
+        let mut request = wire::publish(&invoke, QoS::AtLeastOnce, Bytes::new(), Some(properties));
         let mut seq = 0u64;
         // Set once the run is over: the last moment to wait for outstanding replies.
         let mut deadline: Option<Instant> = None;
@@ -172,22 +183,13 @@ impl Worker {
                 let op = self.mix.pick(&mut rng);
                 let key = key_name(self.chooser.pick(&mut rng));
                 seq += 1;
-                let ts = clock.now(rpc::now_ms());
-                let properties = rpc::request_properties(
-                    &self.client_id,
-                    &self.response_topic,
+                request.payload = encode_request(&op.request(&key, &value));
+                restamp(
+                    &mut request,
                     rpc::correlation(seq),
-                    &ts,
-                    None,
-                    self.timeout,
+                    &clock.now(rpc::now_ms()),
                 );
-                let payload = encode_request(&op.request(&key, &value));
-                link.publish(wire::publish(
-                    &invoke,
-                    QoS::AtLeastOnce,
-                    payload,
-                    Some(properties),
-                ))?;
+                link.publish(&mut request)?;
                 pending.insert(seq, (Instant::now(), op));
             }
             link.flush().await?;
@@ -233,6 +235,24 @@ impl Worker {
     }
 }
 
+/// Gives a request from [`rpc::request_properties`] new correlation data and a new `__ts`, reusing
+/// the rest: allocating every property afresh per request would be CPU taken from the server.
+fn restamp(request: &mut Publish, correlation: Bytes, ts: &Hlc) {
+    let Some(properties) = request.properties.as_mut() else {
+        return;
+    };
+    properties.correlation_data = Some(correlation);
+    if let Some((_, value)) = properties
+        .user_properties
+        .iter_mut()
+        .find(|(name, _)| name == rpc::TIMESTAMP)
+    {
+        value.clear();
+        // Writing into a String cannot fail.
+        let _ = write!(value, "{ts}");
+    }
+}
+
 /// Upper-case base16, as notification topics spell client ids (spec §6).
 fn hex_upper(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02X}")).collect()
@@ -241,6 +261,32 @@ fn hex_upper(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn restamping_changes_only_correlation_and_timestamp() {
+        let mut clock = rpc::client_clock("c");
+        let (first, second) = (clock.now(1), clock.now(2));
+        let properties = rpc::request_properties(
+            "c",
+            "clients/c/resp",
+            rpc::correlation(1),
+            &first,
+            None,
+            std::time::Duration::from_secs(5),
+        );
+        let topic = Bytes::from_static(INVOKE_TOPIC.as_bytes());
+        let mut request = wire::publish(&topic, QoS::AtLeastOnce, Bytes::new(), Some(properties));
+        restamp(&mut request, rpc::correlation(2), &second);
+        let expected = rpc::request_properties(
+            "c",
+            "clients/c/resp",
+            rpc::correlation(2),
+            &second,
+            None,
+            std::time::Duration::from_secs(5),
+        );
+        assert_eq!(request.properties, Some(expected));
+    }
 
     #[test]
     fn notification_topics_use_upper_case_hex() {

@@ -152,8 +152,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     }
 
     /// Queues a PUBLISH for the next [`Conn::flush`]; a QoS 1 one takes a slot of the window, which
-    /// must be open.
-    pub fn publish(&mut self, mut publish: Publish) -> Result<(), String> {
+    /// must be open, and its packet id is set. By reference, so a caller can reuse one PUBLISH.
+    pub fn publish(&mut self, publish: &mut Publish) -> Result<(), String> {
         if publish.qos != QoS::AtMostOnce {
             publish.pkid = self
                 .ids
@@ -642,14 +642,14 @@ mod tests {
         let topic = Bytes::from_static(b"req");
         let request = || publish(&topic, QoS::AtLeastOnce, Bytes::from_static(b"x"), None);
         assert!(conn.window_open());
-        conn.publish(request()).unwrap();
+        conn.publish(&mut request()).unwrap();
         conn.flush().await.unwrap();
         let Packet::Publish(first) = broker.next().await else {
             panic!("expected PUBLISH")
         };
         // The window of one is full until the PUBACK arrives.
         assert!(!conn.window_open());
-        assert!(conn.publish(request()).is_err());
+        assert!(conn.publish(&mut request()).is_err());
         broker
             .send(&bytes_of(&Packet::PubAck(PubAck::new(first.pkid, None))))
             .await;
@@ -657,7 +657,7 @@ mod tests {
             conn.read().await.unwrap();
             assert!(conn.next().unwrap().is_none());
         }
-        conn.publish(request()).unwrap();
+        conn.publish(&mut request()).unwrap();
         conn.flush().await.unwrap();
         let Packet::Publish(second) = broker.next().await else {
             panic!("expected PUBLISH")
@@ -674,7 +674,7 @@ mod tests {
         let got = next_publish(&mut conn).await.unwrap();
         conn.acknowledge(&got).unwrap();
         let topic = Bytes::from_static(b"req");
-        conn.publish(publish(&topic, QoS::AtLeastOnce, Bytes::new(), None))
+        conn.publish(&mut publish(&topic, QoS::AtLeastOnce, Bytes::new(), None))
             .unwrap();
         conn.flush().await.unwrap();
         // One read on the broker's side holds both packets.
@@ -737,7 +737,7 @@ mod tests {
         let (mut conn, mut broker) = connected(connack(None), options(8, Vec::new())).await;
         let topic = Bytes::from_static(b"t");
         for _ in 0..3 {
-            conn.publish(publish(
+            conn.publish(&mut publish(
                 &topic,
                 QoS::AtMostOnce,
                 Bytes::from_static(b"q0"),
