@@ -1,7 +1,8 @@
 //! TLS and WebSocket listeners of the real `mqstate serve`: TLS 1.2 and 1.3 with a real MQTT client
 //! (rumqttc), refused certificates (unknown CA, expired, missing), mTLS identity as the client id,
 //! reloading the certificate without dropping connections, MQTT over ws:// and wss://, and the CLI
-//! (the AIO SDK's TLS) against a TLS listener. Every certificate is made here with rcgen.
+//! (the AIO SDK's TLS) and `bench` (its own client over tokio-rustls) against a TLS listener. Every
+//! certificate is made here with rcgen.
 
 mod common;
 
