@@ -168,12 +168,14 @@ async fn publish_until_stopped(
                 return Ok(());
             }
         } else {
-            // Room to publish more: look at what arrived without waiting for anything.
+            // Room to publish more: look at what arrived without waiting for anything, then let the
+            // subscribers (maybe on this very thread) have their turn before flooding on.
             tokio::select! {
                 biased;
                 turn = link.read() => drop(turn?),
                 () = std::future::ready(()) => {}
             }
+            tokio::task::yield_now().await;
         }
     }
 }
