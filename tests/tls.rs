@@ -1,7 +1,8 @@
 //! TLS and WebSocket listeners of the real `mqstate serve`: TLS 1.2 and 1.3 with a real MQTT client
 //! (rumqttc), refused certificates (unknown CA, expired, missing), mTLS identity as the client id,
 //! reloading the certificate without dropping connections, MQTT over ws:// and wss://, and the CLI
-//! (the AIO SDK's TLS) against a TLS listener. Every certificate is made here with rcgen.
+//! (the AIO SDK's TLS) and `bench` (its own client over tokio-rustls) against a TLS listener. Every
+//! certificate is made here with rcgen.
 
 mod common;
 
@@ -618,4 +619,58 @@ fn cli_works_over_tls_and_mtls() {
     // mTLS is required on this listener: without a client certificate the CLI fails.
     let refused = cli(addr, &["get", "greeting"], &trust);
     assert!(!refused.status.success(), "{refused:?}");
+}
+
+#[test]
+fn bench_runs_over_tls_and_mtls() {
+    let ca = Ca::new("test CA");
+    let files = Files::new();
+    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let ca_file = files.write("ca.pem", &ca.pem);
+    let client = ca.leaf("bench-user", &[], false);
+    let (_server, addr) = start(
+        "tls",
+        &tls_args(&cert, &key, &["--tls-client-ca", &arg(&ca_file)]),
+    );
+    let report = files.dir.path().join("report.json");
+    let with_cert = vec![
+        "--ca".to_owned(),
+        arg(&ca_file),
+        "--cert".to_owned(),
+        arg(&files.write("client.pem", &client.pem)),
+        "--key".to_owned(),
+        arg(&files.write("client.key", &client.key_pem)),
+    ];
+    let run = |tls: &[String]| {
+        cli(
+            addr,
+            &[
+                "bench",
+                "--requests",
+                "300",
+                "--connections",
+                "2",
+                "--inflight",
+                "4",
+                "--mix",
+                "set=50,get=50",
+                "--json",
+                &arg(&report),
+            ],
+            tls,
+        )
+    };
+    let out = run(&with_cert);
+    assert!(out.status.success(), "{out:?}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(report["ops"], 300, "{report:#}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report:#}");
+    // mTLS is required on this listener: without a client certificate no connection opens.
+    let refused = run(&with_cert[..2]);
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains(&addr.port().to_string()),
+        "the error names the address: {refused:?}"
+    );
 }

@@ -10,8 +10,9 @@ use rumqttc::v5::mqttbytes::v5::Filter;
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::task::JoinSet;
 
-use super::link::{self, Incoming, Sender};
+use super::link::{Connection, Dialer};
 use super::stats::Outcome;
+use super::wire::{self, Turn};
 use super::{BenchArgs, Shared};
 use crate::client::error::CliError;
 
@@ -19,10 +20,14 @@ pub struct Prepared {
     topic_root: String,
     qos: QoS,
     payload: usize,
-    publishers: Vec<(Sender, Incoming)>,
-    subscribers: Vec<(Sender, Incoming)>,
+    publishers: Vec<Connection>,
+    subscribers: Vec<Connection>,
     timeout: Duration,
 }
+
+/// PUBLISHes a publisher queues per turn before it looks at what the server sent: bounds the write
+/// buffer of QoS 0 publishers, whose only other limit is the socket.
+const PUBLISHES_PER_TURN: usize = 64;
 
 fn unix_us(at: SystemTime) -> u64 {
     at.duration_since(UNIX_EPOCH)
@@ -51,17 +56,18 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         QoS::AtLeastOnce
     };
     let timeout = args.conn.timeout();
+    let dialer = Dialer::new(&args.conn)?;
     let mut subscribers = Vec::new();
     for i in 0..args.subscribers {
         let filter = Filter::new(format!("{topic_root}/#"), qos);
         let client_id = format!("{prefix}-sub-{i}");
         // Subscribers publish nothing: the window is irrelevant.
-        subscribers.push(link::open(&args.conn, &client_id, vec![filter], 1).await?);
+        subscribers.push(dialer.open(&client_id, vec![filter], 1).await?);
     }
     let mut publishers = Vec::new();
     for i in 0..args.publishers {
         let client_id = format!("{prefix}-pub-{i}");
-        publishers.push(link::open(&args.conn, &client_id, Vec::new(), args.inflight).await?);
+        publishers.push(dialer.open(&client_id, Vec::new(), args.inflight).await?);
     }
     Ok(super::Prepared::Pubsub(Prepared {
         topic_root,
@@ -84,58 +90,36 @@ impl Prepared {
                     .saturating_duration_since(Instant::now()),
         );
         let mut subscribers = JoinSet::new();
-        for (sender, mut incoming) in self.subscribers {
-            let shared = Arc::clone(&shared);
-            let delivered = Arc::clone(&delivered);
-            let prefix = self.topic_root.clone();
+        for link in self.subscribers {
+            let subscriber = Subscriber {
+                shared: Arc::clone(&shared),
+                delivered: Arc::clone(&delivered),
+                prefix: self.topic_root.clone(),
+                measure_from_us,
+            };
             subscribers.spawn(async move {
-                loop {
-                    match incoming.recv().await {
-                        Ok(p) if p.topic.starts_with(prefix.as_bytes()) => {
-                            delivered.fetch_add(1, Ordering::Relaxed);
-                            let now = SystemTime::now();
-                            if let Some(sent) = sent_us(&p.payload) {
-                                if sent >= measure_from_us {
-                                    let latency =
-                                        Duration::from_micros(unix_us(now).saturating_sub(sent));
-                                    let outcome = Outcome {
-                                        label: "delivered".into(),
-                                        is_error: false,
-                                    };
-                                    shared.recorder.record(latency, &outcome);
-                                    shared.completed_at(Instant::now());
-                                }
-                            }
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            shared.recorder.count(&format!("connection: {e}"), true, 1);
-                            break;
-                        }
-                    }
-                }
-                drop(sender);
+                let Err(e) = subscriber.drive(link).await;
+                subscriber
+                    .shared
+                    .recorder
+                    .count(&format!("connection: {e}"), true, 1);
             });
         }
         let published = Arc::new(AtomicU64::new(0));
         let mut publishers = JoinSet::new();
-        for (i, (sender, incoming)) in self.publishers.into_iter().enumerate() {
+        for (i, mut link) in self.publishers.into_iter().enumerate() {
             let shared = Arc::clone(&shared);
             let published = Arc::clone(&published);
-            let topic = format!("{}/{i}", self.topic_root);
+            let topic = Bytes::from(format!("{}/{i}", self.topic_root));
             let (qos, size, timeout) = (self.qos, self.payload, self.timeout);
             publishers.spawn(async move {
-                while shared.take_ticket() {
-                    let payload = stamped_payload(size, unix_us(SystemTime::now()));
-                    if let Err(e) = sender.publish(topic.as_str(), qos, payload, None).await {
-                        shared.recorder.count(&format!("connection: {e}"), true, 1);
-                        break;
-                    }
-                    published.fetch_add(1, Ordering::Relaxed);
+                let driven =
+                    publish_until_stopped(&mut link, &shared, &published, &topic, qos, size);
+                match driven.await {
+                    // DISCONNECT goes out after the queued publishes.
+                    Ok(()) => drop(tokio::time::timeout(timeout, link.disconnect()).await),
+                    Err(e) => shared.recorder.count(&format!("connection: {e}"), true, 1),
                 }
-                // DISCONNECT goes out after the queued publishes.
-                let _ = tokio::time::timeout(timeout, sender.disconnect()).await;
-                drop(incoming);
             });
         }
         while publishers.join_next().await.is_some() {}
@@ -151,6 +135,88 @@ impl Prepared {
         }
         subscribers.abort_all();
         Ok(())
+    }
+}
+
+/// Publishes stamped payloads while the run hands out tickets: for QoS 1 as many as the window holds,
+/// then waits for PUBACKs; for QoS 0 as fast as the socket takes them.
+async fn publish_until_stopped(
+    link: &mut Connection,
+    shared: &Shared,
+    published: &AtomicU64,
+    topic: &Bytes,
+    qos: QoS,
+    size: usize,
+) -> Result<(), String> {
+    loop {
+        // Publishers subscribe to nothing: this takes in PUBACKs (and fails on a DISCONNECT).
+        while link.next()?.is_some() {}
+        let mut queued = 0;
+        while queued < PUBLISHES_PER_TURN && (qos == QoS::AtMostOnce || link.window_open()) {
+            if !shared.take_ticket() {
+                return link.flush().await;
+            }
+            let payload = stamped_payload(size, unix_us(SystemTime::now()));
+            link.publish(&mut wire::publish(topic, qos, payload, None))?;
+            published.fetch_add(1, Ordering::Relaxed);
+            queued += 1;
+        }
+        link.flush().await?;
+        if qos == QoS::AtLeastOnce && !link.window_open() {
+            // A silent server: give up on the tick after the run is over.
+            if link.read().await? == Turn::Tick && shared.is_stopped() {
+                return Ok(());
+            }
+        } else {
+            // Room to publish more: look at what arrived without waiting for anything, then let the
+            // subscribers (maybe on this very thread) have their turn before flooding on.
+            tokio::select! {
+                biased;
+                turn = link.read() => drop(turn?),
+                () = std::future::ready(()) => {}
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// The task that owns one subscribing connection; it runs until aborted or the connection fails.
+struct Subscriber {
+    shared: Arc<Shared>,
+    delivered: Arc<AtomicU64>,
+    prefix: String,
+    measure_from_us: u64,
+}
+
+impl Subscriber {
+    async fn drive(&self, mut link: Connection) -> Result<std::convert::Infallible, String> {
+        loop {
+            while let Some(publish) = link.next()? {
+                link.acknowledge(&publish)?;
+                if publish.topic.starts_with(self.prefix.as_bytes()) {
+                    self.on_message(&publish.payload);
+                }
+            }
+            link.flush().await?;
+            link.read().await?;
+        }
+    }
+
+    fn on_message(&self, payload: &[u8]) {
+        self.delivered.fetch_add(1, Ordering::Relaxed);
+        let now = SystemTime::now();
+        let Some(sent) = sent_us(payload) else {
+            return;
+        };
+        if sent >= self.measure_from_us {
+            let latency = Duration::from_micros(unix_us(now).saturating_sub(sent));
+            let outcome = Outcome {
+                label: "delivered".into(),
+                is_error: false,
+            };
+            self.shared.recorder.record(latency, &outcome);
+            self.shared.completed_at(Instant::now());
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! `bench --responder`: answer every state-store request with `+OK` (`__stat` 200, correlation data
 //! echoed) without storing anything — what MQTT request/response alone costs.
 
+use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -10,20 +11,22 @@ use rumqttc::v5::mqttbytes::v5::{Filter, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::task::JoinSet;
 
-use super::link::{self, Incoming, Sender};
+use super::link::{Connection, Dialer};
+use super::wire;
 use super::BenchArgs;
 use crate::client::error::CliError;
 use crate::client::rpc;
 
 pub async fn run(args: &BenchArgs) -> Result<(), CliError> {
     let prefix = args.conn.client_id("mqstate-responder");
+    let dialer = Dialer::new(&args.conn)?;
     let mut connections = Vec::new();
     for i in 0..args.connections {
         let client_id = format!("{prefix}-{i}");
         let filter = Filter::new(args.responder_topic.as_str(), QoS::AtLeastOnce);
         // Replies in flight are limited by the server's Receive Maximum alone.
-        let (sender, incoming) = link::open(&args.conn, &client_id, vec![filter], u16::MAX).await?;
-        connections.push((client_id, sender, incoming));
+        let link = dialer.open(&client_id, vec![filter], u16::MAX).await?;
+        connections.push((client_id, link));
     }
     // Scripts and tests wait for this line before sending requests.
     println!(
@@ -34,8 +37,8 @@ pub async fn run(args: &BenchArgs) -> Result<(), CliError> {
 
     let answered = Arc::new(AtomicU64::new(0));
     let mut tasks = JoinSet::new();
-    for (client_id, sender, incoming) in connections {
-        tasks.spawn(serve(client_id, sender, incoming, Arc::clone(&answered)));
+    for (client_id, link) in connections {
+        tasks.spawn(serve(client_id, link, Arc::clone(&answered)));
     }
     let duration = args.duration.map(std::time::Duration::from_secs_f64);
     tokio::select! {
@@ -88,29 +91,39 @@ fn reply_to(
     Some((topic, reply))
 }
 
-/// One connection's loop: each request is answered before the next is taken, so a full reply window
-/// holds requests back in the server rather than here.
+/// One connection's task. A request is acknowledged only once its reply is queued, so a full reply
+/// window holds requests back in the server rather than here; replies and PUBACKs of a turn leave in
+/// one write.
 async fn serve(
     client_id: String,
-    sender: Sender,
-    mut incoming: Incoming,
+    mut link: Connection,
     answered: Arc<AtomicU64>,
 ) -> Result<(), String> {
     const OK: &[u8] = b"+OK\r\n";
     let mut clock = rpc::client_clock(&client_id);
+    let mut waiting = VecDeque::new();
     loop {
-        let request = incoming.recv().await?;
-        if let Some((topic, properties)) = reply_to(&request, &client_id, &mut clock) {
-            sender
-                .publish(
-                    &topic,
+        while let Some(request) = link.next()? {
+            waiting.push_back(request);
+        }
+        while link.window_open() {
+            let Some(request) = waiting.pop_front() else {
+                break;
+            };
+            link.acknowledge(&request)?;
+            if let Some((topic, properties)) = reply_to(&request, &client_id, &mut clock) {
+                let mut reply = wire::publish(
+                    &Bytes::from(topic),
                     QoS::AtLeastOnce,
                     Bytes::from_static(OK),
                     Some(properties),
-                )
-                .await?;
-            answered.fetch_add(1, Ordering::Relaxed);
+                );
+                link.publish(&mut reply)?;
+                answered.fetch_add(1, Ordering::Relaxed);
+            }
         }
+        link.flush().await?;
+        link.read().await?;
     }
 }
 

@@ -1,43 +1,44 @@
-//! State-store load: per connection, a sender keeps `--inflight` requests outstanding and a task on the
-//! incoming side matches replies to them by correlation data, recording latency and reply kind.
+//! State-store load: one task per connection keeps `--inflight` requests outstanding, matches replies
+//! to them by correlation data, recording latency and reply kind, and sends the PUBACKs it owes together
+//! with the next requests (one write per turn, [`wire`](super::wire)).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use mqstate_protocol::topic::{INVOKE_TOPIC, NOTIFY_TOPIC_PREFIX};
-use mqstate_protocol::{encode_request, HybridClock};
+use mqstate_protocol::{encode_request, Hlc, HybridClock};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use rumqttc::v5::mqttbytes::v5::{Filter, Publish};
 use rumqttc::v5::mqttbytes::QoS;
-use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 
-use super::link::{self, Incoming, Sender};
+use super::link::{Connection, Dialer};
 use super::stats::{classify, Outcome};
+use super::wire::{self, Turn};
 use super::workload::{key_name, value_of_size, KeyChooser, Mix, Op};
 use super::{BenchArgs, Shared};
 use crate::client::error::CliError;
 use crate::client::rpc;
 
 /// One connection, connected and subscribed.
-struct Connection {
+struct Opened {
     client_id: String,
     response_topic: String,
     notify_prefix: String,
-    sender: Sender,
-    incoming: Incoming,
+    link: Connection,
 }
 
 pub struct Prepared {
-    connections: Vec<Connection>,
+    connections: Vec<Opened>,
     mix: Mix,
     chooser: Arc<KeyChooser>,
     value_size: usize,
     inflight: usize,
-    timeout: std::time::Duration,
+    timeout: Duration,
 }
 
 /// Opens every connection (before the clock starts, so connecting is not measured).
@@ -46,6 +47,7 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         KeyChooser::new(args.distribution, args.keys).map_err(|e| CliError::usage("--keys", e))?;
     let inflight = usize::from(args.inflight);
     let prefix = args.conn.client_id("mqstate-bench");
+    let dialer = Arc::new(Dialer::new(&args.conn)?);
     let mut opening = JoinSet::new();
     for i in 0..args.connections {
         let client_id = format!("{prefix}-{i}");
@@ -58,16 +60,15 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         if args.mix.contains(Op::KeyNotify) {
             filters.push(Filter::new(format!("{notify_prefix}+"), QoS::AtLeastOnce));
         }
-        let conn = args.conn.clone();
+        let dialer = Arc::clone(&dialer);
         let window = args.inflight;
         opening.spawn(async move {
-            let (sender, incoming) = link::open(&conn, &client_id, filters, window).await?;
-            Ok::<_, CliError>(Connection {
+            let link = dialer.open(&client_id, filters, window).await?;
+            Ok::<_, CliError>(Opened {
                 client_id,
                 response_topic,
                 notify_prefix,
-                sender,
-                incoming,
+                link,
             })
         });
     }
@@ -86,12 +87,12 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
 }
 
 /// Requests sent and not yet answered: correlation sequence → (send time, operation).
-type Pending = Arc<Mutex<HashMap<u64, (Instant, Op)>>>;
+type Pending = HashMap<u64, (Instant, Op)>;
 
 impl Prepared {
     pub async fn run(self, shared: Arc<Shared>) -> Result<(), CliError> {
         let mut workers = JoinSet::new();
-        for (i, connection) in self.connections.into_iter().enumerate() {
+        for (i, opened) in self.connections.into_iter().enumerate() {
             let worker = Worker {
                 shared: Arc::clone(&shared),
                 mix: self.mix.clone(),
@@ -100,205 +101,155 @@ impl Prepared {
                 inflight: self.inflight,
                 timeout: self.timeout,
                 seed: i as u64,
+                client_id: opened.client_id,
+                response_topic: opened.response_topic,
+                notify_prefix: opened.notify_prefix,
             };
-            workers.spawn(worker.run(connection));
+            workers.spawn(worker.run(opened.link));
         }
         while workers.join_next().await.is_some() {}
         Ok(())
     }
 }
 
+/// The task that owns one connection.
 struct Worker {
     shared: Arc<Shared>,
     mix: Mix,
     chooser: Arc<KeyChooser>,
     value_size: usize,
     inflight: usize,
-    timeout: std::time::Duration,
+    timeout: Duration,
     seed: u64,
+    client_id: String,
+    response_topic: String,
+    notify_prefix: String,
 }
 
 impl Worker {
-    async fn run(self, connection: Connection) {
-        let Connection {
-            client_id,
-            response_topic,
-            notify_prefix,
-            sender,
-            incoming,
-        } = connection;
-        let pending: Pending = Arc::default();
-        let slots = Arc::new(Semaphore::new(self.inflight));
-        let drained = Arc::new(Notify::new());
-        let mut events = tokio::spawn(replies(
-            incoming,
-            Arc::clone(&self.shared),
-            Arc::clone(&pending),
-            Arc::clone(&slots),
-            Arc::clone(&drained),
-            response_topic.clone(),
-            notify_prefix,
-        ));
-        let sent = self
-            .send(&sender, &client_id, &response_topic, &pending, &slots)
-            .await;
-        if let Err(reason) = sent {
+    async fn run(self, mut link: Connection) {
+        let mut pending = Pending::new();
+        let driven = self.drive(&mut link, &mut pending).await;
+        if let Err(reason) = &driven {
             self.shared
                 .recorder
                 .count(&format!("connection: {reason}"), true, 1);
         }
-        // Wait for the outstanding replies, at most one reply timeout.
-        let wait_drained = async {
-            loop {
-                let notified = drained.notified();
-                if pending
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .is_empty()
-                {
-                    return;
-                }
-                notified.await;
-            }
-        };
-        tokio::select! {
-            () = wait_drained => {}
-            () = tokio::time::sleep(self.timeout) => {}
-            _ = &mut events => {}
+        // Unanswered when the run's wait for replies ran out, or when the connection failed.
+        if !pending.is_empty() {
+            self.shared
+                .recorder
+                .count("timeout", true, pending.len() as u64);
         }
-        let lost = pending
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .len() as u64;
-        if lost > 0 {
-            self.shared.recorder.count("timeout", true, lost);
+        if driven.is_ok() {
+            let _ = tokio::time::timeout(self.timeout, link.disconnect()).await;
         }
-        let _ = tokio::time::timeout(self.timeout, sender.disconnect()).await;
-        let _ = tokio::time::timeout(self.timeout, &mut events).await;
-        events.abort();
     }
 
-    async fn send(
-        &self,
-        sender: &Sender,
-        client_id: &str,
-        response_topic: &str,
-        pending: &Pending,
-        slots: &Arc<Semaphore>,
-    ) -> Result<(), String> {
+    /// Turns until the run is over and the outstanding replies are in (or one reply timeout passed):
+    /// take in what arrived, top the window up, send it all in one write, wait for more.
+    async fn drive(&self, link: &mut Connection, pending: &mut Pending) -> Result<(), String> {
         let mut rng = StdRng::seed_from_u64(self.seed ^ rand::random::<u64>());
         let value: Bytes = value_of_size(self.value_size, &mut rng);
-        let mut clock: HybridClock = rpc::client_clock(client_id);
+        let mut clock: HybridClock = rpc::client_clock(&self.client_id);
+        // One PUBLISH for every request: only payload, correlation data and timestamp change.
+        let properties = rpc::request_properties(
+            &self.client_id,
+            &self.response_topic,
+            Bytes::new(),
+            &clock.now(rpc::now_ms()),
+            None,
+            self.timeout,
+        );
+        let invoke = Bytes::from_static(INVOKE_TOPIC.as_bytes());
+        let mut request = wire::publish(&invoke, QoS::AtLeastOnce, Bytes::new(), Some(properties));
         let mut seq = 0u64;
+        // Set once the run is over: the last moment to wait for outstanding replies.
+        let mut deadline: Option<Instant> = None;
         loop {
-            tokio::select! {
-                permit = slots.acquire() => match permit {
-                    // Given back by the event loop task when the reply arrives.
-                    Ok(permit) => permit.forget(),
-                    Err(_) => return Ok(()),
-                },
-                () = self.shared.stopped() => return Ok(()),
+            while let Some(publish) = link.next()? {
+                link.acknowledge(&publish)?;
+                if publish.topic.as_ref() == self.response_topic.as_bytes() {
+                    self.on_reply(pending, &publish);
+                } else if publish.topic.starts_with(self.notify_prefix.as_bytes()) {
+                    self.shared.recorder.count("notification", false, 1);
+                }
             }
-            if !self.shared.take_ticket() {
-                return Ok(());
+            while deadline.is_none() && pending.len() < self.inflight && link.window_open() {
+                if !self.shared.take_ticket() {
+                    deadline = Some(Instant::now() + self.timeout);
+                    break;
+                }
+                let op = self.mix.pick(&mut rng);
+                let key = key_name(self.chooser.pick(&mut rng));
+                seq += 1;
+                request.payload = encode_request(&op.request(&key, &value));
+                restamp(
+                    &mut request,
+                    rpc::correlation(seq),
+                    &clock.now(rpc::now_ms()),
+                );
+                link.publish(&mut request)?;
+                pending.insert(seq, (Instant::now(), op));
             }
-            let op = self.mix.pick(&mut rng);
-            let key = key_name(self.chooser.pick(&mut rng));
-            seq += 1;
-            let ts = clock.now(rpc::now_ms());
-            let properties = rpc::request_properties(
-                client_id,
-                response_topic,
-                rpc::correlation(seq),
-                &ts,
-                None,
-                self.timeout,
-            );
-            let payload = encode_request(&op.request(&key, &value));
-            pending
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(seq, (Instant::now(), op));
-            sender
-                .publish(INVOKE_TOPIC, QoS::AtLeastOnce, payload, Some(properties))
-                .await?;
+            link.flush().await?;
+            if let Some(deadline) = deadline {
+                if pending.is_empty() || Instant::now() >= deadline {
+                    return Ok(());
+                }
+            }
+            let turn = link.read().await?;
+            if turn == Turn::Tick && deadline.is_none() && self.shared.is_stopped() {
+                deadline = Some(Instant::now() + self.timeout);
+            }
+        }
+    }
+
+    fn on_reply(&self, pending: &mut Pending, publish: &Publish) {
+        let now = Instant::now();
+        let properties = publish.properties.as_ref();
+        let Some(seq) = properties
+            .and_then(|p| p.correlation_data.as_deref())
+            .and_then(rpc::correlation_seq)
+        else {
+            self.shared
+                .recorder
+                .count("reply without our correlation data", true, 1);
+            return;
+        };
+        let Some((sent, _op)) = pending.remove(&seq) else {
+            // A duplicate (a retried PUBLISH answered twice) or a reply after its timeout.
+            self.shared
+                .recorder
+                .count("duplicate or late reply", true, 1);
+            return;
+        };
+        let outcome: Outcome = classify(
+            rpc::user_property(properties, rpc::STATUS),
+            &publish.payload,
+        );
+        if self.shared.measuring(sent) {
+            self.shared.recorder.record(now - sent, &outcome);
+            self.shared.completed_at(now);
         }
     }
 }
 
-/// The incoming side of one connection: matches replies, counts notifications, ends with the connection.
-async fn replies(
-    mut incoming: Incoming,
-    shared: Arc<Shared>,
-    pending: Pending,
-    slots: Arc<Semaphore>,
-    drained: Arc<Notify>,
-    response_topic: String,
-    notify_prefix: String,
-) {
-    loop {
-        match incoming.recv().await {
-            Ok(publish) => {
-                if publish.topic.as_ref() == response_topic.as_bytes() {
-                    on_reply(&shared, &pending, &slots, &drained, &publish);
-                } else if publish.topic.starts_with(notify_prefix.as_bytes()) {
-                    shared.recorder.count("notification", false, 1);
-                }
-            }
-            Err(e) => {
-                if !shared.stopped.load(std::sync::atomic::Ordering::Relaxed) {
-                    shared.recorder.count(&format!("connection: {e}"), true, 1);
-                }
-                break;
-            }
-        }
-    }
-    // Unblock the sender: nothing more will be answered on this connection.
-    slots.close();
-    drained.notify_waiters();
-}
-
-fn on_reply(
-    shared: &Shared,
-    pending: &Pending,
-    slots: &Semaphore,
-    drained: &Notify,
-    publish: &Publish,
-) {
-    let now = Instant::now();
-    let properties = publish.properties.as_ref();
-    let Some(seq) = properties
-        .and_then(|p| p.correlation_data.as_deref())
-        .and_then(rpc::correlation_seq)
-    else {
-        shared
-            .recorder
-            .count("reply without our correlation data", true, 1);
+/// Gives a request from [`rpc::request_properties`] new correlation data and a new `__ts`, reusing
+/// the rest: allocating every property afresh per request would be CPU taken from the server.
+fn restamp(request: &mut Publish, correlation: Bytes, ts: &Hlc) {
+    let Some(properties) = request.properties.as_mut() else {
         return;
     };
-    let (entry, empty) = {
-        let mut map = pending
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let entry = map.remove(&seq);
-        (entry, map.is_empty())
-    };
-    let Some((sent, _op)) = entry else {
-        // A duplicate (a retried PUBLISH answered twice) or a reply after its timeout.
-        shared.recorder.count("duplicate or late reply", true, 1);
-        return;
-    };
-    slots.add_permits(1);
-    if empty {
-        drained.notify_waiters();
-    }
-    let outcome: Outcome = classify(
-        rpc::user_property(properties, rpc::STATUS),
-        &publish.payload,
-    );
-    if shared.measuring(sent) {
-        shared.recorder.record(now - sent, &outcome);
-        shared.completed_at(now);
+    properties.correlation_data = Some(correlation);
+    if let Some((_, value)) = properties
+        .user_properties
+        .iter_mut()
+        .find(|(name, _)| name == rpc::TIMESTAMP)
+    {
+        value.clear();
+        // Writing into a String cannot fail.
+        let _ = write!(value, "{ts}");
     }
 }
 
@@ -310,6 +261,32 @@ fn hex_upper(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn restamping_changes_only_correlation_and_timestamp() {
+        let mut clock = rpc::client_clock("c");
+        let (first, second) = (clock.now(1), clock.now(2));
+        let properties = rpc::request_properties(
+            "c",
+            "clients/c/resp",
+            rpc::correlation(1),
+            &first,
+            None,
+            std::time::Duration::from_secs(5),
+        );
+        let topic = Bytes::from_static(INVOKE_TOPIC.as_bytes());
+        let mut request = wire::publish(&topic, QoS::AtLeastOnce, Bytes::new(), Some(properties));
+        restamp(&mut request, rpc::correlation(2), &second);
+        let expected = rpc::request_properties(
+            "c",
+            "clients/c/resp",
+            rpc::correlation(2),
+            &second,
+            None,
+            std::time::Duration::from_secs(5),
+        );
+        assert_eq!(request.properties, Some(expected));
+    }
 
     #[test]
     fn notification_topics_use_upper_case_hex() {

@@ -105,7 +105,7 @@ impl Recorder {
         } else {
             &mut inner.replies
         };
-        *map.entry(outcome.label.clone()).or_default() += 1;
+        bump(map, &outcome.label, 1);
         drop(inner);
         self.completed.fetch_add(1, Ordering::Relaxed);
     }
@@ -118,7 +118,7 @@ impl Recorder {
         } else {
             &mut inner.replies
         };
-        *map.entry(label.to_owned()).or_default() += n;
+        bump(map, label, n);
     }
 
     pub fn completed(&self) -> u64 {
@@ -159,6 +159,17 @@ impl Recorder {
             replies: inner.replies.clone(),
             errors: inner.errors.clone(),
             ops_per_sec_timeline: timeline,
+        }
+    }
+}
+
+/// Adds `n` to the count of `label`, allocating its key only the first time (once per reply kind,
+/// not once per reply).
+fn bump(map: &mut BTreeMap<String, u64>, label: &str, n: u64) {
+    match map.get_mut(label) {
+        Some(count) => *count += n,
+        None => {
+            map.insert(label.to_owned(), n);
         }
     }
 }

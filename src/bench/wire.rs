@@ -1,19 +1,24 @@
-//! The load generator's own MQTT 5 client for plain TCP: rumqttc 0.24 never sets TCP_NODELAY, and with
+//! The load generator's own MQTT 5 client: rumqttc 0.24 never sets TCP_NODELAY, and with
 //! request/response traffic its Nagle delay meets the peer's delayed ACK and stalls requests ~40 ms,
 //! so the client, not the server, would be measured (`docs/decisions/0013-bench-client.md`).
 //!
-//! A connection is a socket with `TCP_NODELAY`, a reader task and a writer task. Packets are encoded and
-//! decoded with rumqttc's public codec (`mqttbytes::v5`), never by hand. Senders encode straight into
-//! one shared outbox; the writer hands everything queued since its last wake-up to one `write_all`. The
-//! reader decodes every whole packet in its buffer, releases our QoS 1 window on PUBACK and queues
-//! PUBLISHes for [`Incoming::recv`], which acknowledges QoS 1 ones as the application takes them — so
-//! the server's own flow control bounds what waits unread. The writer sends PINGREQ when the connection
-//! has been quiet for most of the keep-alive. A DISCONNECT from the server, a malformed packet or a
-//! closed socket ends the connection with an error that both halves report.
+//! One task owns one connection ([`Conn`]) and drives it in turns: [`Conn::read`] waits for bytes,
+//! [`Conn::next`] decodes every whole packet (a PUBACK frees its slot of our QoS 1 window on the spot,
+//! a PUBLISH is handed out), the task queues what it owes and what it wants to send next
+//! ([`Conn::acknowledge`], [`Conn::publish`]) into one write buffer, and [`Conn::flush`] sends the
+//! whole turn with one write — the PUBACK of a reply leaves with the next request. The load generator
+//! shares the server's cores, so there are no tasks, locks or wake-ups between the socket and the
+//! workload: each would be CPU taken from the server being measured.
+//!
+//! Packets are encoded and decoded with rumqttc's public codec (`mqttbytes::v5`), never by hand. A
+//! DISCONNECT from the server, a malformed packet, a PUBACK for nothing in flight or a closed socket
+//! is an error naming it. [`Conn::read`] also returns every [`TICK`], so a task blocked on a silent
+//! server still sees its deadlines, and sends PINGREQ once the connection has been quiet for most of the
+//! keep-alive.
 //!
 //! Only what the benchmark needs: clean start, QoS 0 and 1, one SUBSCRIBE during the handshake.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -24,16 +29,13 @@ use rumqttc::v5::mqttbytes::v5::{
 };
 use rumqttc::v5::mqttbytes::{Error as CodecError, QoS};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Notify, Semaphore};
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 /// Largest packet we accept (advertised in CONNECT): the MQTT maximum, since values may be large.
 pub const MAX_PACKET_BYTES: u32 = crate::client::connection::MAX_PACKET_BYTES;
-/// Bytes queued for the writer beyond which senders wait: bounds memory when the socket is slower
-/// than the producers (QoS 0 publishers have no other limit).
-const OUTBOX_HIGH_WATER_BYTES: usize = 1 << 20;
+/// How often [`Conn::read`] returns without input: the granularity of keep-alive and of the
+/// callers' deadlines, coarse enough to cost nothing next to the traffic.
+pub const TICK: Duration = Duration::from_millis(100);
 /// Bytes the reader asks the socket for at a time.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 /// The packet id of the handshake's SUBSCRIBE (free again before any PUBLISH is sent).
@@ -49,73 +51,17 @@ pub struct Options {
     pub login: Option<Login>,
     /// Our own cap on outgoing QoS 1 publishes awaiting PUBACK; the server's Receive Maximum may lower it.
     pub max_inflight: u16,
-    /// Subscribed (and acknowledged) before [`connect`] returns.
+    /// Subscribed (and acknowledged) before [`Conn::start`] returns.
     pub filters: Vec<Filter>,
 }
 
-/// Connects to `addr` with `TCP_NODELAY`, sends CONNECT and SUBSCRIBE, and waits for their
-/// acknowledgements, all within `timeout`.
-pub async fn connect(addr: &str, options: Options, timeout: Duration) -> Result<Link, String> {
-    let open = async {
-        let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        stream
-            .set_nodelay(true)
-            .map_err(|e| format!("setting TCP_NODELAY: {e}"))?;
-        let (reader, writer) = stream.into_split();
-        start(reader, writer, options).await
-    };
-    tokio::time::timeout(timeout, open)
-        .await
-        .unwrap_or_else(|_| Err(format!("no CONNACK/SUBACK within {} s", timeout.as_secs())))
-}
-
-/// The two halves of a connection: clone the sender freely; one task owns the incoming side.
-pub struct Link {
-    pub sender: Sender,
-    pub incoming: Incoming,
-}
-
-/// Runs the handshake on an established byte stream, then starts the reader and writer tasks.
-pub async fn start<R, W>(mut reader: R, mut writer: W, options: Options) -> Result<Link, String>
-where
-    R: AsyncRead + Unpin + Send + 'static,
-    W: AsyncWrite + Unpin + Send + 'static,
-{
-    let mut buf = BytesMut::with_capacity(READ_CHUNK_BYTES);
-    let connack = handshake_connect(&mut reader, &mut writer, &mut buf, &options).await?;
-    let (queue, rx) = mpsc::unbounded_channel();
-    if !options.filters.is_empty() {
-        let filters = options.filters.clone();
-        for early in handshake_subscribe(&mut reader, &mut writer, &mut buf, filters).await? {
-            // Handed out first, and acknowledged when taken like every other PUBLISH.
-            let _ = queue.send(Ok(early));
-        }
-    }
-    let properties = connack.properties.as_ref();
-    let receive_maximum = properties
-        .and_then(|p| p.receive_max)
-        .unwrap_or(DEFAULT_RECEIVE_MAXIMUM);
-    let window = options.max_inflight.min(receive_maximum).max(1);
-    let keep_alive = properties
-        .and_then(|p| p.server_keep_alive)
-        .map_or(options.keep_alive, |s| Duration::from_secs(u64::from(s)));
-    let shared = Arc::new(Shared::new(window));
-    let read_task = tokio::spawn(read_loop(reader, buf, Arc::clone(&shared), queue));
-    let write_task = tokio::spawn(write_loop(writer, Arc::clone(&shared), keep_alive));
-    let tasks = Arc::new(Tasks {
-        read: Mutex::new(Some(read_task)),
-        write: Mutex::new(Some(write_task)),
-    });
-    Ok(Link {
-        sender: Sender {
-            shared: Arc::clone(&shared),
-            tasks: Arc::clone(&tasks),
-        },
-        incoming: Incoming {
-            rx,
-            sender: Sender { shared, tasks },
-        },
-    })
+/// What [`Conn::read`] waited for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Turn {
+    /// Bytes arrived: [`Conn::next`] has packets to decode (or part of one).
+    Input,
+    /// A [`TICK`] passed without input.
+    Tick,
 }
 
 /// Packet ids of our QoS 1 publishes: a free list, and which ids await their PUBACK.
@@ -124,78 +70,26 @@ struct PacketIds {
     in_flight: Vec<bool>,
 }
 
-/// What the connection's tasks and handles share.
-struct Shared {
-    outbox: Mutex<Outbox>,
-    wake_writer: Notify,
-    /// Signalled whenever the outbox shrinks or the connection fails.
-    space: Notify,
-    /// One permit per free slot of the outgoing QoS 1 window; closed when the connection fails.
-    window: Semaphore,
-    ids: Mutex<PacketIds>,
-}
-
-#[derive(Default)]
-struct Outbox {
-    bytes: BytesMut,
-    /// DISCONNECT is queued: the writer flushes, shuts the socket down and stops.
-    closing: bool,
-    /// Why the connection ended, once it has.
-    failed: Option<String>,
-}
-
-impl Shared {
-    fn new(window: u16) -> Shared {
-        Shared {
-            outbox: Mutex::default(),
-            wake_writer: Notify::new(),
-            space: Notify::new(),
-            window: Semaphore::new(usize::from(window)),
-            ids: Mutex::new(PacketIds {
-                free: (1..=window).rev().collect(),
-                in_flight: vec![false; usize::from(window) + 1],
-            }),
+impl PacketIds {
+    fn new(window: u16) -> PacketIds {
+        PacketIds {
+            free: (1..=window).rev().collect(),
+            in_flight: vec![false; usize::from(window) + 1],
         }
     }
 
-    fn outbox(&self) -> std::sync::MutexGuard<'_, Outbox> {
-        self.outbox.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Records the first reason the connection ended and wakes everyone who waits on it.
-    fn fail(&self, reason: String) {
-        self.outbox().failed.get_or_insert(reason);
-        self.window.close();
-        self.space.notify_waiters();
-        self.wake_writer.notify_one();
-    }
-
-    fn failure(&self) -> String {
-        self.outbox()
-            .failed
-            .clone()
-            .unwrap_or_else(|| "connection closed".into())
-    }
-
-    fn take_id(&self) -> u16 {
-        let mut ids = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
-        // A window permit is held, so a free id exists.
-        let id = ids.free.pop().unwrap_or(0);
-        if let Some(slot) = ids.in_flight.get_mut(usize::from(id)) {
-            *slot = true;
-        }
-        id
+    fn take(&mut self) -> Option<u16> {
+        let id = self.free.pop()?;
+        self.in_flight[usize::from(id)] = true;
+        Some(id)
     }
 
     /// Frees the id a PUBACK names; an error if it was not in flight (the server is confused).
-    fn release(&self, pkid: u16) -> Result<(), String> {
-        let mut ids = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
-        match ids.in_flight.get_mut(usize::from(pkid)) {
+    fn release(&mut self, pkid: u16) -> Result<(), String> {
+        match self.in_flight.get_mut(usize::from(pkid)) {
             Some(slot) if *slot => {
                 *slot = false;
-                ids.free.push(pkid);
-                drop(ids);
-                self.window.add_permits(1);
+                self.free.push(pkid);
                 Ok(())
             }
             _ => Err(format!(
@@ -203,123 +97,185 @@ impl Shared {
             )),
         }
     }
+}
 
-    /// Encodes one packet into the outbox, waiting while the outbox is over its high-water mark.
-    async fn enqueue(&self, packet: &Packet) -> Result<(), String> {
+/// One MQTT connection, owned and driven by one task.
+pub struct Conn<S> {
+    stream: S,
+    read_buf: BytesMut,
+    write_buf: BytesMut,
+    ids: PacketIds,
+    /// PUBLISHes that arrived before the SUBACK, handed out first.
+    early: VecDeque<Publish>,
+    tick: Interval,
+    /// PINGREQ once nothing has been written for this long (none when the keep-alive is 0).
+    quiet_limit: Option<Duration>,
+    last_write: Instant,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
+    /// Runs the handshake on an established byte stream (CONNECT, then SUBSCRIBE if there are
+    /// filters) and waits for the acknowledgements.
+    pub async fn start(mut stream: S, options: Options) -> Result<Conn<S>, String> {
+        let mut read_buf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+        let connack = handshake_connect(&mut stream, &mut read_buf, &options).await?;
+        let early = if options.filters.is_empty() {
+            VecDeque::new()
+        } else {
+            handshake_subscribe(&mut stream, &mut read_buf, options.filters).await?
+        };
+        let properties = connack.properties.as_ref();
+        let receive_maximum = properties
+            .and_then(|p| p.receive_max)
+            .unwrap_or(DEFAULT_RECEIVE_MAXIMUM);
+        let window = options.max_inflight.min(receive_maximum).max(1);
+        let keep_alive = properties
+            .and_then(|p| p.server_keep_alive)
+            .map_or(options.keep_alive, |s| Duration::from_secs(u64::from(s)));
+        let mut tick = tokio::time::interval_at(Instant::now() + TICK, TICK);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Ok(Conn {
+            stream,
+            read_buf,
+            write_buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
+            ids: PacketIds::new(window),
+            early,
+            tick,
+            quiet_limit: (keep_alive > Duration::ZERO).then(|| keep_alive * 3 / 4),
+            last_write: Instant::now(),
+        })
+    }
+
+    /// Whether a QoS 1 [`Conn::publish`] may go out now (a slot of the window is free).
+    pub fn window_open(&self) -> bool {
+        !self.ids.free.is_empty()
+    }
+
+    /// Queues a PUBLISH for the next [`Conn::flush`]; a QoS 1 one takes a slot of the window, which
+    /// must be open, and its packet id is set. By reference, so a caller can reuse one PUBLISH.
+    pub fn publish(&mut self, publish: &mut Publish) -> Result<(), String> {
+        if publish.qos != QoS::AtMostOnce {
+            publish.pkid = self
+                .ids
+                .take()
+                .ok_or("no free slot in the QoS 1 window (the caller checks window_open)")?;
+        }
+        publish
+            .write(&mut self.write_buf)
+            .map_err(|e| format!("encoding PUBLISH: {e}"))?;
+        Ok(())
+    }
+
+    /// Queues the PUBACK a QoS 1 PUBLISH from [`Conn::next`] is owed (nothing for QoS 0). Owed, not
+    /// automatic: a task that is not ready to take more can hold it back, and the server's flow control
+    /// then holds further PUBLISHes back in the server.
+    pub fn acknowledge(&mut self, publish: &Publish) -> Result<(), String> {
+        if publish.qos == QoS::AtMostOnce {
+            return Ok(());
+        }
+        PubAck::new(publish.pkid, None)
+            .write(&mut self.write_buf)
+            .map_err(|e| format!("encoding PUBACK: {e}"))?;
+        Ok(())
+    }
+
+    /// The next PUBLISH among the bytes read so far, handling PUBACKs and PINGRESPs on the way;
+    /// `None` once only part of a packet (or nothing) is left.
+    pub fn next(&mut self) -> Result<Option<Publish>, String> {
+        if let Some(early) = self.early.pop_front() {
+            return Ok(Some(early));
+        }
         loop {
-            let space = self.space.notified();
-            tokio::pin!(space);
-            space.as_mut().enable();
-            {
-                let mut outbox = self.outbox();
-                if let Some(reason) = &outbox.failed {
-                    return Err(reason.clone());
-                }
-                if outbox.closing {
-                    return Err("connection is closing".into());
-                }
-                if outbox.bytes.len() < OUTBOX_HIGH_WATER_BYTES {
-                    packet
-                        .write(&mut outbox.bytes)
-                        .map_err(|e| format!("encoding {}: {e}", packet_name(packet)))?;
-                    drop(outbox);
-                    self.wake_writer.notify_one();
-                    return Ok(());
+            let packet = decode(&mut self.read_buf)
+                .map_err(|e| format!("malformed packet from the server: {e}"))?;
+            match packet {
+                None => return Ok(None),
+                Some(Packet::Publish(publish)) => return Ok(Some(publish)),
+                Some(Packet::PubAck(ack)) => self.ids.release(ack.pkid)?,
+                Some(Packet::PingResp(_)) => {}
+                Some(Packet::Disconnect(d)) => return Err(disconnected(&d)),
+                Some(other) => {
+                    tracing::debug!(packet = packet_name(&other), "bench client ignores packet");
                 }
             }
-            space.await;
         }
     }
-}
 
-/// The reader and writer tasks, stopped when the last handle of the connection goes away.
-struct Tasks {
-    read: Mutex<Option<JoinHandle<()>>>,
-    write: Mutex<Option<JoinHandle<()>>>,
-}
-
-impl Tasks {
-    /// Waits for a task to end; afterwards there is nothing left to abort.
-    async fn join(slot: &Mutex<Option<JoinHandle<()>>>) {
-        let task = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(task) = task {
-            let _ = task.await;
+    /// Sends everything queued since the last flush, in one write.
+    pub async fn flush(&mut self) -> Result<(), String> {
+        if self.write_buf.is_empty() {
+            return Ok(());
         }
-    }
-}
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for slot in [&self.read, &self.write] {
-            if let Some(task) = slot.lock().unwrap_or_else(PoisonError::into_inner).take() {
-                task.abort();
-            }
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct Sender {
-    shared: Arc<Shared>,
-    tasks: Arc<Tasks>,
-}
-
-impl Sender {
-    /// Queues a PUBLISH; for QoS 1, first waits for a free slot in the outgoing window.
-    pub async fn publish(
-        &self,
-        topic: &str,
-        qos: QoS,
-        payload: Bytes,
-        properties: Option<PublishProperties>,
-    ) -> Result<(), String> {
-        let mut publish = Publish::new(topic, qos, payload, properties);
-        if qos != QoS::AtMostOnce {
-            match self.shared.window.acquire().await {
-                // Given back by the reader when the PUBACK arrives.
-                Ok(permit) => permit.forget(),
-                Err(_) => return Err(self.shared.failure()),
-            }
-            publish.pkid = self.shared.take_id();
-        }
-        self.shared.enqueue(&Packet::Publish(publish)).await
+        let written = async {
+            self.stream.write_all(&self.write_buf).await?;
+            // A no-op on TCP; TLS may hold records back until flushed.
+            self.stream.flush().await
+        };
+        written.await.map_err(|e| format!("writing: {e}"))?;
+        self.write_buf.clear();
+        self.last_write = Instant::now();
+        Ok(())
     }
 
-    /// Queues DISCONNECT (normal, session expiry 0), waits until the writer has flushed everything and
-    /// shut its side down, then until the server closes its side. Closing the socket earlier, with
-    /// PUBACKs still unread, would send a reset that can make the server drop our last PUBLISHes.
-    pub async fn disconnect(&self) {
-        let disconnect =
-            Packet::Disconnect(Disconnect::new(DisconnectReasonCode::NormalDisconnection));
-        if self.shared.enqueue(&disconnect).await.is_ok() {
-            self.shared.outbox().closing = true;
-            self.shared.wake_writer.notify_one();
-        }
-        Tasks::join(&self.tasks.write).await;
-        Tasks::join(&self.tasks.read).await;
-    }
-}
-
-/// PUBLISHes from the server, in order.
-pub struct Incoming {
-    rx: mpsc::UnboundedReceiver<Result<Publish, String>>,
-    sender: Sender,
-}
-
-impl Incoming {
-    /// The next PUBLISH (QoS 1 ones are acknowledged now), or why the connection ended.
-    pub async fn recv(&mut self) -> Result<Publish, String> {
-        match self.rx.recv().await {
-            Some(Ok(publish)) => {
-                if publish.qos == QoS::AtLeastOnce {
-                    let ack = Packet::PubAck(PubAck::new(publish.pkid, None));
-                    self.sender.shared.enqueue(&ack).await?;
+    /// Waits for bytes from the server or the next [`TICK`], whichever is first. On a tick of a quiet
+    /// connection a PINGREQ is queued: callers flush after every turn.
+    pub async fn read(&mut self) -> Result<Turn, String> {
+        self.read_buf.reserve(READ_CHUNK_BYTES);
+        tokio::select! {
+            biased;
+            read = self.stream.read_buf(&mut self.read_buf) => match read {
+                Ok(0) => Err("connection closed by the server".into()),
+                Ok(_) => Ok(Turn::Input),
+                Err(e) => Err(format!("reading: {e}")),
+            },
+            _ = self.tick.tick() => {
+                if self.quiet_limit.is_some_and(|quiet| self.last_write.elapsed() >= quiet) {
+                    PingReq::write(&mut self.write_buf)
+                        .map_err(|e| format!("encoding PINGREQ: {e}"))?;
                 }
-                Ok(publish)
+                Ok(Turn::Tick)
             }
-            Some(Err(reason)) => Err(reason),
-            None => Err(self.sender.shared.failure()),
         }
+    }
+
+    /// Sends DISCONNECT (normal, session expiry 0) after everything queued, shuts our side down, then
+    /// waits for the server to close its side. Closing the socket earlier, with PUBACKs still unread,
+    /// would send a reset that can make the server drop our last PUBLISHes.
+    pub async fn disconnect(mut self) -> Result<(), String> {
+        Disconnect::new(DisconnectReasonCode::NormalDisconnection)
+            .write(&mut self.write_buf)
+            .map_err(|e| format!("encoding DISCONNECT: {e}"))?;
+        self.flush().await?;
+        self.stream
+            .shutdown()
+            .await
+            .map_err(|e| format!("closing: {e}"))?;
+        loop {
+            self.read_buf.clear();
+            match self.stream.read_buf(&mut self.read_buf).await {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) => return Err(format!("reading: {e}")),
+            }
+        }
+    }
+}
+
+/// A PUBLISH to `topic` (shared, not copied) with `payload`, for [`Conn::publish`].
+pub fn publish(
+    topic: &Bytes,
+    qos: QoS,
+    payload: Bytes,
+    properties: Option<PublishProperties>,
+) -> Publish {
+    Publish {
+        dup: false,
+        qos,
+        retain: false,
+        topic: topic.clone(),
+        pkid: 0,
+        payload,
+        properties,
     }
 }
 
@@ -345,7 +301,7 @@ fn decode(buf: &mut BytesMut) -> Result<Option<Packet>, CodecError> {
     Packet::read(buf, Some(MAX_PACKET_BYTES as usize)).map(Some)
 }
 
-/// Reads until one whole packet is decoded.
+/// Reads until one whole packet is decoded (the handshake, before the connection runs in turns).
 async fn read_packet<R: AsyncRead + Unpin>(
     reader: &mut R,
     buf: &mut BytesMut,
@@ -382,15 +338,13 @@ fn disconnected(d: &Disconnect) -> String {
     format!("server sent DISCONNECT {:?}{reason}", d.reason_code)
 }
 
-async fn handshake_connect<R, W>(
-    reader: &mut R,
-    writer: &mut W,
+async fn handshake_connect<S>(
+    stream: &mut S,
     buf: &mut BytesMut,
     options: &Options,
 ) -> Result<ConnAck, String>
 where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin,
 {
     let connect = Connect {
         keep_alive: u16::try_from(options.keep_alive.as_secs()).unwrap_or(u16::MAX),
@@ -402,11 +356,10 @@ where
         }),
     };
     let packet = Packet::Connect(connect, None, options.login.clone());
-    writer
-        .write_all(&encode(&packet)?)
+    send(stream, &encode(&packet)?)
         .await
         .map_err(|e| format!("sending CONNECT: {e}"))?;
-    match read_packet(reader, buf).await? {
+    match read_packet(stream, buf).await? {
         Packet::ConnAck(ack) if ack.code == ConnectReturnCode::Success => Ok(ack),
         Packet::ConnAck(ack) => Err(format!("broker refused: {:?}", ack.code)),
         Packet::Disconnect(d) => Err(disconnected(&d)),
@@ -415,26 +368,23 @@ where
 }
 
 /// Subscribes and waits for the SUBACK; PUBLISHes that arrive first are returned, unacknowledged.
-async fn handshake_subscribe<R, W>(
-    reader: &mut R,
-    writer: &mut W,
+async fn handshake_subscribe<S>(
+    stream: &mut S,
     buf: &mut BytesMut,
     filters: Vec<Filter>,
-) -> Result<Vec<Publish>, String>
+) -> Result<VecDeque<Publish>, String>
 where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin,
 {
     let wanted: Vec<String> = filters.iter().map(|f| f.path.clone()).collect();
     let mut subscribe = Subscribe::new_many(filters, None);
     subscribe.pkid = SUBSCRIBE_PKID;
-    writer
-        .write_all(&encode(&Packet::Subscribe(subscribe))?)
+    send(stream, &encode(&Packet::Subscribe(subscribe))?)
         .await
         .map_err(|e| format!("sending SUBSCRIBE: {e}"))?;
-    let mut early = Vec::new();
+    let mut early = VecDeque::new();
     loop {
-        match read_packet(reader, buf).await? {
+        match read_packet(stream, buf).await? {
             Packet::SubAck(ack) => {
                 if let Some(code) = ack
                     .return_codes
@@ -445,82 +395,16 @@ where
                 }
                 return Ok(early);
             }
-            Packet::Publish(publish) => early.push(publish),
+            Packet::Publish(publish) => early.push_back(publish),
             Packet::Disconnect(d) => return Err(disconnected(&d)),
             _ => {}
         }
     }
 }
 
-async fn read_loop<R: AsyncRead + Unpin>(
-    mut reader: R,
-    mut buf: BytesMut,
-    shared: Arc<Shared>,
-    queue: mpsc::UnboundedSender<Result<Publish, String>>,
-) {
-    let reason = loop {
-        let packet = match read_packet(&mut reader, &mut buf).await {
-            Ok(packet) => packet,
-            Err(reason) => break reason,
-        };
-        match packet {
-            // The receiver may be gone (a publisher never reads); the connection still runs.
-            Packet::Publish(publish) => drop(queue.send(Ok(publish))),
-            Packet::PubAck(ack) => {
-                if let Err(reason) = shared.release(ack.pkid) {
-                    break reason;
-                }
-            }
-            Packet::PingResp(_) => {}
-            Packet::Disconnect(d) => break disconnected(&d),
-            other => {
-                tracing::debug!(packet = packet_name(&other), "bench client ignores packet");
-            }
-        }
-    };
-    shared.fail(reason.clone());
-    let _ = queue.send(Err(reason));
-}
-
-async fn write_loop<W: AsyncWrite + Unpin>(
-    mut writer: W,
-    shared: Arc<Shared>,
-    keep_alive: Duration,
-) {
-    // PINGREQ once the connection has been quiet for three quarters of the keep-alive.
-    let quiet_limit = keep_alive * 3 / 4;
-    let mut last_write = Instant::now();
-    loop {
-        let (chunk, closing) = {
-            let mut outbox = shared.outbox();
-            if outbox.failed.is_some() {
-                return;
-            }
-            (outbox.bytes.split(), outbox.closing)
-        };
-        if chunk.is_empty() {
-            if closing {
-                let _ = writer.shutdown().await;
-                return;
-            }
-            let ping_due = keep_alive > Duration::ZERO;
-            tokio::select! {
-                () = shared.wake_writer.notified() => continue,
-                () = tokio::time::sleep_until(last_write + quiet_limit), if ping_due => {
-                    if let Err(reason) = shared.enqueue(&Packet::PingReq(PingReq)).await {
-                        shared.fail(reason);
-                    }
-                    continue;
-                }
-            }
-        }
-        if let Err(e) = writer.write_all(&chunk).await {
-            shared.fail(format!("writing: {e}"));
-            return;
-        }
-        last_write = Instant::now();
-        shared.space.notify_waiters();
-    }
+async fn send<S: AsyncWrite + Unpin>(stream: &mut S, bytes: &[u8]) -> std::io::Result<()> {
+    stream.write_all(bytes).await?;
+    stream.flush().await
 }
 
 fn packet_name(packet: &Packet) -> &'static str {
@@ -552,7 +436,7 @@ mod tests {
         encode(packet).unwrap()
     }
 
-    fn publish(topic: &str, qos: QoS, pkid: u16, payload: &'static [u8]) -> Publish {
+    fn publish_with_id(topic: &str, qos: QoS, pkid: u16, payload: &'static [u8]) -> Publish {
         let mut p = Publish::new(topic, qos, Bytes::from_static(payload), None);
         p.pkid = pkid;
         p
@@ -614,7 +498,7 @@ mod tests {
     }
 
     /// Starts a client against a fake broker that answers CONNECT with `ack` sent one byte at a time.
-    async fn connected(ack: Packet, opts: Options) -> (Link, FakeBroker) {
+    async fn connected(ack: Packet, opts: Options) -> (Conn<DuplexStream>, FakeBroker) {
         let (client_end, broker_end) = tokio::io::duplex(1 << 16);
         let (r, w) = tokio::io::split(broker_end);
         let mut broker = FakeBroker {
@@ -622,9 +506,8 @@ mod tests {
             writer: w,
             buf: BytesMut::new(),
         };
-        let (cr, cw) = tokio::io::split(client_end);
         let has_filters = !opts.filters.is_empty();
-        let client = tokio::spawn(start(cr, cw, opts));
+        let client = tokio::spawn(Conn::start(client_end, opts));
         assert!(matches!(broker.next().await, Packet::Connect(..)));
         // CONNACK split across reads: every byte is its own write.
         for byte in bytes_of(&ack).iter() {
@@ -645,9 +528,19 @@ mod tests {
         (client.await.unwrap().unwrap(), broker)
     }
 
+    /// Reads until [`Conn::next`] yields a PUBLISH (or fails), as a connection's task does.
+    async fn next_publish(conn: &mut Conn<DuplexStream>) -> Result<Publish, String> {
+        loop {
+            if let Some(publish) = conn.next()? {
+                return Ok(publish);
+            }
+            conn.read().await?;
+        }
+    }
+
     #[test]
     fn decode_waits_for_a_whole_packet_and_keeps_the_rest() {
-        let first = bytes_of(&Packet::Publish(publish(
+        let first = bytes_of(&Packet::Publish(publish_with_id(
             "a/b",
             QoS::AtLeastOnce,
             7,
@@ -711,28 +604,30 @@ mod tests {
     #[tokio::test]
     async fn packets_split_across_reads_and_batched_in_one_read_all_arrive() {
         let filter = Filter::new("t/#", QoS::AtLeastOnce);
-        let (mut link, mut broker) = connected(connack(None), options(8, vec![filter])).await;
+        let (mut conn, mut broker) = connected(connack(None), options(8, vec![filter])).await;
         // Three PUBLISHes in one write, the third cut in half and finished by a later write.
         let mut wire = BytesMut::new();
         for (i, payload) in [&b"p1"[..], b"p2", b"p3"].into_iter().enumerate() {
-            let p = Publish::new("t/x", QoS::AtLeastOnce, Bytes::from(payload), None);
-            let p = Publish {
-                pkid: 10 + i as u16,
-                ..p
-            };
+            let p = publish_with_id("t/x", QoS::AtLeastOnce, 10 + i as u16, payload);
             wire.extend_from_slice(&bytes_of(&Packet::Publish(p)));
         }
         let cut = wire.len() - 3;
         broker.send(&wire[..cut]).await;
-        let first = link.incoming.recv().await.unwrap();
-        let second = link.incoming.recv().await.unwrap();
+        let first = next_publish(&mut conn).await.unwrap();
+        let second = next_publish(&mut conn).await.unwrap();
+        // The rest of the third is not here yet: nothing more to decode.
+        assert!(conn.next().unwrap().is_none());
         broker.send(&wire[cut..]).await;
-        let third = link.incoming.recv().await.unwrap();
+        let third = next_publish(&mut conn).await.unwrap();
         assert_eq!(
             [&first.payload[..], &second.payload[..], &third.payload[..]],
             [b"p1", b"p2", b"p3"]
         );
-        // Each QoS 1 PUBLISH taken is acknowledged with its own packet id.
+        // Each QoS 1 PUBLISH acknowledged is acknowledged with its own packet id, all in one write.
+        for publish in [&first, &second, &third] {
+            conn.acknowledge(publish).unwrap();
+        }
+        conn.flush().await.unwrap();
         for pkid in 10..13 {
             let Packet::PubAck(ack) = broker.next().await else {
                 panic!("expected PUBACK")
@@ -743,71 +638,114 @@ mod tests {
 
     #[tokio::test]
     async fn the_servers_receive_maximum_caps_publishes_in_flight() {
-        let (link, mut broker) = connected(connack(Some(1)), options(8, Vec::new())).await;
-        let sender = link.sender.clone();
-        let publishing = tokio::spawn(async move {
-            for _ in 0..2 {
-                sender
-                    .publish("req", QoS::AtLeastOnce, Bytes::from_static(b"x"), None)
-                    .await
-                    .unwrap();
-            }
-        });
+        let (mut conn, mut broker) = connected(connack(Some(1)), options(8, Vec::new())).await;
+        let topic = Bytes::from_static(b"req");
+        let request = || publish(&topic, QoS::AtLeastOnce, Bytes::from_static(b"x"), None);
+        assert!(conn.window_open());
+        conn.publish(&mut request()).unwrap();
+        conn.flush().await.unwrap();
         let Packet::Publish(first) = broker.next().await else {
             panic!("expected PUBLISH")
         };
-        // The second PUBLISH waits for the first one's PUBACK.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!publishing.is_finished());
-        assert!(broker.buf.is_empty());
+        // The window of one is full until the PUBACK arrives.
+        assert!(!conn.window_open());
+        assert!(conn.publish(&mut request()).is_err());
         broker
             .send(&bytes_of(&Packet::PubAck(PubAck::new(first.pkid, None))))
             .await;
+        while !conn.window_open() {
+            conn.read().await.unwrap();
+            assert!(conn.next().unwrap().is_none());
+        }
+        conn.publish(&mut request()).unwrap();
+        conn.flush().await.unwrap();
         let Packet::Publish(second) = broker.next().await else {
             panic!("expected PUBLISH")
         };
         assert_eq!(second.pkid, first.pkid, "the freed packet id is reused");
-        publishing.await.unwrap();
     }
 
     #[tokio::test]
-    async fn a_server_disconnect_fails_both_halves_loudly() {
-        let (mut link, mut broker) = connected(connack(None), options(8, Vec::new())).await;
+    async fn a_reply_puback_and_the_next_request_leave_in_one_write() {
+        let filter = Filter::new("resp", QoS::AtLeastOnce);
+        let (mut conn, mut broker) = connected(connack(None), options(8, vec![filter])).await;
+        let reply = publish_with_id("resp", QoS::AtLeastOnce, 5, b"+OK");
+        broker.send(&bytes_of(&Packet::Publish(reply))).await;
+        let got = next_publish(&mut conn).await.unwrap();
+        conn.acknowledge(&got).unwrap();
+        let topic = Bytes::from_static(b"req");
+        conn.publish(&mut publish(&topic, QoS::AtLeastOnce, Bytes::new(), None))
+            .unwrap();
+        conn.flush().await.unwrap();
+        // One read on the broker's side holds both packets.
+        let mut chunk = BytesMut::with_capacity(1024);
+        broker.reader.read_buf(&mut chunk).await.unwrap();
+        assert!(matches!(decode(&mut chunk), Ok(Some(Packet::PubAck(a))) if a.pkid == 5));
+        assert!(matches!(decode(&mut chunk), Ok(Some(Packet::Publish(_)))));
+        assert!(chunk.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_server_disconnect_fails_loudly() {
+        let (mut conn, mut broker) = connected(connack(None), options(8, Vec::new())).await;
         let disconnect = Disconnect::new(DisconnectReasonCode::SessionTakenOver);
         broker
             .send(&bytes_of(&Packet::Disconnect(disconnect)))
             .await;
-        let err = link.incoming.recv().await.unwrap_err();
+        let err = next_publish(&mut conn).await.unwrap_err();
         assert!(err.contains("DISCONNECT SessionTakenOver"), "{err}");
-        let err = link
-            .sender
-            .publish("t", QoS::AtMostOnce, Bytes::new(), None)
-            .await
-            .unwrap_err();
-        assert!(err.contains("DISCONNECT"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_closed_socket_fails_loudly() {
+        let (mut conn, broker) = connected(connack(None), options(8, Vec::new())).await;
+        drop(broker);
+        let err = next_publish(&mut conn).await.unwrap_err();
+        assert!(err.contains("closed by the server"), "{err}");
     }
 
     #[tokio::test]
     async fn a_puback_for_an_unknown_id_ends_the_connection() {
-        let (mut link, mut broker) = connected(connack(None), options(8, Vec::new())).await;
+        let (mut conn, mut broker) = connected(connack(None), options(8, Vec::new())).await;
         broker
             .send(&bytes_of(&Packet::PubAck(PubAck::new(42, None))))
             .await;
-        let err = link.incoming.recv().await.unwrap_err();
+        let err = next_publish(&mut conn).await.unwrap_err();
         assert!(err.contains("packet id 42"), "{err}");
     }
 
     #[tokio::test]
-    async fn disconnect_flushes_queued_publishes_then_waits_for_the_server_to_close() {
-        let (link, mut broker) = connected(connack(None), options(8, Vec::new())).await;
-        for _ in 0..3 {
-            link.sender
-                .publish("t", QoS::AtMostOnce, Bytes::from_static(b"q0"), None)
-                .await
-                .unwrap();
+    async fn a_quiet_connection_sends_pingreq() {
+        let opts = Options {
+            keep_alive: Duration::from_secs(1),
+            ..options(8, Vec::new())
+        };
+        let (mut conn, mut broker) = connected(connack(None), opts).await;
+        // Keep-alive 1 s: quiet for 0.75 s, then a PINGREQ goes out with the next flush.
+        loop {
+            assert_eq!(conn.read().await.unwrap(), Turn::Tick);
+            conn.flush().await.unwrap();
+            if conn.last_write.elapsed() < TICK {
+                break;
+            }
         }
-        let sender = link.sender.clone();
-        let disconnecting = tokio::spawn(async move { sender.disconnect().await });
+        assert!(matches!(broker.next().await, Packet::PingReq(_)));
+    }
+
+    #[tokio::test]
+    async fn disconnect_flushes_queued_publishes_then_waits_for_the_server_to_close() {
+        let (mut conn, mut broker) = connected(connack(None), options(8, Vec::new())).await;
+        let topic = Bytes::from_static(b"t");
+        for _ in 0..3 {
+            conn.publish(&mut publish(
+                &topic,
+                QoS::AtMostOnce,
+                Bytes::from_static(b"q0"),
+                None,
+            ))
+            .unwrap();
+        }
+        let disconnecting = tokio::spawn(conn.disconnect());
         for _ in 0..3 {
             assert!(matches!(broker.next().await, Packet::Publish(_)));
         }
@@ -819,6 +757,7 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), disconnecting)
             .await
             .expect("disconnect returns once the server closes")
+            .unwrap()
             .unwrap();
     }
 }

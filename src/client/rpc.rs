@@ -130,8 +130,6 @@ pub fn user_property<'a>(properties: Option<&'a PublishProperties>, name: &str) 
 pub struct Connected {
     pub client: AsyncClient,
     pub eventloop: EventLoop,
-    /// PUBLISHes that arrived while waiting for the SUBACK; the caller must handle them.
-    pub early: Vec<Publish>,
 }
 
 /// Connects, waits for CONNACK, subscribes to `filters` and waits for their SUBACK, all within `timeout`.
@@ -161,9 +159,8 @@ pub async fn open(
                 Err(e) => return Err(connect_error(e.to_string())),
             }
         }
-        let mut early = Vec::new();
         if filters.is_empty() {
-            return Ok(early);
+            return Ok(());
         }
         let wanted: Vec<String> = filters.iter().map(|f| f.path.clone()).collect();
         client
@@ -182,20 +179,16 @@ pub async fn open(
                             "subscription to {wanted:?} refused: {code:?}"
                         )));
                     }
-                    return Ok(early);
+                    return Ok(());
                 }
-                Ok(Event::Incoming(Packet::Publish(publish))) => early.push(publish),
+                // No request is out yet, so no PUBLISH now can be a reply we wait for.
                 Ok(_) => {}
                 Err(e) => return Err(connect_error(e.to_string())),
             }
         }
     };
     match tokio::time::timeout(timeout, handshake).await {
-        Ok(Ok(early)) => Ok(Connected {
-            client,
-            eventloop,
-            early,
-        }),
+        Ok(Ok(())) => Ok(Connected { client, eventloop }),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(connect_error(format!(
             "no CONNACK/SUBACK within {} s",
