@@ -540,10 +540,10 @@ impl Executor {
         match self.machine.keyspace().get(&key) {
             Some(entry) => Delta::Put {
                 key,
-                value: entry.value.clone(),
-                version: entry.version.clone(),
-                fencing_token: entry.fencing_token.clone(),
-                expires_at_ms: entry.expires_at_ms,
+                value: Bytes::copy_from_slice(entry.value()),
+                version: entry.version(),
+                fencing_token: entry.fencing_token(),
+                expires_at_ms: entry.expires_at_ms(),
             },
             None => Delta::Delete {
                 key,
