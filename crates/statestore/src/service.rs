@@ -23,7 +23,7 @@ use bytes::Bytes;
 use mqstate_broker::{
     service::Acker, Broker, ClientEvent, Identity, Message, Principal, ServiceInbox, ServiceRequest,
 };
-use mqstate_protocol::{parse_request, Command, ErrorKind, Reply, RequestLimits};
+use mqstate_protocol::{parse_request, Command, ErrorKind, Hlc, Reply, RequestLimits};
 use mqstate_store::{
     Delta, Execution, KeyNotification, Progress, RequestContext, SnapshotEncoder, StateMachine,
 };
@@ -31,7 +31,7 @@ use mqstate_wal::{Metadata, PendingCommit, Snapshot, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
-use crate::dedup::{DedupCache, Seen, DEFAULT_MAX_ENTRIES};
+use crate::dedup::{CachedReply, DedupCache, Seen, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{Rejection, ReplyBuilder, Request};
 use crate::metrics;
 use crate::rate::RequestRates;
@@ -139,16 +139,26 @@ struct ReplyTo {
     client_id: Arc<str>,
     correlation: Bytes,
     message: Message,
+    /// The `__ts` of `message`, for the duplicate-request cache.
+    version: Option<Hlc>,
     /// Sent instead of `message` if the write turns out not durable.
     on_failure: Option<Message>,
 }
 
 impl ReplyTo {
-    fn cached(request: &Request, message: Message) -> ReplyTo {
+    /// The reply to `request` with `payload` and `__ts` `version`.
+    fn new(
+        replies: &ReplyBuilder,
+        request: &Request,
+        payload: Bytes,
+        version: Option<Hlc>,
+        expiry: Duration,
+    ) -> ReplyTo {
         ReplyTo {
             client_id: request.client_id.clone(),
             correlation: request.correlation_data.clone(),
-            message,
+            message: replies.reply(request, payload, version.as_ref(), expiry),
+            version,
             on_failure: None,
         }
     }
@@ -351,7 +361,13 @@ impl Executor {
             }
             Seen::Done(reply, acker) => {
                 metrics::request_counted(metrics::UNPARSED, "duplicate");
-                let reply = ReplyTo::cached(&request, *reply);
+                let reply = ReplyTo::new(
+                    &self.replies,
+                    &request,
+                    reply.payload,
+                    reply.version,
+                    request.expiry,
+                );
                 self.send(Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
@@ -367,13 +383,13 @@ impl Executor {
         let (command, executed) = self.execute(&request, &service_request.identity).await;
         let expiry_left = request.expiry.saturating_sub(started.elapsed());
         let Some((execution, persist, undo)) = executed else {
-            let message = self.replies.reply(
+            let reply = ReplyTo::new(
+                &self.replies,
                 &request,
                 Bytes::from_static(NOT_DURABLE_REPLY),
                 None,
                 expiry_left,
             );
-            let reply = ReplyTo::cached(&request, message);
             self.send(Outcome::Reply {
                 commit: None,
                 notifications: Vec::new(),
@@ -405,11 +421,8 @@ impl Executor {
             }
             _ => Ok(None),
         };
-        let reply_to = |payload: Bytes, version| ReplyTo {
-            client_id: request.client_id.clone(),
-            correlation: request.correlation_data.clone(),
-            message: self.replies.reply(&request, payload, version, expiry_left),
-            on_failure: None,
+        let reply_to = |payload: Bytes, version| {
+            ReplyTo::new(&self.replies, &request, payload, version, expiry_left)
         };
         let timing = |result| {
             Some(Timing {
@@ -420,7 +433,7 @@ impl Executor {
         };
         let outcome = match commit {
             Ok(commit) => {
-                let mut reply = reply_to(execution.reply.encode(), execution.ts.as_ref());
+                let mut reply = reply_to(execution.reply.encode(), execution.ts.clone());
                 if commit.is_some() {
                     reply.on_failure =
                         Some(reply_to(Bytes::from_static(NOT_DURABLE_REPLY), None).message);
@@ -746,6 +759,7 @@ impl Executor {
                     client_id: client_id.clone(),
                     correlation: correlation_data.unwrap_or_default(),
                     message: reply,
+                    version: None,
                     on_failure: None,
                 };
                 self.send(Outcome::Reply {
@@ -874,24 +888,30 @@ async fn complete(
                         for (client_id, message) in notifications {
                             broker.deliver_to(&client_id, message);
                         }
-                        (reply.map(|r| (r.client_id, r.correlation, r.message)), 0x00)
+                        let sent =
+                            reply.map(|r| (r.client_id, r.correlation, r.message, r.version));
+                        (sent, 0x00)
                     }
                     Err(e) => {
                         tracing::error!("state store write not durable: {e}");
                         let _ = failures.send(());
-                        match reply
-                            .and_then(|r| r.on_failure.map(|m| (r.client_id, r.correlation, m)))
-                        {
+                        match reply.and_then(|r| {
+                            r.on_failure.map(|m| (r.client_id, r.correlation, m, None))
+                        }) {
                             Some(failed) => (Some(failed), 0x00),
                             None => (None, PUBACK_UNSPECIFIED_ERROR),
                         }
                     }
                 };
-                if let Some((client_id, correlation, message)) = reply {
+                if let Some((client_id, correlation, message, version)) = reply {
+                    let cached = CachedReply {
+                        payload: message.payload.clone(),
+                        version,
+                    };
                     let waiting = dedup.lock().unwrap_or_else(|p| p.into_inner()).complete(
                         &client_id,
                         &correlation,
-                        &message,
+                        cached,
                     );
                     broker.publish(message);
                     for retry in waiting {
