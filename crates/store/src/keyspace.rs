@@ -6,10 +6,11 @@
 //!
 //! Memory per key is the point of the representation (issue 3, decision 0015): each key is one heap
 //! allocation, a [`Slot`], holding the key, the metadata and the value, in an ordered set keyed by the
-//! key part. In memory only (the snapshot has its own format), integers little-endian:
+//! key part, behind a one-word pointer ([`thin`], the crate's only `unsafe`). In memory only (the
+//! snapshot has its own format), integers little-endian:
 //!
 //! ```text
-//! slot = key length varint | key | flags u8 | version | [fencing token] | [deadline u64] | value
+//! slot = slot length varint | key length varint | key | flags u8 | version | [fencing token] | [deadline u64] | value
 //! HLC  = wall ms u64 | counter u32 | node u8 [| node id length varint | node id]
 //! ```
 //! `flags` says whether the fencing token and the deadline are present. `node` indexes a small table
@@ -28,6 +29,10 @@ use std::ops::Bound;
 use std::sync::Arc;
 
 use mqstate_protocol::Hlc;
+
+use thin::{varint_len, write_varint, ThinBytes};
+
+mod thin;
 
 /// Bytes a key and its value count against the memory quota.
 pub fn entry_bytes(key: &[u8], value: &[u8]) -> u64 {
@@ -359,7 +364,7 @@ impl RawHlc<'_> {
 
 /// One key with its entry in a single allocation (layout in the module docs). Ordered by key.
 #[derive(Clone)]
-struct Slot(Box<[u8]>);
+struct Slot(ThinBytes);
 
 impl Slot {
     fn encode(key: &[u8], entry: &NewEntry<'_>, nodes: &mut NodeIds) -> Slot {
@@ -378,9 +383,6 @@ impl Slot {
             + token.map_or(0, |(_, node)| hlc_len(node))
             + entry.expires_at_ms.map_or(0, |_| 8)
             + entry.value.len();
-        let mut buf = Vec::with_capacity(len);
-        put_varint(&mut buf, key.len());
-        buf.extend_from_slice(key);
         let flags = if token.is_some() {
             HAS_FENCING_TOKEN
         } else {
@@ -390,35 +392,39 @@ impl Slot {
         } else {
             0
         };
-        buf.push(flags);
-        for (hlc, node) in std::iter::once(version).chain(token) {
-            buf.extend_from_slice(&hlc.wall_ms.to_le_bytes());
-            buf.extend_from_slice(&hlc.counter.to_le_bytes());
-            match node {
-                NodeRef::Interned(index) => buf.push(index),
-                NodeRef::Inline(id) => {
-                    buf.push(INLINE_NODE);
-                    put_varint(&mut buf, id.len());
-                    buf.extend_from_slice(id.as_bytes());
+        Slot(ThinBytes::build(len, |out| {
+            let mut w = SlotWriter(out);
+            w.varint(key.len());
+            w.put(key);
+            w.put(&[flags]);
+            for (hlc, node) in std::iter::once(version).chain(token) {
+                w.put(&hlc.wall_ms.to_le_bytes());
+                w.put(&hlc.counter.to_le_bytes());
+                match node {
+                    NodeRef::Interned(index) => w.put(&[index]),
+                    NodeRef::Inline(id) => {
+                        w.put(&[INLINE_NODE]);
+                        w.varint(id.len());
+                        w.put(id.as_bytes());
+                    }
                 }
             }
-        }
-        if let Some(deadline) = entry.expires_at_ms {
-            buf.extend_from_slice(&deadline.to_le_bytes());
-        }
-        buf.extend_from_slice(entry.value);
-        debug_assert_eq!(buf.len(), len);
-        Slot(buf.into_boxed_slice())
+            if let Some(deadline) = entry.expires_at_ms {
+                w.put(&deadline.to_le_bytes());
+            }
+            w.put(entry.value);
+            debug_assert!(w.0.is_empty(), "slot length miscounted");
+        }))
     }
 
     fn key(&self) -> &[u8] {
-        let mut r = SlotReader(&self.0);
+        let mut r = SlotReader(self.0.as_slice());
         let len = r.varint();
         r.take(len)
     }
 
     fn parse(&self) -> Parsed<'_> {
-        let mut r = SlotReader(&self.0);
+        let mut r = SlotReader(self.0.as_slice());
         let key_len = r.varint();
         let key = r.take(key_len);
         let flags = r.take(1)[0];
@@ -432,6 +438,22 @@ impl Slot {
             deadline,
             value: r.0,
         }
+    }
+}
+
+/// Fills a slot front to back.
+struct SlotWriter<'a>(&'a mut [u8]);
+
+impl SlotWriter<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        let (head, rest) = std::mem::take(&mut self.0).split_at_mut(bytes.len());
+        head.copy_from_slice(bytes);
+        self.0 = rest;
+    }
+
+    fn varint(&mut self, value: usize) {
+        let written = write_varint(self.0, value);
+        self.0 = &mut std::mem::take(&mut self.0)[written..];
     }
 }
 
@@ -520,23 +542,6 @@ impl<'a> SlotReader<'a> {
             node,
         }
     }
-}
-
-fn varint_len(mut value: usize) -> usize {
-    let mut len = 1;
-    while value >= 0x80 {
-        value >>= 7;
-        len += 1;
-    }
-    len
-}
-
-fn put_varint(buf: &mut Vec<u8>, mut value: usize) {
-    while value >= 0x80 {
-        buf.push((value as u8 & 0x7f) | 0x80);
-        value >>= 7;
-    }
-    buf.push(value as u8);
 }
 
 #[cfg(test)]
