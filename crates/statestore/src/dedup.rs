@@ -21,6 +21,9 @@ use mqstate_protocol::Hlc;
 /// Default bound on remembered requests; the oldest are forgotten first.
 pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
 
+/// [`DedupCache::sweep`] gives memory back once the table is this many times larger than needed.
+const SHRINK_FACTOR: usize = 4;
+
 type Key = (Arc<str>, Arc<[u8]>);
 
 /// The first reply to a request, as a retry gets it again (addressed to the retry).
@@ -74,7 +77,7 @@ impl<W> DedupCache<W> {
         now: Instant,
         waiter: W,
     ) -> Seen<W> {
-        self.evict(now);
+        self.evict(now, 1);
         let key = (client_id.clone(), Arc::from(correlation));
         match self.entries.get_mut(&key) {
             Some((Entry::Done(reply), deadline)) if *deadline > now => {
@@ -120,9 +123,22 @@ impl<W> DedupCache<W> {
         self.entries.is_empty()
     }
 
-    fn evict(&mut self, now: Instant) {
+    /// Forgets expired requests and, once few are left, gives back the memory a busy period grew:
+    /// the table never shrinks by itself, and full it takes tens of megabytes.
+    pub fn sweep(&mut self, now: Instant) {
+        self.evict(now, 0);
+        if self.entries.capacity() > SHRINK_FACTOR * self.entries.len().max(1) {
+            self.entries.shrink_to_fit();
+        }
+        if self.order.capacity() > SHRINK_FACTOR * self.order.len().max(1) {
+            self.order.shrink_to_fit();
+        }
+    }
+
+    /// Forgets expired requests, and the oldest ones while fewer than `room` more would fit.
+    fn evict(&mut self, now: Instant, room: usize) {
         while let Some((key, deadline)) = self.order.front() {
-            let over_capacity = self.entries.len() >= self.max_entries;
+            let over_capacity = self.entries.len() + room > self.max_entries;
             if *deadline > now && !over_capacity {
                 break;
             }
@@ -239,5 +255,23 @@ mod tests {
                 cache.len()
             );
         }
+    }
+
+    #[test]
+    fn a_sweep_forgets_expired_requests_and_gives_the_table_back() {
+        let mut cache = DedupCache::<u32>::new(1000);
+        let (c, t0) = (Arc::<str>::from("c"), Instant::now());
+        for i in 0..1000u32 {
+            let corr = i.to_be_bytes();
+            cache.check(&c, &corr, Duration::from_secs(1), t0, 0);
+            cache.complete(&c, &corr, reply("+OK"));
+        }
+        let grown = cache.entries.capacity();
+        cache.sweep(t0 + Duration::from_millis(500));
+        assert_eq!(cache.len(), 1000, "nothing expired yet");
+        cache.sweep(t0 + Duration::from_secs(2));
+        assert!(cache.is_empty());
+        assert!(cache.entries.capacity() < grown / SHRINK_FACTOR);
+        assert!(cache.order.capacity() < 1000 / SHRINK_FACTOR);
     }
 }

@@ -276,6 +276,10 @@ pub fn next_clock_ceiling(high_water_ms: u64, now_ms: u64) -> u64 {
 /// How often a degraded log is asked to recover (disk space may have come back).
 pub const LOG_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// How often the duplicate-request cache forgets expired requests without waiting for new ones,
+/// so an idle server does not hold a busy period's cache.
+pub const DEDUP_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
 fn unix_now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -293,6 +297,8 @@ impl Executor {
         tokio::pin!(shutdown);
         // Keys whose deadline passed while the server was down go first (spec: expired on start).
         self.expire().await;
+        let mut sweep = tokio::time::interval(DEDUP_SWEEP_INTERVAL);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let deadline = self.machine.next_deadline().map(|ms| {
                 let wait = Duration::from_millis(ms.saturating_sub(unix_now_ms()));
@@ -320,6 +326,11 @@ impl Executor {
                 },
                 Some(()) = self.failures.recv() => self.roll_back_undurable(),
                 () = sleep_until(deadline) => self.expire().await,
+                _ = sweep.tick() => self
+                    .dedup
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .sweep(Instant::now()),
                 // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
                 // after each request or event (below). Yielding, not `ready()`: a task that is never
                 // pending keeps its worker thread, and the tasks queued behind it (connections, the
