@@ -417,6 +417,7 @@ impl Slot {
         }))
     }
 
+    #[inline]
     fn key(&self) -> &[u8] {
         let mut r = SlotReader(self.0.as_slice());
         let len = r.varint();
@@ -458,12 +459,14 @@ impl SlotWriter<'_> {
 }
 
 impl Borrow<[u8]> for Slot {
+    #[inline]
     fn borrow(&self) -> &[u8] {
         self.key()
     }
 }
 
 impl Ord for Slot {
+    #[inline]
     fn cmp(&self, other: &Self) -> Ordering {
         self.key().cmp(other.key())
     }
@@ -495,6 +498,7 @@ struct Parsed<'a> {
 struct SlotReader<'a>(&'a [u8]);
 
 impl<'a> SlotReader<'a> {
+    #[inline]
     fn take(&mut self, len: usize) -> &'a [u8] {
         let (head, rest) = self.0.split_at(len);
         self.0 = rest;
@@ -511,7 +515,15 @@ impl<'a> SlotReader<'a> {
         u64::from_le_bytes(self.array())
     }
 
+    #[inline]
     fn varint(&mut self) -> usize {
+        // Keys shorter than 128 bytes, the usual case, have a one-byte length.
+        if let Some((&first, rest)) = self.0.split_first() {
+            if first < 0x80 {
+                self.0 = rest;
+                return usize::from(first);
+            }
+        }
         let mut value = 0usize;
         let mut shift = 0;
         loop {

@@ -41,8 +41,27 @@ impl ThinBytes {
         ThinBytes(ptr)
     }
 
-    /// The length and the size of its prefix.
+    /// The length and the size of its prefix. Runs on every key comparison: one- and two-byte
+    /// prefixes (up to 16 KiB) take the short path.
+    #[inline]
     fn header(&self) -> (usize, usize) {
+        let p = self.0.as_ptr();
+        // SAFETY: the prefix is at least one byte, and a second one exists whenever the first has
+        // the continuation bit.
+        let first = unsafe { *p };
+        if first < 0x80 {
+            return (usize::from(first), 1);
+        }
+        // SAFETY: see above.
+        let second = unsafe { *p.add(1) };
+        if second < 0x80 {
+            return (usize::from(first & 0x7f) | usize::from(second) << 7, 2);
+        }
+        self.long_header()
+    }
+
+    #[cold]
+    fn long_header(&self) -> (usize, usize) {
         let mut len = 0usize;
         for i in 0..MAX_VARINT_LEN {
             // SAFETY: `new` wrote a complete varint at the start of the allocation, and this reads
@@ -56,6 +75,7 @@ impl ThinBytes {
         unreachable!("ThinBytes::new writes at most {MAX_VARINT_LEN} varint bytes")
     }
 
+    #[inline]
     pub(super) fn as_slice(&self) -> &[u8] {
         let (len, prefix) = self.header();
         // SAFETY: `new` initialised `len` bytes after the prefix; they live as long as `self` and
