@@ -11,7 +11,7 @@
 //!
 //! ```text
 //! slot = slot length varint | key length varint | key | flags u8 | version | [fencing token] | [deadline u64] | value
-//! HLC  = wall ms u64 | counter u32 | node u8 [| node id length varint | node id]
+//! HLC  = wall ms varint | counter varint | node u8 [| node id length varint | node id]
 //! ```
 //! `flags` says whether the fencing token and the deadline are present. `node` indexes a small table
 //! of interned node ids — versions almost always carry this server's id — or is [`INLINE_NODE`] when
@@ -373,14 +373,17 @@ impl Slot {
             .fencing_token
             .map(|token| (token, nodes.intern(&token.node_id)));
         let hlc_len = |node: NodeRef<'_>| match node {
-            NodeRef::Interned(_) => 13,
-            NodeRef::Inline(id) => 13 + varint_len(id.len()) + id.len(),
+            NodeRef::Interned(_) => 0,
+            NodeRef::Inline(id) => varint_len(id.len() as u64) + id.len(),
         };
-        let len = varint_len(key.len())
+        let hlc_len = |(hlc, node): (&Hlc, NodeRef<'_>)| {
+            varint_len(hlc.wall_ms) + varint_len(u64::from(hlc.counter)) + 1 + hlc_len(node)
+        };
+        let len = varint_len(key.len() as u64)
             + key.len()
             + 1
-            + hlc_len(version.1)
-            + token.map_or(0, |(_, node)| hlc_len(node))
+            + hlc_len(version)
+            + token.map_or(0, hlc_len)
             + entry.expires_at_ms.map_or(0, |_| 8)
             + entry.value.len();
         let flags = if token.is_some() {
@@ -394,17 +397,17 @@ impl Slot {
         };
         Slot(ThinBytes::build(len, |out| {
             let mut w = SlotWriter(out);
-            w.varint(key.len());
+            w.varint(key.len() as u64);
             w.put(key);
             w.put(&[flags]);
             for (hlc, node) in std::iter::once(version).chain(token) {
-                w.put(&hlc.wall_ms.to_le_bytes());
-                w.put(&hlc.counter.to_le_bytes());
+                w.varint(hlc.wall_ms);
+                w.varint(u64::from(hlc.counter));
                 match node {
                     NodeRef::Interned(index) => w.put(&[index]),
                     NodeRef::Inline(id) => {
                         w.put(&[INLINE_NODE]);
-                        w.varint(id.len());
+                        w.varint(id.len() as u64);
                         w.put(id.as_bytes());
                     }
                 }
@@ -420,13 +423,13 @@ impl Slot {
     #[inline]
     fn key(&self) -> &[u8] {
         let mut r = SlotReader(self.0.as_slice());
-        let len = r.varint();
+        let len = r.len();
         r.take(len)
     }
 
     fn parse(&self) -> Parsed<'_> {
         let mut r = SlotReader(self.0.as_slice());
-        let key_len = r.varint();
+        let key_len = r.len();
         let key = r.take(key_len);
         let flags = r.take(1)[0];
         let version = r.hlc();
@@ -452,7 +455,7 @@ impl SlotWriter<'_> {
         self.0 = rest;
     }
 
-    fn varint(&mut self, value: usize) {
+    fn varint(&mut self, value: u64) {
         let written = write_varint(self.0, value);
         self.0 = &mut std::mem::take(&mut self.0)[written..];
     }
@@ -515,20 +518,26 @@ impl<'a> SlotReader<'a> {
         u64::from_le_bytes(self.array())
     }
 
+    /// A length this module wrote from a `usize`.
     #[inline]
-    fn varint(&mut self) -> usize {
+    fn len(&mut self) -> usize {
+        self.varint() as usize
+    }
+
+    #[inline]
+    fn varint(&mut self) -> u64 {
         // Keys shorter than 128 bytes, the usual case, have a one-byte length.
         if let Some((&first, rest)) = self.0.split_first() {
             if first < 0x80 {
                 self.0 = rest;
-                return usize::from(first);
+                return u64::from(first);
             }
         }
-        let mut value = 0usize;
+        let mut value = 0u64;
         let mut shift = 0;
         loop {
             let byte = self.take(1)[0];
-            value |= usize::from(byte & 0x7f) << shift;
+            value |= u64::from(byte & 0x7f) << shift;
             if byte & 0x80 == 0 {
                 return value;
             }
@@ -537,11 +546,11 @@ impl<'a> SlotReader<'a> {
     }
 
     fn hlc(&mut self) -> RawHlc<'a> {
-        let wall_ms = self.u64();
-        let counter = u32::from_le_bytes(self.array());
+        let wall_ms = self.varint();
+        let counter = self.varint() as u32;
         let node = match self.take(1)[0] {
             INLINE_NODE => {
-                let len = self.varint();
+                let len = self.len();
                 let id = std::str::from_utf8(self.take(len))
                     .expect("a slot's inline node id is the UTF-8 it was given");
                 NodeRef::Inline(id)

@@ -26,7 +26,7 @@ impl ThinBytes {
 
     /// `len` bytes written by `fill` (into zeroes), without an intermediate buffer.
     pub(super) fn build(len: usize, fill: impl FnOnce(&mut [u8])) -> ThinBytes {
-        let prefix = varint_len(len);
+        let prefix = varint_len(len as u64);
         let layout = layout(prefix + len);
         // SAFETY: the layout has a non-zero size (the prefix is at least one byte).
         let ptr = unsafe { alloc_zeroed(layout) };
@@ -36,7 +36,7 @@ impl ThinBytes {
         // SAFETY: the allocation is `prefix + len` initialised (zeroed) bytes, exclusively ours.
         let all = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), prefix + len) };
         let (header, body) = all.split_at_mut(prefix);
-        write_varint(header, len);
+        write_varint(header, len as u64);
         fill(body);
         ThinBytes(ptr)
     }
@@ -98,15 +98,15 @@ impl Clone for ThinBytes {
     }
 }
 
-/// A `usize` needs at most this many 7-bit groups.
-const MAX_VARINT_LEN: usize = usize::BITS.div_ceil(7) as usize;
+/// A `u64` needs at most this many 7-bit groups.
+const MAX_VARINT_LEN: usize = u64::BITS.div_ceil(7) as usize;
 
 fn layout(size: usize) -> Layout {
     // Alignment 1 never fails; a size past `isize::MAX` cannot come from a slice.
     Layout::from_size_align(size, 1).unwrap_or_else(|_| unreachable!("a slice fits isize::MAX"))
 }
 
-pub(super) fn varint_len(mut value: usize) -> usize {
+pub(super) fn varint_len(mut value: u64) -> usize {
     let mut len = 1;
     while value >= 0x80 {
         value >>= 7;
@@ -116,7 +116,7 @@ pub(super) fn varint_len(mut value: usize) -> usize {
 }
 
 /// Writes `value` as LEB128 at the start of `out`; returns the bytes written.
-pub(super) fn write_varint(out: &mut [u8], mut value: usize) -> usize {
+pub(super) fn write_varint(out: &mut [u8], mut value: u64) -> usize {
     let mut i = 0;
     while value >= 0x80 {
         out[i] = (value as u8 & 0x7f) | 0x80;
@@ -156,8 +156,8 @@ mod tests {
             128,
             16_383,
             16_384,
-            u32::MAX as usize,
-            usize::MAX,
+            u64::from(u32::MAX),
+            u64::MAX,
         ] {
             assert_eq!(write_varint(&mut buf, value), varint_len(value));
         }
