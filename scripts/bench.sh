@@ -107,6 +107,7 @@ restart() {
   SERVER_PID=$!; PIDS+=("$SERVER_PID"); wait_port "$PORT"
   echo "ready after $(echo "$(date +%s.%N) - $t0" | bc) s"
   grep 'state recovered' "$OUT/restart-1m.restart.log" || true
+  echo "server memory after the restart: $(grep VmRSS "/proc/$SERVER_PID/status")"
   stop_all
 }
 

@@ -31,14 +31,19 @@ impl Reply {
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::new();
         match self {
-            Reply::Ok => out.put_slice(b"+OK\r\n"),
+            // The constant replies, most of them, allocate nothing (and cost nothing to remember in
+            // the duplicate-request cache).
+            Reply::Ok => return Bytes::from_static(b"+OK\r\n"),
+            Reply::Nil => return Bytes::from_static(b"$-1\r\n"),
+            Reply::Integer(-1) => return Bytes::from_static(b":-1\r\n"),
+            Reply::Integer(0) => return Bytes::from_static(b":0\r\n"),
+            Reply::Integer(1) => return Bytes::from_static(b":1\r\n"),
             Reply::Integer(n) => {
                 out.put_u8(b':');
                 out.put_slice(n.to_string().as_bytes());
                 out.put_slice(b"\r\n");
             }
             Reply::Bulk(data) => put_bulk(&mut out, data),
-            Reply::Nil => out.put_slice(b"$-1\r\n"),
             Reply::Error(kind) => {
                 out.put_slice(b"-ERR ");
                 out.put_slice(kind.as_str().as_bytes());

@@ -6,18 +6,33 @@
 //! A retry that arrives while the original is still on its way to the disk waits for it.
 //!
 //! Time is passed in (`now`), so the cache is deterministic under test.
+//!
+//! An entry keeps only what the retry's reply needs ([`CachedReply`]) and its own copy of the
+//! correlation data: the reply message and the request's correlation data are slices of packets,
+//! and a hundred thousand entries pinning them cost hundreds of megabytes (decision 0015).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use mqstate_broker::Message;
+use mqstate_protocol::Hlc;
 
 /// Default bound on remembered requests; the oldest are forgotten first.
 pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
 
-type Key = (Arc<str>, Bytes);
+/// [`DedupCache::sweep`] gives memory back once the table is this many times larger than needed.
+const SHRINK_FACTOR: usize = 4;
+
+type Key = (Arc<str>, Arc<[u8]>);
+
+/// The first reply to a request, as a retry gets it again (addressed to the retry).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedReply {
+    pub payload: Bytes,
+    /// Its `__ts`.
+    pub version: Option<Hlc>,
+}
 
 /// What the cache knows of a request.
 #[derive(Debug)]
@@ -26,14 +41,14 @@ pub enum Seen<W> {
     /// [`DedupCache::complete`].
     New(W),
     /// Executed already: re-send this reply and finish the waiter; do not execute.
-    Done(Box<Message>, W),
+    Done(CachedReply, W),
     /// Still executing: the caller's waiter has been parked and is returned by `complete`.
     Pending,
 }
 
 enum Entry<W> {
     InFlight(Vec<W>),
-    Done(Message),
+    Done(CachedReply),
 }
 
 /// `W` is whatever a retry needs to be finished later (e.g. its deferred PUBACK).
@@ -57,16 +72,16 @@ impl<W> DedupCache<W> {
     pub fn check(
         &mut self,
         client_id: &Arc<str>,
-        correlation: &Bytes,
+        correlation: &[u8],
         expiry: Duration,
         now: Instant,
         waiter: W,
     ) -> Seen<W> {
-        self.evict(now);
-        let key = (client_id.clone(), correlation.clone());
+        self.evict(now, 1);
+        let key = (client_id.clone(), Arc::from(correlation));
         match self.entries.get_mut(&key) {
             Some((Entry::Done(reply), deadline)) if *deadline > now => {
-                return Seen::Done(Box::new(reply.clone()), waiter)
+                return Seen::Done(reply.clone(), waiter)
             }
             Some((Entry::InFlight(waiters), _)) => {
                 waiters.push(waiter);
@@ -85,13 +100,13 @@ impl<W> DedupCache<W> {
     pub fn complete(
         &mut self,
         client_id: &Arc<str>,
-        correlation: &Bytes,
-        reply: &Message,
+        correlation: &[u8],
+        reply: CachedReply,
     ) -> Vec<W> {
-        let key = (client_id.clone(), correlation.clone());
+        let key = (client_id.clone(), Arc::from(correlation));
         match self.entries.get_mut(&key) {
             Some((entry @ Entry::InFlight(_), _)) => {
-                match std::mem::replace(entry, Entry::Done(reply.clone())) {
+                match std::mem::replace(entry, Entry::Done(reply)) {
                     Entry::InFlight(waiters) => waiters,
                     Entry::Done(_) => Vec::new(),
                 }
@@ -108,9 +123,22 @@ impl<W> DedupCache<W> {
         self.entries.is_empty()
     }
 
-    fn evict(&mut self, now: Instant) {
+    /// Forgets expired requests and, once few are left, gives back the memory a busy period grew:
+    /// the table never shrinks by itself, and full it takes tens of megabytes.
+    pub fn sweep(&mut self, now: Instant) {
+        self.evict(now, 0);
+        if self.entries.capacity() > SHRINK_FACTOR * self.entries.len().max(1) {
+            self.entries.shrink_to_fit();
+        }
+        if self.order.capacity() > SHRINK_FACTOR * self.order.len().max(1) {
+            self.order.shrink_to_fit();
+        }
+    }
+
+    /// Forgets expired requests, and the oldest ones while fewer than `room` more would fit.
+    fn evict(&mut self, now: Instant, room: usize) {
         while let Some((key, deadline)) = self.order.front() {
-            let over_capacity = self.entries.len() >= self.max_entries;
+            let over_capacity = self.entries.len() + room > self.max_entries;
             if *deadline > now && !over_capacity {
                 break;
             }
@@ -132,15 +160,11 @@ impl<W> DedupCache<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mqstate_broker::{PublishProperties, QoS};
 
-    fn reply(tag: &'static str) -> Message {
-        Message {
-            topic: "r".into(),
+    fn reply(tag: &'static str) -> CachedReply {
+        CachedReply {
             payload: Bytes::from_static(tag.as_bytes()),
-            qos: QoS::AtLeastOnce,
-            retain: false,
-            properties: PublishProperties::default(),
+            version: None,
         }
     }
 
@@ -156,7 +180,7 @@ mod tests {
             cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
             Seen::New(_)
         ));
-        assert!(cache.complete(&c, &corr, &reply("+OK")).is_empty());
+        assert!(cache.complete(&c, &corr, reply("+OK")).is_empty());
         match cache.check(
             &c,
             &corr,
@@ -190,7 +214,7 @@ mod tests {
             cache.check(&c, &corr, Duration::from_secs(5), t0, 2),
             Seen::Pending
         ));
-        assert_eq!(cache.complete(&c, &corr, &reply("+OK")), vec![2]);
+        assert_eq!(cache.complete(&c, &corr, reply("+OK")), vec![2]);
     }
 
     #[test]
@@ -203,7 +227,7 @@ mod tests {
                 cache.check(&c, &corr(i), Duration::from_secs(1), t0, 0),
                 Seen::New(_)
             ));
-            cache.complete(&c, &corr(i), &reply("+OK"));
+            cache.complete(&c, &corr(i), reply("+OK"));
         }
         // Past the expiry the same request executes again.
         assert!(matches!(
@@ -231,5 +255,23 @@ mod tests {
                 cache.len()
             );
         }
+    }
+
+    #[test]
+    fn a_sweep_forgets_expired_requests_and_gives_the_table_back() {
+        let mut cache = DedupCache::<u32>::new(1000);
+        let (c, t0) = (Arc::<str>::from("c"), Instant::now());
+        for i in 0..1000u32 {
+            let corr = i.to_be_bytes();
+            cache.check(&c, &corr, Duration::from_secs(1), t0, 0);
+            cache.complete(&c, &corr, reply("+OK"));
+        }
+        let grown = cache.entries.capacity();
+        cache.sweep(t0 + Duration::from_millis(500));
+        assert_eq!(cache.len(), 1000, "nothing expired yet");
+        cache.sweep(t0 + Duration::from_secs(2));
+        assert!(cache.is_empty());
+        assert!(cache.entries.capacity() < grown / SHRINK_FACTOR);
+        assert!(cache.order.capacity() < 1000 / SHRINK_FACTOR);
     }
 }

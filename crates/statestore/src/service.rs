@@ -23,7 +23,7 @@ use bytes::Bytes;
 use mqstate_broker::{
     service::Acker, Broker, ClientEvent, Identity, Message, Principal, ServiceInbox, ServiceRequest,
 };
-use mqstate_protocol::{parse_request, Command, ErrorKind, Reply, RequestLimits};
+use mqstate_protocol::{parse_request, Command, ErrorKind, Hlc, Reply, RequestLimits};
 use mqstate_store::{
     Delta, Execution, KeyNotification, Progress, RequestContext, SnapshotEncoder, StateMachine,
 };
@@ -31,7 +31,7 @@ use mqstate_wal::{Metadata, PendingCommit, Snapshot, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
-use crate::dedup::{DedupCache, Seen, DEFAULT_MAX_ENTRIES};
+use crate::dedup::{CachedReply, DedupCache, Seen, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{Rejection, ReplyBuilder, Request};
 use crate::metrics;
 use crate::rate::RequestRates;
@@ -139,14 +139,24 @@ struct ReplyTo {
     client_id: Arc<str>,
     correlation: Bytes,
     message: Message,
+    /// The `__ts` of `message`, for the duplicate-request cache.
+    version: Option<Hlc>,
 }
 
 impl ReplyTo {
-    fn cached(request: &Request, message: Message) -> ReplyTo {
+    /// The reply to `request` with `payload` and `__ts` `version`.
+    fn new(
+        replies: &ReplyBuilder,
+        request: &Request,
+        payload: Bytes,
+        version: Option<Hlc>,
+        expiry: Duration,
+    ) -> ReplyTo {
         ReplyTo {
             client_id: request.client_id.clone(),
             correlation: request.correlation_data.clone(),
-            message,
+            message: replies.reply(request, payload, version.as_ref(), expiry),
+            version,
         }
     }
 }
@@ -274,6 +284,10 @@ pub fn next_clock_ceiling(high_water_ms: u64, now_ms: u64) -> u64 {
 /// How often a degraded log is asked to recover (disk space may have come back).
 pub const LOG_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// How often the duplicate-request cache forgets expired requests without waiting for new ones,
+/// so an idle server does not hold a busy period's cache.
+pub const DEDUP_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
 fn unix_now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -291,6 +305,8 @@ impl Executor {
         tokio::pin!(shutdown);
         // Keys whose deadline passed while the server was down go first (spec: expired on start).
         self.expire().await;
+        let mut sweep = tokio::time::interval(DEDUP_SWEEP_INTERVAL);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let deadline = self.machine.next_deadline().map(|ms| {
                 let wait = Duration::from_millis(ms.saturating_sub(unix_now_ms()));
@@ -318,6 +334,11 @@ impl Executor {
                 },
                 Some(()) = self.failures.recv() => self.roll_back_undurable(),
                 () = sleep_until(deadline) => self.expire().await,
+                _ = sweep.tick() => self
+                    .dedup
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .sweep(Instant::now()),
                 // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
                 // after each request or event (below). Yielding, not `ready()`: a task that is never
                 // pending keeps its worker thread, and the tasks queued behind it (connections, the
@@ -359,7 +380,13 @@ impl Executor {
             }
             Seen::Done(reply, acker) => {
                 metrics::request_counted(metrics::UNPARSED, "duplicate");
-                let reply = ReplyTo::cached(&request, *reply);
+                let reply = ReplyTo::new(
+                    &self.replies,
+                    &request,
+                    reply.payload,
+                    reply.version,
+                    request.expiry,
+                );
                 self.send(Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
@@ -375,13 +402,13 @@ impl Executor {
         let (command, executed) = self.execute(&request, &service_request.identity).await;
         let expiry_left = request.expiry.saturating_sub(started.elapsed());
         let Some((execution, persist, undo)) = executed else {
-            let message = self.replies.reply(
+            let reply = ReplyTo::new(
+                &self.replies,
                 &request,
                 Bytes::from_static(NOT_DURABLE_REPLY),
                 None,
                 expiry_left,
             );
-            let reply = ReplyTo::cached(&request, message);
             self.send(Outcome::Reply {
                 commit: None,
                 notifications: Vec::new(),
@@ -413,10 +440,8 @@ impl Executor {
             }
             _ => Ok(None),
         };
-        let reply_to = |payload: Bytes, version| ReplyTo {
-            client_id: request.client_id.clone(),
-            correlation: request.correlation_data.clone(),
-            message: self.replies.reply(&request, payload, version, expiry_left),
+        let reply_to = |payload: Bytes, version| {
+            ReplyTo::new(&self.replies, &request, payload, version, expiry_left)
         };
         let timing = |result| {
             Some(Timing {
@@ -427,7 +452,7 @@ impl Executor {
         };
         let outcome = match commit {
             Ok(commit) => {
-                let reply = reply_to(execution.reply.encode(), execution.ts.as_ref());
+                let reply = reply_to(execution.reply.encode(), execution.ts.clone());
                 Outcome::Reply {
                     commit,
                     notifications: self.notifications(&execution.notifications),
@@ -543,10 +568,10 @@ impl Executor {
         match self.machine.keyspace().get(&key) {
             Some(entry) => Delta::Put {
                 key,
-                value: entry.value.clone(),
-                version: entry.version.clone(),
-                fencing_token: entry.fencing_token.clone(),
-                expires_at_ms: entry.expires_at_ms,
+                value: Bytes::copy_from_slice(entry.value()),
+                version: entry.version(),
+                fencing_token: entry.fencing_token(),
+                expires_at_ms: entry.expires_at_ms(),
             },
             None => Delta::Delete {
                 key,
@@ -749,6 +774,7 @@ impl Executor {
                     client_id: client_id.clone(),
                     correlation: correlation_data.unwrap_or_default(),
                     message: reply,
+                    version: None,
                 };
                 self.send(Outcome::Reply {
                     commit: None,
@@ -876,23 +902,31 @@ async fn complete(
                         for (client_id, message) in notifications {
                             broker.deliver_to(&client_id, message);
                         }
-                        (reply.map(|r| (r.client_id, r.correlation, r.message)), 0x00)
+                        let sent =
+                            reply.map(|r| (r.client_id, r.correlation, r.message, r.version));
+                        (sent, 0x00)
                     }
                     Err(e) => {
                         tracing::error!("state store write not durable: {e}");
                         let _ = failures.send(());
                         // Only writes have commits, and a write's reply becomes the error.
-                        match reply.map(|r| (r.client_id, r.correlation, not_durable(r.message))) {
+                        match reply
+                            .map(|r| (r.client_id, r.correlation, not_durable(r.message), None))
+                        {
                             Some(failed) => (Some(failed), 0x00),
                             None => (None, PUBACK_UNSPECIFIED_ERROR),
                         }
                     }
                 };
-                if let Some((client_id, correlation, message)) = reply {
+                if let Some((client_id, correlation, message, version)) = reply {
+                    let cached = CachedReply {
+                        payload: message.payload.clone(),
+                        version,
+                    };
                     let waiting = dedup.lock().unwrap_or_else(|p| p.into_inner()).complete(
                         &client_id,
                         &correlation,
-                        &message,
+                        cached,
                     );
                     broker.publish(message);
                     for retry in waiting {

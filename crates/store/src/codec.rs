@@ -174,8 +174,8 @@ impl<'a> Reader<'a> {
         Ok(Bytes::copy_from_slice(self.buffer(what)?))
     }
 
-    pub(crate) fn key(&mut self) -> Result<Bytes, StoreError> {
-        let key = self.bytes("key")?;
+    pub(crate) fn key(&mut self) -> Result<&'a [u8], StoreError> {
+        let key = self.buffer("key")?;
         if key.is_empty() {
             return Err(self.invalid("key", "keys are never empty"));
         }

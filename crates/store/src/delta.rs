@@ -81,14 +81,14 @@ impl Delta {
         let mut r = Reader::new("key-value delta", data);
         let delta = match r.u8("marker")? {
             PUT_MARKER => Delta::Put {
-                key: r.key()?,
+                key: Bytes::copy_from_slice(r.key()?),
                 value: r.bytes("value")?,
                 version: r.hlc("version")?,
                 fencing_token: r.nullable_hlc("fencing token")?,
                 expires_at_ms: r.nullable_u63("expiry")?,
             },
             DELETE_MARKER => Delta::Delete {
-                key: r.key()?,
+                key: Bytes::copy_from_slice(r.key()?),
                 version: r.hlc("version")?,
             },
             _ => {

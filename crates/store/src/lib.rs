@@ -10,7 +10,8 @@
 //! * [`delta`] — [`Delta`] (put / delete) and its binary form (`storage-format.md` conventions).
 //! * [`snapshot`] — [`SnapshotEncoder`] (chunk by chunk, while the machine changes),
 //!   `StateMachine::snapshot_encode` (in one go) / `snapshot_decode`.
-//! * [`keyspace`] — [`Keyspace`] and [`Entry`], with the `(deadline, key)` expiry index.
+//! * [`keyspace`] — [`Keyspace`] (one allocation per key), [`Entry`] (a stored entry, borrowed) and
+//!   [`NewEntry`], with the `(deadline, key)` expiry index.
 //! * [`limits`] — [`Limits`], every bound with its default.
 //! * [`error`] — [`StoreError`] (configuration and codec failures; command errors are replies).
 //!
@@ -29,7 +30,7 @@ pub mod snapshot;
 pub use codec::MAX_BUFFER_BYTES;
 pub use delta::Delta;
 pub use error::StoreError;
-pub use keyspace::{Entry, Keyspace};
+pub use keyspace::{Entry, Keyspace, NewEntry};
 pub use limits::Limits;
 pub use machine::{
     Execution, Expiration, KeyNotification, RequestContext, StateMachine, StoreConfig,

@@ -21,7 +21,7 @@ use mqstate_protocol::{
 use crate::codec::MAX_BUFFER_BYTES;
 use crate::delta::Delta;
 use crate::error::StoreError;
-use crate::keyspace::{entry_bytes, Entry, Keyspace};
+use crate::keyspace::{entry_bytes, Keyspace, NewEntry};
 use crate::limits::Limits;
 use crate::registrations::Registrations;
 
@@ -157,8 +157,8 @@ impl StateMachine {
             } => self.set(key, value, condition, expiry_ms, ctx),
             Command::Get { key } => Ok(match self.keyspace.get_live(&key, ctx.now_ms) {
                 Some(entry) => Execution {
-                    ts: Some(entry.version.clone()),
-                    ..Execution::reply(Reply::Bulk(entry.value.clone()))
+                    ts: Some(entry.version()),
+                    ..Execution::reply(Reply::Bulk(Bytes::copy_from_slice(entry.value())))
                 },
                 None => Execution::reply(Reply::Nil),
             }),
@@ -195,13 +195,13 @@ impl StateMachine {
     ) -> Result<Execution, ErrorKind> {
         let current = self.keyspace.get_live(&key, ctx.now_ms);
         let fencing_token = fence(
-            current.and_then(|e| e.fencing_token.as_ref()),
+            current.and_then(|e| e.fencing_token()).as_ref(),
             ctx.fencing_token.as_ref(),
         )?;
         let applies = match (condition, current) {
             (SetCondition::Always, _) | (_, None) => true,
             (SetCondition::NotExists, Some(_)) => false,
-            (SetCondition::NotExistsOrEqual, Some(entry)) => entry.value == value,
+            (SetCondition::NotExistsOrEqual, Some(entry)) => entry.value() == value,
         };
         if !applies {
             // "Current server HLC" (spec §3): already merged with the request's `__ts`.
@@ -211,7 +211,7 @@ impl StateMachine {
             });
         }
         self.check_quota(&key, &value)?;
-        let previous_version = current.map(|e| e.version.clone());
+        let previous_version = current.map(|e| e.version());
         let version = self.clock.now(ctx.now_ms);
         debug_assert!(ctx.ts.as_ref().is_none_or(|ts| version > *ts));
         debug_assert!(previous_version.is_none_or(|prev| version > prev));
@@ -235,12 +235,12 @@ impl StateMachine {
         let Some(current) = self.keyspace.get_live(&key, ctx.now_ms) else {
             return Ok(Execution::reply(Reply::Integer(0)));
         };
-        fence(current.fencing_token.as_ref(), ctx.fencing_token.as_ref())?;
-        if expected.is_some_and(|value| value != current.value) {
+        fence(current.fencing_token().as_ref(), ctx.fencing_token.as_ref())?;
+        if expected.is_some_and(|value| value != current.value()) {
             return Ok(Execution::reply(Reply::Integer(-1)));
         }
         let version = self.clock.now(ctx.now_ms);
-        debug_assert!(version > current.version);
+        debug_assert!(version > current.version());
         let delta = Delta::Delete { key, version };
         Ok(self.commit(delta, NotifyPayload::Delete, Reply::Integer(1), None))
     }
@@ -253,7 +253,7 @@ impl StateMachine {
         let total = self
             .keyspace
             .stored_bytes()
-            .saturating_sub(previous.map_or(0, |e| entry_bytes(key, &e.value)))
+            .saturating_sub(previous.map_or(0, |e| entry_bytes(key, e.value())))
             .saturating_add(entry_bytes(key, value));
         let ok = fits(key.len(), limits.max_key_bytes)
             && fits(value.len(), limits.max_value_bytes)
@@ -309,9 +309,10 @@ impl StateMachine {
         let glob = Glob::new(pattern).map_err(|e| e.kind())?;
         let mut keys = Vec::new();
         let mut last_visited = None;
-        for (visited, (key, entry)) in self.keyspace.iter_after(after).enumerate() {
+        for (visited, entry) in self.keyspace.iter_after(after).enumerate() {
+            let key = entry.key();
             if entry.is_live(now_ms) && glob.matches(key) {
-                keys.push(key.clone());
+                keys.push(Bytes::copy_from_slice(key));
             }
             if keys.len() >= limits.scan_page_keys || visited + 1 >= limits.scan_visit_max {
                 last_visited = Some(key);
@@ -322,7 +323,7 @@ impl StateMachine {
         // is the last one when nothing follows it.
         let continuation = last_visited
             .filter(|last| self.keyspace.iter_after(Some(last)).next().is_some())
-            .cloned();
+            .map(Bytes::copy_from_slice);
         Ok(Execution::reply(Reply::Keys { keys, continuation }))
     }
 
@@ -347,7 +348,11 @@ impl StateMachine {
     pub fn expire_due(&mut self, now_ms: u64) -> Vec<Expiration> {
         let mut expired = Vec::new();
         while expired.len() < self.config.limits.expire_batch_max {
-            let Some(key) = self.keyspace.first_expired(now_ms).cloned() else {
+            let Some(key) = self
+                .keyspace
+                .first_expired(now_ms)
+                .map(Bytes::copy_from_slice)
+            else {
                 break;
             };
             let version = self.clock.now(now_ms);
@@ -380,11 +385,11 @@ impl StateMachine {
                 expires_at_ms,
             } => {
                 self.keyspace.insert(
-                    key.clone(),
-                    Entry {
-                        value: value.clone(),
-                        version: version.clone(),
-                        fencing_token: fencing_token.clone(),
+                    key,
+                    NewEntry {
+                        value,
+                        version,
+                        fencing_token: fencing_token.as_ref(),
                         expires_at_ms: *expires_at_ms,
                     },
                 );

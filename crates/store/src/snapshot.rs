@@ -13,11 +13,9 @@
 //! replaying one the snapshot already reflects changes nothing, and the last delta of each key wins
 //! (decision 0014). The count and the high-water mark are written last, into the header.
 
-use bytes::Bytes;
-
 use crate::codec::{Reader, Writer};
 use crate::error::StoreError;
-use crate::keyspace::{Entry, Keyspace};
+use crate::keyspace::{AscendingBuilder, Entry, NewEntry};
 use crate::machine::{StateMachine, StoreConfig};
 
 /// First byte of a key-value snapshot.
@@ -31,6 +29,10 @@ const CONTEXT: &str = "key-value snapshot";
 /// bytes), to size the buffer once: growing a buffer of hundreds of megabytes by doubling would copy
 /// it on the encoding thread.
 const ENTRY_OVERHEAD_ESTIMATE: usize = 48;
+
+/// The fewest bytes an encoded entry takes (one-byte key, empty value and node id, no token or
+/// expiry): bounds what a snapshot's count may reserve before its entries are read.
+const MIN_ENTRY_BYTES: usize = 4 + 1 + 4 + (8 + 4 + 4) + 1 + 1;
 
 /// Whether [`SnapshotEncoder::step`] reached the end of the keyspace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +51,7 @@ pub struct SnapshotEncoder {
     count_at: usize,
     count: usize,
     /// The last key encoded: the next chunk starts after it.
-    cursor: Option<Bytes>,
+    cursor: Option<Box<[u8]>>,
 }
 
 impl SnapshotEncoder {
@@ -96,14 +98,14 @@ impl SnapshotEncoder {
                 if encoded > 0 && chunk_full {
                     break Progress::Continue;
                 }
-                let Some((key, entry)) = keys.next() else {
+                let Some(entry) = keys.next() else {
                     break Progress::Done;
                 };
-                encode_entry(&mut self.w, key, entry)?;
+                encode_entry(&mut self.w, &entry)?;
                 encoded += 1;
-                last = Some(key.clone());
+                last = Some(entry.key());
             };
-            (progress, last)
+            (progress, last.map(Box::from))
         };
         self.count += encoded;
         self.cursor = last.or(after);
@@ -126,12 +128,12 @@ impl SnapshotEncoder {
     }
 }
 
-fn encode_entry(w: &mut Writer, key: &[u8], entry: &Entry) -> Result<(), StoreError> {
-    w.buffer("key", key)?;
-    w.buffer("value", &entry.value)?;
-    w.hlc(&entry.version)?;
-    w.nullable_hlc(entry.fencing_token.as_ref())?;
-    w.nullable_u64(entry.expires_at_ms);
+fn encode_entry(w: &mut Writer, entry: &Entry<'_>) -> Result<(), StoreError> {
+    w.buffer("key", entry.key())?;
+    w.buffer("value", entry.value())?;
+    w.hlc(&entry.version())?;
+    w.nullable_hlc(entry.fencing_token().as_ref())?;
+    w.nullable_u64(entry.expires_at_ms());
     Ok(())
 }
 
@@ -158,29 +160,31 @@ impl StateMachine {
         }
         let high_water = r.hlc("high-water mark")?;
         let count = r.len("key count")?;
-        let mut keyspace = Keyspace::default();
-        let mut previous: Option<bytes::Bytes> = None;
-        for _ in 0..count {
-            let key = r.key()?;
-            if previous.as_ref().is_some_and(|prev| *prev >= key) {
-                return Err(r.invalid("key", "keys must be strictly ascending"));
-            }
-            previous = Some(key.clone());
-            let entry = Entry {
-                value: r.bytes("value")?,
-                version: r.hlc("version")?,
-                fencing_token: r.nullable_hlc("fencing token")?,
-                expires_at_ms: r.nullable_u63("expiry")?,
-            };
-            keyspace.insert(key, entry);
-        }
-        r.finish()?;
+        let mut keys = AscendingBuilder::with_capacity(count.min(r.remaining() / MIN_ENTRY_BYTES));
         let mut machine = StateMachine::new(config)?;
         machine.clock.observe(&high_water);
-        for (_, entry) in keyspace.iter() {
-            machine.clock.observe(&entry.version);
+        for _ in 0..count {
+            let key = r.key()?;
+            if keys.last_key().is_some_and(|prev| prev >= key) {
+                return Err(r.invalid("key", "keys must be strictly ascending"));
+            }
+            let value = r.buffer("value")?;
+            let version = r.hlc("version")?;
+            let fencing_token = r.nullable_hlc("fencing token")?;
+            let expires_at_ms = r.nullable_u63("expiry")?;
+            machine.clock.observe(&version);
+            keys.push(
+                key,
+                NewEntry {
+                    value,
+                    version: &version,
+                    fencing_token: fencing_token.as_ref(),
+                    expires_at_ms,
+                },
+            );
         }
-        machine.keyspace = keyspace;
+        r.finish()?;
+        machine.keyspace = keys.finish();
         Ok(machine)
     }
 }

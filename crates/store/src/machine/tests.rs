@@ -186,7 +186,7 @@ fn fencing_matrix() {
     c.fencing_token = Some(token.clone());
     assert_eq!(m.execute(set("k", "1"), &c).reply, Reply::Ok);
     assert_eq!(
-        m.keyspace().get(b"k").unwrap().fencing_token,
+        m.keyspace().get(b"k").unwrap().fencing_token(),
         Some(token.clone())
     );
     // 2a. No token.
@@ -212,14 +212,14 @@ fn fencing_matrix() {
     c.fencing_token = Some(token.clone());
     assert_eq!(m.execute(set("k", "2"), &c).reply, Reply::Ok);
     assert_eq!(
-        m.keyspace().get(b"k").unwrap().fencing_token,
+        m.keyspace().get(b"k").unwrap().fencing_token(),
         Some(token.clone())
     );
     let newer = hlc(T0, 9, "lock");
     c.fencing_token = Some(newer.clone());
     assert_eq!(m.execute(set("k", "3"), &c).reply, Reply::Ok);
     assert_eq!(
-        m.keyspace().get(b"k").unwrap().fencing_token,
+        m.keyspace().get(b"k").unwrap().fencing_token(),
         Some(newer.clone())
     );
     c.fencing_token = Some(token);
@@ -721,9 +721,10 @@ proptest! {
         // Observed `__ts` values leave no delta, so the replayed clock may trail the live one, but it
         // is past every version, which is what later writes need.
         prop_assert!(replayed.clock.high_water() <= live.clock.high_water());
-        for (_, entry) in replayed.keyspace().iter() {
+        for entry in replayed.keyspace().iter() {
+            let version = entry.version();
             prop_assert!((replayed.clock.high_water().wall_ms, replayed.clock.high_water().counter)
-                >= (entry.version.wall_ms, entry.version.counter));
+                >= (version.wall_ms, version.counter));
         }
         let snapshot = live.snapshot_encode().unwrap();
         let restored = StateMachine::snapshot_decode(&snapshot, config(Limits::default())).unwrap();

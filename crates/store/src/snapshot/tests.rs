@@ -35,8 +35,8 @@ fn one_shot_reference(m: &StateMachine) -> Vec<u8> {
     w.i32(SNAPSHOT_VERSION);
     w.hlc(&m.clock.high_water()).unwrap();
     w.i32(i32::try_from(m.keyspace.len()).unwrap());
-    for (key, entry) in m.keyspace.iter() {
-        encode_entry(&mut w, key, entry).unwrap();
+    for entry in m.keyspace.iter() {
+        encode_entry(&mut w, &entry).unwrap();
     }
     w.buf
 }
