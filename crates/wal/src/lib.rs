@@ -27,6 +27,7 @@ pub mod layout;
 mod log;
 pub mod metadata;
 mod options;
+mod prealloc;
 mod recovery;
 pub mod segment;
 pub mod snapshot;

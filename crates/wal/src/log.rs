@@ -12,10 +12,11 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use crate::error::WalError;
-use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC};
+use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC, BEFORE_RENAME};
 use crate::layout::{replace_atomically, sync_dir, DataDir, DirLock};
 use crate::metadata::{read_metadata, write_metadata, Metadata};
 use crate::options::WalOptions;
+use crate::prealloc::Preallocator;
 use crate::recovery::{check_log, cut_segment_at, load_segments, LoadedSegment};
 use crate::segment::{empty_segment, encode_record, END_MARKER, SEGMENT_HEADER_LEN};
 use crate::snapshot::{read_snapshot, write_snapshot, Snapshot};
@@ -88,6 +89,8 @@ pub struct Wal {
     /// The encoding buffer of `write_batch`, kept between batches so that a batch does not grow
     /// a fresh one record by record.
     batch: Vec<u8>,
+    /// Prepares the next segment in the background (see `prealloc`).
+    prealloc: Preallocator,
     /// Keeps other processes (a second server, `mqstate data repair`) out while the log is open.
     _lock: DirLock,
 }
@@ -160,7 +163,7 @@ impl Wal {
             None => {
                 // No log yet, or a snapshot newer than all of it: start fresh after the snapshot.
                 obsolete.extend(closed.drain(..).map(|s| s.path));
-                create_segment(&dir, keep_from, &options.failpoints)?
+                create_segment(&dir, keep_from, &options.failpoints, None)?
             }
         };
         delete_segments(&dir, &obsolete)?;
@@ -169,6 +172,14 @@ impl Wal {
             .is_none_or(|r| r.lsn + 1 == active.written.next_lsn));
 
         let stats = Arc::new(WalStats::new(options.name));
+        let prealloc = Preallocator::new(
+            dir.temp_dir(),
+            if options.preallocate_segments {
+                options.segment_soft_limit_bytes
+            } else {
+                0
+            },
+        );
         let wal = Wal {
             dir,
             options,
@@ -177,6 +188,7 @@ impl Wal {
             active,
             failure: None,
             batch: Vec::new(),
+            prealloc,
             _lock: lock,
         };
         Ok((
@@ -270,6 +282,9 @@ impl Wal {
         };
         self.active.written = after;
         self.stats.record_batch(count as usize, batch_len);
+        if after.end_offset > self.options.segment_soft_limit_bytes / 2 {
+            self.prealloc.start_for(self.active.first_lsn);
+        }
         Ok(before.next_lsn..after.next_lsn)
     }
 
@@ -391,7 +406,8 @@ impl Wal {
     }
 
     fn start_segment(&mut self, first_lsn: Lsn) -> Result<(), WalError> {
-        let next = create_segment(&self.dir, first_lsn, &self.options.failpoints)?;
+        let prepared = self.prealloc.take_ready();
+        let next = create_segment(&self.dir, first_lsn, &self.options.failpoints, prepared)?;
         let old = std::mem::replace(&mut self.active, next);
         self.closed.push(ClosedSegment {
             first_lsn: old.first_lsn,
@@ -421,15 +437,27 @@ pub fn delete_segments(dir: &DataDir, paths: &[PathBuf]) -> Result<(), WalError>
     sync_dir(&dir.log_dir())
 }
 
+/// A new empty segment: `prepared` (a zero-filled segment under `temp/`) renamed into place, or a
+/// file of just a header.
 fn create_segment(
     dir: &DataDir,
     first_lsn: Lsn,
     failpoints: &Failpoints,
+    prepared: Option<PathBuf>,
 ) -> Result<ActiveSegment, WalError> {
     let path = dir.segment_path(first_lsn);
-    replace_atomically(dir, &path, failpoints, |file| {
-        file.write_all(&empty_segment())
-    })?;
+    match prepared {
+        Some(prepared) => {
+            failpoints
+                .check(BEFORE_RENAME)
+                .map_err(WalError::io("rename", &prepared))?;
+            fs::rename(&prepared, &path).map_err(WalError::io("rename into place", &path))?;
+            sync_dir(&dir.log_dir())?;
+        }
+        None => replace_atomically(dir, &path, failpoints, |file| {
+            file.write_all(&empty_segment())
+        })?,
+    }
     let file = OpenOptions::new()
         .read(true)
         .write(true)

@@ -44,6 +44,9 @@ pub struct WalOptions {
     pub batch_records_max: usize,
     pub batch_bytes_max: usize,
     pub failpoints: Failpoints,
+    /// Prepare each next segment full of zeros in the background, so that commits into it
+    /// fdatasync data only (see `prealloc`). Default on.
+    pub preallocate_segments: bool,
 }
 
 impl Default for WalOptions {
@@ -58,6 +61,7 @@ impl Default for WalOptions {
             batch_records_max: DEFAULT_BATCH_RECORDS_MAX,
             batch_bytes_max: DEFAULT_BATCH_BYTES_MAX,
             failpoints: Failpoints::default(),
+            preallocate_segments: true,
         }
     }
 }
