@@ -96,7 +96,11 @@ impl DataDir {
         let entries = fs::read_dir(&temp).map_err(WalError::io("list", &temp))?;
         for entry in entries {
             let path = entry.map_err(WalError::io("list", &temp))?.path();
-            tracing::info!(path = %path.display(), "removing an unfinished temporary file");
+            if path.file_name() == Some(std::ffi::OsStr::new(crate::prealloc::PREPARED_NAME)) {
+                tracing::debug!(path = %path.display(), "removing an unused prepared segment");
+            } else {
+                tracing::info!(path = %path.display(), "removing an unfinished temporary file");
+            }
             fs::remove_file(&path).map_err(WalError::io("remove", &path))?;
         }
         Ok(())

@@ -19,7 +19,8 @@ use std::thread::JoinHandle;
 
 use crate::segment::empty_segment;
 
-const PREPARED_NAME: &str = "next-segment.log";
+/// File name of the prepared segment under `temp/` (cleared, like everything there, at start-up).
+pub(crate) const PREPARED_NAME: &str = "next-segment.log";
 /// Free space required, in segments, before one is prepared.
 const ROOM_IN_SEGMENTS: u64 = 4;
 static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
