@@ -251,6 +251,12 @@ fn next_command(
 
 /// Takes every append already queued behind `first`, up to the batch limits. A non-append
 /// command ends the batch and is handled next, so commands keep their order.
+///
+/// When the queue runs dry the thread yields its core once and looks again: the executor that
+/// feeds it is often mid-way through a burst (the replies of the last commit bring the next
+/// requests), and one more record in this batch is one fsync cycle less of waiting for it. Measured
+/// with 50 clients × 1 durable SET in flight, 8 alternating runs: 42.1k → 46.7k SET/s, server CPU
+/// per SET 25 → 22 µs; no difference beyond run-to-run noise at 1×1 and 16×8.
 fn gather(
     wal: &Wal,
     rx: &mut mpsc::Receiver<Command>,
@@ -260,6 +266,7 @@ fn gather(
     let options = wal.options();
     let mut bytes = first.data.len();
     let mut batch = vec![first];
+    let mut yielded = false;
     while batch.len() < options.batch_records_max && bytes < options.batch_bytes_max {
         match rx.try_recv() {
             Ok(Command::Append(next)) => {
@@ -269,6 +276,10 @@ fn gather(
             Ok(other) => {
                 *deferred = Some(other);
                 break;
+            }
+            Err(_) if !yielded => {
+                yielded = true;
+                std::thread::yield_now();
             }
             Err(_) => break,
         }
