@@ -41,7 +41,7 @@ impl Client {
             loop {
                 match eventloop.poll().await {
                     Ok(Event::Incoming(Packet::ConnAck(_))) => {
-                        let _ = connected_tx.send(());
+                        let _ = connected_tx.send(Ok(()));
                     }
                     Ok(Event::Incoming(Packet::PubAck(ack))) => {
                         let _ = ack_tx.send(ack.reason);
@@ -58,14 +58,21 @@ impl Client {
                     Err(ConnectionError::MqttState(StateError::PubAckFail { reason })) => {
                         let _ = ack_tx.send(reason);
                     }
-                    Err(_) => return,
+                    Err(error) => {
+                        // Says why, if it happens before CONNACK (a test then fails with it).
+                        let _ = connected_tx.send(Err(format!("{error:?}")));
+                        return;
+                    }
                 }
             }
         });
-        tokio::time::timeout(WAIT, connected.recv())
+        let connected = tokio::time::timeout(WAIT, connected.recv())
             .await
             .expect("CONNACK in time")
-            .expect("connection alive until CONNACK");
+            .expect("the event loop reports CONNACK or its error");
+        if let Err(error) = connected {
+            panic!("{id}: the connection ended before CONNACK: {error}");
+        }
         Client {
             client,
             acks,
