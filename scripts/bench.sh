@@ -71,17 +71,36 @@ pubsub() {
   done
 }
 
+# CPU time (user + system) of a process so far, in microseconds.
+cpu_us() { awk -v tck="$(getconf CLK_TCK)" '{printf "%d", ($14 + $15) * 1000000 / tck}' "/proc/$1/stat"; }
+# "server X µs + load generator Y µs" per request, from CPU µs used and the request count.
+per_request() { awk -v s="$1" -v c="$2" -v n="$3" 'BEGIN {printf "cpu per request: server %.1f µs + load generator %.1f µs\n", s / n, c / n}'; }
+
 redis() {
+  local n=400000
   PORT=$(free_port); local dir; dir=$(mktemp -d)
   redis-server --port "$PORT" --bind 127.0.0.1 --dir "$dir" --appendonly yes --appendfsync always \
     --save '' >"$OUT/redis.server.log" 2>&1 &
-  PIDS+=("$!"); wait_port "$PORT"
+  local redis_pid=$!; PIDS+=("$redis_pid"); wait_port "$PORT"
   echo "== redis appendfsync always: redis-benchmark -t set -c 50"
-  redis-benchmark -p "$PORT" -t set -c 50 -n 200000 -d 64 -r 10000 -q --precision 3 | tee "$OUT/redis-set-c50.txt"
-  redis-benchmark -p "$PORT" -t set -c 50 -n 200000 -d 64 -r 10000 --csv >"$OUT/redis-set-c50.csv"
+  local before; before=$(cpu_us "$redis_pid")
+  local TIMEFORMAT="%U %S"; local client
+  client=$( { time redis-benchmark -p "$PORT" -t set -c 50 -n "$n" -d 64 -r 10000 --csv \
+    >"$OUT/redis-set-c50.csv"; } 2>&1 )
+  local server=$(( $(cpu_us "$redis_pid") - before ))
+  tail -n 1 "$OUT/redis-set-c50.csv"
+  per_request "$server" "$(echo "$client" | awk '{printf "%d", ($1 + $2) * 1000000}')" "$n" | tee "$OUT/redis-set-c50.cpu"
   stop_all
   start_mqstate "durable-set-c50" --fsync always
-  bench "durable-set-mqstate-c50" --connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64
+  # No warm-up here: CPU is divided by the requests counted, so every request must be counted.
+  local WARMUP=0
+  before=$(cpu_us "$SERVER_PID")
+  client=$( { time bench "durable-set-mqstate-c50" --connections 50 --inflight 1 --mix set=100 \
+    --keys 10000 --value-size 64 >"$OUT/durable-set-mqstate-c50.txt"; } 2>&1 )
+  server=$(( $(cpu_us "$SERVER_PID") - before ))
+  cat "$OUT/durable-set-mqstate-c50.txt"
+  local ops; ops=$(awk '$1 == "ops" {print $2}' "$OUT/durable-set-mqstate-c50.txt")
+  per_request "$server" "$(echo "$client" | awk '{printf "%d", ($1 + $2) * 1000000}')" "$ops" | tee "$OUT/durable-set-mqstate-c50.cpu"
   stop_all
 }
 
