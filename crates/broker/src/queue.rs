@@ -23,6 +23,11 @@ impl QueueLimit {
             bytes: usize::MAX,
         }
     }
+
+    /// Whether a queue of `len` messages holding `bytes` takes one more of `extra` bytes.
+    pub fn admits(&self, len: usize, bytes: usize, extra: usize) -> bool {
+        len == 0 || (len < self.messages && bytes.saturating_add(extra) <= self.bytes)
+    }
 }
 
 /// The bytes a delivery counts against [`QueueLimit::bytes`].
@@ -52,9 +57,7 @@ impl MessageQueue {
 
     /// Whether `d` fits under `limit` now.
     pub fn fits(&self, d: &Delivery, limit: QueueLimit) -> bool {
-        self.items.is_empty()
-            || (self.items.len() < limit.messages
-                && self.bytes.saturating_add(queued_bytes(d)) <= limit.bytes)
+        limit.admits(self.items.len(), self.bytes, queued_bytes(d))
     }
 
     pub fn front(&self) -> Option<&Delivery> {

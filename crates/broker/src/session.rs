@@ -340,11 +340,11 @@ impl SessionState {
             .iter()
             .filter(|q| q.qos == QoS::AtMostOnce)
             .fold((0usize, 0usize), |(n, b), q| (n + 1, b + queued_bytes(q)));
-        let count_after = self.queue.len() - qos0_count;
-        let bytes_after = self.queue.bytes() - qos0_bytes;
-        let would_fit = count_after == 0
-            || (count_after < limit.messages
-                && bytes_after.saturating_add(queued_bytes(d)) <= limit.bytes);
+        let would_fit = limit.admits(
+            self.queue.len() - qos0_count,
+            self.queue.bytes() - qos0_bytes,
+            queued_bytes(d),
+        );
         if !would_fit {
             return false;
         }
@@ -673,6 +673,12 @@ mod tests {
         assert_eq!((s.dropped_qos0, s.dropped_qos12), (2, 1));
     }
 
+    /// Room for three of the 10-byte messages the byte-bound tests queue (topic "t" + 9 bytes).
+    const THIRTY_BYTES: QueueLimit = QueueLimit {
+        messages: 100,
+        bytes: 30,
+    };
+
     fn sized(qos: QoS, n: u8, payload_len: usize) -> Delivery {
         let mut d = delivery(qos, n);
         Arc::make_mut(&mut d.message).payload = Bytes::from(vec![n; payload_len]);
@@ -682,10 +688,7 @@ mod tests {
     #[test]
     fn the_byte_bound_evicts_as_much_qos0_as_needed_then_drops_the_newest() {
         // Topic "t" (1 byte) + payload: each message below counts 1 + 9 = 10 bytes.
-        let limit = QueueLimit {
-            messages: 100,
-            bytes: 30,
-        };
+        let limit = THIRTY_BYTES;
         let mut s = SessionState::new("c".into(), 0);
         for (qos, n) in [
             (QoS::AtMostOnce, 0),
@@ -717,10 +720,7 @@ mod tests {
 
     #[test]
     fn qos0_is_not_evicted_when_that_would_not_make_room() {
-        let limit = QueueLimit {
-            messages: 100,
-            bytes: 30,
-        };
+        let limit = THIRTY_BYTES;
         let mut s = SessionState::new("c".into(), 0);
         assert_eq!(
             s.enqueue(sized(QoS::AtMostOnce, 0, 9), limit),
@@ -743,10 +743,7 @@ mod tests {
 
     #[test]
     fn a_message_larger_than_the_byte_bound_still_enters_an_empty_queue() {
-        let limit = QueueLimit {
-            messages: 100,
-            bytes: 30,
-        };
+        let limit = THIRTY_BYTES;
         let mut s = SessionState::new("c".into(), 0);
         assert_eq!(
             s.enqueue(sized(QoS::AtLeastOnce, 0, 100), limit),
