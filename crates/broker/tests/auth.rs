@@ -174,19 +174,7 @@ async fn unauthorized_publish_and_subscribe_get_0x87() {
 async fn unauthorized_will_topic_refuses_the_connect() {
     let (s, _) = secured(BrokerConfig::default()).await;
     let mut connect = login("willy", Some("alice"), Some(b"secret"));
-    connect.last_will = Some(v5::LastWill {
-        qos: qos(1),
-        retain: false,
-        topic: "users/bob/status".into(),
-        message: Bytes::from_static(b"gone"),
-        will_delay_interval_sec: None,
-        correlation_data: None,
-        message_expiry_interval: None,
-        content_type: None,
-        user_properties: Vec::new(),
-        is_utf8_payload: None,
-        response_topic: None,
-    });
+    connect.last_will = Some(will("users/bob/status", b"gone", 1, false, None));
     assert_refused(&s, connect, 0x87).await;
 }
 

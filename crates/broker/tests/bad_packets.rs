@@ -6,17 +6,6 @@ use common::*;
 use mqstate_broker::BrokerConfig;
 use rmqtt_codec::v5::Packet;
 
-/// Reads until the server closes; returns the reason code of the DISCONNECT it sent, if any.
-async fn disconnect_reason(c: &mut Raw) -> Option<u8> {
-    let mut last = None;
-    while let Some(p) = c.recv().await {
-        if let Packet::Disconnect(d) = p {
-            last = Some(u8::from(d.reason_code));
-        }
-    }
-    last
-}
-
 async fn connected(s: &Server) -> Raw {
     Raw::connect(s.addr, "bad", true, 0).await.0
 }
@@ -30,7 +19,7 @@ async fn packet_too_large_is_0x95() {
     .await;
     let mut c = connected(&s).await;
     c.publish("t", &[0u8; 300], 0, 0, false).await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x95));
+    assert_eq!(c.disconnect_reason().await, Some(0x95));
 }
 
 #[tokio::test]
@@ -39,7 +28,7 @@ async fn topic_alias_above_maximum_is_0x94() {
     let mut c = connected(&s).await;
     // PUBLISH QoS 0, topic "a", Topic Alias 100 (> the advertised 64).
     c.send_raw(b"\x30\x07\x00\x01a\x03\x23\x00\x64").await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x94));
+    assert_eq!(c.disconnect_reason().await, Some(0x94));
 }
 
 #[tokio::test]
@@ -47,7 +36,7 @@ async fn unknown_property_is_malformed_0x81() {
     let s = Server::default().await;
     let mut c = connected(&s).await;
     c.send_raw(b"\x30\x05\x00\x01a\x01\x7f").await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x81));
+    assert_eq!(c.disconnect_reason().await, Some(0x81));
 }
 
 #[tokio::test]
@@ -56,7 +45,7 @@ async fn second_connect_is_protocol_error_0x82() {
     let mut c = connected(&s).await;
     c.send(Packet::Connect(Box::new(connect_packet("bad", true, 0))))
         .await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x82));
+    assert_eq!(c.disconnect_reason().await, Some(0x82));
 }
 
 #[tokio::test]
@@ -64,7 +53,7 @@ async fn server_only_packet_from_client_is_0x82() {
     let s = Server::default().await;
     let mut c = connected(&s).await;
     c.send(Packet::PingResponse).await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x82));
+    assert_eq!(c.disconnect_reason().await, Some(0x82));
 }
 
 #[tokio::test]
@@ -72,7 +61,7 @@ async fn wildcard_in_publish_topic_is_0x90() {
     let s = Server::default().await;
     let mut c = connected(&s).await;
     c.publish("a/+", b"x", 0, 0, false).await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x90));
+    assert_eq!(c.disconnect_reason().await, Some(0x90));
 }
 
 #[tokio::test]
@@ -81,7 +70,7 @@ async fn unknown_alias_without_topic_is_0x82() {
     let mut c = connected(&s).await;
     // PUBLISH QoS 0, empty topic, Topic Alias 5 never set.
     c.send_raw(b"\x30\x06\x00\x00\x03\x23\x00\x05").await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x82));
+    assert_eq!(c.disconnect_reason().await, Some(0x82));
 }
 
 #[tokio::test]
@@ -119,7 +108,7 @@ async fn keep_alive_timeout_is_0x8d() {
     let mut connect = connect_packet("sleepy", true, 0);
     connect.keep_alive = 1;
     let (mut c, _) = Raw::connect_with(s.addr, connect).await;
-    assert_eq!(disconnect_reason(&mut c).await, Some(0x8D));
+    assert_eq!(c.disconnect_reason().await, Some(0x8D));
 }
 
 #[tokio::test]
@@ -134,7 +123,7 @@ async fn garbage_after_connect_never_kills_the_broker() {
     ] {
         let mut c = connected(&s).await;
         c.send_raw(junk).await;
-        let _ = disconnect_reason(&mut c).await;
+        let _ = c.disconnect_reason().await;
     }
     // Still serving.
     let (_c, ack) = Raw::connect(s.addr, "after", true, 0).await;

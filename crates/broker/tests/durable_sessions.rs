@@ -179,19 +179,7 @@ async fn restore_drops_sessions_that_expired_while_down_and_publishes_due_wills(
     let mut s = journalled(&journal).await;
     let with_will = |id: &str, expiry: u32, delay: u32| {
         let mut c = connect_packet(id, false, expiry);
-        c.last_will = Some(v5::LastWill {
-            qos: qos(1),
-            retain: true,
-            topic: format!("will/{id}").into(),
-            message: bytes::Bytes::from_static(b"gone"),
-            will_delay_interval_sec: Some(delay),
-            correlation_data: None,
-            message_expiry_interval: None,
-            content_type: None,
-            user_properties: vec![],
-            is_utf8_payload: None,
-            response_topic: None,
-        });
+        c.last_will = Some(will(&format!("will/{id}"), b"gone", 1, true, Some(delay)));
         c
     };
     // Both connections end abnormally with a delayed will pending.

@@ -8,17 +8,6 @@ use common::*;
 use mqstate_broker::{BrokerConfig, ClientEvent};
 use rmqtt_codec::v5::{self, ConnectAckReason, Packet, SubscribeAckReason};
 
-/// Reads until the server closes; returns the reason code of the DISCONNECT it sent, if any.
-async fn disconnect_reason(c: &mut Raw) -> Option<u8> {
-    let mut last = None;
-    while let Some(p) = c.recv().await {
-        if let Packet::Disconnect(d) = p {
-            last = Some(u8::from(d.reason_code));
-        }
-    }
-    last
-}
-
 /// CONNECTs until one is accepted: a closed connection frees its place once its task has ended.
 async fn connect_when_room(s: &Server, id: &str) -> Raw {
     tokio::time::timeout(GUARD, async {
@@ -123,11 +112,11 @@ async fn publish_topics_over_the_length_or_level_limit_get_disconnect_0x90() {
 
     let (mut deep, _) = Raw::connect(s.addr, "deep", true, 0).await;
     deep.publish("a/b/c/d", b"x", 0, 0, false).await;
-    assert_eq!(disconnect_reason(&mut deep).await, Some(0x90));
+    assert_eq!(deep.disconnect_reason().await, Some(0x90));
 
     let (mut long, _) = Raw::connect(s.addr, "long", true, 0).await;
     long.publish("seventeen-bytes-x", b"x", 1, 1, false).await;
-    assert_eq!(disconnect_reason(&mut long).await, Some(0x90));
+    assert_eq!(long.disconnect_reason().await, Some(0x90));
 }
 
 #[tokio::test]
@@ -148,19 +137,7 @@ async fn filters_over_the_limit_get_suback_0x8f_and_will_topics_connack_0x90() {
     );
 
     let mut connect = connect_packet("will", true, 0);
-    connect.last_will = Some(v5::LastWill {
-        qos: qos(0),
-        retain: false,
-        topic: "a/b/c/d".into(),
-        message: bytes::Bytes::from_static(b"gone"),
-        will_delay_interval_sec: None,
-        correlation_data: None,
-        message_expiry_interval: None,
-        content_type: None,
-        user_properties: Vec::new(),
-        is_utf8_payload: None,
-        response_topic: None,
-    });
+    connect.last_will = Some(will("a/b/c/d", b"gone", 0, false, None));
     let (_, ack) = Raw::connect_with(s.addr, connect).await;
     assert_eq!(ack.reason_code, ConnectAckReason::TopicNameInvalid);
 }

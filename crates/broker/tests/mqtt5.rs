@@ -270,19 +270,7 @@ async fn will_on_abnormal_close_and_0x04_not_on_normal() {
 
     let will = |topic: &str| {
         let mut c = connect_packet("mortal", true, 0);
-        c.last_will = Some(v5::LastWill {
-            qos: qos(0),
-            retain: false,
-            topic: topic.to_owned().into(),
-            message: bytes::Bytes::from_static(b"bye"),
-            will_delay_interval_sec: None,
-            correlation_data: None,
-            message_expiry_interval: None,
-            content_type: None,
-            user_properties: vec![],
-            is_utf8_payload: None,
-            response_topic: None,
-        });
+        c.last_will = Some(will(topic, b"bye", 0, false, None));
         c
     };
 
@@ -323,19 +311,7 @@ async fn delayed_will_fires_later_or_is_cancelled_by_reconnect() {
     watcher.subscribe("lw/#", 0).await;
     let with_will = |id: &str, topic: &str, delay: u32| {
         let mut c = connect_packet(id, false, 60);
-        c.last_will = Some(v5::LastWill {
-            qos: qos(0),
-            retain: false,
-            topic: topic.to_owned().into(),
-            message: bytes::Bytes::from_static(b"late"),
-            will_delay_interval_sec: Some(delay),
-            correlation_data: None,
-            message_expiry_interval: None,
-            content_type: None,
-            user_properties: vec![],
-            is_utf8_payload: None,
-            response_topic: None,
-        });
+        c.last_will = Some(will(topic, b"late", 0, false, Some(delay)));
         c
     };
     // Cancelled: reconnect well within a long delay.

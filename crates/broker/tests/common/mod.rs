@@ -129,6 +129,17 @@ impl Raw {
     }
 
     /// Reads raw bytes until the server closes.
+    /// Reads until the server closes; returns the reason code of the DISCONNECT it sent, if any.
+    pub async fn disconnect_reason(&mut self) -> Option<u8> {
+        let mut last = None;
+        while let Some(p) = self.recv().await {
+            if let Packet::Disconnect(d) = p {
+                last = Some(u8::from(d.reason_code));
+            }
+        }
+        last
+    }
+
     pub async fn read_to_close(&mut self) -> Vec<u8> {
         let mut out = self.buf.to_vec();
         tokio::time::timeout(GUARD, self.stream.read_to_end(&mut out))
@@ -267,6 +278,30 @@ impl Raw {
             .await;
         // Wait for the server to close so the disconnect is fully processed.
         let _ = self.read_to_close().await;
+    }
+}
+
+/// A will of `message` on `topic`, sent `delay_secs` after the connection is lost (at once if
+/// `None`); no properties.
+pub fn will(
+    topic: &str,
+    message: &'static [u8],
+    q: u8,
+    retain: bool,
+    delay_secs: Option<u32>,
+) -> v5::LastWill {
+    v5::LastWill {
+        qos: qos(q),
+        retain,
+        topic: topic.into(),
+        message: Bytes::from_static(message),
+        will_delay_interval_sec: delay_secs,
+        correlation_data: None,
+        message_expiry_interval: None,
+        content_type: None,
+        user_properties: Vec::new(),
+        is_utf8_payload: None,
+        response_topic: None,
     }
 }
 
