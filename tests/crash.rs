@@ -22,18 +22,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rumqttc::v5::mqttbytes::v5::{ConnectProperties, Packet, Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::{ConnectProperties, Packet, Publish};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
 
+use common::state::{bulk, hlc_order, reply_ts, request_properties, INVOKE_TOPIC, NIL, OK, WAIT};
 use common::Server;
-
-const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
-/// Hang guard for every wait in this file, not a performance claim.
-const WAIT: Duration = Duration::from_secs(30);
-const OK: &[u8] = b"+OK\r\n";
-const NIL: &[u8] = b"$-1\r\n";
 
 /// Seed of the kill schedule; `MQSTATE_CRASH_SEED` overrides it.
 const DEFAULT_SEED: u64 = 0x6d71_7374_6174_6531;
@@ -78,24 +73,11 @@ struct Mqtt {
     node: String,
 }
 
-/// The GET reply payload for `value`.
-fn bulk(value: &[u8]) -> bytes::Bytes {
-    mqstate_protocol::Reply::Bulk(bytes::Bytes::copy_from_slice(value)).encode()
-}
-
 fn now_ms() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis()
-}
-
-/// HLC text of the server's versions; fixed-width fields, so one node's versions order as text.
-fn hlc_key(text: &str) -> (u64, u64) {
-    let mut parts = text.split(':');
-    let wall = parts.next().unwrap().parse().unwrap();
-    let counter = parts.next().unwrap().parse().unwrap();
-    (wall, counter)
 }
 
 impl Mqtt {
@@ -188,15 +170,8 @@ impl Mqtt {
     async fn request(&mut self, args: &[&[u8]]) -> Option<Reply> {
         self.next_correlation += 1;
         let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
-        let properties = PublishProperties {
-            response_topic: Some(self.response_topic.clone()),
-            correlation_data: Some(correlation.clone()),
-            user_properties: vec![(
-                "__ts".to_owned(),
-                format!("{:015}:{:05}:{}", now_ms(), 0, self.node),
-            )],
-            ..PublishProperties::default()
-        };
+        let ts = format!("{:015}:{:05}:{}", now_ms(), 0, self.node);
+        let properties = request_properties(&self.response_topic, &correlation, ts);
         self.client
             .publish_with_properties(
                 INVOKE_TOPIC,
@@ -212,11 +187,7 @@ impl Mqtt {
                 let props = p.properties.clone().unwrap_or_default();
                 (props.correlation_data.as_ref() == Some(&correlation)).then(|| Reply {
                     payload: p.payload.clone(),
-                    ts: props
-                        .user_properties
-                        .iter()
-                        .find(|(k, _)| k == "__ts")
-                        .map(|(_, v)| v.clone()),
+                    ts: reply_ts(&props),
                 })
             }
             _ => None,
@@ -316,7 +287,7 @@ impl Ledger {
             };
             if let Some((_, acked_ts)) = &state.acked {
                 assert!(
-                    hlc_key(&ts) > hlc_key(acked_ts),
+                    hlc_order(&ts) > hlc_order(acked_ts),
                     "{context}: key {key}: in-flight {value} has version {ts}, not after the acknowledged {acked_ts}"
                 );
             }

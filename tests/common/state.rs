@@ -42,6 +42,30 @@ pub fn hlc_order(ts: &str) -> (u64, u32) {
     (wall, counter)
 }
 
+/// The properties of a state-store request answered on `response_topic` with `correlation`,
+/// stamped `__ts = ts`.
+pub fn request_properties(
+    response_topic: &str,
+    correlation: &Bytes,
+    ts: String,
+) -> PublishProperties {
+    PublishProperties {
+        response_topic: Some(response_topic.to_owned()),
+        correlation_data: Some(correlation.clone()),
+        user_properties: vec![("__ts".to_owned(), ts)],
+        ..PublishProperties::default()
+    }
+}
+
+/// The `__ts` of a reply, if it has one.
+pub fn reply_ts(props: &PublishProperties) -> Option<String> {
+    props
+        .user_properties
+        .iter()
+        .find(|(name, _)| name == "__ts")
+        .map(|(_, value)| value.clone())
+}
+
 pub struct StateClient {
     client: AsyncClient,
     replies: mpsc::UnboundedReceiver<Publish>,
@@ -100,12 +124,7 @@ impl StateClient {
     pub async fn request_at(&mut self, args: &[&[u8]], ts: String) -> (Bytes, Option<String>) {
         self.next_correlation += 1;
         let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
-        let properties = PublishProperties {
-            response_topic: Some(self.response_topic.clone()),
-            correlation_data: Some(correlation.clone()),
-            user_properties: vec![("__ts".to_owned(), ts)],
-            ..PublishProperties::default()
-        };
+        let properties = request_properties(&self.response_topic, &correlation, ts);
         self.client
             .publish_with_properties(
                 INVOKE_TOPIC,
@@ -123,12 +142,7 @@ impl StateClient {
                 .expect("connection alive until the reply");
             let props = publish.properties.clone().unwrap_or_default();
             if props.correlation_data.as_ref() == Some(&correlation) {
-                let ts = props
-                    .user_properties
-                    .iter()
-                    .find(|(name, _)| name == "__ts")
-                    .map(|(_, value)| value.clone());
-                return (publish.payload, ts);
+                return (publish.payload, reply_ts(&props));
             }
         }
     }
