@@ -175,6 +175,50 @@ fn flip_byte(path: &Path, at: u64) {
     file.sync_all().unwrap();
 }
 
+/// `verify` on a directory damaged at `at_offset` of `file_name`: exit 1 and a complaint naming
+/// both. Returns the output for what a test checks besides.
+fn verify_finds_damage(dir: &Path, file_name: &str, at_offset: &str) -> Output {
+    let out = data_tool(&["verify"], dir);
+    let complaint = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "verify on damage: {complaint}");
+    assert!(complaint.contains(file_name), "names the file: {complaint}");
+    assert!(
+        complaint.contains(at_offset),
+        "names the offset: {complaint}"
+    );
+    out
+}
+
+/// The server refuses to start on the damage, with an error naming the file and the offset.
+fn start_is_refused(dir: &Path, what: &str, file_name: &str, at_offset: &str) {
+    let log = dir.with_file_name("refused.log");
+    let (mut child, _) = spawn_serve(dir, &log);
+    let status = wait_exit(&mut child, &format!("start on {what}"));
+    assert!(!status.success(), "the server must refuse {what}");
+    let refusal = fs::read_to_string(&log).unwrap();
+    assert!(
+        refusal.contains(file_name),
+        "start-up error names the file: {refusal}"
+    );
+    assert!(
+        refusal.contains(at_offset),
+        "start-up error names the offset: {refusal}"
+    );
+}
+
+/// `repair --yes` succeeds; returns what it said.
+fn repair(dir: &Path) -> String {
+    let out = data_tool(&["repair", "--yes"], dir);
+    let said = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "repair: {said} {}",
+        text(&out.stderr)
+    );
+    said
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tests
 // ---------------------------------------------------------------------------------------------
@@ -212,32 +256,10 @@ fn inspect_verify_corruption_and_repair_agree_with_the_server() {
     let file_name = victim.path.display().to_string();
     let at_offset = format!("byte offset {}", victim.offset);
 
-    let out = data_tool(&["verify"], &dir);
-    let complaint = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "verify on damage: {complaint}");
-    assert!(
-        complaint.contains(&file_name),
-        "names the file: {complaint}"
-    );
-    assert!(
-        complaint.contains(&at_offset),
-        "names the offset: {complaint}"
-    );
+    let complaint = text(&verify_finds_damage(&dir, &file_name, &at_offset).stderr);
     assert!(complaint.contains("repair"), "suggests repair: {complaint}");
 
-    let log = dir.with_file_name("refused.log");
-    let (mut child, _) = spawn_serve(&dir, &log);
-    let status = wait_exit(&mut child, "start on a corrupt log");
-    assert!(!status.success(), "the server must refuse a corrupt log");
-    let refusal = fs::read_to_string(&log).unwrap();
-    assert!(
-        refusal.contains(&file_name),
-        "start-up error names the file: {refusal}"
-    );
-    assert!(
-        refusal.contains(&at_offset),
-        "start-up error names the offset: {refusal}"
-    );
+    start_is_refused(&dir, "a corrupt log", &file_name, &at_offset);
 
     let out = data_tool(&["repair"], &dir);
     assert_eq!(out.status.code(), Some(2), "repair without --yes on a pipe");
@@ -248,14 +270,7 @@ fn inspect_verify_corruption_and_repair_agree_with_the_server() {
         "an unconfirmed repair changes nothing"
     );
 
-    let out = data_tool(&["repair", "--yes"], &dir);
-    let said = text(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "repair: {said} {}",
-        text(&out.stderr)
-    );
+    let said = repair(&dir);
     assert!(
         said.contains(&format!("cut {file_name} at {at_offset}")),
         "repair says what it cut: {said}"
@@ -409,20 +424,11 @@ fn session_log_is_inspected_verified_and_repaired_by_name() {
     let file_name = path.display().to_string();
     let at_offset = format!("byte offset {offset}");
 
-    let out = data_tool(&["verify"], &dir);
+    let out = verify_finds_damage(&dir, &file_name, &at_offset);
     let complaint = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "verify on damage: {complaint}");
     assert!(
         complaint.contains("session log"),
         "names the log: {complaint}"
-    );
-    assert!(
-        complaint.contains(&file_name),
-        "names the file: {complaint}"
-    );
-    assert!(
-        complaint.contains(&at_offset),
-        "names the offset: {complaint}"
     );
     assert!(
         text(&out.stdout).contains("state-store log"),
@@ -430,27 +436,9 @@ fn session_log_is_inspected_verified_and_repaired_by_name() {
         text(&out.stdout)
     );
 
-    let log = dir.with_file_name("refused.log");
-    let (mut child, _) = spawn_serve(&dir, &log);
-    let status = wait_exit(&mut child, "start on a corrupt session log");
-    assert!(
-        !status.success(),
-        "the server must refuse a corrupt session log"
-    );
-    let refusal = fs::read_to_string(&log).unwrap();
-    assert!(
-        refusal.contains(&file_name) && refusal.contains(&at_offset),
-        "start-up error names file and offset: {refusal}"
-    );
+    start_is_refused(&dir, "a corrupt session log", &file_name, &at_offset);
 
-    let out = data_tool(&["repair", "--yes"], &dir);
-    let said = text(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "repair: {said} {}",
-        text(&out.stderr)
-    );
+    let said = repair(&dir);
     assert!(
         said.contains("session log") && said.contains(&format!("cut {file_name} at {at_offset}")),
         "repair says which log and what it cut: {said}"
