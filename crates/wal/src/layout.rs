@@ -145,10 +145,20 @@ pub(crate) fn replace_atomically(
         .map_err(WalError::io("write", &temp))?;
     file.sync_all().map_err(WalError::io("fsync", &temp))?;
     drop(file);
+    rename_into_place(dir, &temp, target, failpoints)
+}
+
+/// Renames a complete, fsynced file from `temp/` to `target` and fsyncs the target's directory.
+pub(crate) fn rename_into_place(
+    dir: &DataDir,
+    temp: &Path,
+    target: &Path,
+    failpoints: &Failpoints,
+) -> Result<(), WalError> {
     failpoints
         .check(BEFORE_RENAME)
-        .map_err(WalError::io("rename", &temp))?;
-    fs::rename(&temp, target).map_err(WalError::io("rename into place", target))?;
+        .map_err(WalError::io("rename", temp))?;
+    fs::rename(temp, target).map_err(WalError::io("rename into place", target))?;
     let parent = target.parent().unwrap_or(dir.root());
     sync_dir(parent)
 }

@@ -12,8 +12,8 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use crate::error::WalError;
-use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC, BEFORE_RENAME};
-use crate::layout::{replace_atomically, sync_dir, DataDir, DirLock};
+use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC};
+use crate::layout::{rename_into_place, replace_atomically, sync_dir, DataDir, DirLock};
 use crate::metadata::{read_metadata, write_metadata, Metadata};
 use crate::options::WalOptions;
 use crate::prealloc::Preallocator;
@@ -447,13 +447,7 @@ fn create_segment(
 ) -> Result<ActiveSegment, WalError> {
     let path = dir.segment_path(first_lsn);
     match prepared {
-        Some(prepared) => {
-            failpoints
-                .check(BEFORE_RENAME)
-                .map_err(WalError::io("rename", &prepared))?;
-            fs::rename(&prepared, &path).map_err(WalError::io("rename into place", &path))?;
-            sync_dir(&dir.log_dir())?;
-        }
+        Some(prepared) => rename_into_place(dir, &prepared, &path, failpoints)?,
         None => replace_atomically(dir, &path, failpoints, |file| {
             file.write_all(&empty_segment())
         })?,
