@@ -730,24 +730,149 @@ mod tests {
         }
     }
 
+    /// A message with every optional property, so its golden bytes pin each field of `encode_message`.
+    fn golden_message() -> Message {
+        Message {
+            topic: "t".into(),
+            payload: Bytes::from_static(b"p"),
+            qos: QoS::AtLeastOnce,
+            retain: true,
+            properties: PublishProperties {
+                payload_is_utf8: true,
+                message_expiry_interval: Some(9),
+                content_type: Some("c".into()),
+                response_topic: Some("r".into()),
+                correlation_data: Some(Bytes::from_static(b"d")),
+                user_properties: vec![("k".into(), "v".into())],
+            },
+        }
+    }
+
+    /// Golden bytes of every record kind (docs/storage-format.md, "Session log"): a change to any
+    /// layout fails here and must bump `FORMAT_VERSION` and the document together.
     #[test]
-    fn layouts_of_a_removal_and_an_inbound_qos2_id_are_stable() {
-        let bytes = encode_changes(&[SessionChange::Removed {
-            client_id: "c".into(),
-            seq: 7,
-        }]);
-        assert_eq!(
-            &bytes[..],
-            &[1, 0, 0, 0, 1, b'R', 0, 0, 0, 1, b'c', 0, 0, 0, 0, 0, 0, 0, 7]
-        );
-        let bytes = encode_changes(&[SessionChange::Qos2Received {
-            client_id: "c".into(),
-            packet_id: 0x1234,
-        }]);
-        assert_eq!(
-            &bytes[..],
-            &[1, 0, 0, 0, 1, b'Q', 0, 0, 0, 1, b'c', 0x12, 0x34]
-        );
+    fn every_record_kind_has_a_stable_layout() {
+        // topic "t", payload "p", QoS 1, retain, all five property bits, expiry 9, content type
+        // "c", response topic "r", correlation "d", one user property k=v.
+        const MESSAGE: &str =
+            "0000000174000000017001011f000000090000000163000000017200000001640000000100000001\
+                               6b0000000176";
+        let id = || Arc::<str>::from("c");
+        let message = golden_message;
+        let cases: Vec<(SessionChange, String)> = vec![
+            (
+                SessionChange::Created { client_id: id(), expiry_secs: 0x0102_0304 },
+                "43 0000000163 01020304".into(),
+            ),
+            (
+                SessionChange::Attached { client_id: id(), expiry_secs: 5 },
+                "4e 0000000163 00000005".into(),
+            ),
+            (
+                SessionChange::Detached { client_id: id(), expiry_secs: 5, at_ms: 6 },
+                "4f 0000000163 00000005 0000000000000006".into(),
+            ),
+            (
+                SessionChange::Subscribed {
+                    client_id: id(),
+                    filter: "a/+".into(),
+                    options: SubscriptionOptions {
+                        qos: QoS::ExactlyOnce,
+                        no_local: true,
+                        retain_as_published: true,
+                        retain_handling: 2,
+                        subscription_id: Some(7),
+                    },
+                },
+                "53 0000000163 00000003612f2b 02 03 02 01 00000007".into(),
+            ),
+            (
+                SessionChange::Subscribed {
+                    client_id: id(),
+                    filter: "f".into(),
+                    options: SubscriptionOptions {
+                        qos: QoS::AtMostOnce,
+                        no_local: false,
+                        retain_as_published: false,
+                        retain_handling: 0,
+                        subscription_id: None,
+                    },
+                },
+                "53 0000000163 0000000166 00 00 00 00".into(),
+            ),
+            (
+                SessionChange::Unsubscribed { client_id: id(), filter: "f".into() },
+                "55 0000000163 0000000166".into(),
+            ),
+            (
+                SessionChange::Appended {
+                    client_id: id(),
+                    seq: 8,
+                    message: StoredMessage {
+                        message: Arc::new(message()),
+                        qos: QoS::AtLeastOnce,
+                        retain: false,
+                        subscription_ids: vec![3],
+                        received_at_ms: 4,
+                    },
+                },
+                format!("41 0000000163 0000000000000008 {MESSAGE} 01 00 00000001 00000003 0000000000000004"),
+            ),
+            (
+                SessionChange::Sent { client_id: id(), seq: 8, packet_id: 0x0a0b },
+                "50 0000000163 0000000000000008 0a0b".into(),
+            ),
+            (
+                SessionChange::Released { client_id: id(), seq: 8 },
+                "4c 0000000163 0000000000000008".into(),
+            ),
+            (
+                SessionChange::Removed { client_id: id(), seq: 7 },
+                "52 0000000163 0000000000000007".into(),
+            ),
+            (SessionChange::Deleted { client_id: id() }, "44 0000000163".into()),
+            (
+                SessionChange::Qos2Received { client_id: id(), packet_id: 0x1234 },
+                "51 0000000163 1234".into(),
+            ),
+            (
+                SessionChange::Qos2Released { client_id: id(), packet_id: 0x1234 },
+                "71 0000000163 1234".into(),
+            ),
+            (
+                SessionChange::WillScheduled {
+                    client_id: id(),
+                    will: Will { message: message(), delay_secs: 10 },
+                    at_ms: 11,
+                },
+                format!("57 0000000163 {MESSAGE} 0000000a 000000000000000b"),
+            ),
+            (SessionChange::WillCancelled { client_id: id() }, "77 0000000163".into()),
+            (
+                SessionChange::RetainedSet { message: Arc::new(message()), received_at_ms: 12 },
+                format!("54 {MESSAGE} 000000000000000c"),
+            ),
+            (
+                SessionChange::RetainedCleared { topic: "t".into() },
+                "74 0000000174".into(),
+            ),
+        ];
+        let kinds: std::collections::BTreeSet<u8> = cases
+            .iter()
+            .map(|(change, _)| encode_changes(std::slice::from_ref(change))[5])
+            .collect();
+        assert_eq!(kinds.len(), 16, "one golden case per record kind");
+        for (change, hex) in cases {
+            let expected: String = format!("01 00000001 {hex}").split_whitespace().collect();
+            let bytes = encode_changes(std::slice::from_ref(&change));
+            let actual: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(actual, expected, "{change:?}");
+            assert_eq!(decode_changes(&bytes).unwrap(), vec![change]);
+        }
+    }
+
+    #[test]
+    fn another_format_version_is_refused() {
         assert_eq!(
             decode_changes(&[2, 0, 0, 0, 0]),
             Err(DecodeError {
