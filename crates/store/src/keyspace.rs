@@ -32,6 +32,7 @@ use mqstate_protocol::Hlc;
 
 use thin::{varint_len, write_varint, ThinBytes};
 
+#[allow(unsafe_code)] // the crate's one reviewed unsafe module (decision 0015)
 mod thin;
 
 /// Bytes a key and its value count against the memory quota.
