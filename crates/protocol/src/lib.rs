@@ -1,4 +1,4 @@
-//! Wire formats of the AIO state-store protocol (`/work/shared/spec/state-store-protocol.md`).
+//! Wire formats of the AIO state-store protocol (`docs/protocol.md`).
 //!
 //! Pure and deterministic: no I/O, no clock reads (callers pass `now_ms`). A request travels through
 //! the modules in this order:
