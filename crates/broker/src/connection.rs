@@ -3,7 +3,7 @@
 //! obeys control requests (takeover, disconnect, shutdown). Writes are batched: everything produced
 //! in one loop turn is flushed with one `write_all`.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -74,6 +74,14 @@ enum Deferred {
         kind: AckKind,
         code: u8,
     },
+    /// The PUBACK/PUBREC of a publish that waited for durability, holding back this client's own
+    /// deliveries from `hold` on (see [`Connection::delivery_holds`]).
+    DurableAck {
+        packet_id: u16,
+        kind: AckKind,
+        code: u8,
+        hold: u64,
+    },
     SubAck {
         packet_id: u16,
         codes: Vec<u8>,
@@ -128,7 +136,7 @@ fn service_ack(
 }
 
 /// The PUBACK/PUBREC of a publish, once what it changed is durable (0x80 if it cannot be).
-fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>) -> Pending {
+fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>, hold: u64) -> Pending {
     Box::pin(async move {
         let code = match all_durable(durable).await {
             Ok(()) => reason::SUCCESS,
@@ -137,10 +145,11 @@ fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>) -> Pending 
                 reason::UNSPECIFIED
             }
         };
-        Deferred::Ack {
+        Deferred::DurableAck {
             packet_id,
             kind,
             code,
+            hold,
         }
     })
 }
@@ -417,6 +426,14 @@ struct Connection {
     /// Service acknowledgements held back while this client's own queue is full (see
     /// [`Connection::on_ack_ready`]), in the order they resolved.
     held_acks: VecDeque<(u16, AckKind, u8)>,
+    /// For each of this client's publishes whose acknowledgement waits for durability: the first
+    /// sequence number its own session's queue could have given the client's own copy (with a
+    /// count, for publishes that share one). Queued messages from the smallest on are not sent
+    /// until that acknowledgement is written: a client subscribed to what it publishes gets its
+    /// PUBACK before its copy, as from a broker that acknowledges at once. Clients (paho's
+    /// interop tests among them) that wait for the copy and then disconnect would otherwise lose
+    /// the PUBACK with the connection and re-send the publish on the next one.
+    delivery_holds: BTreeMap<u64, usize>,
 }
 
 struct Stalled {
@@ -568,6 +585,7 @@ impl Connection {
             connect,
             stalled: None,
             held_acks: VecDeque::new(),
+            delivery_holds: BTreeMap::new(),
         })
     }
 
@@ -711,9 +729,12 @@ impl Connection {
         let out = &mut self.out;
         let mut full = false;
         let mut sent = metrics::SentByQos::default();
-        session
-            .lock()
-            .pump(std::time::Instant::now(), self.send_window, |p| {
+        let before_seq = self.delivery_holds.keys().next().copied();
+        session.lock().pump(
+            std::time::Instant::now(),
+            self.send_window,
+            before_seq,
+            |p| {
                 if out.len() >= budget {
                     full = true;
                     return None;
@@ -724,7 +745,8 @@ impl Connection {
                 } else {
                     Emit::TooLarge
                 })
-            });
+            },
+        );
         sent.report();
         if full {
             // Continue after this batch is flushed.
@@ -1050,6 +1072,8 @@ impl Connection {
                 .push(service_ack(packet_id, kind, ack, journalled));
             return Ok(());
         }
+        // Whatever the own session queues from here on may be this publish's own copy.
+        let hold = self.session().lock().next_seq;
         let mut durable = self
             .inner
             .router
@@ -1069,7 +1093,9 @@ impl Connection {
                 self.qos2_awaiting_service.insert(packet_id);
                 AckKind::Received
             };
-            self.pending.push(durable_ack(packet_id, kind, durable));
+            *self.delivery_holds.entry(hold).or_default() += 1;
+            self.pending
+                .push(durable_ack(packet_id, kind, durable, hold));
             return Ok(());
         }
         match p.qos {
@@ -1122,6 +1148,23 @@ impl Connection {
                 kind,
                 code,
             } => self.on_ack_ready(packet_id, kind, code),
+            Deferred::DurableAck {
+                packet_id,
+                kind,
+                code,
+                hold,
+            } => {
+                self.on_ack_ready(packet_id, kind, code);
+                // Released once the ack is written (or held for a full queue: then the copy need
+                // not wait for it, and must not, or neither would ever leave).
+                if let Some(count) = self.delivery_holds.get_mut(&hold) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.delivery_holds.remove(&hold);
+                    }
+                }
+                self.pump();
+            }
             Deferred::SubAck {
                 packet_id,
                 codes,
