@@ -444,7 +444,7 @@ async fn topic_alias_publishes_in_a_durable_session_are_always_acknowledged() {
             .build(),
     )
     .await;
-    for round in 0..200u16 {
+    for round in 0..100u16 {
         let (mut c, _) = Raw::connect(s.addr, "alias", true, 99_999).await;
         c.subscribe("alias/t", 2).await;
         for (n, (topic, payload)) in [("alias/t", &b"one"[..]), ("", b"two")]
