@@ -446,6 +446,7 @@ fn broker_config(settings: &Resolved) -> BrokerConfig {
         slow_consumer_timeout: settings
             .slow_consumer_timeout
             .unwrap_or(defaults.slow_consumer_timeout),
+        server_keep_alive_secs: settings.server_keep_alive,
         ..defaults
     }
 }

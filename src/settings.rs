@@ -442,6 +442,12 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_SLOW_CONSUMER_TIMEOUT", value_name = "SECS")]
     pub slow_consumer_timeout: Option<u64>,
 
+    /// Longest keep-alive a client may use, in seconds (Mosquitto's max_keepalive): MQTT 5 clients
+    /// asking for more or for none are told this value (CONNACK Server Keep Alive); MQTT 3.1.1 clients
+    /// get CONNACK 0x02. Default none (the client's own keep-alive).
+    #[arg(long, env = "MQSTATE_SERVER_KEEP_ALIVE", value_name = "SECS")]
+    pub server_keep_alive: Option<u16>,
+
     /// State-store requests executed per second per client; more are answered
     /// `-ERR the quota has been exceeded`. 0 disables. Default 0.
     #[arg(long, env = "MQSTATE_STATESTORE_REQUESTS_PER_SECOND", value_name = "N")]
@@ -484,6 +490,7 @@ pub struct Resolved {
     pub max_topic_length: Option<usize>,
     pub max_topic_levels: Option<usize>,
     pub slow_consumer_timeout: Option<Duration>,
+    pub server_keep_alive: Option<u16>,
     pub statestore_requests_per_second: u32,
 }
 
@@ -552,6 +559,7 @@ impl Settings {
             max_topic_length: self.max_topic_length.or(lower.max_topic_length),
             max_topic_levels: self.max_topic_levels.or(lower.max_topic_levels),
             slow_consumer_timeout: self.slow_consumer_timeout.or(lower.slow_consumer_timeout),
+            server_keep_alive: self.server_keep_alive.or(lower.server_keep_alive),
             statestore_requests_per_second: self
                 .statestore_requests_per_second
                 .or(lower.statestore_requests_per_second),
@@ -611,6 +619,11 @@ impl Settings {
         if self.max_topic_levels == Some(0) || self.max_topic_length == Some(0) {
             bail!("max_topic_length and max_topic_levels must be at least 1");
         }
+        if self.server_keep_alive == Some(0) {
+            bail!(
+                "server_keep_alive must be at least 1 second; leave it unset to let clients choose"
+            );
+        }
         Ok(Resolved {
             listen,
             metrics_listen,
@@ -652,6 +665,7 @@ impl Settings {
             max_topic_length: self.max_topic_length,
             max_topic_levels: self.max_topic_levels,
             slow_consumer_timeout: self.slow_consumer_timeout.map(Duration::from_secs),
+            server_keep_alive: self.server_keep_alive,
             statestore_requests_per_second: self.statestore_requests_per_second.unwrap_or(0),
         })
     }

@@ -573,3 +573,131 @@ async fn built_in_rules_hold_without_configuration() {
         "spy received a notification: {seen:?}"
     );
 }
+
+const REPLY_ACL: &str = "\
+pattern write statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke
+pattern readwrite clients/%c/#
+key readwrite *
+user alice
+topic readwrite sensors/#
+";
+
+/// A raw state-store request (QoS 1) from `c` answered on `response_topic`; `Err` is the PUBACK's
+/// refusal.
+async fn invoke(
+    c: &AsyncClient,
+    e: &mut EventLoop,
+    response_topic: &str,
+    payload: &'static str,
+) -> Result<(), PubAckReason> {
+    let properties = PublishProperties {
+        response_topic: Some(response_topic.into()),
+        correlation_data: Some(Bytes::from_static(b"0123456789abcdef")),
+        user_properties: vec![("__ts".into(), common::state::hlc_now())],
+        ..PublishProperties::default()
+    };
+    c.publish_with_properties(invoke_topic(), QoS::AtLeastOnce, false, payload, properties)
+        .await
+        .unwrap();
+    match next(e, |ev| {
+        matches!(ev, Event::Incoming(Packet::PubAck(_))).then_some(())
+    })
+    .await
+    {
+        Ok(()) => Ok(()),
+        Err(ConnectionError::MqttState(StateError::PubAckFail { reason })) => Err(reason),
+        Err(other) => panic!("request answered on {response_topic}: {other}"),
+    }
+}
+
+/// The next publish `e` receives: (topic, payload).
+async fn next_publish(e: &mut EventLoop) -> (String, Bytes) {
+    next(e, |ev| match ev {
+        Event::Incoming(Packet::Publish(p)) => Some((
+            String::from_utf8(p.topic.to_vec()).unwrap(),
+            p.payload.clone(),
+        )),
+        _ => None,
+    })
+    .await
+    .unwrap()
+}
+
+/// Issue 11 item 1: the state store is no confused deputy. A reply goes only where the requester
+/// could publish itself (its own state-store response topic aside), else the request is refused
+/// with PUBACK 0x87 and nothing is published.
+#[tokio::test]
+async fn the_state_store_replies_only_where_the_requester_may_publish() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = password_file(dir.path());
+    let acl = dir.path().join("acl");
+    std::fs::write(&acl, REPLY_ACL).unwrap();
+    let server = common::Server::start_with(&[
+        "--password-file",
+        file.to_str().unwrap(),
+        "--acl-file",
+        acl.to_str().unwrap(),
+    ]);
+    let port = server.port();
+    let logged_in = |id: &str, user: &str, pw: &str| {
+        let mut o = options(port, id);
+        o.set_credentials(user, pw);
+        connect(o)
+    };
+    let (alice, mut alice_events) = logged_in("alice-1", "alice", "wonderland").await.unwrap();
+    assert_eq!(
+        subscribe_result(&alice, &mut alice_events, "sensors/secret/#").await,
+        Ok(())
+    );
+
+    // bob may publish under clients/bob-1/: his SET is answered there.
+    let (bob, mut e) = logged_in("bob-1", "bob", "builder").await.unwrap();
+    assert_eq!(
+        subscribe_result(&bob, &mut e, "clients/bob-1/#").await,
+        Ok(())
+    );
+    let set = "*3\r\n$3\r\nSET\r\n$1\r\nx\r\n$4\r\nOPEN\r\n";
+    assert_eq!(invoke(&bob, &mut e, "clients/bob-1/r", set).await, Ok(()));
+    let (topic, payload) = next_publish(&mut e).await;
+    assert_eq!(
+        (&topic[..], &payload[..]),
+        ("clients/bob-1/r", &b"+OK\r\n"[..])
+    );
+
+    // He may not publish on sensors/secret/door, so neither may his reply.
+    let get = "*2\r\n$3\r\nGET\r\n$1\r\nx\r\n";
+    let (bob, mut e) = logged_in("bob-2", "bob", "builder").await.unwrap();
+    assert_eq!(
+        invoke(&bob, &mut e, "sensors/secret/door", get).await,
+        Err(PubAckReason::NotAuthorized)
+    );
+    let (bob, mut e) = logged_in("bob-3", "bob", "builder").await.unwrap();
+    assert_eq!(
+        publish_result(
+            &bob,
+            &mut e,
+            "sensors/secret/door",
+            PublishProperties::default()
+        )
+        .await,
+        Err(PubAckReason::NotAuthorized),
+        "his own publish there is refused the same way"
+    );
+    // KEYNOTIFY too: no registration without a reply he could have sent.
+    let keynotify = "*2\r\n$9\r\nKEYNOTIFY\r\n$1\r\nx\r\n";
+    let (bob, mut e) = logged_in("bob-4", "bob", "builder").await.unwrap();
+    assert_eq!(
+        invoke(&bob, &mut e, "sensors/secret/door", keynotify).await,
+        Err(PubAckReason::NotAuthorized)
+    );
+
+    // alice, who may publish there, gets her reply there; and it is the first thing she receives:
+    // nothing of bob's reached sensors/secret/.
+    assert_eq!(
+        invoke(&alice, &mut alice_events, "sensors/secret/door", get).await,
+        Ok(())
+    );
+    let (topic, payload) = next_publish(&mut alice_events).await;
+    assert_eq!(topic, "sensors/secret/door");
+    assert_eq!(&payload[..], b"$4\r\nOPEN\r\n");
+}

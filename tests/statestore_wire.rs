@@ -170,6 +170,8 @@ struct Req {
     correlation: Option<Vec<u8>>,
     omit_correlation: bool,
     response_topic: Option<String>,
+    /// `__protVer`; `None` leaves it out.
+    version: Option<String>,
 }
 
 impl Req {
@@ -185,7 +187,12 @@ impl Req {
             correlation: None,
             omit_correlation: false,
             response_topic: None,
+            version: Some("1.0".into()),
         }
+    }
+    fn version(mut self, version: Option<&str>) -> Req {
+        self.version = version.map(str::to_string);
+        self
     }
     fn ts(mut self, ts: Option<&str>) -> Req {
         self.ts = ts.map(str::to_string);
@@ -381,9 +388,11 @@ impl Wire {
         props
             .user_properties
             .push(("__srcId".into(), self.client_id.clone()));
-        props
-            .user_properties
-            .push(("__protVer".into(), "1.0".into()));
+        if let Some(version) = &req.version {
+            props
+                .user_properties
+                .push(("__protVer".into(), version.clone()));
+        }
         if let Some(ts) = &req.ts {
             props.user_properties.push(("__ts".into(), ts.clone()));
         }
@@ -1065,6 +1074,95 @@ async fn qos0_request_is_answered_with_status_400() {
     );
     // The request was not executed.
     w.expect(&[b"GET", b"k"], b"$-1\r\n").await;
+}
+
+#[tokio::test]
+async fn unsupported_protocol_version_is_answered_with_status_505() {
+    let server = common::Server::start();
+    let mut w = Wire::connect(server.port(), "wire-version").await;
+    // The AIO RPC convention (the SDKs' executors): a major version not spoken, or a version that
+    // does not parse, gets 505 with the supported major versions and the requested version.
+    for requested in ["99.0", "2.1", "one"] {
+        let correlation = w
+            .send(Req::new(&[b"SET", b"k", b"v"]).version(Some(requested)))
+            .await;
+        let topic = w.response_topic.clone();
+        let reply = w
+            .wait_for("505 reply", |r| {
+                r.topic() == topic
+                    && r.props().correlation_data.as_deref() == Some(&correlation[..])
+            })
+            .await;
+        assert_eq!(reply.user("__stat"), Some("505"), "__protVer {requested}");
+        assert_eq!(reply.user("__supProtMajVer"), Some("1"));
+        assert_eq!(reply.user("__requestProtVer"), Some(requested));
+        assert_eq!(reply.user("__protVer"), Some("1.0"));
+        assert!(reply.user("__stMsg").is_some_and(|m| m.contains(requested)));
+        assert!(reply.payload().is_empty());
+    }
+    // None of them ran; a minor version above ours, or no __protVer at all (1.0), is served.
+    w.expect(&[b"GET", b"k"], b"$-1\r\n").await;
+    w.expect_req(
+        Req::new(&[b"SET", b"k", b"v"]).version(Some("1.9")),
+        b"+OK\r\n",
+    )
+    .await;
+    w.expect_req(Req::new(&[b"GET", b"k"]).version(None), &bulk(b"v"))
+        .await;
+}
+
+/// Which requests need `__ts` (docs/statestore.md): SET only, as the AIO state store protocol says
+/// ("in GET, DEL and VDEL requests the client does not specify __ts"); the official SDKs send it
+/// on every request, and wherever it comes it is parsed, drift-checked and merged into the clock.
+#[tokio::test]
+async fn only_set_needs_a_timestamp_but_every_timestamp_is_checked() {
+    let server = common::Server::start();
+    let mut w = Wire::connect(server.port(), "wire-ts-rule").await;
+    w.expect_req(Req::new(&[b"SET", b"k", b"v"]).ts(None), ERR_TS_MISSING)
+        .await;
+    w.expect(&[b"SET", b"k", b"v"], b"+OK\r\n").await;
+    let hit = bulk(b"v");
+    let without_ts: [(&[&[u8]], &[u8]); 5] = [
+        (&[b"GET", b"k"], &hit),
+        (&[b"KEYNOTIFY", b"k"], b"+OK\r\n"),
+        (&[b"VDEL", b"k", b"other"], b":-1\r\n"),
+        (&[b"SCAN", b"nothing*"], b"*1\r\n*0\r\n"),
+        (&[b"DEL", b"k"], b":1\r\n"),
+    ];
+    for (args, reply) in without_ts {
+        w.expect_req(Req::new(args).ts(None), reply).await;
+    }
+    let future = hlc(now_ms() + 120_000, 0, "wire");
+    let commands: [&[&[u8]]; 3] = [&[b"GET", b"k"], &[b"DEL", b"k"], &[b"KEYNOTIFY", b"k"]];
+    for args in commands {
+        w.expect_req(Req::new(args).ts(Some("garbage")), ERR_TS_MALFORMED)
+            .await;
+        w.expect_req(Req::new(args).ts(Some(&future)), ERR_TS_FUTURE)
+            .await;
+    }
+}
+
+#[tokio::test]
+async fn response_topic_with_wildcards_disconnects() {
+    let server = common::Server::start();
+    for (id, topic) in [
+        ("wire-wild-1", "clients/wire-wild-1/#"),
+        ("wire-wild-2", "clients/+/r"),
+    ] {
+        let mut w = Wire::connect(server.port(), id).await;
+        w.send(Req::new(&[b"GET", b"k"]).response_topic(topic))
+            .await;
+        match w.next_event().await {
+            Inbound::Disconnect {
+                reason,
+                reason_string,
+            } => {
+                assert_eq!(reason, 0x82, "{topic}");
+                assert!(reason_string.is_some_and(|r| r.contains("wildcards")));
+            }
+            other => panic!("expected DISCONNECT for {topic}, got {other:?}"),
+        }
+    }
 }
 
 #[tokio::test]

@@ -81,13 +81,18 @@ pub trait Authorizer: Send + Sync + 'static {
     fn may_subscribe(&self, who: Principal<'_>, filter: &str) -> bool;
 }
 
-/// Every client is welcome and may do everything: the broker without configuration.
+/// Every client is welcome and may do everything: the broker without configuration. It supports no
+/// enhanced authentication, so a CONNECT naming an Authentication Method is refused with 0x8C
+/// (MQTT-4.12.0-1): accepting it would tell the client that a method it relies on was carried out.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AllowAll;
 
 impl Authenticator for AllowAll {
-    fn authenticate(&self, _: &ConnectAttempt) -> Result<Identity, Refusal> {
-        Ok(Identity::default())
+    fn authenticate(&self, attempt: &ConnectAttempt) -> Result<Identity, Refusal> {
+        match attempt.auth_method {
+            Some(_) => Err(Refusal::BadAuthenticationMethod),
+            None => Ok(Identity::default()),
+        }
     }
 }
 

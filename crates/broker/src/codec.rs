@@ -35,6 +35,7 @@ pub(crate) mod reason {
     pub const TOPIC_ALIAS_INVALID: u8 = 0x94;
     pub const PACKET_TOO_LARGE: u8 = 0x95;
     pub const QUOTA_EXCEEDED: u8 = 0x97;
+    pub const PAYLOAD_FORMAT_INVALID: u8 = 0x99;
     pub const SHARED_SUBSCRIPTIONS_NOT_SUPPORTED: u8 = 0x9E;
 }
 
@@ -252,11 +253,11 @@ pub(crate) enum AckKind {
     Complete,
 }
 
-/// Everything CONNACK carries.
-#[derive(Debug, Clone, Default)]
+/// Everything a successful CONNACK carries (refusals carry only their reason code and string:
+/// [`Codec::refuse_connack`]).
+#[derive(Debug, Clone)]
 pub(crate) struct ConnAck {
     pub session_present: bool,
-    pub reason: u8,
     pub session_expiry_secs: Option<u32>,
     pub receive_maximum: u16,
     pub max_packet_size: u32,
@@ -266,7 +267,6 @@ pub(crate) struct ConnAck {
     pub shared_subscriptions: bool,
     /// Echo of the CONNECT's Authentication Method when enhanced authentication succeeded.
     pub auth_method: Option<ByteString>,
-    pub reason_string: Option<ByteString>,
 }
 
 /// One outbound PUBLISH, borrowed from the session.
@@ -286,6 +286,9 @@ pub(crate) struct OutPublish<'a> {
 pub(crate) struct Codec {
     inner: rmqtt_codec::MqttCodec,
     version: Version,
+    /// The client's Maximum Packet Size (from its CONNECT; `u32::MAX` until then). Reason strings
+    /// that would make a CONNACK or DISCONNECT larger are left out (MQTT-3.2.2-19, -3.14.2-3).
+    peer_max_packet: u32,
 }
 
 fn to_qos(q: CQoS) -> QoS {
@@ -306,7 +309,11 @@ impl Codec {
             Version::V3 => rmqtt_codec::MqttCodec::V3(v3::Codec::new(max_remaining)),
             Version::V5 => rmqtt_codec::MqttCodec::V5(v5::Codec::new(max_remaining, 0)),
         };
-        Self { inner, version }
+        Self {
+            inner,
+            version,
+            peer_max_packet: u32::MAX,
+        }
     }
 
     pub(crate) fn version(&self) -> Version {
@@ -316,10 +323,19 @@ impl Codec {
     /// Decodes the next complete packet from `src`, if there is one.
     pub(crate) fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Inbound>, Violation> {
         use rmqtt_codec::MqttPacket;
+        if let Some((first, body)) = whole_frame(src) {
+            precheck(self.version, first, body)?;
+        }
         match self.inner.decode(src)? {
             None => Ok(None),
             Some((MqttPacket::V3(p), _)) => Ok(Some(from_v3(p))),
-            Some((MqttPacket::V5(p), _)) => from_v5(p).map(Some),
+            Some((MqttPacket::V5(p), _)) => {
+                let inbound = from_v5(p)?;
+                if let Inbound::Connect(c) = &inbound {
+                    self.peer_max_packet = c.max_packet_size;
+                }
+                Ok(Some(inbound))
+            }
             Some((MqttPacket::Version(_), _)) => Err(Violation::new(
                 reason::PROTOCOL_ERROR,
                 "unexpected version probe",
@@ -334,30 +350,78 @@ impl Codec {
         }
     }
 
+    /// The CONNACK that accepts the connection.
     pub(crate) fn connack(&mut self, ack: ConnAck, dst: &mut BytesMut) {
         use rmqtt_codec::MqttPacket;
+        debug_assert!(ack.receive_maximum > 0 && ack.max_packet_size > 0);
         let packet = match self.version {
             Version::V3 => MqttPacket::V3(v3::Packet::ConnectAck(v3::ConnectAck {
                 session_present: ack.session_present,
-                return_code: v3_connack_code(ack.reason),
+                return_code: v3::ConnectAckReason::ConnectionAccepted,
             })),
             Version::V5 => MqttPacket::V5(v5::Packet::ConnectAck(Box::new(v5::ConnectAck {
                 session_present: ack.session_present,
-                reason_code: v5::ConnectAckReason::try_from(ack.reason)
-                    .unwrap_or(v5::ConnectAckReason::UnspecifiedError),
+                reason_code: v5::ConnectAckReason::Success,
                 session_expiry_interval_secs: ack.session_expiry_secs,
-                receive_max: NonZeroU16::new(ack.receive_maximum).unwrap_or(NonZeroU16::MIN),
-                max_packet_size: Some(ack.max_packet_size),
+                // 0 is a protocol error for both: leave them out (no limit) rather than send it.
+                receive_max: NonZeroU16::new(ack.receive_maximum).unwrap_or(NonZeroU16::MAX),
+                max_packet_size: NonZeroU32::new(ack.max_packet_size).map(NonZeroU32::get),
                 assigned_client_id: ack.assigned_client_id,
                 topic_alias_max: ack.topic_alias_maximum,
                 shared_subscription_available: ack.shared_subscriptions,
                 server_keepalive_sec: ack.server_keep_alive,
                 auth_method: ack.auth_method,
-                reason_string: ack.reason_string,
                 ..v5::ConnectAck::default()
             }))),
         };
         self.encode_packet(packet, dst);
+    }
+
+    /// The CONNACK that refuses the connection with `reason_code` (the connection closes after
+    /// it). In MQTT 5 it carries nothing but the reason code and, if it fits the client's Maximum
+    /// Packet Size, the reason string: no Session Present (MQTT-3.2.2-6) and none of the
+    /// capabilities of a session that will not exist.
+    pub(crate) fn refuse_connack(
+        &mut self,
+        reason_code: u8,
+        reason_string: Option<&str>,
+        dst: &mut BytesMut,
+    ) {
+        use rmqtt_codec::MqttPacket;
+        debug_assert!(reason_code >= reason::UNSPECIFIED);
+        let version = self.version;
+        let packet = |reason_string: Option<&str>| match version {
+            Version::V3 => MqttPacket::V3(v3::Packet::ConnectAck(v3::ConnectAck {
+                session_present: false,
+                return_code: v3_connack_code(reason_code),
+            })),
+            Version::V5 => MqttPacket::V5(v5::Packet::ConnectAck(Box::new(v5::ConnectAck {
+                session_present: false,
+                reason_code: v5::ConnectAckReason::try_from(reason_code)
+                    .unwrap_or(v5::ConnectAckReason::UnspecifiedError),
+                reason_string: reason_string.map(ByteString::from),
+                ..v5::ConnectAck::default()
+            }))),
+        };
+        let with_reason = packet(reason_string);
+        let without_reason = packet(None);
+        self.encode_within_peer_limit(with_reason, without_reason, dst);
+    }
+
+    /// Encodes `packet`, or `fallback` (the same without its reason string) if `packet` would be
+    /// larger than the client's Maximum Packet Size.
+    fn encode_within_peer_limit(
+        &mut self,
+        packet: rmqtt_codec::MqttPacket,
+        fallback: rmqtt_codec::MqttPacket,
+        dst: &mut BytesMut,
+    ) {
+        let before = dst.len();
+        self.encode_packet(packet, dst);
+        if dst.len() - before > self.peer_max_packet as usize {
+            dst.truncate(before);
+            self.encode_packet(fallback, dst);
+        }
     }
 
     pub(crate) fn ack(
@@ -472,7 +536,10 @@ impl Codec {
         dst.put_slice(&[0xD0, 0x00]);
     }
 
-    /// DISCONNECT (v5 only: a v3 server just closes the connection).
+    /// DISCONNECT (v5 only: a v3 server just closes the connection). A code the server may not
+    /// send (0x04 is the client's, others belong to CONNACK or acks only) goes out as 0x80
+    /// Unspecified error; the reason string is left out if it would exceed the client's Maximum
+    /// Packet Size (MQTT-3.14.2-3).
     pub(crate) fn disconnect(
         &mut self,
         reason_code: u8,
@@ -483,13 +550,22 @@ impl Codec {
         if self.version == Version::V3 {
             return;
         }
-        let packet = v5::Disconnect {
-            reason_code: v5::DisconnectReasonCode::try_from(reason_code)
-                .unwrap_or(v5::DisconnectReasonCode::UnspecifiedError),
-            reason_string: reason_string.map(ByteString::from),
-            ..v5::Disconnect::default()
+        let code = match v5::DisconnectReasonCode::try_from(reason_code) {
+            Ok(v5::DisconnectReasonCode::DisconnectWithWillMessage) | Err(_) => {
+                v5::DisconnectReasonCode::UnspecifiedError
+            }
+            Ok(code) => code,
         };
-        self.encode_packet(MqttPacket::V5(v5::Packet::Disconnect(packet)), dst);
+        let packet = |reason_string: Option<&str>| {
+            MqttPacket::V5(v5::Packet::Disconnect(v5::Disconnect {
+                reason_code: code,
+                reason_string: reason_string.map(ByteString::from),
+                ..v5::Disconnect::default()
+            }))
+        };
+        let with_reason = packet(reason_string);
+        let without_reason = packet(None);
+        self.encode_within_peer_limit(with_reason, without_reason, dst);
     }
 
     /// Encodes a PUBLISH unless it would exceed `max_packet_size`; returns whether it was written.
@@ -503,9 +579,108 @@ impl Codec {
     }
 }
 
+/// The first byte and the body of the packet at the start of `src`, once all of it is there.
+fn whole_frame(src: &[u8]) -> Option<(u8, &[u8])> {
+    let (&first, rest) = src.split_first()?;
+    let (remaining, len_bytes) = read_var_int(rest)?;
+    rest.get(len_bytes..len_bytes.checked_add(remaining)?)
+        .map(|body| (first, body))
+}
+
+/// A variable byte integer at the start of `buf` and the number of bytes it took; `None` when
+/// incomplete or longer than four bytes (the codec crate reports that as malformed).
+fn read_var_int(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut value = 0usize;
+    for (i, &byte) in buf.iter().enumerate().take(4) {
+        value |= usize::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((value, i + 1));
+        }
+    }
+    None
+}
+
+/// Checks the codec crate does not make: the rules about flags and property values whose breach
+/// it accepts silently, or reports only as a generic malformed packet.
+fn precheck(version: Version, first: u8, body: &[u8]) -> Result<(), Violation> {
+    match first >> 4 {
+        1 => check_connect_flags(body),
+        3 => {
+            let qos = (first >> 1) & 0b11;
+            if qos == 0 && first & 0b1000 != 0 {
+                return Err(Violation::new(
+                    reason::MALFORMED,
+                    "DUP flag set on a QoS 0 PUBLISH",
+                ));
+            }
+            if version == Version::V5 && publish_topic_alias(body, qos) == Some(0) {
+                return Err(Violation::new(
+                    reason::TOPIC_ALIAS_INVALID,
+                    "topic alias 0 (aliases start at 1)",
+                ));
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Without the Will Flag, Will QoS and Will Retain must be 0 (MQTT 5 §3.1.2.6 and 3.1.2.7; the
+/// same in 3.1.1): otherwise the CONNECT is malformed.
+fn check_connect_flags(body: &[u8]) -> Result<(), Violation> {
+    const WILL: u8 = 0b0000_0100;
+    const WILL_QOS_AND_RETAIN: u8 = 0b0011_1000;
+    let Some(name_len) = body.get(..2) else {
+        return Ok(());
+    };
+    let name_len = usize::from(u16::from_be_bytes([name_len[0], name_len[1]]));
+    // Name, then the protocol level, then the flags.
+    let Some(&flags) = body.get(2 + name_len + 1) else {
+        return Ok(());
+    };
+    if flags & WILL == 0 && flags & WILL_QOS_AND_RETAIN != 0 {
+        return Err(Violation::new(
+            reason::MALFORMED,
+            "CONNECT sets Will QoS or Will Retain without the Will Flag",
+        ));
+    }
+    Ok(())
+}
+
+/// The Topic Alias property of a v5 PUBLISH body, if it has one; `None` also when the properties
+/// cannot be read (the codec crate then reports the packet as malformed).
+fn publish_topic_alias(body: &[u8], qos: u8) -> Option<u16> {
+    const TOPIC_ALIAS: u8 = 0x23;
+    let topic_len = usize::from(u16::from_be_bytes([*body.first()?, *body.get(1)?]));
+    let at = 2 + topic_len + if qos == 0 { 0 } else { 2 };
+    let (props_len, len_bytes) = read_var_int(body.get(at..)?)?;
+    let start = at + len_bytes;
+    let mut props = body.get(start..start.checked_add(props_len)?)?;
+    while let Some((&id, rest)) = props.split_first() {
+        let skip = match id {
+            0x01 => 1,
+            0x02 => 4,
+            TOPIC_ALIAS => {
+                return Some(u16::from_be_bytes([*rest.first()?, *rest.get(1)?]));
+            }
+            0x03 | 0x08 | 0x09 => {
+                2 + usize::from(u16::from_be_bytes([*rest.first()?, *rest.get(1)?]))
+            }
+            0x0B => read_var_int(rest)?.1,
+            0x26 => {
+                let key = 2 + usize::from(u16::from_be_bytes([*rest.first()?, *rest.get(1)?]));
+                let value = rest.get(key..key + 2)?;
+                key + 2 + usize::from(u16::from_be_bytes([value[0], value[1]]))
+            }
+            _ => return None,
+        };
+        props = rest.get(skip..)?;
+    }
+    None
+}
+
 fn v3_connack_code(reason_code: u8) -> v3::ConnectAckReason {
     match reason_code {
-        reason::SUCCESS => v3::ConnectAckReason::ConnectionAccepted,
         reason::UNSUPPORTED_PROTOCOL_VERSION => v3::ConnectAckReason::UnacceptableProtocolVersion,
         reason::CLIENT_ID_NOT_VALID => v3::ConnectAckReason::IdentifierRejected,
         0x86 => v3::ConnectAckReason::BadUserNameOrPassword,
@@ -1003,6 +1178,53 @@ mod tests {
             back.message_expiry_interval = None;
             prop_assert_eq!(back, props);
             prop_assert!(buf.is_empty());
+        }
+
+        /// The raw-frame check finds the Topic Alias wherever the other properties put it, and
+        /// refuses exactly alias 0.
+        #[test]
+        fn precheck_reads_the_topic_alias_of_any_publish(
+            topic in "[a-z/]{0,12}",
+            alias in proptest::option::of(0u16..5),
+            qos in 0u8..3,
+            props in arb_props(),
+            expiry in proptest::option::of(1u32..100_000),
+            payload in proptest::collection::vec(any::<u8>(), 0..40),
+        ) {
+            let publish = rmqtt_codec::types::Publish {
+                dup: false,
+                retain: false,
+                qos: CQoS::try_from(qos).unwrap(),
+                topic: topic.into(),
+                packet_id: (qos > 0).then(|| NonZeroU16::new(9).unwrap()),
+                payload: payload.into(),
+                properties: Some(v5::PublishProperties {
+                    topic_alias: alias.and_then(NonZeroU16::new),
+                    message_expiry_interval: expiry.and_then(NonZeroU32::new),
+                    content_type: props.content_type,
+                    response_topic: props.response_topic,
+                    correlation_data: props.correlation_data,
+                    user_properties: props.user_properties,
+                    is_utf8_payload: props.payload_is_utf8,
+                    ..Default::default()
+                }),
+            };
+            let mut buf = BytesMut::new();
+            v5::Codec::new(0, 0).encode(v5::Packet::Publish(Box::new(publish)), &mut buf).unwrap();
+            if alias == Some(0) {
+                // The codec crate will not write alias 0: put it in by hand, in place of the
+                // property list, to check that it is refused.
+                let (first, body) = whole_frame(&buf).unwrap();
+                let at = 2 + body[1] as usize + if qos == 0 { 0 } else { 2 };
+                let mut patched = body[..at].to_vec();
+                patched.extend_from_slice(&[3, 0x23, 0, 0]);
+                let v = precheck(Version::V5, first, &patched).unwrap_err();
+                prop_assert_eq!(v.code, reason::TOPIC_ALIAS_INVALID);
+            } else {
+                let (first, body) = whole_frame(&buf).unwrap();
+                prop_assert_eq!(publish_topic_alias(body, qos), alias);
+                prop_assert!(precheck(Version::V5, first, body).is_ok());
+            }
         }
 
         /// Arbitrary bytes never panic the decode path.

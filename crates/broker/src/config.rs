@@ -25,7 +25,10 @@ pub struct BrokerConfig {
     /// clamped value is returned in CONNACK. MQTT 3.1.1 persistent sessions get this value.
     /// Default 7 days.
     pub session_expiry_max_secs: u32,
-    /// If set, overrides the client's Keep Alive and is sent as Server Keep Alive. Default none.
+    /// If set, the longest keep-alive a client may use, in seconds (Mosquitto's `max_keepalive`): an
+    /// MQTT 5 client asking for more, or for none (0), is told this value in CONNACK's Server Keep
+    /// Alive, which every MQTT 5 CONNACK then carries; an MQTT 3.1.1 client, which cannot be told,
+    /// is refused (CONNACK 0x02 Identifier rejected, as Mosquitto does). Default none.
     pub server_keep_alive_secs: Option<u16>,
     /// Keep-alive tolerance as a multiple of the keep-alive, in tenths (15 = 1.5x, as the spec asks).
     pub keep_alive_tolerance_tenths: u32,

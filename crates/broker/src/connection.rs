@@ -3,7 +3,7 @@
 //! obeys control requests (takeover, disconnect, shutdown). Writes are batched: everything produced
 //! in one loop turn is flushed with one `write_all`.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,13 +25,13 @@ use crate::codec::{
 };
 use crate::inbound::TopicAliases;
 use crate::limits::{RefusalSlot, Refused};
-use crate::message::{Message, QoS};
+use crate::message::{Message, PublishProperties, QoS};
 use crate::metrics;
 use crate::persist::{Durable, JournalError};
 use crate::registry::{Attach, Control, Owner};
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
-use crate::topic;
+use crate::topic::{self, TopicNameProblem};
 use crate::transport::{self, Peer, Reader, Stream, Writer};
 use crate::will::Will;
 
@@ -73,6 +73,14 @@ enum Deferred {
         packet_id: u16,
         kind: AckKind,
         code: u8,
+    },
+    /// The PUBACK/PUBREC of a publish that waited for durability, holding back this client's own
+    /// deliveries from `hold` on (see [`Connection::delivery_holds`]).
+    DurableAck {
+        packet_id: u16,
+        kind: AckKind,
+        code: u8,
+        hold: u64,
     },
     SubAck {
         packet_id: u16,
@@ -128,7 +136,7 @@ fn service_ack(
 }
 
 /// The PUBACK/PUBREC of a publish, once what it changed is durable (0x80 if it cannot be).
-fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>) -> Pending {
+fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>, hold: u64) -> Pending {
     Box::pin(async move {
         let code = match all_durable(durable).await {
             Ok(()) => reason::SUCCESS,
@@ -137,10 +145,11 @@ fn durable_ack(packet_id: u16, kind: AckKind, durable: Vec<Durable>) -> Pending 
                 reason::UNSPECIFIED
             }
         };
-        Deferred::Ack {
+        Deferred::DurableAck {
             packet_id,
             kind,
             code,
+            hold,
         }
     })
 }
@@ -279,13 +288,7 @@ async fn read_connect(
                 Err(v) => {
                     let mut reply = BytesMut::new();
                     if c.version() == Version::V5 || v.code == reason::CLIENT_ID_NOT_VALID {
-                        c.connack(
-                            ConnAck {
-                                reason: v.code,
-                                ..ConnAck::default()
-                            },
-                            &mut reply,
-                        );
+                        c.refuse_connack(v.code, Some(v.reason), &mut reply);
                     }
                     return Err(reply);
                 }
@@ -298,6 +301,40 @@ async fn read_connect(
     }
 }
 
+/// The DISCONNECT for a PUBLISH whose topic name is not one.
+fn publish_topic_violation(problem: TopicNameProblem) -> Violation {
+    match problem {
+        TopicNameProblem::Empty => Violation::new(reason::PROTOCOL_ERROR, "PUBLISH topic is empty"),
+        TopicNameProblem::Nul => {
+            Violation::new(reason::MALFORMED, "PUBLISH topic contains U+0000 (NUL)")
+        }
+        TopicNameProblem::Wildcard => {
+            Violation::new(reason::TOPIC_NAME_INVALID, "PUBLISH topic has wildcards")
+        }
+    }
+}
+
+/// The DISCONNECT (or refusing CONNACK, for a will) for a Response Topic that is not a topic name
+/// (MQTT-3.3.2-14: no wildcards).
+fn response_topic_violation(problem: TopicNameProblem) -> Violation {
+    match problem {
+        TopicNameProblem::Empty => {
+            Violation::new(reason::PROTOCOL_ERROR, "Response Topic is empty")
+        }
+        TopicNameProblem::Nul => {
+            Violation::new(reason::MALFORMED, "Response Topic contains U+0000 (NUL)")
+        }
+        TopicNameProblem::Wildcard => {
+            Violation::new(reason::PROTOCOL_ERROR, "Response Topic has wildcards")
+        }
+    }
+}
+
+/// Whether a payload announced as UTF-8 (Payload Format Indicator 1) is UTF-8.
+fn payload_format_valid(properties: &PublishProperties, payload: &[u8]) -> bool {
+    !properties.payload_is_utf8 || std::str::from_utf8(payload).is_ok()
+}
+
 /// Writes a refusing CONNACK (the connection closes after it).
 async fn refuse(
     codec: &mut Codec,
@@ -307,14 +344,7 @@ async fn refuse(
     why: Option<&str>,
 ) {
     let mut out = BytesMut::new();
-    codec.connack(
-        ConnAck {
-            reason: code,
-            reason_string: why.map(ByteString::from),
-            ..ConnAck::default()
-        },
-        &mut out,
-    );
+    codec.refuse_connack(code, why, &mut out);
     let _ = tokio::time::timeout(close_timeout, transport::send(wr, &out)).await;
 }
 
@@ -377,6 +407,8 @@ struct Connection {
     send_window: u16,
     client_max_packet: u32,
     keep_alive: Option<Duration>,
+    /// The keep-alive CONNACK tells an MQTT 5 client to use (when `server_keep_alive_secs` is set).
+    server_keep_alive: Option<u16>,
     session_expiry_secs: u32,
     aliases: TopicAliases,
     /// Replies waiting for a service or for durability.
@@ -394,6 +426,14 @@ struct Connection {
     /// Service acknowledgements held back while this client's own queue is full (see
     /// [`Connection::on_ack_ready`]), in the order they resolved.
     held_acks: VecDeque<(u16, AckKind, u8)>,
+    /// For each of this client's publishes whose acknowledgement waits for durability: the first
+    /// sequence number its own session's queue could have given the client's own copy (with a
+    /// count, for publishes that share one). Queued messages from the smallest on are not sent
+    /// until that acknowledgement is written: a client subscribed to what it publishes gets its
+    /// PUBACK before its copy, as from a broker that acknowledges at once. Clients (paho's
+    /// interop tests among them) that wait for the copy and then disconnect would otherwise lose
+    /// the PUBACK with the connection and re-send the publish on the next one.
+    delivery_holds: BTreeMap<u64, usize>,
 }
 
 struct Stalled {
@@ -434,6 +474,30 @@ impl Connection {
             Some((
                 reason::TOPIC_NAME_INVALID,
                 "will topic longer or deeper than the server allows",
+            ))
+        } else if codec.version() == Version::V3
+            && cfg
+                .server_keep_alive_secs
+                .is_some_and(|max| connect.keep_alive == 0 || connect.keep_alive > max)
+        {
+            // MQTT 3.1.1 has no Server Keep Alive to lower it with; Mosquitto refuses the same way.
+            Some((
+                reason::CLIENT_ID_NOT_VALID,
+                "keep-alive 0 or longer than the server's maximum (server_keep_alive)",
+            ))
+        } else if let Some(v) = connect.will.as_ref().and_then(|w| {
+            let response_topic = w.message.properties.response_topic.as_deref()?;
+            topic::topic_name_problem(response_topic).map(response_topic_violation)
+        }) {
+            Some((v.code, v.reason))
+        } else if connect
+            .will
+            .as_ref()
+            .is_some_and(|w| !payload_format_valid(&w.message.properties, &w.message.payload))
+        {
+            Some((
+                reason::PAYLOAD_FORMAT_INVALID,
+                "will payload is not UTF-8 although its Payload Format Indicator says so",
             ))
         } else {
             None
@@ -488,10 +552,11 @@ impl Connection {
             None if connect.clean_start => 0,
             None => cfg.session_expiry_max_secs,
         };
-        // Only MQTT 5 clients can learn a Server Keep Alive from CONNACK.
-        let keep_alive_secs = match codec.version() {
-            Version::V5 => cfg.server_keep_alive_secs.unwrap_or(connect.keep_alive),
-            Version::V3 => connect.keep_alive,
+        // Within `server_keep_alive_secs` (checked above for MQTT 3.1.1 clients, which cannot be
+        // told another value): a longer or disabled (0) keep-alive becomes the maximum.
+        let keep_alive_secs = match cfg.server_keep_alive_secs {
+            Some(max) if connect.keep_alive == 0 || connect.keep_alive > max => max,
+            _ => connect.keep_alive,
         };
         // The registry caps the will delay at the session expiry when the connection ends.
         let will = connect.will.clone();
@@ -501,6 +566,7 @@ impl Connection {
             send_window: connect.receive_maximum.min(cfg.max_inflight).max(1),
             client_max_packet: connect.max_packet_size,
             keep_alive: cfg.keep_alive_deadline(keep_alive_secs),
+            server_keep_alive: cfg.server_keep_alive_secs.map(|_| keep_alive_secs),
             aliases: TopicAliases::new(cfg.topic_alias_maximum),
             codec,
             client_id,
@@ -519,6 +585,7 @@ impl Connection {
             connect,
             stalled: None,
             held_acks: VecDeque::new(),
+            delivery_holds: BTreeMap::new(),
         })
     }
 
@@ -571,12 +638,9 @@ impl Connection {
         if let Err(error) = all_durable(durable.into_iter().collect()).await {
             // The session exists in memory only: refuse rather than promise what a crash loses.
             tracing::error!(client_id = %self.client_id, %error, "CONNECT refused");
-            self.codec.connack(
-                ConnAck {
-                    reason: reason::UNSPECIFIED,
-                    reason_string: Some("session state could not be stored".into()),
-                    ..ConnAck::default()
-                },
+            self.codec.refuse_connack(
+                reason::UNSPECIFIED,
+                Some("session state could not be stored"),
                 &mut self.out,
             );
             return false;
@@ -586,7 +650,6 @@ impl Connection {
         let requested_expiry = self.connect.session_expiry_secs;
         let ack = ConnAck {
             session_present,
-            reason: reason::SUCCESS,
             session_expiry_secs: requested_expiry
                 .filter(|r| *r != self.session_expiry_secs)
                 .map(|_| self.session_expiry_secs),
@@ -594,10 +657,9 @@ impl Connection {
             max_packet_size: cfg.max_packet_size,
             assigned_client_id: self.assigned_id.then(|| ByteString::from(&*self.client_id)),
             topic_alias_maximum: cfg.topic_alias_maximum,
-            server_keep_alive: cfg.server_keep_alive_secs,
+            server_keep_alive: self.server_keep_alive,
             shared_subscriptions: cfg.shared_subscriptions,
             auth_method: self.connect.auth_method.clone(),
-            reason_string: None,
         };
         self.codec.connack(ack, &mut self.out);
         tracing::info!(client_id = %self.client_id, peer = %self.peer, session_present, version = ?self.codec.version(), "client connected");
@@ -667,9 +729,12 @@ impl Connection {
         let out = &mut self.out;
         let mut full = false;
         let mut sent = metrics::SentByQos::default();
-        session
-            .lock()
-            .pump(std::time::Instant::now(), self.send_window, |p| {
+        let before_seq = self.delivery_holds.keys().next().copied();
+        session.lock().pump(
+            std::time::Instant::now(),
+            self.send_window,
+            before_seq,
+            |p| {
                 if out.len() >= budget {
                     full = true;
                     return None;
@@ -680,7 +745,8 @@ impl Connection {
                 } else {
                     Emit::TooLarge
                 })
-            });
+            },
+        );
         sent.report();
         if full {
             // Continue after this batch is flushed.
@@ -896,11 +962,8 @@ impl Connection {
             .aliases
             .resolve(p.topic, p.topic_alias)
             .map_err(End::Violation)?;
-        if !topic::is_valid_topic_name(&topic) {
-            return Err(End::Violation(Violation::new(
-                reason::TOPIC_NAME_INVALID,
-                "PUBLISH topic has wildcards",
-            )));
+        if let Some(problem) = topic::topic_name_problem(&topic) {
+            return Err(End::Violation(publish_topic_violation(problem)));
         }
         if !self.inner.config.topic_within_limits(&topic) {
             return Err(End::Violation(Violation::new(
@@ -908,7 +971,31 @@ impl Connection {
                 "PUBLISH topic longer or deeper than the server allows",
             )));
         }
+        if let Some(problem) = p
+            .properties
+            .response_topic
+            .as_deref()
+            .and_then(topic::topic_name_problem)
+        {
+            return Err(End::Violation(response_topic_violation(problem)));
+        }
         let packet_id = p.packet_id.unwrap_or(0);
+        if !payload_format_valid(&p.properties, &p.payload) {
+            tracing::debug!(client_id = %self.client_id, %topic, "PUBLISH refused: Payload Format Indicator 1 but the payload is not UTF-8");
+            // As for an unauthorized publish: QoS 0 has no acknowledgement to refuse with.
+            let kind = match p.qos {
+                QoS::AtMostOnce => return Ok(()),
+                QoS::AtLeastOnce => AckKind::Acknowledge,
+                QoS::ExactlyOnce => AckKind::Received,
+            };
+            self.codec.ack(
+                kind,
+                packet_id,
+                reason::PAYLOAD_FORMAT_INVALID,
+                &mut self.out,
+            );
+            return Ok(());
+        }
         if !self
             .inner
             .security
@@ -985,6 +1072,8 @@ impl Connection {
                 .push(service_ack(packet_id, kind, ack, journalled));
             return Ok(());
         }
+        // Whatever the own session queues from here on may be this publish's own copy.
+        let hold = self.session().lock().next_seq;
         let mut durable = self
             .inner
             .router
@@ -1004,7 +1093,9 @@ impl Connection {
                 self.qos2_awaiting_service.insert(packet_id);
                 AckKind::Received
             };
-            self.pending.push(durable_ack(packet_id, kind, durable));
+            *self.delivery_holds.entry(hold).or_default() += 1;
+            self.pending
+                .push(durable_ack(packet_id, kind, durable, hold));
             return Ok(());
         }
         match p.qos {
@@ -1057,6 +1148,23 @@ impl Connection {
                 kind,
                 code,
             } => self.on_ack_ready(packet_id, kind, code),
+            Deferred::DurableAck {
+                packet_id,
+                kind,
+                code,
+                hold,
+            } => {
+                self.on_ack_ready(packet_id, kind, code);
+                // Released once the ack is written (or held for a full queue: then the copy need
+                // not wait for it, and must not, or neither would ever leave).
+                if let Some(count) = self.delivery_holds.get_mut(&hold) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.delivery_holds.remove(&hold);
+                    }
+                }
+                self.pump();
+            }
             Deferred::SubAck {
                 packet_id,
                 codes,

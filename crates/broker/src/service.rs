@@ -11,6 +11,8 @@
 //!   the publishing connection (it stops reading from that socket) rather than dropping.
 //! * [`Broker::publish`] — route a message as if a (privileged, client-less) publisher sent it:
 //!   subscribers, retained store, shared subscriptions, all as for a client publish.
+//! * [`Broker::may_publish`] — whether a client could publish on a topic itself (topic valid and
+//!   authorized as for its own PUBLISH); services check it before publishing where a client asked.
 //! * [`Broker::deliver_to`] — put a message straight into one client's session, whether or not it has
 //!   a matching subscription (if subscriptions match, their options — max QoS, subscription ids —
 //!   apply, but the message is delivered exactly once). Returns `false` if no such session exists.
@@ -32,7 +34,7 @@ use std::time::{Duration, Instant};
 use bytestring::ByteString;
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::auth::{Identity, Security};
+use crate::auth::{Identity, Principal, Security};
 use crate::auth_failures::AuthFailures;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
@@ -250,6 +252,20 @@ impl Broker {
     /// even on a claimed topic. Returns how many sessions it was offered to.
     pub fn publish(&self, message: Message) -> usize {
         self.inner.router.route(message, None).offered
+    }
+
+    /// Whether `topic` is a topic name a client's PUBLISH may carry: no wildcards, no NUL, not empty,
+    /// within `max_topic_length` and `max_topic_levels`.
+    pub fn is_publishable_topic(&self, topic: &str) -> bool {
+        topic::is_valid_topic_name(topic) && self.inner.config.topic_within_limits(topic)
+    }
+
+    /// Whether `who` could PUBLISH on `topic` itself: a publishable topic the broker's
+    /// [`crate::Authorizer`] allows it. A service that publishes on a topic a client chose (a reply
+    /// on its Response Topic) asks this first, so that it never publishes where the client could
+    /// not (it would be a confused deputy).
+    pub fn may_publish(&self, who: Principal<'_>, topic: &str) -> bool {
+        self.is_publishable_topic(topic) && self.inner.security.authorizer.may_publish(who, topic)
     }
 
     /// Puts `message` into `client_id`'s session whether or not it subscribed; matching

@@ -377,14 +377,19 @@ impl SessionState {
     /// Moves queued messages into flight while the window (`receive_max` unacknowledged QoS 1/2)
     /// allows, handing each to `emit` until it returns `false` for "stop" (buffer full). Expired
     /// messages are dropped; messages `emit` rejects as too large are dropped for this client.
+    /// Messages queued at or after `before_seq` (if given) stay queued.
     pub(crate) fn pump(
         &mut self,
         now: Instant,
         receive_max: u16,
+        before_seq: Option<u64>,
         mut emit: impl FnMut(&OutPublish<'_>) -> Option<Emit>,
     ) {
         while let Some(front) = self.queue.front() {
             if front.qos != QoS::AtMostOnce && self.inflight.len() >= usize::from(receive_max) {
+                return;
+            }
+            if before_seq.is_some_and(|before| front.seq >= before) {
                 return;
             }
             let Some(d) = self.queue.pop_front() else {
@@ -754,7 +759,7 @@ mod tests {
             Enqueued::DroppedNewest
         );
         let mut sent = 0;
-        s.pump(Instant::now(), 10, |_| {
+        s.pump(Instant::now(), 10, None, |_| {
             sent += 1;
             Some(Emit::Sent)
         });
@@ -768,7 +773,7 @@ mod tests {
             s.enqueue(delivery(QoS::AtLeastOnce, n), QueueLimit::messages(10));
         }
         let mut sent = Vec::new();
-        s.pump(Instant::now(), 2, |p| {
+        s.pump(Instant::now(), 2, None, |p| {
             sent.push(p.packet_id);
             Some(Emit::Sent)
         });
@@ -776,7 +781,7 @@ mod tests {
         assert_eq!(s.queue.len(), 2);
         assert!(s.on_puback(1));
         assert!(!s.on_puback(1));
-        s.pump(Instant::now(), 2, |p| {
+        s.pump(Instant::now(), 2, None, |p| {
             sent.push(p.packet_id);
             Some(Emit::Sent)
         });
@@ -787,14 +792,14 @@ mod tests {
     fn qos2_flow_and_too_large_and_expiry() {
         let mut s = SessionState::new("c".into(), 0);
         s.enqueue(delivery(QoS::ExactlyOnce, 0), QueueLimit::messages(10));
-        s.pump(Instant::now(), 10, |_| Some(Emit::Sent));
+        s.pump(Instant::now(), 10, None, |_| Some(Emit::Sent));
         assert_eq!(s.on_pubrec(1, 0), Some(true));
         assert!(!s.on_puback(1));
         assert!(s.on_pubcomp(1));
         assert!(s.inflight.is_empty());
 
         s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(10));
-        s.pump(Instant::now(), 10, |_| Some(Emit::TooLarge));
+        s.pump(Instant::now(), 10, None, |_| Some(Emit::TooLarge));
         assert!(s.inflight.is_empty());
         assert_eq!(s.dropped_too_large, 1);
 
@@ -805,7 +810,9 @@ mod tests {
         let now = Instant::now();
         old.received_at = now.checked_sub(Duration::from_secs(6)).unwrap();
         s.enqueue(old, QueueLimit::messages(10));
-        s.pump(now, 10, |_| panic!("expired message must not be sent"));
+        s.pump(now, 10, None, |_| {
+            panic!("expired message must not be sent")
+        });
         assert_eq!(s.dropped_expired, 1);
     }
 
@@ -881,7 +888,7 @@ mod tests {
         s.enqueue(delivery(QoS::AtLeastOnce, 0), QueueLimit::messages(10));
         s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(10));
         let mut ids = Vec::new();
-        s.pump(Instant::now(), 10, |p| {
+        s.pump(Instant::now(), 10, None, |p| {
             ids.push(p.packet_id);
             Some(Emit::Sent)
         });

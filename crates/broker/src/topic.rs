@@ -5,7 +5,30 @@ const SHARE_PREFIX: &str = "$share/";
 
 /// A valid topic name: non-empty, no wildcards, no NUL.
 pub(crate) fn is_valid_topic_name(topic: &str) -> bool {
-    !topic.is_empty() && !topic.contains(['+', '#', '\0'])
+    topic_name_problem(topic).is_none()
+}
+
+/// Why a string is not a valid topic name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TopicNameProblem {
+    Empty,
+    /// U+0000 is forbidden in every MQTT string (MQTT-1.5.4-2: a malformed packet).
+    Nul,
+    /// `+` or `#` (MQTT-3.3.2-2, and MQTT-3.3.2-14 for a Response Topic).
+    Wildcard,
+}
+
+/// What is wrong with `topic` as a topic name, if anything.
+pub(crate) fn topic_name_problem(topic: &str) -> Option<TopicNameProblem> {
+    if topic.is_empty() {
+        Some(TopicNameProblem::Empty)
+    } else if topic.contains('\0') {
+        Some(TopicNameProblem::Nul)
+    } else if topic.contains(['+', '#']) {
+        Some(TopicNameProblem::Wildcard)
+    } else {
+        None
+    }
 }
 
 /// A valid (non-shared) topic filter: `+` and `#` only as whole levels, `#` only last.

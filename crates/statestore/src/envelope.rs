@@ -1,9 +1,11 @@
 //! The RPC envelope (spec §1): what a request must carry, and the properties of every reply.
 //!
 //! Envelope problems are not state-store errors: a forbidden response topic disconnects the client, a
-//! request without a response topic cannot be answered at all, and QoS 0 or missing correlation data get
-//! the AIO RPC convention's `__stat` 400 instead of a RESP payload. Only a well-formed envelope reaches
-//! command execution.
+//! request without a response topic cannot be answered at all, a response topic the client may not
+//! publish on itself is refused with PUBACK 0x87 (nothing is published there), QoS 0 or missing
+//! correlation data get the AIO RPC convention's `__stat` 400 instead of a RESP payload, and an
+//! unsupported `__protVer` gets `__stat` 505. Only a well-formed envelope reaches command execution.
+//! `docs/statestore.md` lists the checks in order.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +17,9 @@ use mqstate_protocol::{topic, ErrorKind, Hlc};
 
 /// Protocol version the server speaks and announces in `__protVer`.
 pub const PROTOCOL_VERSION: &str = "1.0";
+/// Major protocol versions the server accepts in a request's `__protVer` (announced in
+/// `__supProtMajVer`, space-separated, on a 505 reply).
+pub const SUPPORTED_MAJOR_VERSIONS: &[u16] = &[1];
 /// Content type of requests and replies.
 pub const CONTENT_TYPE: &str = "application/octet-stream";
 /// How long a reply stays valid when the request carried no Message Expiry Interval.
@@ -28,6 +33,8 @@ pub mod prop {
     pub const SOURCE_ID: &str = "__srcId";
     pub const TIMESTAMP: &str = "__ts";
     pub const FENCING_TOKEN: &str = "__ft";
+    pub const SUPPORTED_MAJOR_VERSIONS: &str = "__supProtMajVer";
+    pub const REQUEST_PROTOCOL_VERSION: &str = "__requestProtVer";
     pub const PERSISTENCE: &str = "aio-persistence";
 }
 
@@ -48,12 +55,30 @@ pub struct Request {
     pub expiry: Duration,
 }
 
+/// Whether the reply to a request may be published on its Response Topic (the service asks the
+/// broker: see [`crate::service`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyTopic {
+    Allowed,
+    /// Not a topic name a PUBLISH may carry (wildcards, NUL, beyond the topic limits).
+    Invalid,
+    /// The requester may not publish there itself: replying there would make the state store a
+    /// confused deputy.
+    NotAuthorized,
+}
+
 /// Why a publish on the invoke topic is not a request we execute.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rejection {
     /// The response topic is the invoke topic, a notification topic or another client's state-store
     /// response topic: disconnect the client.
     ForbiddenResponseTopic(ByteString),
+    /// The response topic is invalid or the requester may not publish there: refuse the publish
+    /// (PUBACK 0x90 / 0x87), publish nothing.
+    ResponseTopicRefused {
+        response_topic: ByteString,
+        why: ReplyTopic,
+    },
     /// Nowhere to answer: drop and count.
     NoResponseTopic,
     /// Answer with `__stat` 400 and this `__stMsg`.
@@ -62,17 +87,39 @@ pub enum Rejection {
         correlation_data: Option<Bytes>,
         message: &'static str,
     },
+    /// `__protVer` names a major version we do not speak (or does not parse): answer with
+    /// `__stat` 505 and the supported major versions, as the AIO RPC executors do.
+    UnsupportedVersion {
+        response_topic: ByteString,
+        correlation_data: Bytes,
+        requested: ByteString,
+    },
 }
 
 impl Request {
-    /// Checks the envelope of a publish on the invoke topic.
-    pub fn from_message(client_id: Arc<str>, message: &Message) -> Result<Request, Rejection> {
+    /// Checks the envelope of a publish on the invoke topic. `reply_topic` judges the Response
+    /// Topic once the built-in rules allowed it; nothing is published on a topic it refuses, not
+    /// even a `__stat` 400.
+    pub fn from_message(
+        client_id: Arc<str>,
+        message: &Message,
+        reply_topic: impl FnOnce(&str) -> ReplyTopic,
+    ) -> Result<Request, Rejection> {
         let props = &message.properties;
         let Some(response_topic) = props.response_topic.clone() else {
             return Err(Rejection::NoResponseTopic);
         };
         if topic::is_forbidden_response_topic(&response_topic, &client_id) {
             return Err(Rejection::ForbiddenResponseTopic(response_topic));
+        }
+        match reply_topic(&response_topic) {
+            ReplyTopic::Allowed => {}
+            why => {
+                return Err(Rejection::ResponseTopicRefused {
+                    response_topic,
+                    why,
+                })
+            }
         }
         if message.qos == QoS::AtMostOnce {
             return Err(Rejection::BadRequest {
@@ -88,6 +135,15 @@ impl Request {
                 message: "state store requests must carry Correlation Data",
             });
         };
+        if let Some(requested) = props.user_property(prop::PROTOCOL_VERSION) {
+            if !is_supported_version(requested) {
+                return Err(Rejection::UnsupportedVersion {
+                    response_topic,
+                    correlation_data,
+                    requested: requested.clone(),
+                });
+            }
+        }
         Ok(Request {
             client_id,
             response_topic,
@@ -104,6 +160,14 @@ impl Request {
                 .unwrap_or(DEFAULT_REQUEST_EXPIRY),
         })
     }
+}
+
+/// Whether `__protVer` text `major.minor` (both 16-bit decimal numbers, as the SDKs parse it)
+/// names a major version we speak. An absent `__protVer` means 1.0 (the SDKs' default).
+pub fn is_supported_version(text: &str) -> bool {
+    text.split_once('.')
+        .and_then(|(major, minor)| Some((major.parse::<u16>().ok()?, minor.parse::<u16>().ok()?)))
+        .is_some_and(|(major, _)| SUPPORTED_MAJOR_VERSIONS.contains(&major))
 }
 
 fn parse_hlc_property(props: &PublishProperties, name: &str) -> Result<Option<Hlc>, ErrorKind> {
@@ -165,6 +229,40 @@ impl ReplyBuilder {
         self.message(
             response_topic,
             correlation_data,
+            Bytes::new(),
+            user_properties,
+            DEFAULT_REQUEST_EXPIRY,
+        )
+    }
+
+    /// The AIO RPC `__stat` 505 reply to a request whose `__protVer` we do not speak: it names the
+    /// major versions we do (`__supProtMajVer`) and echoes the requested one (`__requestProtVer`).
+    pub fn unsupported_version(
+        &self,
+        response_topic: ByteString,
+        correlation_data: Bytes,
+        requested: ByteString,
+    ) -> Message {
+        let supported = SUPPORTED_MAJOR_VERSIONS
+            .iter()
+            .map(u16::to_string)
+            .collect::<Vec<_>>()
+            .join(" ");
+        let message = format!(
+            "the state store only supports major protocol versions {supported}, but the request's __protVer is {requested:?}"
+        );
+        let mut user_properties = self.common_properties("505");
+        user_properties.extend([
+            (prop::STATUS_MESSAGE.into(), ByteString::from(message)),
+            (
+                prop::SUPPORTED_MAJOR_VERSIONS.into(),
+                ByteString::from(supported),
+            ),
+            (prop::REQUEST_PROTOCOL_VERSION.into(), requested),
+        ]);
+        self.message(
+            response_topic,
+            Some(correlation_data),
             Bytes::new(),
             user_properties,
             DEFAULT_REQUEST_EXPIRY,
@@ -238,6 +336,10 @@ impl ReplyBuilder {
 mod tests {
     use super::*;
 
+    fn allowed(_: &str) -> ReplyTopic {
+        ReplyTopic::Allowed
+    }
+
     fn request_message(qos: QoS, response: Option<&str>, correlation: Option<&[u8]>) -> Message {
         Message {
             topic: topic::INVOKE_TOPIC.into(),
@@ -265,7 +367,7 @@ mod tests {
             Some("client/resp"),
             Some(b"0123456789abcdef"),
         );
-        let req = Request::from_message("c1".into(), &msg).unwrap();
+        let req = Request::from_message("c1".into(), &msg, allowed).unwrap();
         assert_eq!(&*req.response_topic, "client/resp");
         assert_eq!(&req.correlation_data[..], b"0123456789abcdef");
         assert_eq!(
@@ -281,7 +383,7 @@ mod tests {
     fn envelope_rejections_follow_the_spec() {
         let no_topic = request_message(QoS::AtLeastOnce, None, Some(b"c"));
         assert_eq!(
-            Request::from_message("c".into(), &no_topic).unwrap_err(),
+            Request::from_message("c".into(), &no_topic, allowed).unwrap_err(),
             Rejection::NoResponseTopic
         );
 
@@ -291,19 +393,19 @@ mod tests {
         ] {
             let msg = request_message(QoS::AtLeastOnce, Some(&forbidden), Some(b"c"));
             assert!(matches!(
-                Request::from_message("c".into(), &msg),
+                Request::from_message("c".into(), &msg, allowed),
                 Err(Rejection::ForbiddenResponseTopic(t)) if *t == *forbidden
             ));
         }
 
         let qos0 = request_message(QoS::AtMostOnce, Some("r"), Some(b"c"));
         assert!(matches!(
-            Request::from_message("c".into(), &qos0),
+            Request::from_message("c".into(), &qos0, allowed),
             Err(Rejection::BadRequest { .. })
         ));
         let no_corr = request_message(QoS::AtLeastOnce, Some("r"), None);
         assert!(matches!(
-            Request::from_message("c".into(), &no_corr),
+            Request::from_message("c".into(), &no_corr, allowed),
             Err(Rejection::BadRequest {
                 correlation_data: None,
                 ..
@@ -312,9 +414,68 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_response_topic_is_refused_before_anything_is_answered_there() {
+        // Even a QoS 0 request without correlation data (which would get a __stat 400 there).
+        let msg = request_message(QoS::AtMostOnce, Some("sensors/secret/door"), None);
+        for why in [ReplyTopic::NotAuthorized, ReplyTopic::Invalid] {
+            let mut asked = None;
+            let refused = Request::from_message("c".into(), &msg, |t| {
+                asked = Some(t.to_owned());
+                why
+            });
+            assert_eq!(
+                refused.unwrap_err(),
+                Rejection::ResponseTopicRefused {
+                    response_topic: "sensors/secret/door".into(),
+                    why
+                }
+            );
+            assert_eq!(asked.as_deref(), Some("sensors/secret/door"));
+        }
+    }
+
+    #[test]
+    fn protocol_versions_are_checked_by_major() {
+        for ok in ["1.0", "1.7", "1.65535"] {
+            assert!(is_supported_version(ok), "{ok}");
+        }
+        for bad in [
+            "99.0", "2.0", "0.9", "1", "1.x", "", "one.zero", "70000.0", " 1.0",
+        ] {
+            assert!(!is_supported_version(bad), "{bad}");
+        }
+        let mut msg = request_message(QoS::AtLeastOnce, Some("r"), Some(b"corr"));
+        msg.properties
+            .user_properties
+            .push(("__protVer".into(), "99.0".into()));
+        assert_eq!(
+            Request::from_message("c".into(), &msg, allowed).unwrap_err(),
+            Rejection::UnsupportedVersion {
+                response_topic: "r".into(),
+                correlation_data: Bytes::from_static(b"corr"),
+                requested: "99.0".into(),
+            }
+        );
+        let reply = ReplyBuilder::new("s").unsupported_version(
+            "r".into(),
+            Bytes::from_static(b"corr"),
+            "99.0".into(),
+        );
+        let p = &reply.properties;
+        assert_eq!(p.user_property("__stat").map(|v| &**v), Some("505"));
+        assert_eq!(p.user_property("__supProtMajVer").map(|v| &**v), Some("1"));
+        assert_eq!(
+            p.user_property("__requestProtVer").map(|v| &**v),
+            Some("99.0")
+        );
+        assert!(p.user_property("__stMsg").is_some());
+        assert_eq!(p.correlation_data.as_deref(), Some(&b"corr"[..]));
+    }
+
+    #[test]
     fn replies_carry_stat_200_version_and_echoed_correlation() {
         let msg = request_message(QoS::AtLeastOnce, Some("client/resp"), Some(b"corr"));
-        let req = Request::from_message("c1".into(), &msg).unwrap();
+        let req = Request::from_message("c1".into(), &msg, allowed).unwrap();
         let builder = ReplyBuilder::new("mqstate");
         let version = Hlc::parse("000000000000005:00000:mqstate").unwrap();
         let reply = builder.reply(

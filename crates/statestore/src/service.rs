@@ -32,7 +32,7 @@ use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
 use crate::dedup::{CachedReply, DedupCache, Seen, DEFAULT_MAX_ENTRIES};
-use crate::envelope::{Rejection, ReplyBuilder, Request};
+use crate::envelope::{Rejection, ReplyBuilder, ReplyTopic, Request};
 use crate::metrics;
 use crate::rate::RequestRates;
 
@@ -45,6 +45,30 @@ pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x87;
 /// PUBACK instead: the request was handled, and clients (rumqttc, the AIO SDK) drop or fail the
 /// exchange on a failed PUBACK before reading the reply (decision 0012).
 pub const PUBACK_UNSPECIFIED_ERROR: u8 = 0x80;
+/// PUBACK reason when the requester may not publish on its request's Response Topic (0x87 Not
+/// authorized): the state store does not publish where the requester could not.
+pub const PUBACK_NOT_AUTHORIZED: u8 = 0x87;
+/// PUBACK reason when a request's Response Topic is not a valid topic name (0x90).
+pub const PUBACK_TOPIC_NAME_INVALID: u8 = 0x90;
+
+/// Where the reply to `who`'s request may go: a topic the client could publish on itself, or its
+/// own state-store response topic (`clients/<own id>/…<service id>…`, which the built-in rules
+/// reserve for exactly these replies; [`crate::guard`]). Notifications need no such check: they
+/// go into the registering client's own session on its own notification topic.
+fn reply_topic(broker: &Broker, who: Principal<'_>, topic: &str) -> ReplyTopic {
+    if !broker.is_publishable_topic(topic) {
+        ReplyTopic::Invalid
+    } else if mqstate_protocol::topic::is_reserved_for_service(topic)
+        || broker.may_publish(who, topic)
+    {
+        // A reserved topic that passed `is_forbidden_response_topic` is under the client's own
+        // `clients/<id>/`: its SDK response topic.
+        ReplyTopic::Allowed
+    } else {
+        ReplyTopic::NotAuthorized
+    }
+}
+
 /// `result` label of a write that could not be made durable.
 const NOT_DURABLE: &str = "not_durable";
 
@@ -351,9 +375,14 @@ impl Executor {
 
     async fn handle(&mut self, mut service_request: ServiceRequest) {
         let acker = service_request.take_ack();
+        let who = Principal {
+            client_id: &service_request.client_id,
+            identity: &service_request.identity,
+        };
         let request = match Request::from_message(
             service_request.client_id.clone(),
             &service_request.message,
+            |topic| reply_topic(&self.broker, who, topic),
         ) {
             Ok(request) => request,
             Err(rejection) => {
@@ -759,6 +788,52 @@ impl Executor {
                         "response topic {topic} is reserved for the state store"
                     )),
                 );
+            }
+            Rejection::ResponseTopicRefused {
+                response_topic,
+                why,
+            } => {
+                let (result, code, reason) = match why {
+                    ReplyTopic::NotAuthorized => (
+                        "response_topic_not_authorized",
+                        PUBACK_NOT_AUTHORIZED,
+                        "the client may not publish on it itself",
+                    ),
+                    _ => (
+                        "response_topic_invalid",
+                        PUBACK_TOPIC_NAME_INVALID,
+                        "it is not a valid topic name",
+                    ),
+                };
+                metrics::request_counted(metrics::UNPARSED, result);
+                tracing::info!(%client_id, topic = %response_topic, "state store request refused: the reply cannot go to its Response Topic: {reason}");
+                acker.ack(code);
+            }
+            Rejection::UnsupportedVersion {
+                response_topic,
+                correlation_data,
+                requested,
+            } => {
+                metrics::request_counted(metrics::UNPARSED, "unsupported_version");
+                tracing::debug!(%client_id, %requested, "state store request with an unsupported __protVer");
+                let reply = ReplyTo {
+                    client_id: client_id.clone(),
+                    correlation: correlation_data.clone(),
+                    message: self.replies.unsupported_version(
+                        response_topic,
+                        correlation_data,
+                        requested,
+                    ),
+                    version: None,
+                };
+                self.send(Outcome::Reply {
+                    commit: None,
+                    notifications: Vec::new(),
+                    reply: Some(reply),
+                    acker: Some(acker),
+                    timing: None,
+                })
+                .await;
             }
             Rejection::BadRequest {
                 response_topic,
