@@ -142,6 +142,8 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
         key_access: policy.key_access,
         requests_per_second: settings.statestore_requests_per_second,
+        notify: Some(settings.notify.clone()),
+        failpoints: Failpoints::from_env(),
         ..ServiceConfig::default()
     };
     let store = tokio::spawn(service::run(

@@ -263,9 +263,13 @@ impl Notifications {
         self.topics.is_empty()
     }
 
-    /// The topics a change of `key` by `event` notifies.
+    /// The topics a change of `key` by `event` notifies. Lock keys notify no topic: their renewals
+    /// would fill the queues they guard.
     pub fn matching<'a>(&'a self, key: &'a [u8], event: Event) -> impl Iterator<Item = &'a Topic> {
-        self.topics.values().filter(move |t| t.matches(key, event))
+        let lock = key.starts_with(LOCK_KEY_PREFIX.as_bytes());
+        self.topics
+            .values()
+            .filter(move |t| !lock && t.matches(key, event))
     }
 
     /// The earliest reservation deadline.
