@@ -69,11 +69,29 @@ impl HttpEndpoint {
         Ok(sender)
     }
 
+    /// Posts on the kept-alive connection; if that one fails (the server may have closed it while
+    /// idle), once more on a new one.
     async fn post(&mut self, body: Vec<u8>) -> Result<(), EndpointError> {
-        let mut sender = match self.connection.take() {
-            Some(sender) if !sender.is_closed() => sender,
-            _ => self.connect().await?,
-        };
+        let body = Bytes::from(body);
+        if let Some(sender) = self.connection.take().filter(|s| !s.is_closed()) {
+            match self.post_on(sender, body.clone()).await {
+                Err(EndpointError::Io(reason)) => {
+                    tracing::debug!(
+                        "kept-alive notification connection failed ({reason}); reconnecting"
+                    );
+                }
+                other => return other,
+            }
+        }
+        let sender = self.connect().await?;
+        self.post_on(sender, body).await
+    }
+
+    async fn post_on(
+        &mut self,
+        mut sender: SendRequest<Full<Bytes>>,
+        body: Bytes,
+    ) -> Result<(), EndpointError> {
         sender
             .ready()
             .await
@@ -81,7 +99,7 @@ impl HttpEndpoint {
         let request = hyper::Request::post(&self.path)
             .header(hyper::header::HOST, &self.authority)
             .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
+            .body(Full::new(body))
             .map_err(|e| EndpointError::Io(e.to_string()))?;
         let response = sender
             .send_request(request)
@@ -90,10 +108,10 @@ impl HttpEndpoint {
         let status = response.status();
         // Read the body so the connection can carry the next request.
         let _ = response.into_body().collect().await;
+        self.connection = Some(sender);
         if !status.is_success() {
             return Err(EndpointError::Rejected(format!("HTTP {status}")));
         }
-        self.connection = Some(sender);
         Ok(())
     }
 }

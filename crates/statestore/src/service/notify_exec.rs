@@ -469,6 +469,11 @@ impl Executor {
             tracing::debug!(client_id = %request.client_id, "notification admin request without a response topic dropped");
             return acker.ack(0x00);
         };
+        if mqstate_protocol::topic::is_reserved_for_service(&response_topic) {
+            // Replies there would pass for the state store's own messages.
+            tracing::info!(client_id = %request.client_id, %response_topic, "notification admin request refused: the response topic is reserved for the state store");
+            return acker.ack(super::FORBIDDEN_RESPONSE_TOPIC_REASON);
+        }
         let correlation = properties.correlation_data.clone().unwrap_or_default();
         let client_id = request.client_id.clone();
         let reply_to = move |value: Value| ReplyTo {
