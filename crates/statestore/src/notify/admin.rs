@@ -106,6 +106,26 @@ pub fn error_json(message: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn parse_never_panics(data in prop::collection::vec(any::<u8>(), 0..128)) {
+            let _ = AdminRequest::parse(&data);
+        }
+
+        #[test]
+        fn parse_never_panics_on_json_shaped_input(
+            op in "(create|list|get|stats|rm|x)",
+            name in ".{0,8}",
+            events in prop::collection::vec("(set|delete|expire|put|)", 0..4),
+            max in any::<i64>(),
+        ) {
+            let request = json!({"op": op, "name": name, "endpoint": "http://h:1/", "keys": name,
+                                 "events": events, "max_queue": max});
+            let _ = AdminRequest::parse(request.to_string().as_bytes());
+        }
+    }
 
     #[test]
     fn create_with_defaults_and_errors() {
