@@ -465,3 +465,56 @@ async fn notifications_reach_an_mqtt_endpoint_at_qos_1() {
     let _ = mosquitto.kill();
     let _ = mosquitto.wait();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletes_expiries_and_binary_values_are_notified_as_documented() {
+    let hook = Hook::start(Mode::Ack).await;
+    let server = Server::start_with(FAST);
+    create(
+        &server,
+        "orders",
+        &hook.url(),
+        &["--events", "set,delete,expire"],
+    );
+    create(&server, "sets", &hook.url(), &["--events", "set"]);
+    let mut client = StateClient::connect(server.addr, "writer").await;
+    assert_eq!(
+        client.request(&[b"SET", b"order:bin", &[0xff, 0x00]]).await,
+        OK
+    );
+    assert_eq!(
+        client.request(&[b"DEL", b"order:bin"]).await,
+        &b":1\r\n"[..]
+    );
+    assert_eq!(
+        client
+            .request(&[b"SET", b"order:ttl", b"x", b"PX", b"200"])
+            .await,
+        OK
+    );
+    wait_until(
+        "set, delete, expire on orders and the two sets on sets",
+        || hook.records().len() == 6,
+    )
+    .await;
+    let records = hook.records();
+    let orders: Vec<&Value> = records.iter().filter(|r| r["topic"] == "orders").collect();
+    let events: Vec<(&str, u64)> = orders
+        .iter()
+        .map(|r| (r["event"].as_str().unwrap(), r["seq"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        events,
+        vec![("set", 1), ("delete", 2), ("set", 3), ("expire", 4)]
+    );
+    assert_eq!(orders[0]["value_base64"], "/wA=");
+    assert!(orders[0].get("value").is_none());
+    assert!(orders[1].get("value").is_none() && orders[1].get("value_base64").is_none());
+    assert_eq!(orders[3]["key"], "order:ttl");
+    let sets: Vec<&str> = records
+        .iter()
+        .filter(|r| r["topic"] == "sets")
+        .map(|r| r["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(sets, vec!["set", "set"], "a topic gets only its events");
+}

@@ -715,7 +715,11 @@ impl Executor {
         for expiration in self.machine.expire_due(unix_now_ms()) {
             self.count_dropped(&expiration.dropped);
             let logged = match &expiration.commit {
-                Some(commit) => self.log_queue(commit).await,
+                Some(commit) => {
+                    let logged = self.log_queue(commit).await;
+                    self.notify_queued();
+                    logged
+                }
                 None => self.log(&expiration.delta).await,
             };
             let commit = match logged {

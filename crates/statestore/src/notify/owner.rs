@@ -197,7 +197,8 @@ async fn push_loop(
             return; // the service stopped or the topic is gone
         };
         if entries.is_empty() {
-            if queued.changed().await.is_err() {
+            // Woken when entries are queued; the timeout only guards against a missed wake-up.
+            if let Ok(Err(_)) = tokio::time::timeout(config.retry_max, queued.changed()).await {
                 return;
             }
             continue;

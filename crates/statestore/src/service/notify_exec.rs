@@ -221,9 +221,7 @@ impl Executor {
         match self.log_queue(&record).await {
             Ok(commit) => {
                 self.push_undo(Undo::Both(key_undo, record_undo));
-                if let Some(notify) = &self.notify {
-                    notify.queued.send_modify(|n| *n += 1);
-                }
+                self.notify_queued();
                 Ok(commit)
             }
             Err(e) => {
@@ -240,7 +238,11 @@ impl Executor {
             tracing::warn!(%topic, "expiry not queued: the notification queue is full");
             metrics::notification_dropped(topic);
         }
-        if let (Some(notify), false) = (&self.notify, topics.is_empty()) {
+    }
+
+    /// Wakes the pushers: entries were queued.
+    pub(super) fn notify_queued(&self) {
+        if let Some(notify) = &self.notify {
             notify.queued.send_modify(|n| *n += 1);
         }
     }
