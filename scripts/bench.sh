@@ -2,7 +2,7 @@
 # Reproduces every figure in docs/benchmarks.md: mqstate side by side with Mosquitto (+ the
 # `mqstate bench --responder` baseline) and with Redis, on this machine, in one run.
 #
-#   scripts/bench.sh [all|pubsub|statestore|redis|idle|restart]   (default: all)
+#   scripts/bench.sh [all|pubsub|statestore|redis|idle|restart|notify]   (default: all)
 #
 # Needs: mosquitto (Debian 2.0.11), redis-server + redis-benchmark (Debian, Redis 7), a release build
 # (built here). Results (JSON per run, server logs) go to $OUT (default target/bench-results/).
@@ -130,8 +130,39 @@ restart() {
   stop_all
 }
 
+# Persistent notifications: durable SET rate with no topic vs one topic matching every key (its
+# endpoint up, delivering while the load runs), then notifications delivered per second to a local
+# HTTP endpoint (a queue of 100,000 filled while the endpoint is down, drained once it is up).
+notify() {
+  local common=(--connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64)
+  local sink_port; sink_port=$(free_port)
+  start_mqstate "notify-none" --fsync always
+  bench "notify-durable-set-no-topic" "${common[@]}"; stop_all
+  python3 scripts/notify-sink.py "$sink_port" "$OUT/notify-sink.count" & PIDS+=("$!")
+  start_mqstate "notify-one" --fsync always
+  "$MQSTATE" topic create bench --port "$PORT" --endpoint "http://127.0.0.1:$sink_port/hook" \
+    --keys 'bench:*' --max-queue 10000000 --json >/dev/null
+  bench "notify-durable-set-one-topic" "${common[@]}"
+  "$MQSTATE" topic stats bench --port "$PORT" --json | tee "$OUT/notify-one.stats.json"; echo
+  stop_all
+  start_mqstate "notify-drain" --fsync always --notify-retry-min-ms 100 --notify-retry-max-ms 100
+  "$MQSTATE" topic create drain --port "$PORT" --endpoint "http://127.0.0.1:$sink_port/hook" \
+    --keys 'bench:*' --max-queue 200000 --json >/dev/null
+  "$MQSTATE" bench --port "$PORT" --connections 16 --inflight 16 --mix set=100 --keys 100000 \
+    --distribution sequential --value-size 64 --requests 100000 | tail -n 3
+  echo "== notifications delivered per second (100,000 queued, HTTP endpoint on loopback)"
+  local t0; t0=$(date +%s.%N)
+  python3 scripts/notify-sink.py "$sink_port" "$OUT/notify-drain.count" & PIDS+=("$!")
+  while [ "$("$MQSTATE" topic stats drain --port "$PORT" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["entries"])')" != 0 ]; do
+    sleep 0.2
+  done
+  local took; took=$(echo "$(date +%s.%N) - $t0" | bc)
+  echo "drained 100000 in $took s: $(echo "100000 / $took" | bc) notifications/s"
+  stop_all
+}
+
 case "$WHAT" in
-  all) statestore; pubsub; redis; idle; restart ;;
-  statestore|pubsub|redis|idle|restart) "$WHAT" ;;
-  *) echo "usage: $0 [all|pubsub|statestore|redis|idle|restart]" >&2; exit 2 ;;
+  all) statestore; pubsub; redis; idle; restart; notify ;;
+  statestore|pubsub|redis|idle|restart|notify) "$WHAT" ;;
+  *) echo "usage: $0 [all|pubsub|statestore|redis|idle|restart|notify]" >&2; exit 2 ;;
 esac

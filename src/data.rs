@@ -12,7 +12,8 @@ use std::io::{self, BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
+use mqstate_store::notify::QueueDelta;
+use mqstate_store::{Change, Delta, Limits, StateMachine, StoreConfig};
 use mqstate_wal::tools::{self, RecordReport, RepairReport, Report, SegmentReport};
 use mqstate_wal::{read_snapshot, DataDir, Metadata, SegmentEnd, WalError};
 use serde_json::{json, Value};
@@ -148,7 +149,7 @@ impl Log {
     /// Why a record's data does not decode as this log's records; `None` if it does.
     fn decode_error(self, data: &[u8]) -> Option<String> {
         match self {
-            Log::Store => Delta::decode(data).err().map(|e| e.to_string()),
+            Log::Store => Change::decode(data).err().map(|e| e.to_string()),
             Log::Sessions => session_view::decode_error(data),
         }
     }
@@ -215,12 +216,19 @@ enum DeltaView {
         key: Shown,
         version: String,
     },
+    /// A change to notification topics and queues (summarized).
+    Queue(String),
     Undecodable(String),
 }
 
 impl DeltaView {
     fn decode(data: &[u8], max_bytes: usize) -> DeltaView {
-        match Delta::decode(data) {
+        let delta = match Change::decode(data) {
+            Ok(Change::Queue(queue)) => return DeltaView::Queue(queue_summary(&queue)),
+            Ok(Change::Key(delta)) => Ok(delta),
+            Err(e) => Err(e),
+        };
+        match delta {
             Ok(Delta::Put {
                 key,
                 value,
@@ -263,6 +271,7 @@ impl DeltaView {
                 "key": key.text, "key_len": key.len,
                 "version": version,
             }),
+            DeltaView::Queue(summary) => json!({ "op": "queue", "change": summary }),
             DeltaView::Undecodable(error) => json!({ "op": "undecodable", "error": error }),
         }
     }
@@ -288,8 +297,33 @@ impl fmt::Display for DeltaView {
                 Ok(())
             }
             DeltaView::Delete { key, version } => write!(f, "delete key {key} version {version}"),
+            DeltaView::Queue(summary) => write!(f, "queue {summary}"),
             DeltaView::Undecodable(error) => write!(f, "UNDECODABLE: {error}"),
         }
+    }
+}
+
+/// One line about a queue delta (values are not shown).
+fn queue_summary(delta: &QueueDelta) -> String {
+    match delta {
+        QueueDelta::CreateTopic(def) => {
+            format!("create-topic {} endpoint {}", def.name, def.endpoint)
+        }
+        QueueDelta::DeleteTopic(name) => format!("delete-topic {name}"),
+        QueueDelta::Reserve(list) => format!("reserve {list:?}"),
+        QueueDelta::Abort(list) => format!("abort {list:?}"),
+        QueueDelta::Commit {
+            change,
+            event,
+            commits,
+        } => format!(
+            "commit {} key {} version {} into {:?}",
+            event.as_str(),
+            Shown::new(change.key(), 64),
+            change.version(),
+            commits
+        ),
+        QueueDelta::Remove { topic, up_to_seq } => format!("remove {topic} up to seq {up_to_seq}"),
     }
 }
 

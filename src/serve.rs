@@ -12,7 +12,7 @@ use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, Durability, ServiceConfig};
-use mqstate_store::{Delta, Limits, StateMachine, StoreConfig};
+use mqstate_store::{Change, Limits, StateMachine, StoreConfig};
 use mqstate_wal::{
     write_metadata, DataDir, Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter,
 };
@@ -142,6 +142,8 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
         key_access: policy.key_access,
         requests_per_second: settings.statestore_requests_per_second,
+        notify: Some(settings.notify.clone()),
+        failpoints: Failpoints::from_env(),
         ..ServiceConfig::default()
     };
     let store = tokio::spawn(service::run(
@@ -338,14 +340,14 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
     };
     let mut replayed_bytes = 0usize;
     for entry in &recovered.records {
-        let delta = Delta::decode(&entry.data).with_context(|| {
+        let change = Change::decode(&entry.data).with_context(|| {
             format!(
                 "log record {} in {} does not decode as a state change",
                 entry.lsn,
                 settings.data_dir.display()
             )
         })?;
-        machine.apply_delta(&delta);
+        machine.apply_change(&change);
         replayed_bytes += entry.data.len();
         next_lsn = entry.lsn + 1;
     }

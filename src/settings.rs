@@ -452,6 +452,34 @@ pub struct Settings {
     /// `-ERR the quota has been exceeded`. 0 disables. Default 0.
     #[arg(long, env = "MQSTATE_STATESTORE_REQUESTS_PER_SECOND", value_name = "N")]
     pub statestore_requests_per_second: Option<u32>,
+
+    /// Names this node in the lock keys of notification queues (`<id>/<cookie>`); unique per node. Default `mqstate`.
+    #[arg(long, env = "MQSTATE_NOTIFY_NODE_ID", value_name = "ID")]
+    pub notify_node_id: Option<String>,
+
+    /// Milliseconds after which a notification reservation that was neither committed nor aborted (a crash between the two) is aborted. Default 30000.
+    #[arg(long, env = "MQSTATE_NOTIFY_RESERVATION_TIMEOUT_MS", value_name = "MS")]
+    pub notify_reservation_timeout_ms: Option<u64>,
+
+    /// Milliseconds between two walks over the notification queues that take or renew their locks. Default 30000.
+    #[arg(long, env = "MQSTATE_NOTIFY_WALK_INTERVAL_MS", value_name = "MS")]
+    pub notify_walk_interval_ms: Option<u64>,
+
+    /// Milliseconds a queue lock lasts without renewal; then another node may take the queue over. Default 90000.
+    #[arg(long, env = "MQSTATE_NOTIFY_LOCK_EXPIRY_MS", value_name = "MS")]
+    pub notify_lock_expiry_ms: Option<u64>,
+
+    /// First delay before a failed push is retried; it doubles per failure. Default 1000.
+    #[arg(long, env = "MQSTATE_NOTIFY_RETRY_MIN_MS", value_name = "MS")]
+    pub notify_retry_min_ms: Option<u64>,
+
+    /// Longest delay between retries of a failed push. Default 30000.
+    #[arg(long, env = "MQSTATE_NOTIFY_RETRY_MAX_MS", value_name = "MS")]
+    pub notify_retry_max_ms: Option<u64>,
+
+    /// Notifications listed and pushed at a time (one HTTP POST). Default 100.
+    #[arg(long, env = "MQSTATE_NOTIFY_BATCH", value_name = "N")]
+    pub notify_batch: Option<usize>,
 }
 
 /// Settings with every default applied and every value checked.
@@ -492,6 +520,47 @@ pub struct Resolved {
     pub slow_consumer_timeout: Option<Duration>,
     pub server_keep_alive: Option<u16>,
     pub statestore_requests_per_second: u32,
+    pub notify: mqstate_statestore::notify::NotifyConfig,
+}
+
+/// The notification settings with defaults applied; intervals of 0 and an invalid node id are refused.
+fn notify_config(
+    node_id: Option<String>,
+    [reservation, walk, lock, retry_min, retry_max]: [Option<u64>; 5],
+    batch: Option<usize>,
+) -> anyhow::Result<mqstate_statestore::notify::NotifyConfig> {
+    let d = mqstate_statestore::notify::NotifyConfig::default();
+    let ms = |value: Option<u64>, default: Duration, name: &str| match value {
+        Some(0) => bail!("{name} must be at least 1 ms"),
+        Some(ms) => Ok(Duration::from_millis(ms)),
+        None => Ok(default),
+    };
+    let node_id = node_id.unwrap_or(d.node_id);
+    if node_id.is_empty() || node_id.contains('/') {
+        bail!("notify_node_id {node_id:?} must be non-empty and contain no '/'");
+    }
+    let config = mqstate_statestore::notify::NotifyConfig {
+        node_id,
+        reservation_timeout: ms(
+            reservation,
+            d.reservation_timeout,
+            "notify_reservation_timeout_ms",
+        )?,
+        walk_interval: ms(walk, d.walk_interval, "notify_walk_interval_ms")?,
+        lock_expiry: ms(lock, d.lock_expiry, "notify_lock_expiry_ms")?,
+        retry_min: ms(retry_min, d.retry_min, "notify_retry_min_ms")?,
+        retry_max: ms(retry_max, d.retry_max, "notify_retry_max_ms")?,
+        batch_max: match batch {
+            Some(0) => bail!("notify_batch must be at least 1"),
+            Some(n) => n,
+            None => d.batch_max,
+        },
+        push_timeout: d.push_timeout,
+    };
+    if config.lock_expiry <= config.walk_interval {
+        tracing::warn!("notify_lock_expiry_ms is not longer than notify_walk_interval_ms: queue locks lapse between renewals");
+    }
+    Ok(config)
 }
 
 impl Settings {
@@ -563,6 +632,17 @@ impl Settings {
             statestore_requests_per_second: self
                 .statestore_requests_per_second
                 .or(lower.statestore_requests_per_second),
+            notify_node_id: self.notify_node_id.or(lower.notify_node_id),
+            notify_reservation_timeout_ms: self
+                .notify_reservation_timeout_ms
+                .or(lower.notify_reservation_timeout_ms),
+            notify_walk_interval_ms: self
+                .notify_walk_interval_ms
+                .or(lower.notify_walk_interval_ms),
+            notify_lock_expiry_ms: self.notify_lock_expiry_ms.or(lower.notify_lock_expiry_ms),
+            notify_retry_min_ms: self.notify_retry_min_ms.or(lower.notify_retry_min_ms),
+            notify_retry_max_ms: self.notify_retry_max_ms.or(lower.notify_retry_max_ms),
+            notify_batch: self.notify_batch.or(lower.notify_batch),
         }
     }
 
@@ -667,6 +747,17 @@ impl Settings {
             slow_consumer_timeout: self.slow_consumer_timeout.map(Duration::from_secs),
             server_keep_alive: self.server_keep_alive,
             statestore_requests_per_second: self.statestore_requests_per_second.unwrap_or(0),
+            notify: notify_config(
+                self.notify_node_id,
+                [
+                    self.notify_reservation_timeout_ms,
+                    self.notify_walk_interval_ms,
+                    self.notify_lock_expiry_ms,
+                    self.notify_retry_min_ms,
+                    self.notify_retry_max_ms,
+                ],
+                self.notify_batch,
+            )?,
         })
     }
 }

@@ -12,6 +12,7 @@ mod lock;
 mod output;
 pub mod rpc;
 mod sdk;
+pub mod topic;
 pub mod value;
 mod watch;
 
@@ -50,6 +51,9 @@ pub enum Command {
     Watch(watch::WatchArgs),
     /// Hold a lock while running a command (acquire with NEX+PX, renew at ttl/3, release with VDEL).
     Lock(lock::LockArgs),
+    /// Persistent-notification topics: changes of matching keys delivered to an endpoint.
+    #[command(subcommand)]
+    Topic(topic::TopicCommand),
 }
 
 #[derive(clap::Args)]
@@ -120,6 +124,7 @@ pub async fn run(cmd: Command) -> ExitCode {
         Command::Scan(args) => (args.output, scan(&args).await),
         Command::Watch(args) => return watch::run(&args).await,
         Command::Lock(args) => return lock::run(&args).await,
+        Command::Topic(command) => return topic::run(command).await,
     };
     output::finish(output, result)
 }

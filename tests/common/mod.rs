@@ -125,6 +125,12 @@ impl Server {
         }
     }
 
+    /// Waits for the server to exit on its own (a crash point, say).
+    pub fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("server is running");
+        child.wait().expect("wait for mqstate serve")
+    }
+
     /// SIGTERM and wait for a graceful exit.
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("server is running");

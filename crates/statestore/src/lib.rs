@@ -5,6 +5,8 @@
 //! * [`dedup`] — the duplicate-request cache: a retried request gets its first reply, never a second run.
 //! * [`access`] — key-level authorization (`-ERR not authorized`); [`guard`] — the built-in topic rules
 //!   (only the state store publishes in its namespace; clients subscribe to their own notifications only).
+//! * [`notify`] — persistent notifications: settings, the admin RPC of topics, the queue owner
+//!   (lock walk, pushers); the executor's side is `service/notify_exec.rs`.
 //! * `rate` — requests per second per client (`-ERR the quota has been exceeded` beyond).
 //!
 //! Architecture invariant: this is the only crate that knows both the broker port and the store.
@@ -14,5 +16,6 @@ pub mod dedup;
 pub mod envelope;
 pub mod guard;
 pub mod metrics;
+pub mod notify;
 mod rate;
 pub mod service;

@@ -60,3 +60,39 @@ pub fn snapshot_finished(ok: bool) {
     let result = if ok { "ok" } else { "error" };
     counter!("mqstate_snapshots_total", "result" => result).increment(1);
 }
+
+/// Notifications an endpoint acknowledged (and that were removed from the queue).
+pub fn notifications_delivered(topic: &str, n: u64) {
+    counter!("mqstate_notify_delivered_total", "topic" => topic.to_owned()).increment(n);
+}
+
+/// A push that failed; `retried` records will be pushed again.
+pub fn notification_push_failed(topic: &str, retried: u64) {
+    counter!("mqstate_notify_failed_pushes_total", "topic" => topic.to_owned()).increment(1);
+    counter!("mqstate_notify_retried_total", "topic" => topic.to_owned()).increment(retried);
+}
+
+/// A removal refused because the remover no longer held the queue's lock.
+pub fn notification_removal_fenced(topic: &str) {
+    counter!("mqstate_notify_fenced_removals_total", "topic" => topic.to_owned()).increment(1);
+}
+
+/// A commit that could not enter a queue after its write succeeded (an expiry into a full queue).
+pub fn notification_dropped(topic: &str) {
+    counter!("mqstate_notify_dropped_total", "topic" => topic.to_owned()).increment(1);
+}
+
+/// Queue depth, reservations, bytes and the oldest entry's age of one topic.
+pub fn notification_queue(
+    topic: &str,
+    entries: usize,
+    reserved: usize,
+    bytes: u64,
+    oldest_age_ms: u64,
+) {
+    let topic = topic.to_owned();
+    gauge!("mqstate_notify_queue_entries", "topic" => topic.clone()).set(entries as f64);
+    gauge!("mqstate_notify_queue_reserved", "topic" => topic.clone()).set(reserved as f64);
+    gauge!("mqstate_notify_queue_bytes", "topic" => topic.clone()).set(bytes as f64);
+    gauge!("mqstate_notify_oldest_entry_age_ms", "topic" => topic).set(oldest_age_ms as f64);
+}

@@ -34,7 +34,10 @@ use crate::access::KeyAccess;
 use crate::dedup::{CachedReply, DedupCache, Seen, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{Rejection, ReplyBuilder, ReplyTopic, Request};
 use crate::metrics;
+use crate::notify::NotifyConfig;
 use crate::rate::RequestRates;
+
+mod notify_exec;
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
@@ -96,6 +99,10 @@ pub struct ServiceConfig {
     /// Requests executed per second per client (a burst of one second's worth); more are answered
     /// `-ERR the quota has been exceeded`. 0 (the default) disables the limit.
     pub requests_per_second: u32,
+    /// Persistent notifications (topics, queues, delivery); `None` disables them.
+    pub notify: Option<NotifyConfig>,
+    /// Crash points of the service (`notify-after-reserve`).
+    pub failpoints: mqstate_wal::Failpoints,
 }
 
 impl Default for ServiceConfig {
@@ -108,6 +115,8 @@ impl Default for ServiceConfig {
             dedup_max_entries: DEFAULT_MAX_ENTRIES,
             key_access: KeyAccess::default(),
             requests_per_second: 0,
+            notify: None,
+            failpoints: mqstate_wal::Failpoints::default(),
         }
     }
 }
@@ -125,6 +134,11 @@ enum Outcome {
         acker: Option<Acker>,
         /// For the request metrics; `None` for expiries and cached replies.
         timing: Option<Timing>,
+    },
+    /// Call `done` once `commit` (if any) is durable (`true`) or failed (`false`).
+    Internal {
+        commit: Option<PendingCommit>,
+        done: Box<dyn FnOnce(bool) + Send>,
     },
     /// Everything before this is durable once it is reached: write the snapshot.
     Snapshot {
@@ -240,6 +254,7 @@ pub async fn run(
         failure_tx,
     ));
     let rates = RequestRates::new(config.requests_per_second);
+    let notify = notify_exec::start(&broker, config.notify.clone());
     let mut executor = Executor {
         broker: broker.clone(),
         machine,
@@ -258,6 +273,8 @@ pub async fn run(
         rates,
         metadata,
         ceiling_failed_at: None,
+        notify,
+        pending_queue: None,
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -277,7 +294,7 @@ struct Executor {
     tx: mpsc::Sender<Outcome>,
     /// For each logged but not yet durable write: its LSN and the delta that restores the key's
     /// previous state. A failed commit rolls the keyspace back to what the disk holds.
-    undo: VecDeque<(u64, Delta)>,
+    undo: VecDeque<(u64, notify_exec::Undo)>,
     /// LSNs below this are durable (written by the completer).
     durable_lsn: Arc<AtomicU64>,
     /// The completer reports a failed commit here.
@@ -292,6 +309,10 @@ struct Executor {
     /// When raising the ceiling last failed (disk full); it is retried at most once per
     /// [`LOG_RETRY_INTERVAL`].
     ceiling_failed_at: Option<Instant>,
+    /// Persistent notifications, when enabled.
+    notify: Option<notify_exec::NotifySide>,
+    /// The queue side of the request being handled: set by `execute`, taken by `handle`.
+    pending_queue: Option<notify_exec::PendingQueue>,
 }
 
 /// How far ahead of the clock the ceiling is set: the metadata file is rewritten about once per
@@ -331,7 +352,9 @@ impl Executor {
         self.expire().await;
         let mut sweep = tokio::time::interval(DEDUP_SWEEP_INTERVAL);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let (mut internal, mut admin) = self.notify_inboxes();
         loop {
+            let stale_at = self.stale_reservation_deadline();
             let deadline = self.machine.next_deadline().map(|ms| {
                 let wait = Duration::from_millis(ms.saturating_sub(unix_now_ms()));
                 tokio::time::Instant::now() + wait
@@ -357,6 +380,9 @@ impl Executor {
                     Err(broadcast::error::RecvError::Closed) => break,
                 },
                 Some(()) = self.failures.recv() => self.roll_back_undurable(),
+                Some(request) = recv_some(&mut internal) => self.handle_internal(request).await,
+                Some(request) = recv_some(&mut admin) => self.handle_admin(request).await,
+                () = sleep_until(stale_at) => self.abort_stale_reservations().await,
                 () = sleep_until(deadline) => self.expire().await,
                 _ = sweep.tick() => self
                     .dedup
@@ -430,6 +456,24 @@ impl Executor {
         let started = Instant::now();
         let (command, executed) = self.execute(&request, &service_request.identity).await;
         let expiry_left = request.expiry.saturating_sub(started.elapsed());
+        if let Some(notify_exec::PendingQueue::Full(topic)) = &self.pending_queue {
+            let payload = notify_exec::queue_full_reply(topic);
+            self.pending_queue = None;
+            let reply = ReplyTo::new(&self.replies, &request, payload, None, expiry_left);
+            return self
+                .send(Outcome::Reply {
+                    commit: None,
+                    notifications: Vec::new(),
+                    reply: Some(reply),
+                    acker: Some(acker),
+                    timing: Some(Timing {
+                        command,
+                        result: "error",
+                        received: started,
+                    }),
+                })
+                .await;
+        }
         let Some((execution, persist, undo)) = executed else {
             let reply = ReplyTo::new(
                 &self.replies,
@@ -452,17 +496,12 @@ impl Executor {
             .await;
             return;
         };
-        let commit = match (execution.delta.as_ref(), undo) {
-            (Some(delta), Some(undo)) if persist || matches!(delta, Delta::Delete { .. }) => {
+        let commit = match (self.pending_queue.take(), execution.delta.as_ref(), undo) {
+            (Some(pending), _, undo) => self.log_notified(pending, undo).await,
+            (None, Some(delta), Some(undo)) if persist || matches!(delta, Delta::Delete { .. }) => {
                 let logged = self.log(delta).await;
                 match &logged {
-                    Ok(_) => {
-                        let durable = self.durable_lsn.load(Acquire);
-                        while self.undo.front().is_some_and(|(lsn, _)| *lsn < durable) {
-                            self.undo.pop_front();
-                        }
-                        self.undo.push_back((self.next_lsn - 1, undo));
-                    }
+                    Ok(_) => self.push_undo(notify_exec::Undo::Key(undo)),
                     Err(_) => self.machine.apply_delta(&undo),
                 }
                 logged
@@ -577,7 +616,21 @@ impl Executor {
             now_ms,
         };
         let persist = self.config.durability == Durability::All || request.persist;
+        let event = notify_exec::event_of(&command);
+        let reserved = match self.reserve(written_key_of(&command), event, now_ms) {
+            Ok(reserved) => reserved,
+            Err(topic) => {
+                self.pending_queue = Some(notify_exec::PendingQueue::Full(topic));
+                return (
+                    label,
+                    Some((error_execution(ErrorKind::QuotaExceeded), false, None)),
+                );
+            }
+        };
         let mut execution = self.machine.execute(command, &context);
+        if let Some(reserved) = reserved {
+            self.pending_queue = Some(self.settle(reserved, event, &execution));
+        }
         if let (true, Reply::Keys { keys: found, .. }) = (is_scan, &mut execution.reply) {
             found.retain(|key| keys.may_read(who, key));
         }
@@ -619,7 +672,7 @@ impl Executor {
                 self.undo.push_back((lsn, undo));
                 break;
             }
-            self.machine.apply_delta(&undo);
+            self.apply_undo(undo);
             rolled_back += 1;
         }
         // It may hold rolled-back writes, and the LSNs it was started at are handed out again.
@@ -671,6 +724,11 @@ impl Executor {
     /// Appends a delta; returns the future of its durability.
     async fn log(&mut self, delta: &Delta) -> Result<Option<PendingCommit>, String> {
         let bytes = delta.encode().map_err(|e| e.to_string())?;
+        self.log_bytes(bytes).await
+    }
+
+    /// Appends an encoded record; returns the future of its durability.
+    async fn log_bytes(&mut self, bytes: Vec<u8>) -> Result<Option<PendingCommit>, String> {
         let len = bytes.len() as u64;
         let commit = self
             .wal
@@ -684,7 +742,16 @@ impl Executor {
 
     async fn expire(&mut self) {
         for expiration in self.machine.expire_due(unix_now_ms()) {
-            let commit = match self.log(&expiration.delta).await {
+            self.count_dropped(&expiration.dropped);
+            let logged = match &expiration.commit {
+                Some(commit) => {
+                    let logged = self.log_queue(commit).await;
+                    self.notify_queued();
+                    logged
+                }
+                None => self.log(&expiration.delta).await,
+            };
+            let commit = match logged {
                 Ok(commit) => commit,
                 Err(message) => {
                     tracing::error!("expiry delete not durable: {message}");
@@ -911,6 +978,22 @@ fn error_execution(kind: ErrorKind) -> Execution {
     }
 }
 
+/// The key a command writes, if it writes one.
+fn written_key_of(command: &Command) -> Option<&Bytes> {
+    match command {
+        Command::Set { key, .. } | Command::Del { key } | Command::VDel { key, .. } => Some(key),
+        _ => None,
+    }
+}
+
+/// The next request of an optional inbox; never resolves without one.
+async fn recv_some<T>(inbox: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
+    match inbox {
+        Some(inbox) => inbox.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
@@ -953,6 +1036,23 @@ async fn complete(
                         Err(e) => tracing::error!(last_index, "snapshot failed: {e}"),
                     }
                 });
+            }
+            Outcome::Internal { commit, done } => {
+                let durable = match commit {
+                    None => true,
+                    Some(commit) => match commit.await {
+                        Ok(lsn) => {
+                            durable_lsn.store(lsn + 1, Release);
+                            true
+                        }
+                        Err(e) => {
+                            tracing::error!("state store write not durable: {e}");
+                            let _ = failures.send(());
+                            false
+                        }
+                    },
+                };
+                done(durable);
             }
             Outcome::Reply {
                 commit,

@@ -12,21 +12,27 @@
 //!   `StateMachine::snapshot_encode` (in one go) / `snapshot_decode`.
 //! * [`keyspace`] — [`Keyspace`] (one allocation per key), [`Entry`] (a stored entry, borrowed) and
 //!   [`NewEntry`], with the `(deadline, key)` expiry index.
+//! * [`notify`] — persistent notifications: topics and their bounded two-phase queues
+//!   (reserve, commit or abort, remove once delivered), logged as [`notify::QueueDelta`]s;
+//!   [`Change`] is a log record of either kind.
 //! * [`limits`] — [`Limits`], every bound with its default.
 //! * [`error`] — [`StoreError`] (configuration and codec failures; command errors are replies).
 //!
 //! Architecture invariant: the keyspace changes only through `StateMachine::apply_delta`, so
 //! executing a command and replaying its delta yield the same state.
 
+pub mod change;
 mod codec;
 pub mod delta;
 pub mod error;
 pub mod keyspace;
 pub mod limits;
 pub mod machine;
+pub mod notify;
 mod registrations;
 pub mod snapshot;
 
+pub use change::Change;
 pub use codec::MAX_BUFFER_BYTES;
 pub use delta::Delta;
 pub use error::StoreError;

@@ -18,11 +18,15 @@ use mqstate_protocol::{
     Command, ErrorKind, Glob, Hlc, HybridClock, NotifyPayload, Reply, SetCondition,
 };
 
+use crate::change::Change;
 use crate::codec::MAX_BUFFER_BYTES;
 use crate::delta::Delta;
 use crate::error::StoreError;
 use crate::keyspace::{entry_bytes, Keyspace, NewEntry};
 use crate::limits::Limits;
+use crate::notify::{
+    lock_key, Event, Notifications, QueueDelta, QueueUndo, RemoveError, NO_RESERVATION,
+};
 use crate::registrations::Registrations;
 
 /// Fixed configuration of a state machine.
@@ -86,6 +90,10 @@ pub struct Expiration {
     /// A [`Delta::Delete`] (already applied in memory).
     pub delta: Delta,
     pub notifications: Vec<KeyNotification>,
+    /// When topics watch expiries: the record to log instead of `delta` (it contains it).
+    pub commit: Option<QueueDelta>,
+    /// Topics whose queue was full, so the expiry could not be queued there.
+    pub dropped: Vec<String>,
 }
 
 /// The deterministic state-store core. See the module documentation for the durability contract.
@@ -94,6 +102,7 @@ pub struct StateMachine {
     pub(crate) keyspace: Keyspace,
     pub(crate) clock: HybridClock,
     registrations: Registrations,
+    pub(crate) notify: Notifications,
     pub(crate) config: StoreConfig,
 }
 
@@ -105,6 +114,7 @@ impl StateMachine {
             keyspace: Keyspace::default(),
             clock,
             registrations: Registrations::default(),
+            notify: Notifications::default(),
             config,
         })
     }
@@ -359,12 +369,169 @@ impl StateMachine {
             let delta = Delta::Delete { key, version };
             let notifications = self.notifications(&delta, NotifyPayload::Delete);
             self.apply_delta(&delta);
+            // An expiry cannot be refused: a full queue misses it (counted by the caller).
+            let (room, dropped): (Vec<_>, Vec<_>) = self
+                .notify
+                .matching(delta.key(), Event::Expire)
+                .map(|t| (t.def.name.clone(), t.is_full()))
+                .partition(|(_, full)| !full);
+            let commit = (!room.is_empty()).then(|| {
+                let commit = QueueDelta::Commit {
+                    change: delta.clone(),
+                    event: Event::Expire,
+                    commits: room.into_iter().map(|(t, _)| (t, NO_RESERVATION)).collect(),
+                };
+                self.notify.apply(&commit);
+                commit
+            });
             expired.push(Expiration {
                 delta,
                 notifications,
+                commit,
+                dropped: dropped.into_iter().map(|(t, _)| t).collect(),
             });
         }
         expired
+    }
+
+    /// Topics and their queues.
+    pub fn topics(&self) -> &Notifications {
+        &self.notify
+    }
+
+    /// Reserves a slot in the queue of every topic a change of `key` by `event` notifies, until
+    /// `deadline_ms`. `Ok(None)` when no topic matches; `Err(topic)` when a queue is full — then
+    /// nothing was reserved.
+    pub fn reserve(
+        &mut self,
+        key: &[u8],
+        event: Event,
+        deadline_ms: u64,
+    ) -> Result<Option<(QueueDelta, QueueUndo)>, String> {
+        if self.notify.is_empty() {
+            return Ok(None);
+        }
+        let mut names = Vec::new();
+        for topic in self.notify.matching(key, event) {
+            if topic.is_full() {
+                return Err(topic.def.name.clone());
+            }
+            names.push(topic.def.name.as_str());
+        }
+        if names.is_empty() {
+            return Ok(None);
+        }
+        let ids = self.notify.next_reservation_ids(&names);
+        let delta = QueueDelta::Reserve(
+            names
+                .iter()
+                .zip(ids)
+                .map(|(name, id)| ((*name).to_owned(), id, deadline_ms))
+                .collect(),
+        );
+        let undo = self.notify.apply(&delta);
+        Ok(Some((delta, undo)))
+    }
+
+    /// Commits the reservations of `reserve` with `change` (already applied by `execute`): the
+    /// returned record holds both and is what the caller logs.
+    pub fn commit_reserved(
+        &mut self,
+        change: &Delta,
+        event: Event,
+        reserve: &QueueDelta,
+    ) -> (QueueDelta, QueueUndo) {
+        let QueueDelta::Reserve(list) = reserve else {
+            debug_assert!(false, "commit_reserved needs a Reserve");
+            return (QueueDelta::Abort(Vec::new()), QueueUndo::Nothing);
+        };
+        let commit = QueueDelta::Commit {
+            change: change.clone(),
+            event,
+            commits: list.iter().map(|(t, id, _)| (t.clone(), *id)).collect(),
+        };
+        let undo = self.notify.apply(&commit);
+        (commit, undo)
+    }
+
+    /// Aborts the reservations of `reserve` (the write did not happen).
+    pub fn abort_reserved(&mut self, reserve: &QueueDelta) -> (QueueDelta, QueueUndo) {
+        let list = match reserve {
+            QueueDelta::Reserve(list) => list.iter().map(|(t, id, _)| (t.clone(), *id)).collect(),
+            _ => Vec::new(),
+        };
+        let abort = QueueDelta::Abort(list);
+        let undo = self.notify.apply(&abort);
+        (abort, undo)
+    }
+
+    /// Aborts reservations whose deadline passed (a crash between reserve and commit left them).
+    pub fn abort_stale_reservations(&mut self, now_ms: u64) -> Option<(QueueDelta, QueueUndo)> {
+        let stale = self.notify.stale_reservations(now_ms);
+        if stale.is_empty() {
+            return None;
+        }
+        let abort = QueueDelta::Abort(stale);
+        let undo = self.notify.apply(&abort);
+        Some((abort, undo))
+    }
+
+    /// Creates a topic or replaces its definition.
+    pub fn define_topic(&mut self, def: crate::notify::TopicDef) -> (QueueDelta, QueueUndo) {
+        let delta = QueueDelta::CreateTopic(def);
+        let undo = self.notify.apply(&delta);
+        (delta, undo)
+    }
+
+    /// Deletes a topic and its queue; `None` if there is no such topic.
+    pub fn delete_topic(&mut self, name: &str) -> Option<(QueueDelta, QueueUndo)> {
+        self.notify.get(name)?;
+        let delta = QueueDelta::DeleteTopic(name.to_owned());
+        let undo = self.notify.apply(&delta);
+        Some((delta, undo))
+    }
+
+    /// Removes the entries of `topic` up to `up_to_seq`, for the holder of its lock: the lock key
+    /// must be live, hold `holder`, and be at least as new as `token` (the version the holder's
+    /// lock SET returned). A deposed owner is refused, so it cannot remove what its successor holds.
+    pub fn remove_acknowledged(
+        &mut self,
+        topic: &str,
+        up_to_seq: u64,
+        holder: &[u8],
+        token: &Hlc,
+        now_ms: u64,
+    ) -> Result<(QueueDelta, QueueUndo), RemoveError> {
+        self.notify.get(topic).ok_or(RemoveError::NoSuchTopic)?;
+        let lock = self.keyspace.get_live(&lock_key(topic), now_ms);
+        let holds = lock.is_some_and(|l| l.value() == holder && l.version() >= *token);
+        if !holds {
+            return Err(RemoveError::Fenced);
+        }
+        let delta = QueueDelta::Remove {
+            topic: topic.to_owned(),
+            up_to_seq,
+        };
+        let undo = self.notify.apply(&delta);
+        Ok((delta, undo))
+    }
+
+    /// Restores what a queue change did (after a failed commit; newest first).
+    pub fn undo_queue(&mut self, undo: QueueUndo) {
+        self.notify.undo(undo);
+    }
+
+    /// Applies a log record as recorded (recovery and replication).
+    pub fn apply_change(&mut self, change: &Change) {
+        match change {
+            Change::Key(delta) => self.apply_delta(delta),
+            Change::Queue(delta) => {
+                if let QueueDelta::Commit { change, .. } = delta {
+                    self.apply_delta(change);
+                }
+                self.notify.apply(delta);
+            }
+        }
     }
 
     /// Raises the clock to `seen` without issuing anything: a restart restores the persisted

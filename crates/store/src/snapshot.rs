@@ -2,9 +2,15 @@
 //! states encode to equal bytes. KEYNOTIFY registrations are session state and are not included.
 //!
 //! ```text
-//! 'S' | format version Int32 (1) | high-water HLC | count Int32 | count × entry
+//! 'S' | format version Int32 (2) | high-water HLC | topics | count Int32 | count × entry
 //! entry = key Buffer | value Buffer | version HLC | fencing token Nullable<HLC> | expires at Nullable<Int64>
+//! topics = Array<name Buffer | endpoint Buffer | keys Buffer | events UInt8 | max queue Int32
+//!                | next seq Int64 | next reservation id Int64
+//!                | Array<reservation id Int64 | deadline Int64>
+//!                | Array<seq Int64 | key Buffer | event UInt8 | version HLC | value Nullable<Buffer>>>
 //! ```
+//! Version 1 (no topics) is still read. The topics are encoded whole when the snapshot starts, so
+//! they are exact as of its last index; only the keys are fuzzy.
 //! The result is the `state` Buffer of the snapshot file; its framing and checksum belong to the WAL.
 //!
 //! [`SnapshotEncoder`] encodes in chunks so a large keyspace never stops the caller for long: the state
@@ -13,15 +19,23 @@
 //! replaying one the snapshot already reflects changes nothing, and the last delta of each key wins
 //! (decision 0014). The count and the high-water mark are written last, into the header.
 
+use std::collections::{BTreeMap, VecDeque};
+
+use bytes::Bytes;
+
 use crate::codec::{Reader, Writer};
 use crate::error::StoreError;
 use crate::keyspace::{AscendingBuilder, Entry, NewEntry};
 use crate::machine::{StateMachine, StoreConfig};
+use crate::notify::record::text;
+use crate::notify::{event_from_byte, Notifications, QueueEntry, TopicDef};
 
 /// First byte of a key-value snapshot.
 pub const SNAPSHOT_MARKER: u8 = b'S';
 /// Current snapshot format version.
-pub const SNAPSHOT_VERSION: i32 = 1;
+pub const SNAPSHOT_VERSION: i32 = 2;
+/// The format before topics.
+const SNAPSHOT_VERSION_KEYS_ONLY: i32 = 1;
 
 const CONTEXT: &str = "key-value snapshot";
 
@@ -68,6 +82,7 @@ impl SnapshotEncoder {
         w.i32(SNAPSHOT_VERSION);
         let high_water_at = w.buf.len();
         w.hlc(&machine.clock.high_water())?;
+        encode_topics(&mut w, machine)?;
         let count_at = w.buf.len();
         w.i32(0);
         Ok(SnapshotEncoder {
@@ -137,6 +152,99 @@ fn encode_entry(w: &mut Writer, entry: &Entry<'_>) -> Result<(), StoreError> {
     Ok(())
 }
 
+fn encode_topics(w: &mut Writer, machine: &StateMachine) -> Result<(), StoreError> {
+    let topics: Vec<_> = machine.notify.iter().collect();
+    w.i32(count(topics.len())?);
+    for topic in topics {
+        let (def, next_seq, next_reservation_id, reservations, entries) =
+            Notifications::topic_parts(topic);
+        w.buffer("topic name", def.name.as_bytes())?;
+        w.buffer("endpoint", def.endpoint.as_bytes())?;
+        w.buffer("key pattern", &def.keys)?;
+        w.u8(def.events);
+        w.i32(i32::try_from(def.max_queue).unwrap_or(i32::MAX));
+        w.i64(to_i64(next_seq));
+        w.i64(to_i64(next_reservation_id));
+        w.i32(count(reservations.len())?);
+        for (&id, &deadline) in reservations {
+            w.i64(to_i64(id));
+            w.i64(to_i64(deadline));
+        }
+        w.i32(count(entries.len())?);
+        for entry in entries {
+            w.i64(to_i64(entry.seq));
+            w.buffer("key", &entry.key)?;
+            w.u8(entry.event.bit());
+            w.hlc(&entry.version)?;
+            w.bool(entry.value.is_some());
+            if let Some(value) = &entry.value {
+                w.buffer("value", value)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn decode_topics(r: &mut Reader<'_>, notify: &mut Notifications) -> Result<(), StoreError> {
+    let topics = r.len("topic count")?;
+    for _ in 0..topics {
+        let def = TopicDef {
+            name: text(r, "topic name")?,
+            endpoint: text(r, "endpoint")?,
+            keys: r.bytes("key pattern")?,
+            events: r.u8("events")?,
+            max_queue: u32::try_from(r.i32("max queue")?)
+                .map_err(|_| r.invalid("max queue", "must not be negative"))?,
+        };
+        if def.validate().is_err() {
+            return Err(r.invalid("topic", "not a valid topic definition"));
+        }
+        let next_seq = r.u63("next seq")?;
+        let next_reservation_id = r.u63("next reservation id")?;
+        let mut reservations = BTreeMap::new();
+        for _ in 0..r.len("reservation count")? {
+            reservations.insert(r.u63("reservation id")?, r.u63("deadline")?);
+        }
+        let n = r.len("entry count")?;
+        let mut entries = VecDeque::with_capacity(n.min(r.remaining() / 16));
+        for _ in 0..n {
+            let seq = r.u63("seq")?;
+            let key = Bytes::copy_from_slice(r.key()?);
+            let event = event_from_byte(r.u8("event")?)
+                .ok_or_else(|| r.invalid("event", "expected 1, 2 or 4"))?;
+            let version = r.hlc("version")?;
+            let value = if r.bool("value present")? {
+                Some(r.bytes("value")?)
+            } else {
+                None
+            };
+            entries.push_back(QueueEntry {
+                seq,
+                key,
+                event,
+                version,
+                value,
+            });
+        }
+        notify
+            .restore_topic(def, next_seq, next_reservation_id, reservations, entries)
+            .map_err(|reason| r.invalid("topic queue", reason))?;
+    }
+    Ok(())
+}
+
+fn count(n: usize) -> Result<i32, StoreError> {
+    i32::try_from(n).map_err(|_| StoreError::BufferTooLarge {
+        what: "snapshot topic list",
+        len: n,
+        max: i32::MAX as usize,
+    })
+}
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
 impl StateMachine {
     /// Encodes the keyspace and the clock's high-water mark in one go.
     pub fn snapshot_encode(&self) -> Result<Vec<u8>, StoreError> {
@@ -155,10 +263,15 @@ impl StateMachine {
                 reason: "expected 'S'",
             });
         }
-        if r.i32("format version")? != SNAPSHOT_VERSION {
-            return Err(r.invalid("format version", "this build reads format version 1 only"));
+        let version = r.i32("format version")?;
+        if version != SNAPSHOT_VERSION && version != SNAPSHOT_VERSION_KEYS_ONLY {
+            return Err(r.invalid("format version", "this build reads format versions 1 and 2"));
         }
         let high_water = r.hlc("high-water mark")?;
+        let mut notify = Notifications::default();
+        if version == SNAPSHOT_VERSION {
+            decode_topics(&mut r, &mut notify)?;
+        }
         let count = r.len("key count")?;
         let mut keys = AscendingBuilder::with_capacity(count.min(r.remaining() / MIN_ENTRY_BYTES));
         let mut machine = StateMachine::new(config)?;
@@ -185,6 +298,7 @@ impl StateMachine {
         }
         r.finish()?;
         machine.keyspace = keys.finish();
+        machine.notify = notify;
         Ok(machine)
     }
 }

@@ -78,6 +78,21 @@ impl Failpoints {
         Self(Some(Arc::new(hook)))
     }
 
+    /// Whether any failpoint is armed (a caller may prepare for one, e.g. wait for durability).
+    pub fn is_armed(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// A crash point outside this crate: aborts if armed to, ignores injected I/O errors.
+    pub fn hit(&self, name: &str) {
+        if let Some(hook) = &self.0 {
+            if hook(name) == FailAction::Abort {
+                tracing::error!(failpoint = name, "failpoint armed: aborting the process");
+                std::process::abort()
+            }
+        }
+    }
+
     pub(crate) fn check(&self, name: &str) -> io::Result<()> {
         let Some(hook) = &self.0 else { return Ok(()) };
         match hook(name) {

@@ -657,17 +657,23 @@ fn snapshot_round_trip_restores_keys_and_clock() {
 fn golden_empty_snapshot_and_bad_snapshots() {
     let m = machine();
     let bytes = m.snapshot_encode().unwrap();
-    let mut expected = vec![b'S', 0, 0, 0, 1];
+    let mut expected = vec![b'S', 0, 0, 0, 2];
     expected.extend_from_slice(&[0; 8]);
     expected.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 10]);
     expected.extend_from_slice(NODE.as_bytes());
+    expected.extend_from_slice(&[0, 0, 0, 0]); // no topics
     expected.extend_from_slice(&[0, 0, 0, 0]);
     assert_eq!(bytes, expected);
+    // Format version 1 (before topics) is still read.
+    let mut v1 = bytes.clone();
+    v1[4] = 1;
+    v1.drain(bytes.len() - 8..bytes.len() - 4);
+    assert!(StateMachine::snapshot_decode(&v1, config(Limits::default())).is_ok());
     // Duplicate keys are rejected.
     let mut two = machine();
     two.execute(set("a", "1"), &ctx("c", T0));
     let one = two.snapshot_encode().unwrap();
-    let header_len = 1 + 4 + 8 + 4 + 4 + NODE.len();
+    let header_len = 1 + 4 + 8 + 4 + 4 + NODE.len() + 4;
     let entry = one[header_len + 4..].to_vec();
     let mut dup = one[..header_len].to_vec();
     dup.extend_from_slice(&2i32.to_be_bytes());
@@ -681,7 +687,7 @@ fn golden_empty_snapshot_and_bad_snapshots() {
         })
     ));
     let mut wrong_version = bytes.clone();
-    wrong_version[4] = 2;
+    wrong_version[4] = 3;
     assert!(StateMachine::snapshot_decode(&wrong_version, config(Limits::default())).is_err());
 }
 

@@ -34,6 +34,7 @@ fn one_shot_reference(m: &StateMachine) -> Vec<u8> {
     w.u8(SNAPSHOT_MARKER);
     w.i32(SNAPSHOT_VERSION);
     w.hlc(&m.clock.high_water()).unwrap();
+    w.i32(0); // no topics
     w.i32(i32::try_from(m.keyspace.len()).unwrap());
     for entry in m.keyspace.iter() {
         encode_entry(&mut w, &entry).unwrap();

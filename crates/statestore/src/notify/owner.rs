@@ -1,0 +1,253 @@
+//! The queue owner: every `walk_interval` (and at once when a topic is created) it takes or renews
+//! the lock of every queue — RGW's walk of `queues_list_object` — and runs one pusher per queue it
+//! holds. A pusher lists entries in batches, pushes them, and removes those the endpoint
+//! acknowledged with a removal fenced by its lease; on failure it retries the same entries with
+//! backoff. Each pusher is its own task, so one endpoint being down never delays another queue.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use mqstate_notify::{Endpoint, Record};
+use mqstate_protocol::Hlc;
+use mqstate_store::notify::{QueueEntry, RemoveError, TopicDef};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio::task::JoinHandle;
+
+use super::{DeliveryStats, Internal, LockState, NotifyConfig};
+use crate::metrics;
+
+/// The lock a pusher removes under.
+#[derive(Debug, Clone)]
+struct Lease {
+    holder: Bytes,
+    token: Hlc,
+}
+
+struct Pusher {
+    lease: Arc<Mutex<Lease>>,
+    endpoint: String,
+    task: JoinHandle<()>,
+}
+
+/// What the owner needs from the service.
+pub(crate) struct OwnerPort {
+    pub(crate) requests: mpsc::Sender<Internal>,
+    /// Notified when a topic is created: walk now.
+    pub(crate) wake: Arc<Notify>,
+    /// Bumped when entries were queued; closed when the service stops.
+    pub(crate) queued: watch::Receiver<u64>,
+    pub(crate) stats: Arc<DeliveryStats>,
+}
+
+async fn call<T>(
+    requests: &mpsc::Sender<Internal>,
+    make: impl FnOnce(oneshot::Sender<T>) -> Internal,
+) -> Option<T> {
+    let (tx, rx) = oneshot::channel();
+    requests.send(make(tx)).await.ok()?;
+    rx.await.ok()
+}
+
+/// A holder string for a new acquisition: `<node id>/<cookie>` (the cookie of RGW's `lock info`).
+fn fresh_holder(node_id: &str) -> Bytes {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    Bytes::from(format!("{node_id}/{nanos:x}"))
+}
+
+/// Runs until the service stops.
+pub(crate) async fn run(config: NotifyConfig, port: OwnerPort) {
+    let mut pushers: HashMap<String, Pusher> = HashMap::new();
+    let mut closed = port.queued.clone();
+    loop {
+        let Some(topics) = call(&port.requests, |reply| Internal::Topics { reply }).await else {
+            break;
+        };
+        walk(&config, &port, &mut pushers, topics).await;
+        tokio::select! {
+            () = tokio::time::sleep(config.walk_interval) => {}
+            () = port.wake.notified() => {}
+            changed = closed.changed() => if changed.is_err() { break },
+        }
+    }
+    for (_, pusher) in pushers {
+        pusher.task.abort();
+    }
+}
+
+async fn walk(
+    config: &NotifyConfig,
+    port: &OwnerPort,
+    pushers: &mut HashMap<String, Pusher>,
+    topics: Vec<TopicDef>,
+) {
+    let names: Vec<&str> = topics.iter().map(|t| t.name.as_str()).collect();
+    pushers.retain(|name, pusher| {
+        let keep = names.contains(&name.as_str());
+        if !keep {
+            pusher.task.abort();
+            port.stats.forget(name);
+        }
+        keep
+    });
+    for def in topics {
+        let current = pushers.get(&def.name).map(|p| {
+            p.lease
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .holder
+                .clone()
+        });
+        let fresh = fresh_holder(&config.node_id);
+        let Some(state) = call(&port.requests, |reply| Internal::Lock {
+            topic: def.name.clone(),
+            current,
+            fresh,
+            reply,
+        })
+        .await
+        else {
+            return;
+        };
+        let LockState {
+            holder: Some(holder),
+            token: Some(token),
+            ..
+        } = state
+        else {
+            if let Some(pusher) = pushers.remove(&def.name) {
+                tracing::info!(topic = %def.name, holder = ?state.holder, "notification queue lost to another owner");
+                pusher.task.abort();
+            }
+            continue;
+        };
+        let lease = Lease { holder, token };
+        match pushers.get_mut(&def.name) {
+            Some(pusher) if !pusher.task.is_finished() && pusher.endpoint == def.endpoint => {
+                *pusher.lease.lock().unwrap_or_else(|e| e.into_inner()) = lease;
+            }
+            _ => {
+                if let Some(old) = pushers.remove(&def.name) {
+                    old.task.abort();
+                }
+                tracing::info!(topic = %def.name, holder = %String::from_utf8_lossy(&lease.holder), "owning notification queue");
+                let lease = Arc::new(Mutex::new(lease));
+                let task = tokio::spawn(push_loop(
+                    config.clone(),
+                    def.clone(),
+                    Arc::clone(&lease),
+                    port.requests.clone(),
+                    port.queued.clone(),
+                    Arc::clone(&port.stats),
+                ));
+                pushers.insert(
+                    def.name.clone(),
+                    Pusher {
+                        lease,
+                        endpoint: def.endpoint.clone(),
+                        task,
+                    },
+                );
+            }
+        }
+    }
+}
+
+fn record(topic: &str, entry: QueueEntry) -> Record {
+    Record {
+        topic: topic.to_owned(),
+        seq: entry.seq,
+        key: entry.key,
+        event: entry.event.as_str(),
+        version: entry.version.to_string(),
+        value: entry.value,
+    }
+}
+
+async fn push_loop(
+    config: NotifyConfig,
+    def: TopicDef,
+    lease: Arc<Mutex<Lease>>,
+    requests: mpsc::Sender<Internal>,
+    mut queued: watch::Receiver<u64>,
+    stats: Arc<DeliveryStats>,
+) {
+    let topic = def.name.clone();
+    let client_id = format!("mqstate-notify-{}-{topic}", config.node_id);
+    let mut endpoint = match Endpoint::new(&def.endpoint, &client_id, config.push_timeout) {
+        Ok(endpoint) => endpoint,
+        Err(e) => {
+            stats.update(&topic, |d| d.last_error = Some(e.to_string()));
+            return tracing::error!(%topic, "notification endpoint unusable: {e}");
+        }
+    };
+    let mut backoff = config.retry_min;
+    loop {
+        queued.mark_unchanged();
+        let Some(Some(entries)) = call(&requests, |reply| Internal::List {
+            topic: topic.clone(),
+            max: config.batch_max,
+            reply,
+        })
+        .await
+        else {
+            return; // the service stopped or the topic is gone
+        };
+        if entries.is_empty() {
+            // Woken when entries are queued; the timeout only guards against a missed wake-up.
+            if let Ok(Err(_)) = tokio::time::timeout(config.retry_max, queued.changed()).await {
+                return;
+            }
+            continue;
+        }
+        let seqs: Vec<u64> = entries.iter().map(|e| e.seq).collect();
+        let records: Vec<Record> = entries.into_iter().map(|e| record(&topic, e)).collect();
+        let pushed = endpoint.push(&records).await;
+        if pushed.acknowledged > 0 {
+            let Lease { holder, token } = lease.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let up_to_seq = seqs[pushed.acknowledged - 1];
+            let removed = call(&requests, |reply| Internal::Remove {
+                topic: topic.clone(),
+                up_to_seq,
+                holder,
+                token,
+                reply,
+            })
+            .await;
+            match removed {
+                Some(Ok(())) => {
+                    let n = pushed.acknowledged as u64;
+                    stats.update(&topic, |d| d.delivered += n);
+                    metrics::notifications_delivered(&topic, n);
+                }
+                Some(Err(RemoveError::Fenced)) => {
+                    stats.update(&topic, |d| d.fenced += 1);
+                    metrics::notification_removal_fenced(&topic);
+                    return tracing::warn!(%topic, "acknowledged notifications not removed: this node no longer holds the queue's lock");
+                }
+                Some(Err(RemoveError::NoSuchTopic)) | None => return,
+            }
+        }
+        match pushed.error {
+            None => {
+                backoff = config.retry_min;
+                stats.update(&topic, |d| d.last_error = None);
+            }
+            Some(e) => {
+                let retried = (records.len() - pushed.acknowledged) as u64;
+                stats.update(&topic, |d| {
+                    d.failed_pushes += 1;
+                    d.retried += retried;
+                    d.last_error = Some(e.to_string());
+                });
+                metrics::notification_push_failed(&topic, retried);
+                tracing::debug!(%topic, "notification push failed, retrying in {backoff:?}: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(config.retry_max.max(config.retry_min));
+            }
+        }
+    }
+}
