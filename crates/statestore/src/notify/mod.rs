@@ -5,7 +5,7 @@
 //! one log record. The executor reserves before it executes and commits or aborts after
 //! (`service/notify_exec.rs`); the owner task takes each queue's lock key with `SET … NEX PX`,
 //! lists entries, pushes them to the endpoint (`mqstate_notify`) and removes what was acknowledged
-//! with a request the lock key fences. See `docs/notifications.md` and decision `0018-notify-queues`.
+//! with a request the lock key fences. See `docs/notifications.md` and decision `0019-notify-queues`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
