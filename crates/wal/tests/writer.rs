@@ -11,7 +11,10 @@ use mqstate_wal::{
 
 fn reopen(dir: &std::path::Path) -> Vec<Vec<u8>> {
     let (_, recovered) = Wal::open(dir, WalOptions::default()).unwrap();
-    recovered.records.iter().map(|e| e.data.to_vec()).collect()
+    all(recovered.records)
+        .iter()
+        .map(|e| e.data.to_vec())
+        .collect()
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -220,7 +223,10 @@ async fn a_snapshot_through_the_writer_deletes_covered_segments() {
         Bytes::from_static(b"state")
     );
     assert_eq!(
-        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        all(recovered.records)
+            .iter()
+            .map(|e| e.lsn)
+            .collect::<Vec<_>>(),
         vec![4, 5, 6]
     );
 }
@@ -253,4 +259,8 @@ async fn policy_interval_acknowledges_before_the_interval_fsync() {
     );
     writer.shutdown().await.unwrap();
     assert_eq!(reopen(tmp.path()).len(), 3);
+}
+
+fn all(entries: mqstate_wal::Entries) -> Vec<mqstate_wal::Entry> {
+    entries.collect::<Result<_, _>>().unwrap()
 }
