@@ -167,8 +167,16 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, FormatError> {
         metadata.durable_end = r.non_negative_i64("durable end")?;
         let index_at = r.pos() as u64;
         let index = r.i64()?;
+        let term_at = r.pos() as u64;
         let term = r.non_negative_i64("last purged term")?;
         metadata.last_purged = match index {
+            // One encoding per value: re-encoding what was read gives the same bytes.
+            NOT_PURGED if term != 0 => {
+                return Err(FormatError {
+                    offset: term_at,
+                    damage: Damage::PurgedTermWithoutIndex(term),
+                })
+            }
             NOT_PURGED => None,
             index => Some(LogId {
                 index: u64::try_from(index).map_err(|_| FormatError {
