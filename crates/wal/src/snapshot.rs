@@ -145,6 +145,9 @@ pub struct SnapshotWriter {
     state_len: u64,
     checksum: crc::Digest<'static, u32, crc::Table<16>>,
     chunks: u64,
+    /// A byte already written was changed ([`SnapshotWriter::patch`]): the checksum is computed
+    /// again from the file at the end.
+    patched: bool,
 }
 
 impl std::fmt::Debug for SnapshotWriter {
@@ -167,6 +170,7 @@ impl SnapshotWriter {
         let header = encode_header(last_index, last_term, 0)?;
         let temp = dir.temp_dir().join(SNAPSHOT_FILE);
         let file = OpenOptions::new()
+            .read(true)
             .write(true)
             .create(true)
             .truncate(true)
@@ -183,6 +187,7 @@ impl SnapshotWriter {
             state_len: 0,
             checksum: digest(),
             chunks: 0,
+            patched: false,
         })
     }
 
@@ -210,6 +215,30 @@ impl SnapshotWriter {
         Ok(())
     }
 
+    /// Overwrites state bytes already written, from `offset` (in the state) on: for fields only
+    /// known at the end, such as a count in the state's own header. The checksum is then computed
+    /// again by reading the state back from the file at [`SnapshotWriter::finish`] (page cache,
+    /// one buffer of 1 MiB), so memory stays bounded.
+    pub fn patch(&mut self, offset: u64, bytes: &[u8]) -> Result<(), WalError> {
+        if offset.saturating_add(bytes.len() as u64) > self.state_len {
+            return Err(WalError::TooLarge {
+                what: "snapshot patch",
+                len: bytes.len(),
+                max: usize::try_from(self.state_len.saturating_sub(offset)).unwrap_or(0),
+            });
+        }
+        self.file
+            .flush()
+            .and_then(|()| {
+                self.file
+                    .get_ref()
+                    .write_all_at(bytes, STATE_LEN_AT + 4 + offset)
+            })
+            .map_err(WalError::io("write", &self.temp))?;
+        self.patched = true;
+        Ok(())
+    }
+
     /// Bytes of state written so far.
     pub fn state_len(&self) -> u64 {
         self.state_len
@@ -224,19 +253,40 @@ impl SnapshotWriter {
             file,
             state_len,
             checksum,
+            patched,
             ..
         } = self;
         let mut file = file
             .into_inner()
             .map_err(|e| WalError::io("write", &temp)(e.into_error()))?;
+        let checksum = if patched {
+            checksum_of_file(&file, STATE_LEN_AT + 4, state_len)
+                .map_err(WalError::io("read back", &temp))?
+        } else {
+            checksum.finalize()
+        };
         let len = i32::try_from(state_len).unwrap_or(i32::MAX);
-        file.write_all(&checksum.finalize().to_be_bytes())
+        file.write_all(&checksum.to_be_bytes())
             .and_then(|()| file.write_all_at(&len.to_be_bytes(), STATE_LEN_AT))
             .and_then(|()| file.sync_all())
             .map_err(WalError::io("write", &temp))?;
         drop(file);
         rename_into_place(&dir, &temp, &dir.snapshot_path(), &failpoints)
     }
+}
+
+/// CRC of `len` bytes of `file` from `from`, read a buffer at a time.
+fn checksum_of_file(file: &File, from: u64, len: u64) -> std::io::Result<u32> {
+    let mut checksum = digest();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    while done < len {
+        let n = usize::try_from((len - done).min(buf.len() as u64)).unwrap_or(buf.len());
+        file.read_exact_at(&mut buf[..n], from + done)?;
+        checksum.update(&buf[..n]);
+        done += n as u64;
+    }
+    Ok(checksum.finalize())
 }
 
 /// Reads `<data>/mqstate.snapshot`; `None` if absent or empty.
@@ -303,9 +353,13 @@ mod tests {
         dir.create().unwrap();
         let state: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         let mut writer = SnapshotWriter::create(&dir, 77, 3, &Failpoints::default()).unwrap();
-        for chunk in state.chunks(4096) {
+        // The first 8 bytes written as zeros and patched at the end, as a count would be.
+        writer.write(&[0; 8]).unwrap();
+        for chunk in state[8..].chunks(4096) {
             writer.write(chunk).unwrap();
         }
+        writer.patch(0, &state[..8]).unwrap();
+        assert!(writer.patch(state.len() as u64 - 2, b"xyz").is_err());
         assert_eq!(writer.state_len(), state.len() as u64);
         writer.finish().unwrap();
         let streamed = std::fs::read(dir.snapshot_path()).unwrap();
