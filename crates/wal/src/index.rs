@@ -106,9 +106,10 @@ impl LogIndex {
     }
 
     /// Forgets every record at or after `end` (the segment files are cut by the caller). Segments
-    /// left empty are dropped, except the first one kept as the place the log continues.
+    /// that start after `end` are dropped; one that starts at `end` stays, empty, as the place the
+    /// log continues (its file stays too).
     pub fn truncate(&mut self, end: Lsn) {
-        while self.segments.len() > 1 && self.segments.last().is_some_and(|s| s.first_lsn >= end) {
+        while self.segments.len() > 1 && self.segments.last().is_some_and(|s| s.first_lsn > end) {
             self.segments.pop();
         }
         if let Some(last) = self.segments.last_mut() {
@@ -215,6 +216,17 @@ mod tests {
 
     #[test]
     fn truncate_and_purge_keep_the_index_consistent() {
+        let mut at_boundary = index_of(&[(0, 3), (3, 3), (6, 3)]);
+        at_boundary.truncate(6);
+        assert_eq!(
+            at_boundary.segments().len(),
+            3,
+            "the segment starting at 6 stays"
+        );
+        assert_eq!(
+            (at_boundary.end(), at_boundary.segments()[2].end_offset),
+            (6, 8)
+        );
         let mut index = index_of(&[(0, 3), (3, 3), (6, 3)]);
         index.truncate(4);
         assert_eq!(index.end(), 4);

@@ -695,6 +695,36 @@ fn truncate_from_removes_a_suffix_across_segments_and_the_log_goes_on() {
 }
 
 #[test]
+fn truncate_from_the_first_record_of_a_segment_keeps_that_segment_as_the_active_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..6u8 {
+        wal.write_batch([(1, &[b'a' + i; 8][..])]).unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    wal.truncate_from(4).unwrap();
+    assert_eq!(wal.write_batch([(2, &b"new"[..])]).unwrap(), 4..5);
+    wal.sync().unwrap();
+    let read: Vec<Vec<u8>> = wal
+        .read(0..10)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.data.to_vec())
+        .collect();
+    assert_eq!(read.len(), 5);
+    assert_eq!(read[4], b"new".to_vec());
+    drop(wal);
+    let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+    let reopened: Vec<Vec<u8>> = all(recovered.records)
+        .into_iter()
+        .map(|e| e.data.to_vec())
+        .collect();
+    assert_eq!(reopened, read);
+    assert_eq!(wal.next_lsn(), 5);
+}
+
+#[test]
 fn reads_by_range_see_every_segment_and_the_purge_is_remembered() {
     let tmp = tempfile::tempdir().unwrap();
     let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
