@@ -386,12 +386,17 @@ fn metadata_text(metadata: &Option<Metadata>) -> String {
     match metadata {
         None => "none".to_owned(),
         Some(m) => format!(
-            "term {}, voted for {}, node id {:?}, HLC high-water {} ms",
+            "term {}, voted for {}, node id {:?}, HLC high-water {} ms, durable end {}, last purged {}",
             m.term,
             m.voted_for
                 .map_or_else(|| "nobody".to_owned(), |v| v.to_string()),
             m.node_id,
-            m.hlc_high_water_ms
+            m.hlc_high_water_ms,
+            m.durable_end,
+            m.last_purged.map_or_else(
+                || "none".to_owned(),
+                |p| format!("lsn {} term {}", p.index, p.term)
+            )
         ),
     }
 }
@@ -506,6 +511,8 @@ fn report_json(report: &Report, snapshot: &SnapshotFacts) -> Value {
         json!({
             "term": m.term, "voted_for": m.voted_for, "node_id": m.node_id,
             "hlc_high_water_ms": m.hlc_high_water_ms,
+            "durable_end": m.durable_end,
+            "last_purged": m.last_purged.map(|p| json!({"index": p.index, "term": p.term})),
         })
     });
     json!({

@@ -35,8 +35,10 @@ pub enum Damage {
     ChecksumMismatch { stored: u32, computed: u32 },
     #[error("voted-for is {0}, but only -1 (no vote) or a node id >= 0 is valid")]
     InvalidVote(i32),
-    #[error("last purged term is {0}, but nothing is purged (index -1), so it must be 0")]
-    PurgedTermWithoutIndex(u64),
+    #[error("{field} has term {term} but no index (-1), so its term must be 0")]
+    TermWithoutIndex { field: &'static str, term: u64 },
+    #[error("{field} is {value}, but only 0 (false) or 1 (true) is valid")]
+    InvalidBool { field: &'static str, value: u8 },
     #[error("node id is not UTF-8")]
     InvalidUtf8,
     #[error("{0} unexpected bytes after the end of the file's content")]

@@ -6,7 +6,7 @@
 //! v2: marker 5A 6E A0 12 | version Int32 = 2 | term Int64 | voted-for Int32
 //!     | node id Buffer (UTF-8, empty = unset) | HLC high-water Int64 (ms, 0 = unset) | CRC UInt32
 //! v3: v2's fields | durable end Int64 | last purged index Int64 (-1 = none) | last purged term Int64
-//!     | CRC UInt32
+//!     | committed index Int64 (-1 = none) | committed term Int64 | vote committed Bool | CRC UInt32
 //! ```
 //! The CRC covers every field but the marker. This build writes v3 and reads v1 to v3.
 
@@ -27,7 +27,8 @@ pub const METADATA_VERSION: i32 = 3;
 /// Longest node id the file holds.
 pub const NODE_ID_MAX_BYTES: usize = 255;
 const NO_VOTE: i32 = -1;
-const NOT_PURGED: i64 = -1;
+/// The index of an absent log id.
+const NO_LOG_ID: i64 = -1;
 
 /// A record's place in the log: its index (LSN) and the term it was written in.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -55,6 +56,54 @@ pub struct Metadata {
     /// The last record removed from the front of the log (v3; openraft's "last purged log id").
     /// Owned by the log.
     pub last_purged: Option<LogId>,
+    /// The last record known committed (v3; openraft's `save_committed`), if the application
+    /// records it.
+    pub committed: Option<LogId>,
+    /// Whether the vote (`term`, `voted_for`) is committed, i.e. granted by a quorum (v3; openraft's
+    /// `Vote::committed`).
+    pub vote_committed: bool,
+}
+
+/// `(index, term)` on disk: `(-1, 0)` for none.
+fn encode_log_id(id: Option<LogId>, what: &'static str) -> Result<(i64, i64), WalError> {
+    match id {
+        None => Ok((NO_LOG_ID, 0)),
+        Some(id) => Ok((
+            to_disk_i64(id.index).ok_or(WalError::OutOfRange {
+                what,
+                value: id.index,
+            })?,
+            to_disk_i64(id.term).ok_or(WalError::OutOfRange {
+                what,
+                value: id.term,
+            })?,
+        )),
+    }
+}
+
+fn decode_log_id(r: &mut Reader<'_>, what: &'static str) -> Result<Option<LogId>, FormatError> {
+    let index_at = r.pos() as u64;
+    let index = r.i64()?;
+    let term_at = r.pos() as u64;
+    let term = r.non_negative_i64(what)?;
+    match index {
+        // One encoding per value: re-encoding what was read gives the same bytes.
+        NO_LOG_ID if term != 0 => Err(FormatError {
+            offset: term_at,
+            damage: Damage::TermWithoutIndex { field: what, term },
+        }),
+        NO_LOG_ID => Ok(None),
+        index => Ok(Some(LogId {
+            index: u64::try_from(index).map_err(|_| FormatError {
+                offset: index_at,
+                damage: Damage::Negative {
+                    field: what,
+                    value: index,
+                },
+            })?,
+            term,
+        })),
+    }
 }
 
 /// The complete file content, always in the current version.
@@ -85,20 +134,9 @@ pub fn encode_metadata(metadata: &Metadata) -> Result<Vec<u8>, WalError> {
         what: "durable end",
         value: metadata.durable_end,
     })?;
-    let (purged_index, purged_term) = match metadata.last_purged {
-        None => (NOT_PURGED, 0),
-        Some(id) => (
-            to_disk_i64(id.index).ok_or(WalError::OutOfRange {
-                what: "last purged index",
-                value: id.index,
-            })?,
-            to_disk_i64(id.term).ok_or(WalError::OutOfRange {
-                what: "last purged term",
-                value: id.term,
-            })?,
-        ),
-    };
-    let mut out = Vec::with_capacity(64 + metadata.node_id.len());
+    let purged = encode_log_id(metadata.last_purged, "last purged log id")?;
+    let committed = encode_log_id(metadata.committed, "committed log id")?;
+    let mut out = Vec::with_capacity(80 + metadata.node_id.len());
     out.put_slice(&METADATA_MARKER);
     put_i32(&mut out, METADATA_VERSION);
     put_i64(&mut out, term);
@@ -106,8 +144,11 @@ pub fn encode_metadata(metadata: &Metadata) -> Result<Vec<u8>, WalError> {
     put_buffer(&mut out, metadata.node_id.as_bytes(), "node id")?;
     put_i64(&mut out, hlc);
     put_i64(&mut out, durable_end);
-    put_i64(&mut out, purged_index);
-    put_i64(&mut out, purged_term);
+    for (index, term) in [purged, committed] {
+        put_i64(&mut out, index);
+        put_i64(&mut out, term);
+    }
+    out.put_u8(u8::from(metadata.vote_committed));
     let checksum = crc32(&out[METADATA_MARKER.len()..]);
     put_u32(&mut out, checksum);
     Ok(out)
@@ -165,29 +206,21 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, FormatError> {
     }
     if version >= 3 {
         metadata.durable_end = r.non_negative_i64("durable end")?;
-        let index_at = r.pos() as u64;
-        let index = r.i64()?;
-        let term_at = r.pos() as u64;
-        let term = r.non_negative_i64("last purged term")?;
-        metadata.last_purged = match index {
-            // One encoding per value: re-encoding what was read gives the same bytes.
-            NOT_PURGED if term != 0 => {
+        metadata.last_purged = decode_log_id(&mut r, "last purged log id")?;
+        metadata.committed = decode_log_id(&mut r, "committed log id")?;
+        let flag_at = r.pos() as u64;
+        metadata.vote_committed = match r.take(1)? {
+            [0] => false,
+            [1] => true,
+            other => {
                 return Err(FormatError {
-                    offset: term_at,
-                    damage: Damage::PurgedTermWithoutIndex(term),
+                    offset: flag_at,
+                    damage: Damage::InvalidBool {
+                        field: "vote committed",
+                        value: other.first().copied().unwrap_or_default(),
+                    },
                 })
             }
-            NOT_PURGED => None,
-            index => Some(LogId {
-                index: u64::try_from(index).map_err(|_| FormatError {
-                    offset: index_at,
-                    damage: Damage::Negative {
-                        field: "last purged index",
-                        value: index,
-                    },
-                })?,
-                term,
-            }),
         };
     }
     let covered = &bytes[METADATA_MARKER.len()..r.pos()];
@@ -287,7 +320,8 @@ impl MetadataFile {
         Ok(())
     }
 
-    /// Writes the application's fields of `metadata` (term, vote, node id, HLC high-water), and
+    /// Writes the application's fields of `metadata` (term, vote, node id, HLC high-water,
+    /// committed log id, vote committed), and
     /// raises the durable end to what is fsynced now.
     pub(crate) fn write_application_fields(
         &self,
@@ -299,6 +333,8 @@ impl MetadataFile {
             m.voted_for = metadata.voted_for;
             m.node_id.clone_from(&metadata.node_id);
             m.hlc_high_water_ms = metadata.hlc_high_water_ms;
+            m.committed = metadata.committed;
+            m.vote_committed = metadata.vote_committed;
         })
     }
 
@@ -327,7 +363,10 @@ mod tests {
             &[0, 0, 0, 0, 0, 0, 0, 0],       // durable end 0
             &[0xFF; 8],                      // last purged index -1 (none)
             &[0, 0, 0, 0, 0, 0, 0, 0],       // last purged term 0
-            &[0x46, 0x4C, 0xB8, 0xC5],       // CRC of everything after the marker
+            &[0xFF; 8],                      // committed index -1 (none)
+            &[0, 0, 0, 0, 0, 0, 0, 0],       // committed term 0
+            &[0],                            // vote not committed
+            &[0x2B, 0xF2, 0x07, 0xB9],       // CRC of everything after the marker
         ].concat();
         assert_eq!(bytes, expected);
     }
@@ -344,6 +383,11 @@ mod tests {
                 term: 2,
                 index: 0x20,
             }),
+            committed: Some(LogId {
+                term: 2,
+                index: 0x2F,
+            }),
+            vote_committed: true,
         };
         let bytes = encode_metadata(&metadata).unwrap();
         #[rustfmt::skip]
@@ -357,7 +401,10 @@ mod tests {
             &[0, 0, 0, 0, 0, 0, 0, 0x30],    // durable end
             &[0, 0, 0, 0, 0, 0, 0, 0x20],    // last purged index
             &[0, 0, 0, 0, 0, 0, 0, 2],       // last purged term
-            &[0xF9, 0x0A, 0xD1, 0x77],       // CRC
+            &[0, 0, 0, 0, 0, 0, 0, 0x2F],    // committed index
+            &[0, 0, 0, 0, 0, 0, 0, 2],       // committed term
+            &[1],                            // vote committed
+            &[0x37, 0x54, 0x64, 0xCF],       // CRC
         ].concat();
         assert_eq!(bytes, expected);
         assert_eq!(decode_metadata(&bytes).unwrap(), metadata);
@@ -426,10 +473,13 @@ mod tests {
         fn round_trip(term in 0..=i64::MAX as u64, vote in proptest::option::of(0..=i32::MAX as u32),
                       node_id in "[a-z0-9-]{0,40}", hlc in 0..=i64::MAX as u64,
                       durable_end in 0..=i64::MAX as u64,
-                      purged in proptest::option::of((0..=i64::MAX as u64, 0..=i64::MAX as u64))) {
+                      purged in proptest::option::of((0..=i64::MAX as u64, 0..=i64::MAX as u64)),
+                      committed in proptest::option::of((0..=i64::MAX as u64, 0..=i64::MAX as u64)),
+                      vote_committed in any::<bool>()) {
             let last_purged = purged.map(|(index, term)| LogId { index, term });
+            let committed = committed.map(|(index, term)| LogId { index, term });
             let metadata = Metadata { term, voted_for: vote, node_id, hlc_high_water_ms: hlc,
-                                      durable_end, last_purged };
+                                      durable_end, last_purged, committed, vote_committed };
             let back = decode_metadata(&encode_metadata(&metadata).unwrap()).unwrap();
             prop_assert_eq!(back, metadata);
         }

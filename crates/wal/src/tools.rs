@@ -408,5 +408,7 @@ fn rebuild_metadata(
             index: s.last_index,
             term: s.last_term,
         }),
+        committed: None,
+        vote_committed: false,
     }
 }

@@ -44,7 +44,7 @@ fn a_fresh_directory_gets_metadata_and_an_empty_first_segment() {
     #[rustfmt::skip]
     let fresh_metadata: Vec<u8> = [
         &[0x5A, 0x6E, 0xA0, 0x12][..], &[0, 0, 0, 3], &[0; 8], &[0xFF; 4], &[0; 4], &[0; 8],
-        &[0; 8], &[0xFF; 8], &[0; 8], &[0x46, 0x4C, 0xB8, 0xC5],
+        &[0; 8], &[0xFF; 8], &[0; 8], &[0xFF; 8], &[0; 8], &[0], &[0x2B, 0xF2, 0x07, 0xB9],
     ].concat();
     assert_eq!(
         fs::read(tmp.path().join("mqstate.metadata")).unwrap(),
