@@ -56,9 +56,7 @@ pub use error::{Damage, FormatError, WalError};
 pub use failpoint::{FailAction, Failpoints};
 pub use layout::{DataDir, DirLock};
 pub use log::{delete_segments, Entry, Recovered, Wal};
-pub use metadata::{
-    decode_metadata, encode_metadata, read_metadata, write_metadata, LogId, Metadata,
-};
+pub use metadata::{decode_metadata, encode_metadata, read_metadata, LogId, Metadata};
 pub use options::{FsyncPolicy, WalOptions};
 pub use reader::{Entries, WalReader};
 pub use segment::{scan_segment, SegmentEnd, SegmentScan};

@@ -249,7 +249,9 @@ pub fn read_metadata(dir: &DataDir) -> Result<Option<Metadata>, WalError> {
 }
 
 /// Replaces `<data>/mqstate.metadata` atomically (temp file, fsync, rename, directory fsync).
-pub fn write_metadata(
+/// Crate-private: an open log writes through its `MetadataFile`, which keeps the log's own fields
+/// (a write from outside could lower the durable end or forget a purge).
+pub(crate) fn write_metadata(
     dir: &DataDir,
     metadata: &Metadata,
     failpoints: &Failpoints,
