@@ -264,3 +264,54 @@ async fn policy_interval_acknowledges_before_the_interval_fsync() {
 fn all(entries: mqstate_wal::Entries) -> Vec<mqstate_wal::Entry> {
     entries.collect::<Result<_, _>>().unwrap()
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_replica_appends_at_given_indexes_truncates_and_watches_the_durable_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    let mut durable = writer.reader().durable();
+    assert_eq!(*durable.borrow_and_update(), 0);
+    for (lsn, data) in [(0, &b"a"[..]), (1, b"b"), (2, b"c")] {
+        let pending = writer
+            .append_at(lsn, 5, Bytes::copy_from_slice(data))
+            .await
+            .unwrap();
+        assert_eq!(pending.await.unwrap(), lsn);
+    }
+    durable.changed().await.unwrap();
+    assert_eq!(*durable.borrow_and_update(), 3);
+    let gap = writer
+        .append_at(4, 5, Bytes::from_static(b"gap"))
+        .await
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            gap,
+            WalError::NotNext {
+                expected: 3,
+                found: 4
+            }
+        ),
+        "{gap}"
+    );
+    writer.truncate_from(1).await.unwrap();
+    assert_eq!(*durable.borrow_and_update(), 1);
+    let pending = writer
+        .append_at(1, 6, Bytes::from_static(b"B"))
+        .await
+        .unwrap();
+    assert_eq!(pending.await.unwrap(), 1);
+    let read: Vec<(u64, u64, Vec<u8>)> = writer
+        .reader()
+        .read(0..10)
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.lsn, e.term, e.data.to_vec()))
+        .collect();
+    assert_eq!(read, vec![(0, 5, b"a".to_vec()), (1, 6, b"B".to_vec())]);
+    writer.shutdown().await.unwrap();
+    assert_eq!(reopen(tmp.path()), vec![b"a".to_vec(), b"B".to_vec()]);
+}
