@@ -23,7 +23,7 @@ use crate::log::{delete_segments, Wal};
 use crate::metadata::{LogId, Metadata};
 use crate::options::FsyncPolicy;
 use crate::reader::WalReader;
-use crate::snapshot::{write_snapshot, Snapshot};
+use crate::snapshot::{write_snapshot, Snapshot, SnapshotWriter};
 use crate::stats::WalStats;
 use crate::{Lsn, Term};
 
@@ -258,6 +258,27 @@ impl WalWriter {
         tokio::task::spawn_blocking(move || write_snapshot(&dir, &snapshot, &failpoints))
             .await
             .map_err(|_| WalError::Closed)??;
+        self.purge(upto).await
+    }
+
+    /// [`WalWriter::install_snapshot`] for a state that is never whole in memory: `write` runs on a
+    /// blocking-pool thread with a [`SnapshotWriter`] for a snapshot of everything up to `upto`
+    /// and feeds it the state chunk by chunk (e.g. from a channel, with `blocking_recv`); if it
+    /// returns `Ok`, the file is completed and renamed into place and the log purged up to `upto`.
+    /// If it fails, the old snapshot stays.
+    pub async fn install_streamed_snapshot<F>(&self, upto: LogId, write: F) -> Result<(), WalError>
+    where
+        F: FnOnce(&mut SnapshotWriter) -> Result<(), WalError> + Send + 'static,
+    {
+        let _one_at_a_time = self.snapshot_lock.lock().await;
+        let (dir, failpoints) = (self.dir.clone(), self.failpoints.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut writer = SnapshotWriter::create(&dir, upto.index, upto.term, &failpoints)?;
+            write(&mut writer)?;
+            writer.finish()
+        })
+        .await
+        .map_err(|_| WalError::Closed)??;
         self.purge(upto).await
     }
 

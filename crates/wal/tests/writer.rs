@@ -315,3 +315,48 @@ async fn a_replica_appends_at_given_indexes_truncates_and_watches_the_durable_in
     writer.shutdown().await.unwrap();
     assert_eq!(reopen(tmp.path()), vec![b"a".to_vec(), b"B".to_vec()]);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_streamed_snapshot_is_installed_and_purges_the_log() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    for data in [&b"a"[..], b"b", b"c"] {
+        writer
+            .append(1, Bytes::copy_from_slice(data))
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+    let feeder = tokio::spawn(async move {
+        for chunk in [&b"sta"[..], b"te"] {
+            tx.send(Bytes::copy_from_slice(chunk)).await.unwrap();
+        }
+    });
+    let upto = mqstate_wal::LogId { term: 1, index: 1 };
+    writer
+        .install_streamed_snapshot(upto, move |file| {
+            while let Some(chunk) = rx.blocking_recv() {
+                file.write(&chunk)?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+    feeder.await.unwrap();
+    assert_eq!(writer.reader().last_purged(), Some(upto));
+    writer.shutdown().await.unwrap();
+    let (_, recovered) = Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let snapshot = recovered.snapshot.unwrap();
+    assert_eq!(
+        (snapshot.last_index, &snapshot.state[..]),
+        (1, &b"state"[..])
+    );
+    let replayed: Vec<Vec<u8>> = recovered
+        .records
+        .map(|e| e.unwrap().data.to_vec())
+        .collect();
+    assert_eq!(replayed, vec![b"c".to_vec()]);
+}
