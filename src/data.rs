@@ -25,8 +25,12 @@ use crate::sessions;
 pub const DEFAULT_SHOW_BYTES: usize = 64;
 /// Exit status when the directory is damaged (`verify`) or was left damaged (`repair`).
 const EXIT_DAMAGED: u8 = 1;
-/// Exit status when the tool could not do its job (bad path, I/O error, repair not confirmed).
+/// Exit status when the tool could not do its job (bad path, not a data directory, I/O error,
+/// repair not confirmed).
 const EXIT_ERROR: u8 = 2;
+/// Exit status of `verify` when the only finding is a damaged last record after the durable end:
+/// start-up cuts it off, but that it was never acknowledged cannot be proven.
+const EXIT_UNPROVEN: u8 = 3;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -40,9 +44,12 @@ pub enum Command {
         #[arg(long, default_value_t = DEFAULT_SHOW_BYTES, value_name = "N")]
         max_bytes: usize,
     },
-    /// Check the directory as the server's start-up would; exit 1 naming file and offset if damaged.
+    /// Check the directory as the server's start-up would: exit 0 clean, 1 damaged (naming file and
+    /// offset), 2 not checked (not a data directory, I/O), 3 a torn last record after the durable
+    /// end that start-up would cut (unproven whether it was acknowledged).
     Verify { dir: PathBuf },
-    /// Cut the log back to its last good record, dropping everything after the first damage.
+    /// Repair what can be repaired: rebuild damaged metadata, rewrite a damaged segment header,
+    /// cut the log at its first damage; report exactly what is removed.
     Repair {
         dir: PathBuf,
         /// Do not ask for confirmation (required when stdin is not a terminal).
@@ -413,12 +420,17 @@ fn metadata_text(metadata: &Option<Metadata>) -> String {
     match metadata {
         None => "none".to_owned(),
         Some(m) => format!(
-            "term {}, voted for {}, node id {:?}, HLC high-water {} ms",
+            "term {}, voted for {}, node id {:?}, HLC high-water {} ms, durable end {}, last purged {}",
             m.term,
             m.voted_for
                 .map_or_else(|| "nobody".to_owned(), |v| v.to_string()),
             m.node_id,
-            m.hlc_high_water_ms
+            m.hlc_high_water_ms,
+            m.durable_end,
+            m.last_purged.map_or_else(
+                || "none".to_owned(),
+                |p| format!("lsn {} term {}", p.index, p.term)
+            )
         ),
     }
 }
@@ -533,6 +545,8 @@ fn report_json(report: &Report, snapshot: &SnapshotFacts) -> Value {
         json!({
             "term": m.term, "voted_for": m.voted_for, "node_id": m.node_id,
             "hlc_high_water_ms": m.hlc_high_water_ms,
+            "durable_end": m.durable_end,
+            "last_purged": m.last_purged.map(|p| json!({"index": p.index, "term": p.term})),
         })
     });
     json!({
@@ -548,13 +562,23 @@ fn report_json(report: &Report, snapshot: &SnapshotFacts) -> Value {
 // verify
 // ---------------------------------------------------------------------------------------------
 
+/// Whether the WAL's error is a finding about the files (rather than a failure to look at them).
+fn is_damage(e: &WalError) -> bool {
+    matches!(
+        e,
+        WalError::Corrupt { .. }
+            | WalError::Gap { .. }
+            | WalError::LostDurable { .. }
+            | WalError::MetadataMissing { .. }
+            | WalError::PurgedPastSnapshot { .. }
+    )
+}
+
 /// Damage in one log, as the server's start-up would see it: the first finding only.
 fn find_damage(log: Log, log_dir: &Path) -> Result<Option<String>, DataError> {
     let report = match tools::verify(log_dir) {
         Ok(report) => report,
-        Err(e @ (WalError::Corrupt { .. } | WalError::Gap { .. })) => {
-            return Ok(Some(e.to_string()))
-        }
+        Err(e) if is_damage(&e) => return Ok(Some(e.to_string())),
         Err(e) => return Err(e.into()),
     };
     debug_assert!(report.problems.is_empty(), "verify passed with problems");
@@ -585,10 +609,11 @@ fn find_damage(log: Log, log_dir: &Path) -> Result<Option<String>, DataError> {
     Ok(None)
 }
 
-/// Checks every log of the directory; exit 1 if any is damaged.
+/// Checks every log of the directory; exit 1 if any is damaged, 3 if the worst is a torn tail.
 fn verify(dir: &Path) -> Result<ExitCode, DataError> {
     existing_dir(dir)?;
     let mut damaged = false;
+    let mut unproven = false;
     for log in Log::present(dir) {
         let log_dir = log.dir(dir);
         match find_damage(log, &log_dir)? {
@@ -600,20 +625,27 @@ fn verify(dir: &Path) -> Result<ExitCode, DataError> {
                     log_dir.display()
                 );
             }
-            None => {
-                let torn = tools::inspect(&log_dir, &|_| String::new())?.torn_tail;
-                let mut out = io::stdout().lock();
-                writeln!(out, "{} {}: clean", log.name(), log_dir.display())?;
-                if let Some(torn) = torn {
-                    writeln!(
-                        out,
-                        "note: torn last record (never acknowledged), cut off at the next start: {torn}"
-                    )?;
+            None => match tools::inspect(&log_dir, &|_| String::new())?.torn_tail {
+                Some(torn) => {
+                    unproven = true;
+                    println!(
+                        "{} {}: NOT PROVEN CLEAN: torn last record: {torn}",
+                        log.name(),
+                        log_dir.display()
+                    );
                 }
-            }
+                None => println!("{} {}: clean", log.name(), log_dir.display()),
+            },
         }
     }
-    Ok(ExitCode::from(if damaged { EXIT_DAMAGED } else { 0 }))
+    let code = if damaged {
+        EXIT_DAMAGED
+    } else if unproven {
+        EXIT_UNPROVEN
+    } else {
+        0
+    };
+    Ok(ExitCode::from(code))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -651,8 +683,9 @@ fn repair(dir: &Path, yes: bool) -> Result<ExitCode, DataError> {
         return Ok(ExitCode::SUCCESS);
     }
     eprintln!(
-        "repair keeps every record before the first damage of each log and deletes everything \
-         after it (later segments included)"
+        "repair rebuilds a damaged metadata file, rewrites a damaged segment header when the \
+         records after it are intact, keeps every record before the first damage of each log and \
+         deletes everything after it (later segments included)"
     );
     if !yes {
         confirm()?;
@@ -660,9 +693,9 @@ fn repair(dir: &Path, yes: bool) -> Result<ExitCode, DataError> {
     let mut left_damaged = false;
     for (log, log_dir) in damaged {
         println!("{} {}:", log.name(), log_dir.display());
-        let report = match tools::repair(&log_dir) {
+        let report = match tools::repair(&log_dir, rebuilt_clock_ceiling(log, &log_dir)) {
             Ok(report) => report,
-            Err(e @ (WalError::Corrupt { .. } | WalError::Gap { .. })) => {
+            Err(e) if is_damage(&e) => {
                 eprintln!(
                     "mqstate data repair: {}: repair only cuts the log and cannot fix this: {e}; \
                      restore the named file from a backup",
@@ -714,6 +747,16 @@ fn confirm() -> Result<(), DataError> {
 
 fn print_repair(report: &RepairReport) -> io::Result<()> {
     let mut out = io::stdout().lock();
+    if let Some(rebuilt) = &report.metadata_rebuilt {
+        writeln!(out, "metadata: {rebuilt}")?;
+    }
+    for path in &report.headers_rewritten {
+        writeln!(
+            out,
+            "rewrote the damaged header of {} (every record after it is intact and kept)",
+            path.display()
+        )?;
+    }
     if let Some((path, offset)) = &report.cut {
         writeln!(out, "cut {} at byte offset {offset}", path.display())?;
     }
@@ -724,7 +767,47 @@ fn print_repair(report: &RepairReport) -> io::Result<()> {
         out,
         "dropped {} intact records and {} bytes in total",
         report.dropped_records, report.dropped_bytes
-    )
+    )?;
+    if let Some(lost) = &report.lost_durable {
+        writeln!(
+            out,
+            "LOST: {} acknowledged records (LSN {} to {}) are not in the log any more; only a \
+             backup or a replica has them. The durable end in the metadata file is now {}",
+            lost.end - lost.start,
+            lost.start,
+            lost.end - 1,
+            lost.start
+        )?;
+    }
+    Ok(())
+}
+
+/// The HLC high-water mark a rebuilt metadata file gets: above every timestamp the log and
+/// snapshot hold and above the wall clock, as the server sets it at start (sessions: unused, 0).
+fn rebuilt_clock_ceiling(log: Log, log_dir: &Path) -> u64 {
+    if log == Log::Sessions {
+        return 0;
+    }
+    let config = StoreConfig {
+        node_id: SERVICE_NODE_ID.into(),
+        limits: Limits::default(),
+    };
+    let snapshot = read_snapshot(&DataDir::new(log_dir)).ok().flatten();
+    let machine = snapshot
+        .and_then(|s| StateMachine::snapshot_decode(&s.state, config.clone()).ok())
+        .or_else(|| StateMachine::new(config).ok());
+    let high_water = machine.map_or(0, |machine| {
+        let machine = std::cell::RefCell::new(machine);
+        let _ = tools::inspect(log_dir, &|data: &[u8]| {
+            if let Ok(delta) = Delta::decode(data) {
+                machine.borrow_mut().apply_delta(&delta);
+            }
+            String::new()
+        });
+        let wall_ms = machine.borrow().clock().high_water().wall_ms;
+        wall_ms
+    });
+    mqstate_statestore::service::next_clock_ceiling(high_water, crate::serve::unix_now_ms())
 }
 
 #[cfg(test)]

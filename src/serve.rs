@@ -13,9 +13,7 @@ use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, Durability, ServiceConfig};
 use mqstate_store::{Change, Limits, StateMachine, StoreConfig};
-use mqstate_wal::{
-    write_metadata, DataDir, Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter,
-};
+use mqstate_wal::{Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
@@ -339,7 +337,15 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
         ),
     };
     let mut replayed_bytes = 0usize;
-    for entry in &recovered.records {
+    let mut replayed = 0usize;
+    for entry in recovered.records {
+        let entry = entry.with_context(|| {
+            format!(
+                "cannot read the log in {}; run `mqstate data verify {}`",
+                settings.data_dir.display(),
+                settings.data_dir.display()
+            )
+        })?;
         let change = Change::decode(&entry.data).with_context(|| {
             format!(
                 "log record {} in {} does not decode as a state change",
@@ -349,13 +355,15 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
         })?;
         machine.apply_change(&change);
         replayed_bytes += entry.data.len();
+        replayed += 1;
         next_lsn = entry.lsn + 1;
     }
+    debug_assert_eq!(next_lsn.max(recovered.replay.start), recovered.replay.end);
     let elapsed = started.elapsed();
     metrics::record_recovery(elapsed);
     tracing::info!(
         keys = machine.keyspace().len(),
-        records = recovered.records.len(),
+        records = replayed,
         replayed_mb_per_s = (replayed_bytes as f64 / 1e6) / elapsed.as_secs_f64().max(1e-9),
         elapsed_ms = elapsed.as_millis() as u64,
         "state recovered"
@@ -375,12 +383,7 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
         ),
         ..recovered.metadata
     };
-    write_metadata(
-        &DataDir::new(&settings.data_dir),
-        &metadata,
-        &Failpoints::default(),
-    )
-    .with_context(|| {
+    wal.write_metadata(&metadata).with_context(|| {
         format!(
             "cannot record the clock ceiling in {}",
             settings.data_dir.display()
@@ -501,7 +504,7 @@ fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
     result.map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
 }
 
-fn unix_now_ms() -> u64 {
+pub(crate) fn unix_now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

@@ -84,7 +84,14 @@ pub fn recover(
         }
     }
     let mut logged = 0u64;
-    for entry in &recovered.records {
+    for entry in recovered.records {
+        let entry = entry.with_context(|| {
+            format!(
+                "cannot read the session log {}; run `mqstate data verify {}`",
+                path.display(),
+                data_dir.display()
+            )
+        })?;
         let changes = decode_changes(&entry.data).with_context(|| {
             format!(
                 "session log record {} in {} does not decode; run `mqstate data verify {}`, then \

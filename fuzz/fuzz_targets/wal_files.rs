@@ -35,7 +35,7 @@ fuzz_target!(|data: &[u8]| {
     }
 
     if let Ok(metadata) = decode_metadata(data) {
-        let current_version = data.get(4..8) == Some(&[0, 0, 0, 2][..]);
+        let current_version = data.get(4..8) == Some(&[0, 0, 0, 3][..]);
         if current_version {
             assert_eq!(encode_metadata(&metadata).expect("decoded metadata re-encodes"), data);
         }

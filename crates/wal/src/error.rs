@@ -35,6 +35,10 @@ pub enum Damage {
     ChecksumMismatch { stored: u32, computed: u32 },
     #[error("voted-for is {0}, but only -1 (no vote) or a node id >= 0 is valid")]
     InvalidVote(i32),
+    #[error("{field} has term {term} but no index (-1), so its term must be 0")]
+    TermWithoutIndex { field: &'static str, term: u64 },
+    #[error("{field} is {value}, but only 0 (false) or 1 (true) is valid")]
+    InvalidBool { field: &'static str, value: u8 },
     #[error("node id is not UTF-8")]
     InvalidUtf8,
     #[error("{0} unexpected bytes after the end of the file's content")]
@@ -74,6 +78,38 @@ pub enum WalError {
         expected: u64,
         found: u64,
     },
+    #[error("{}: records from LSN {lsn} up to {durable_end} (excluded) were fsynced and acknowledged \
+             (the metadata file's durable end is {durable_end}), but {what}; refusing to start without \
+             them: restore the directory from a backup or a replica, or run `mqstate data repair` to \
+             accept the loss (it keeps every intact record before it and reports what is gone)",
+            path.display())]
+    LostDurable {
+        path: PathBuf,
+        lsn: u64,
+        durable_end: u64,
+        what: String,
+    },
+    #[error("{}: the metadata file is missing although the directory holds a log or a snapshot; \
+             run `mqstate data repair` to rebuild it from them, or restore it from a backup", path.display())]
+    MetadataMissing { path: PathBuf },
+    #[error("{}: not a data directory (it has no {} file, no log/ and no snapshot); pass the \
+             directory given to `mqstate serve --data-dir`", path.display(), crate::layout::METADATA_FILE)]
+    NotADataDirectory { path: PathBuf },
+    #[error("{}: the metadata file says records up to LSN {purged} were purged, but {}; restore \
+             the snapshot from a backup or a replica", path.display(),
+            match snapshot { Some(i) => format!("the snapshot covers only up to {i}"), None => "there is no snapshot".to_owned() })]
+    PurgedPastSnapshot {
+        path: PathBuf,
+        purged: u64,
+        snapshot: Option<u64>,
+    },
+    #[error(
+        "a record for LSN {found} cannot be appended: the log's next LSN is {expected} \
+             (append without a gap; truncate first to replace records)"
+    )]
+    NotNext { expected: u64, found: u64 },
+    #[error("cannot truncate the log from LSN {lsn}: records before {first} are purged")]
+    TruncatePurged { lsn: u64, first: u64 },
     #[error("{what} is {len} bytes, more than the limit of {max}; raise the limit in the WAL options or send less")]
     TooLarge {
         what: &'static str,

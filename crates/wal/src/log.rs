@@ -6,17 +6,20 @@ use std::io::{Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use bytes::Bytes;
+use tokio::sync::watch;
 
 use crate::error::WalError;
 use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC};
+use crate::index::LogIndex;
 use crate::layout::{rename_into_place, replace_atomically, sync_dir, DataDir, DirLock};
-use crate::metadata::{read_metadata, write_metadata, Metadata};
+use crate::metadata::{read_metadata, write_metadata, LogId, Metadata, MetadataFile};
 use crate::options::WalOptions;
 use crate::prealloc::Preallocator;
+use crate::reader::{Entries, WalReader};
 use crate::recovery::{check_log, cut_segment_at, load_segments, LoadedSegment};
 use crate::segment::{empty_segment, encode_record, END_MARKER, SEGMENT_HEADER_LEN};
 use crate::snapshot::{read_snapshot, write_snapshot, Snapshot};
@@ -32,14 +35,17 @@ pub struct Entry {
 }
 
 /// What [`Wal::open`] found: the state to rebuild the application from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Recovered {
     /// The metadata file (a fresh one is written on first start).
     pub metadata: Metadata,
     /// The latest snapshot, if any.
     pub snapshot: Option<Snapshot>,
-    /// Every record after the snapshot, in LSN order.
-    pub records: Vec<Entry>,
+    /// The LSNs of every record after the snapshot, to replay over it in order.
+    pub replay: Range<Lsn>,
+    /// Those records, read from disk as the iteration reaches them (one segment in memory at a
+    /// time), each checksum checked again.
+    pub records: Entries,
 }
 
 /// A point in the active segment: where the end marker is and which LSN comes next.
@@ -91,14 +97,22 @@ pub struct Wal {
     batch: Vec<u8>,
     /// Prepares the next segment in the background (see `prealloc`).
     prealloc: Preallocator,
+    /// Where every record is; shared with the [`WalReader`]s.
+    index: Arc<RwLock<LogIndex>>,
+    /// The metadata file; its `durable_end` and `last_purged` are kept by this log.
+    metadata: Arc<MetadataFile>,
+    /// One past the last fsynced record.
+    durable: watch::Sender<Lsn>,
     /// Keeps other processes (a second server, `mqstate data repair`) out while the log is open.
     _lock: DirLock,
 }
 
 impl Wal {
     /// Opens (or creates) the data directory, locks it against other processes
-    /// ([`WalError::Locked`]) and recovers it: a torn last record is cut off, anything else damaged
-    /// is an error that names the file and offset.
+    /// ([`WalError::Locked`]) and recovers it: a torn last record after the durable end is cut
+    /// off; a log that ends below the durable end ([`WalError::LostDurable`]) or is damaged
+    /// anywhere else is an error that names the file and offset. Reads no record data beyond what
+    /// the scan needs: records are read on demand ([`Wal::entries`], [`Wal::reader`]).
     pub fn open(
         dir: impl Into<PathBuf>,
         options: WalOptions,
@@ -108,35 +122,35 @@ impl Wal {
         // Before anything is cleared or cut: those files may be another process's live ones.
         let lock = dir.lock()?;
         dir.clear_temp()?;
+        let snapshot = read_snapshot(&dir)?;
+        let segments = load_segments(&dir)?;
         let metadata = match read_metadata(&dir)? {
             Some(metadata) => metadata,
+            // The file is written before the first segment, so only damage removes it. Without
+            // a log there is nothing it could have vouched for (a directory restored from a
+            // copied snapshot alone starts like that).
+            None if !segments.is_empty() => {
+                return Err(WalError::MetadataMissing {
+                    path: dir.metadata_path(),
+                })
+            }
             None => {
                 let fresh = Metadata::default();
                 write_metadata(&dir, &fresh, &options.failpoints)?;
                 fresh
             }
         };
-        let snapshot = read_snapshot(&dir)?;
         let keep_from = snapshot.as_ref().map_or(0, |s| s.last_index + 1);
-        let segments = load_segments(&dir)?;
-        let check = check_log(&segments, keep_from)?;
+        if let Some(purged) = metadata.last_purged.filter(|p| p.index >= keep_from) {
+            return Err(WalError::PurgedPastSnapshot {
+                path: dir.snapshot_path(),
+                purged: purged.index,
+                snapshot: snapshot.as_ref().map(|s| s.last_index),
+            });
+        }
+        let check = check_log(&dir, &segments, keep_from, metadata.durable_end)?;
         if let (Some(torn), Some(last)) = (&check.torn_tail, segments.last()) {
             cut_torn_tail(last, torn.offset, &torn.damage)?;
-        }
-
-        let mut records = Vec::new();
-        for segment in &segments {
-            let Ok(scan) = &segment.scan else { continue };
-            for (i, record) in scan.records.iter().enumerate() {
-                let lsn = segment.first_lsn + i as u64;
-                if lsn >= keep_from {
-                    records.push(Entry {
-                        lsn,
-                        term: record.term,
-                        data: segment.bytes.slice(record.data.clone()),
-                    });
-                }
-            }
         }
 
         let mut obsolete: Vec<PathBuf> = check
@@ -144,17 +158,33 @@ impl Wal {
             .iter()
             .map(|&i| segments[i].path.clone())
             .collect();
-        let mut closed: Vec<ClosedSegment> = segments
+        let kept: Vec<&LoadedSegment> = segments
             .iter()
             .enumerate()
             .filter(|(i, _)| !check.covered.contains(i))
-            .map(|(_, s)| ClosedSegment {
+            .map(|(_, s)| s)
+            .collect();
+        let mut index = LogIndex::default();
+        for segment in &kept {
+            let Ok(scan) = &segment.scan else { continue };
+            index.add_segment(segment.first_lsn, segment.path.clone(), scan.end.offset());
+            for (i, record) in scan.records.iter().enumerate() {
+                let end = scan
+                    .records
+                    .get(i + 1)
+                    .map_or(scan.end.offset(), |next| next.offset);
+                index.push(record.term, record.offset, end);
+            }
+        }
+        let mut closed: Vec<ClosedSegment> = kept
+            .iter()
+            .map(|s| ClosedSegment {
                 first_lsn: s.first_lsn,
                 end_lsn: s.end_lsn(),
                 path: s.path.clone(),
             })
             .collect();
-        let continues = segments.last().filter(|s| s.end_lsn() >= keep_from);
+        let continues = kept.last().filter(|s| s.end_lsn() >= keep_from);
         let active = match continues {
             Some(last) => {
                 closed.pop();
@@ -163,13 +193,15 @@ impl Wal {
             None => {
                 // No log yet, or a snapshot newer than all of it: start fresh after the snapshot.
                 obsolete.extend(closed.drain(..).map(|s| s.path));
-                create_segment(&dir, keep_from, &options.failpoints, None)?
+                let active = create_segment(&dir, keep_from, &options.failpoints, None)?;
+                index.add_segment(keep_from, active.path.clone(), active.written.end_offset);
+                active
             }
         };
         delete_segments(&dir, &obsolete)?;
-        debug_assert!(records
-            .last()
-            .is_none_or(|r| r.lsn + 1 == active.written.next_lsn));
+        debug_assert_eq!(index.end(), active.written.next_lsn);
+        let replay = keep_from..active.written.next_lsn;
+        let records = Entries::new(index.spans(replay.clone()));
 
         let stats = Arc::new(WalStats::new(options.name));
         let prealloc = Preallocator::new(
@@ -180,6 +212,13 @@ impl Wal {
                 0
             },
         );
+        let (durable, durable_rx) = watch::channel(active.durable.next_lsn);
+        let metadata_file = MetadataFile::new(
+            dir.clone(),
+            options.failpoints.clone(),
+            metadata.clone(),
+            durable_rx,
+        );
         let wal = Wal {
             dir,
             options,
@@ -189,6 +228,9 @@ impl Wal {
             failure: None,
             batch: Vec::new(),
             prealloc,
+            index: Arc::new(RwLock::new(index)),
+            metadata: Arc::new(metadata_file),
+            durable,
             _lock: lock,
         };
         Ok((
@@ -196,9 +238,69 @@ impl Wal {
             Recovered {
                 metadata,
                 snapshot,
+                replay,
                 records,
             },
         ))
+    }
+
+    /// The records of `range` that are on disk, read in LSN order one segment span at a time
+    /// (each record's checksum checked again). What recovery replays.
+    pub fn entries(&self, range: Range<Lsn>) -> Entries {
+        Entries::new(self.read_index().spans(range))
+    }
+
+    /// The records of `range` that are on disk, all at once. See [`WalReader::read`].
+    pub fn read(&self, range: Range<Lsn>) -> Result<Vec<Entry>, WalError> {
+        self.entries(range).collect()
+    }
+
+    /// A handle that reads records from another thread while this log appends.
+    pub fn reader(&self) -> WalReader {
+        WalReader::new(
+            Arc::clone(&self.index),
+            self.durable.subscribe(),
+            Arc::clone(&self.metadata),
+        )
+    }
+
+    /// One past the last fsynced record; [`WalReader::durable`] watches it.
+    pub fn durable_end(&self) -> Lsn {
+        self.active.durable.next_lsn
+    }
+
+    /// The term of the record at `lsn`, if it is still on disk.
+    pub fn term_at(&self, lsn: Lsn) -> Option<Term> {
+        self.read_index().term_at(lsn)
+    }
+
+    /// The metadata as last written.
+    pub fn metadata(&self) -> Metadata {
+        self.metadata.get()
+    }
+
+    /// Replaces the metadata file with the application's fields of `metadata` (term, vote, node
+    /// id, HLC high-water); the log's own fields (`durable_end`, `last_purged`) are kept as the
+    /// log knows them, the durable end raised to what is fsynced now. Meant for start-up, before
+    /// anything is served: the failpoints do not apply (a serving process writes through
+    /// [`crate::WalWriter::write_metadata`]).
+    pub fn write_metadata(&self, metadata: &Metadata) -> Result<(), WalError> {
+        self.metadata.write_application_fields(metadata, false)
+    }
+
+    /// Records in the metadata file that every record below [`Wal::durable_end`] is fsynced, so
+    /// that their later loss is told apart from a torn write. Done at rotation, snapshot and
+    /// shutdown by the log itself, periodically by the writer.
+    pub fn mark_durable(&self) -> Result<(), WalError> {
+        self.metadata.raise_durable_end()
+    }
+
+    fn read_index(&self) -> RwLockReadGuard<'_, LogIndex> {
+        self.index.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_index(&self) -> RwLockWriteGuard<'_, LogIndex> {
+        self.index.write().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The LSN the next appended record gets.
@@ -261,12 +363,16 @@ impl Wal {
         if buf.capacity() > BATCH_BUFFER_KEPT {
             buf = Vec::new();
         }
-        let mut count = 0u64;
+        let mut placed: Vec<(Term, u64)> = Vec::new();
         for (term, data) in records {
-            self.check_record(term, data.len())?;
+            if let Err(e) = self.check_record(term, data.len()) {
+                self.batch = buf;
+                return Err(e);
+            }
+            placed.push((term, before.end_offset + buf.len() as u64));
             encode_record(term, data, &mut buf)?;
-            count += 1;
         }
+        let count = placed.len() as u64;
         buf.extend_from_slice(&END_MARKER);
         let written = self.active.file.write_all_at(&buf, before.end_offset);
         let batch_len = buf.len();
@@ -280,12 +386,43 @@ impl Wal {
             end_offset: before.end_offset + (batch_len - END_MARKER.len()) as u64,
             next_lsn: before.next_lsn + count,
         };
+        {
+            let mut index = self.write_index();
+            debug_assert_eq!(index.end(), before.next_lsn, "the index follows the file");
+            let ends = placed
+                .iter()
+                .skip(1)
+                .map(|&(_, o)| o)
+                .chain([after.end_offset]);
+            for (&(term, offset), end) in placed.iter().zip(ends) {
+                index.push(term, offset, end);
+            }
+        }
         self.active.written = after;
         self.stats.record_batch(count as usize, batch_len);
         if after.end_offset > self.options.segment_soft_limit_bytes / 2 {
             self.prealloc.start_for(self.active.first_lsn);
         }
         Ok(before.next_lsn..after.next_lsn)
+    }
+
+    /// [`Wal::write_batch`] for a replica: the records must get LSNs from `first_lsn` on, which must
+    /// be the next LSN of this log ([`WalError::NotNext`] otherwise, before anything is written):
+    /// a follower appends exactly what its predecessor sent, without a gap and without overwriting
+    /// (to replace records, [`Wal::truncate_from`] first).
+    pub fn write_batch_at<'a>(
+        &mut self,
+        first_lsn: Lsn,
+        records: impl IntoIterator<Item = (Term, &'a [u8])>,
+    ) -> Result<Range<Lsn>, WalError> {
+        let next = self.next_lsn();
+        if first_lsn != next {
+            return Err(WalError::NotNext {
+                expected: next,
+                found: first_lsn,
+            });
+        }
+        self.write_batch(records)
     }
 
     /// Fsyncs what was written. On failure the unsynced records are cut off (the kernel may
@@ -310,6 +447,7 @@ impl Wal {
         }
         self.stats.record_fsync(started.elapsed());
         self.active.durable = self.active.written;
+        self.durable.send_replace(self.active.durable.next_lsn);
         Ok(())
     }
 
@@ -344,27 +482,113 @@ impl Wal {
     /// Writes `snapshot` and deletes the segments it covers. See [`Wal::compact`].
     pub fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<(), WalError> {
         write_snapshot(&self.dir, snapshot, &self.options.failpoints)?;
-        let obsolete = self.compact(snapshot.last_index)?;
+        let obsolete = self.compact(LogId {
+            index: snapshot.last_index,
+            term: snapshot.last_term,
+        })?;
         delete_segments(&self.dir, &obsolete)
     }
 
-    /// Forgets the closed segments whose records are all at or below `last_index` (a snapshot
-    /// now on disk covers them) and returns their paths for [`delete_segments`]. If the snapshot
-    /// is ahead of the whole log (installed from elsewhere), the log restarts after it.
-    pub fn compact(&mut self, last_index: Lsn) -> Result<Vec<PathBuf>, WalError> {
-        let keep_from = last_index + 1;
+    /// Purges the log up to `upto` (inclusive), which a snapshot now on disk covers: records
+    /// `upto` as the last purged id in the metadata file, forgets the closed segments whose
+    /// records are all at or below it and returns their paths for [`delete_segments`] (records
+    /// below `upto` that share a segment with later ones stay on disk, unread). If the snapshot
+    /// is ahead of the whole log (installed from elsewhere), the log restarts after it. A purge
+    /// past the snapshot file's last index makes the next [`Wal::open`] refuse the directory.
+    pub fn compact(&mut self, upto: LogId) -> Result<Vec<PathBuf>, WalError> {
+        let keep_from = upto.index + 1;
         if self.active.written.next_lsn < keep_from {
             self.refuse_if_failed()?;
             self.start_segment(keep_from)?;
         }
+        // The metadata first: a crash after it and before the deletion leaves files that the
+        // next open deletes; the other order would leave a log that starts after `last_purged`.
+        self.metadata.update(true, |m| {
+            if m.last_purged.is_none_or(|p| p.index < upto.index) {
+                m.last_purged = Some(upto);
+            }
+        })?;
+        self.write_index().purge_before(keep_from);
         let (obsolete, kept) = std::mem::take(&mut self.closed)
             .into_iter()
             .partition(|s| s.end_lsn <= keep_from);
         self.closed = kept;
-        Ok(obsolete
+        let obsolete: Vec<PathBuf> = obsolete
             .into_iter()
             .map(|s: ClosedSegment| s.path)
-            .collect())
+            .collect();
+        Ok(obsolete)
+    }
+
+    /// Removes every record at or after `lsn`: a replica dropping an uncommitted suffix that its
+    /// leader replaced. The durable end in the metadata file is lowered first, so a crash midway
+    /// never leaves a log shorter than the metadata says it is; later segments are deleted newest
+    /// first, then the segment holding `lsn` is cut there and becomes the active one. The durable
+    /// index ([`WalReader::durable`]) goes down with it. Refused ([`WalError::TruncatePurged`])
+    /// at or below the last purged record, and while the log is failed.
+    pub fn truncate_from(&mut self, lsn: Lsn) -> Result<(), WalError> {
+        self.refuse_if_failed()?;
+        let (start, end) = {
+            let index = self.read_index();
+            (index.start(), index.end())
+        };
+        if lsn >= end {
+            return Ok(());
+        }
+        let purged = self.metadata.get().last_purged;
+        if lsn < start || purged.is_some_and(|p| lsn <= p.index) {
+            return Err(WalError::TruncatePurged {
+                lsn,
+                first: purged.map_or(start, |p| p.index + 1).max(start),
+            });
+        }
+        // The watch first: the metadata file reads it under its lock when it raises the durable
+        // end, so no raise can undo the lowering below.
+        self.durable.send_modify(|d| *d = (*d).min(lsn));
+        self.metadata
+            .update(true, |m| m.durable_end = m.durable_end.min(lsn))?;
+        let (target, later) = {
+            let index = self.read_index();
+            let segments = index.segments();
+            let Some(t) = segments.iter().rposition(|s| s.first_lsn <= lsn) else {
+                return Ok(());
+            };
+            let s = &segments[t];
+            let offset = usize::try_from(lsn - s.first_lsn)
+                .ok()
+                .and_then(|i| s.offsets.get(i).copied())
+                .unwrap_or(s.end_offset);
+            let later: Vec<PathBuf> = segments[t + 1..].iter().map(|s| s.path.clone()).collect();
+            ((s.first_lsn, s.path.clone(), offset), later)
+        };
+        let (first_lsn, path, offset) = target;
+        let keep = Position {
+            end_offset: offset,
+            next_lsn: lsn,
+        };
+        if later.is_empty() {
+            self.cut_back(keep)?;
+        } else {
+            delete_segments(&self.dir, &later)?;
+            cut_segment_at(&path, offset)?;
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(WalError::io("open", &path))?;
+            self.active = ActiveSegment {
+                file,
+                path,
+                first_lsn,
+                written: keep,
+                durable: keep,
+            };
+            self.closed.retain(|s| s.first_lsn < first_lsn);
+            self.write_index().truncate(lsn);
+            self.durable.send_replace(lsn);
+        }
+        tracing::info!(lsn, "log truncated");
+        Ok(())
     }
 
     fn refuse_if_failed(&self) -> Result<(), WalError> {
@@ -402,12 +626,16 @@ impl Wal {
             .map_err(WalError::io("cut back", path))?;
         self.active.written = keep;
         self.active.durable = keep;
+        self.write_index().truncate(keep.next_lsn);
+        self.durable.send_replace(keep.next_lsn);
         Ok(())
     }
 
     fn start_segment(&mut self, first_lsn: Lsn) -> Result<(), WalError> {
         let prepared = self.prealloc.take_ready();
         let next = create_segment(&self.dir, first_lsn, &self.options.failpoints, prepared)?;
+        self.write_index()
+            .add_segment(first_lsn, next.path.clone(), next.written.end_offset);
         let old = std::mem::replace(&mut self.active, next);
         self.closed.push(ClosedSegment {
             first_lsn: old.first_lsn,
@@ -418,6 +646,12 @@ impl Wal {
             .closed
             .windows(2)
             .all(|w| w[0].first_lsn < w[1].first_lsn));
+        if self.active.durable.next_lsn == first_lsn {
+            // Everything before the new segment is fsynced: say so, once per segment.
+            if let Err(error) = self.mark_durable() {
+                tracing::warn!(%error, "cannot record the durable end in the metadata file");
+            }
+        }
         Ok(())
     }
 }
@@ -481,6 +715,8 @@ fn open_active(segment: &LoadedSegment) -> Result<ActiveSegment, WalError> {
         .write(true)
         .open(&path)
         .map_err(WalError::io("open", &path))?;
+    // What a crash left in the page cache is on disk before it counts as durable.
+    file.sync_data().map_err(WalError::io("fsync", &path))?;
     let at = Position {
         end_offset,
         next_lsn: segment.end_lsn(),
@@ -501,7 +737,7 @@ fn cut_torn_tail(
     damage: &crate::Damage,
 ) -> Result<(), WalError> {
     let path = &segment.path;
-    let dropped = segment.bytes.len() as u64 - offset;
+    let dropped = segment.size_bytes.saturating_sub(offset);
     tracing::warn!(
         path = %path.display(),
         offset,

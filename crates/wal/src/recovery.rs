@@ -13,12 +13,13 @@ use crate::layout::{read_optional, DataDir};
 use crate::segment::{parse_segment_file_name, scan_segment, SegmentEnd, SegmentScan, END_MARKER};
 use crate::Lsn;
 
-/// One segment file read into memory and scanned.
+/// One segment file, scanned. The bytes are not kept: [`read_segment`] reads them again when a
+/// record's data is wanted.
 #[derive(Debug)]
 pub(crate) struct LoadedSegment {
     pub path: PathBuf,
     pub first_lsn: Lsn,
-    pub bytes: Bytes,
+    pub size_bytes: u64,
     pub scan: Result<SegmentScan, FormatError>,
 }
 
@@ -28,6 +29,11 @@ impl LoadedSegment {
         let count = self.scan.as_ref().map_or(0, |s| s.records.len());
         self.first_lsn + count as u64
     }
+}
+
+/// A whole segment file (empty if it vanished or is empty).
+pub(crate) fn read_segment(path: &Path) -> Result<Bytes, WalError> {
+    Ok(read_optional(path)?.map(Bytes::from).unwrap_or_default())
 }
 
 /// Every non-empty segment under `log/`, in LSN order. Files that are not segments are skipped
@@ -64,7 +70,7 @@ pub(crate) fn load_segments(dir: &DataDir) -> Result<Vec<LoadedSegment>, WalErro
         segments.push(LoadedSegment {
             path,
             first_lsn,
-            bytes: Bytes::from(bytes),
+            size_bytes: bytes.len() as u64,
             scan,
         });
     }
@@ -144,10 +150,14 @@ pub(crate) fn first_finding(
     None
 }
 
-/// A torn last record that recovery cuts off.
+/// Damage at the very end of the log, after the durable end: recovery cuts it off. It is most
+/// likely a write that a crash interrupted before its fsync (never acknowledged), but an
+/// acknowledged record damaged since cannot be told apart from one, so the tools say so.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TornTail {
     pub offset: u64,
+    /// The LSN the damaged record would have had.
+    pub lsn: Lsn,
     pub damage: Damage,
 }
 
@@ -159,10 +169,19 @@ pub(crate) struct LogCheck {
     pub covered: Vec<usize>,
     /// Damage at the end of the last segment with nothing intact after it.
     pub torn_tail: Option<TornTail>,
+    /// One past the last intact record, or `keep_from` if the log holds nothing after it.
+    pub end_lsn: Lsn,
 }
 
-/// Accepts a log that is whole or only torn at its very end; anything else is an error.
-pub(crate) fn check_log(segments: &[LoadedSegment], keep_from: Lsn) -> Result<LogCheck, WalError> {
+/// Accepts a log that is whole, or only torn at its very end after `durable_end` (the metadata
+/// file's proof of what was fsynced); anything else is an error. A log that ends below
+/// `durable_end`, torn or not, lost acknowledged records: [`WalError::LostDurable`].
+pub(crate) fn check_log(
+    dir: &DataDir,
+    segments: &[LoadedSegment],
+    keep_from: Lsn,
+    durable_end: Lsn,
+) -> Result<LogCheck, WalError> {
     let mut check = LogCheck::default();
     let last = segments.len().saturating_sub(1);
     match first_finding(segments, keep_from) {
@@ -174,8 +193,44 @@ pub(crate) fn check_log(segments: &[LoadedSegment], keep_from: Lsn) -> Result<Lo
                 damage,
                 intact_after: None,
             },
-        )) if i == last => check.torn_tail = Some(TornTail { offset, damage }),
+        )) if i == last => {
+            let lsn = segments[i].end_lsn();
+            if lsn < durable_end {
+                return Err(WalError::LostDurable {
+                    path: segments[i].path.clone(),
+                    lsn,
+                    durable_end,
+                    what: format!("the record at byte offset {offset} is damaged ({damage})"),
+                });
+            }
+            check.torn_tail = Some(TornTail {
+                offset,
+                lsn,
+                damage,
+            });
+        }
         Some((i, finding)) => return Err(finding.into_error(&segments[i])),
+    }
+    check.end_lsn = segments
+        .last()
+        .map_or(keep_from, LoadedSegment::end_lsn)
+        .max(keep_from);
+    if check.end_lsn < durable_end {
+        let path = segments
+            .last()
+            .map_or_else(|| dir.log_dir(), |s| s.path.clone());
+        return Err(WalError::LostDurable {
+            path,
+            lsn: check.end_lsn,
+            durable_end,
+            what: format!(
+                "the log ends before them (its last intact record is LSN {})",
+                match check.end_lsn.checked_sub(1) {
+                    Some(lsn) => lsn.to_string(),
+                    None => "none".to_owned(),
+                }
+            ),
+        });
     }
     check.covered = (0..last)
         .filter(|&i| segments[i].end_lsn() <= keep_from)

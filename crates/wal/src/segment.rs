@@ -187,7 +187,10 @@ fn damaged(bytes: &[u8], offset: usize, damage: Damage) -> SegmentEnd {
 }
 
 /// Decodes the record at `pos`; returns it and the offset just after it.
-fn decode_record_at(bytes: &[u8], pos: usize) -> Result<(ScannedRecord, usize), FormatError> {
+pub(crate) fn decode_record_at(
+    bytes: &[u8],
+    pos: usize,
+) -> Result<(ScannedRecord, usize), FormatError> {
     let mut r = Reader::at(bytes, pos);
     let marker = r.array4()?;
     if marker != RECORD_MARKER {

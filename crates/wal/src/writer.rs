@@ -7,10 +7,11 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -19,13 +20,16 @@ use crate::error::WalError;
 use crate::failpoint::Failpoints;
 use crate::layout::DataDir;
 use crate::log::{delete_segments, Wal};
-use crate::metadata::{write_metadata, Metadata};
+use crate::metadata::{LogId, Metadata};
 use crate::options::FsyncPolicy;
-use crate::snapshot::{write_snapshot, Snapshot};
+use crate::reader::WalReader;
+use crate::snapshot::{write_snapshot, Snapshot, SnapshotWriter};
 use crate::stats::WalStats;
 use crate::{Lsn, Term};
 
 struct Append {
+    /// The LSN the record must get (a replica's append), or `None` for the next one.
+    at: Option<Lsn>,
     term: Term,
     data: Bytes,
     done: oneshot::Sender<Result<Lsn, WalError>>,
@@ -34,8 +38,12 @@ struct Append {
 enum Command {
     Append(Append),
     Compact {
-        last_index: Lsn,
+        upto: LogId,
         done: oneshot::Sender<Result<Vec<PathBuf>, WalError>>,
+    },
+    Truncate {
+        from: Lsn,
+        done: oneshot::Sender<Result<(), WalError>>,
     },
     Retry {
         done: oneshot::Sender<Result<(), WalError>>,
@@ -54,7 +62,48 @@ pub struct WalWriter {
     failpoints: Failpoints,
     /// Snapshots share one temp file name, so they are written one at a time.
     snapshot_lock: Mutex<()>,
+    reader: WalReader,
     thread: Option<JoinHandle<()>>,
+    /// Records the durable end in the metadata file every [`DURABLE_MARK_INTERVAL`].
+    marker: Option<Marker>,
+}
+
+/// How often the durable end is recorded in the metadata file while records are being fsynced
+/// (besides rotation, snapshot and shutdown). Records fsynced since the last mark that are lost to
+/// damage at the log's end cannot be told apart from a torn write; a mark costs one small file
+/// replaced (three fsyncs) on its own thread.
+pub const DURABLE_MARK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The thread that records the durable end periodically, stopped when dropped.
+#[derive(Debug)]
+struct Marker {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl Marker {
+    fn spawn(reader: WalReader, dir: &DataDir) -> Result<Marker, WalError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("mqstate-wal-mark".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Acquire) {
+                    std::thread::park_timeout(DURABLE_MARK_INTERVAL);
+                    if let Err(error) = reader.mark_durable() {
+                        tracing::warn!(%error, "cannot record the durable end in the metadata file");
+                    }
+                }
+            })
+            .map_err(WalError::io("start the durable-mark thread for", dir.root()))?;
+        Ok(Marker { stop, thread })
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::Release);
+        self.thread.thread().unpark();
+        let _ = self.thread.join();
+    }
 }
 
 /// Resolves to the record's LSN once it is durable (or written, under a relaxed
@@ -76,6 +125,7 @@ impl WalWriter {
     /// Moves `wal` onto a new writer thread.
     pub fn spawn(wal: Wal) -> Result<WalWriter, WalError> {
         let dir = wal.data_dir().clone();
+        let reader = wal.reader();
         let (tx, rx) = mpsc::channel(wal.options().queue_capacity.max(1));
         let stats = Arc::clone(wal.stats());
         let failpoints = wal.options().failpoints.clone();
@@ -105,14 +155,22 @@ impl WalWriter {
             Ok(Err(e)) => return Err(WalError::io("start the writer runtime for", dir.root())(e)),
             Err(_) => return Err(WalError::Closed),
         }
+        let marker = Marker::spawn(reader.clone(), &dir)?;
         Ok(WalWriter {
             tx,
             stats,
             dir,
             failpoints,
             snapshot_lock: Mutex::new(()),
+            reader,
             thread: Some(thread),
+            marker: Some(marker),
         })
+    }
+
+    /// A read handle on the log (records by LSN range, terms, the durable index to watch).
+    pub fn reader(&self) -> &WalReader {
+        &self.reader
     }
 
     /// Queues a record (waiting for room if the queue is full) and returns a future of its LSN.
@@ -120,10 +178,61 @@ impl WalWriter {
     /// Records get LSNs in the order `append` calls return, so a caller that must log changes
     /// in the order it applied them awaits `append` under its own lock and the commit outside.
     pub async fn append(&self, term: Term, data: Bytes) -> Result<PendingCommit, WalError> {
+        self.send_append(None, term, data).await
+    }
+
+    /// [`WalWriter::append`] for a replica: the record must get LSN `lsn`, the log's next one when
+    /// the writer takes it; otherwise the commit fails with [`WalError::NotNext`] and nothing is
+    /// written (a gap or an overlap with what the log holds is refused, never filled or
+    /// overwritten: to replace records, [`WalWriter::truncate_from`] first).
+    pub async fn append_at(
+        &self,
+        lsn: Lsn,
+        term: Term,
+        data: Bytes,
+    ) -> Result<PendingCommit, WalError> {
+        self.send_append(Some(lsn), term, data).await
+    }
+
+    async fn send_append(
+        &self,
+        at: Option<Lsn>,
+        term: Term,
+        data: Bytes,
+    ) -> Result<PendingCommit, WalError> {
         let (done, rx) = oneshot::channel();
-        let command = Command::Append(Append { term, data, done });
+        let command = Command::Append(Append {
+            at,
+            term,
+            data,
+            done,
+        });
         self.tx.send(command).await.map_err(|_| WalError::Closed)?;
         Ok(PendingCommit(rx))
+    }
+
+    /// Removes every record at or after `lsn` (an uncommitted suffix); see
+    /// [`Wal::truncate_from`]. Appends queued before it are written first.
+    pub async fn truncate_from(&self, lsn: Lsn) -> Result<(), WalError> {
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Truncate { from: lsn, done })
+            .await
+            .map_err(|_| WalError::Closed)?;
+        rx.await.unwrap_or(Err(WalError::Closed))
+    }
+
+    /// Purges the log up to `upto` (inclusive), which a snapshot written with
+    /// [`WalWriter::install_snapshot`] covers; see [`Wal::compact`].
+    pub async fn purge(&self, upto: LogId) -> Result<(), WalError> {
+        let (done, rx) = oneshot::channel();
+        let command = Command::Compact { upto, done };
+        self.tx.send(command).await.map_err(|_| WalError::Closed)?;
+        let obsolete = rx.await.unwrap_or(Err(WalError::Closed))?;
+        let dir = self.dir.clone();
+        tokio::task::spawn_blocking(move || delete_segments(&dir, &obsolete))
+            .await
+            .map_err(|_| WalError::Closed)?
     }
 
     /// After a write error: cuts the log back to the last good record and accepts records again
@@ -141,26 +250,44 @@ impl WalWriter {
     /// segments it covers. `last_index` must not be above the last acknowledged LSN.
     pub async fn install_snapshot(&self, snapshot: Snapshot) -> Result<(), WalError> {
         let _one_at_a_time = self.snapshot_lock.lock().await;
-        let last_index = snapshot.last_index;
+        let upto = LogId {
+            index: snapshot.last_index,
+            term: snapshot.last_term,
+        };
         let (dir, failpoints) = (self.dir.clone(), self.failpoints.clone());
         tokio::task::spawn_blocking(move || write_snapshot(&dir, &snapshot, &failpoints))
             .await
             .map_err(|_| WalError::Closed)??;
-        let (done, rx) = oneshot::channel();
-        let command = Command::Compact { last_index, done };
-        self.tx.send(command).await.map_err(|_| WalError::Closed)?;
-        let obsolete = rx.await.unwrap_or(Err(WalError::Closed))?;
-        let dir = self.dir.clone();
-        tokio::task::spawn_blocking(move || delete_segments(&dir, &obsolete))
-            .await
-            .map_err(|_| WalError::Closed)?
+        self.purge(upto).await
     }
 
-    /// Replaces the metadata file (atomically, fsynced; on a blocking-pool thread). Callers write
-    /// one at a time: the file is replaced through one temp name.
-    pub async fn write_metadata(&self, metadata: Metadata) -> Result<(), WalError> {
+    /// [`WalWriter::install_snapshot`] for a state that is never whole in memory: `write` runs on a
+    /// blocking-pool thread with a [`SnapshotWriter`] for a snapshot of everything up to `upto`
+    /// and feeds it the state chunk by chunk (e.g. from a channel, with `blocking_recv`); if it
+    /// returns `Ok`, the file is completed and renamed into place and the log purged up to `upto`.
+    /// If it fails, the old snapshot stays.
+    pub async fn install_streamed_snapshot<F>(&self, upto: LogId, write: F) -> Result<(), WalError>
+    where
+        F: FnOnce(&mut SnapshotWriter) -> Result<(), WalError> + Send + 'static,
+    {
+        let _one_at_a_time = self.snapshot_lock.lock().await;
         let (dir, failpoints) = (self.dir.clone(), self.failpoints.clone());
-        tokio::task::spawn_blocking(move || write_metadata(&dir, &metadata, &failpoints))
+        tokio::task::spawn_blocking(move || {
+            let mut writer = SnapshotWriter::create(&dir, upto.index, upto.term, &failpoints)?;
+            write(&mut writer)?;
+            writer.finish()
+        })
+        .await
+        .map_err(|_| WalError::Closed)??;
+        self.purge(upto).await
+    }
+
+    /// Replaces the metadata file's application fields (term, vote, node id, HLC high-water) with
+    /// those of `metadata`, atomically and fsynced, on a blocking-pool thread; the log's own fields
+    /// (durable end, last purged) are kept as the log knows them. Writes are serialized.
+    pub async fn write_metadata(&self, metadata: Metadata) -> Result<(), WalError> {
+        let reader = self.reader.clone();
+        tokio::task::spawn_blocking(move || reader.write_application_fields(&metadata))
             .await
             .map_err(|_| WalError::Closed)?
     }
@@ -178,11 +305,22 @@ impl WalWriter {
             .await
             .map_err(|_| WalError::Closed)?;
         let result = rx.await.unwrap_or(Err(WalError::Closed));
+        if let Some(marker) = self.marker.take() {
+            let _ = tokio::task::spawn_blocking(move || marker.stop()).await;
+        }
         if let Some(thread) = self.thread.take() {
             // The thread has answered and is returning; joining only reaps it.
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
         result
+    }
+}
+
+impl Drop for WalWriter {
+    fn drop(&mut self) {
+        if let Some(marker) = self.marker.take() {
+            marker.stop();
+        }
     }
 }
 
@@ -203,20 +341,23 @@ fn run(mut wal: Wal, mut rx: mpsc::Receiver<Command>, runtime: &tokio::runtime::
                 let batch = gather(&wal, &mut rx, first, &mut deferred);
                 commit(&mut wal, batch, &mut last_sync);
             }
-            Command::Compact { last_index, done } => {
-                let _ = done.send(wal.compact(last_index));
+            Command::Compact { upto, done } => {
+                let _ = done.send(wal.compact(upto));
+            }
+            Command::Truncate { from, done } => {
+                let _ = done.send(wal.truncate_from(from));
             }
             Command::Retry { done } => {
                 let _ = done.send(wal.retry());
             }
             Command::Shutdown { done } => {
-                let _ = done.send(wal.sync());
+                let _ = done.send(wal.sync().and_then(|()| wal.mark_durable()));
                 return;
             }
         }
     }
     // Every handle is gone: flush what was written so a clean stop loses nothing.
-    if let Err(error) = wal.sync() {
+    if let Err(error) = wal.sync().and_then(|()| wal.mark_durable()) {
         tracing::error!(%error, "final fsync of the write-ahead log failed");
     }
 }
@@ -292,7 +433,15 @@ fn commit(wal: &mut Wal, batch: Vec<Append>, last_sync: &mut Instant) {
     // An invalid record is refused on its own so it cannot fail its neighbours.
     let mut valid = Vec::with_capacity(batch.len());
     for append in batch {
-        match wal.check_record(append.term, append.data.len()) {
+        let next = wal.next_lsn() + valid.len() as u64;
+        let checked = match append.at {
+            Some(at) if at != next => Err(WalError::NotNext {
+                expected: next,
+                found: at,
+            }),
+            _ => wal.check_record(append.term, append.data.len()),
+        };
+        match checked {
             Ok(()) => valid.push(append),
             Err(error) => {
                 let _ = append.done.send(Err(error));

@@ -40,11 +40,11 @@ fn a_fresh_directory_gets_metadata_and_an_empty_first_segment() {
     let tmp = tempfile::tempdir().unwrap();
     let (wal, recovered) = open(tmp.path());
     assert_eq!(wal.next_lsn(), 0);
-    assert!(recovered.records.is_empty() && recovered.snapshot.is_none());
+    assert!(all(recovered.records).is_empty() && recovered.snapshot.is_none());
     #[rustfmt::skip]
     let fresh_metadata: Vec<u8> = [
-        &[0x5A, 0x6E, 0xA0, 0x12][..], &[0, 0, 0, 2], &[0; 8], &[0xFF; 4], &[0; 4], &[0; 8],
-        &[0xA2, 0xE5, 0x67, 0xEB],
+        &[0x5A, 0x6E, 0xA0, 0x12][..], &[0, 0, 0, 3], &[0; 8], &[0xFF; 4], &[0; 4], &[0; 8],
+        &[0; 8], &[0xFF; 8], &[0; 8], &[0xFF; 8], &[0; 8], &[0], &[0x2B, 0xF2, 0x07, 0xB9],
     ].concat();
     assert_eq!(
         fs::read(tmp.path().join("mqstate.metadata")).unwrap(),
@@ -67,16 +67,10 @@ fn records_survive_a_reopen_with_their_lsns_and_terms() {
     wal.sync().unwrap();
     drop(wal);
     let (wal, recovered) = open(tmp.path());
+    let records = all(recovered.records);
+    assert_eq!(datas(&records), vec![&b"one"[..], b"two", b"three"]);
     assert_eq!(
-        datas(&recovered.records),
-        vec![&b"one"[..], b"two", b"three"]
-    );
-    assert_eq!(
-        recovered
-            .records
-            .iter()
-            .map(|e| (e.lsn, e.term))
-            .collect::<Vec<_>>(),
+        records.iter().map(|e| (e.lsn, e.term)).collect::<Vec<_>>(),
         vec![(0, 1), (1, 1), (2, 7)]
     );
     assert_eq!(wal.next_lsn(), 3);
@@ -94,7 +88,7 @@ fn empty_files_count_as_absent() {
     assert_eq!(recovered.metadata, mqstate_wal::Metadata::default());
     append(&mut wal, &[b"x"]);
     drop(wal);
-    assert_eq!(datas(&open(tmp.path()).1.records), vec![&b"x"[..]]);
+    assert_eq!(datas(&all(open(tmp.path()).1.records)), vec![&b"x"[..]]);
 }
 
 #[test]
@@ -112,6 +106,11 @@ fn a_torn_last_record_is_cut_at_every_byte_offset_and_the_log_goes_on() {
     for cut in last_at..last_end + 4 {
         let dir = tmp.path().join(format!("cut-{cut}"));
         fs::create_dir_all(dir.join("log")).unwrap();
+        fs::copy(
+            tmp.path().join("mqstate.metadata"),
+            dir.join("mqstate.metadata"),
+        )
+        .unwrap();
         fs::write(segment0(&dir), &pristine[..cut]).unwrap();
         let (mut wal, recovered) = open(&dir);
         let expected: Vec<&[u8]> = if cut < last_end {
@@ -119,13 +118,13 @@ fn a_torn_last_record_is_cut_at_every_byte_offset_and_the_log_goes_on() {
         } else {
             vec![b"first", b"second", b"the last one"]
         };
-        assert_eq!(datas(&recovered.records), expected, "cut at {cut}");
+        assert_eq!(datas(&all(recovered.records)), expected, "cut at {cut}");
         let next = expected.len() as u64;
         assert_eq!(append(&mut wal, &[b"after"]), vec![next], "cut at {cut}");
         drop(wal);
         let mut again = expected.clone();
         again.push(b"after");
-        assert_eq!(datas(&open(&dir).1.records), again, "cut at {cut}");
+        assert_eq!(datas(&all(open(&dir).1.records)), again, "cut at {cut}");
     }
 }
 
@@ -141,7 +140,7 @@ fn a_damaged_last_record_is_cut_off() {
     bytes[damaged_at + 20] ^= 0x40; // a data byte: checksum mismatch
     fs::write(&path, &bytes).unwrap();
     let (_, recovered) = open(tmp.path());
-    assert_eq!(datas(&recovered.records), vec![&b"kept"[..]]);
+    assert_eq!(datas(&all(recovered.records)), vec![&b"kept"[..]]);
     assert_eq!(
         fs::metadata(&path).unwrap().len(),
         damaged_at as u64 + 4,
@@ -230,8 +229,7 @@ fn segments_rotate_and_are_named_by_their_first_lsn() {
     assert_eq!(segment_files(tmp.path()), expected);
     let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
     assert_eq!(
-        recovered
-            .records
+        all(recovered.records)
             .iter()
             .map(|e| e.data[0])
             .collect::<Vec<_>>(),
@@ -275,7 +273,10 @@ fn a_snapshot_deletes_the_segments_it_covers() {
     let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
     assert_eq!(recovered.snapshot.unwrap().last_index, 4);
     assert_eq!(
-        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        all(recovered.records)
+            .iter()
+            .map(|e| e.lsn)
+            .collect::<Vec<_>>(),
         vec![5, 6, 7, 8, 9]
     );
     assert_eq!(wal.next_lsn(), 10);
@@ -301,7 +302,10 @@ fn segments_left_by_an_interrupted_compaction_are_removed_at_open() {
     fs::remove_file(tmp.path().join("log").join(format!("{:019}.log", 2))).unwrap();
     let (_, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
     assert_eq!(
-        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        all(recovered.records)
+            .iter()
+            .map(|e| e.lsn)
+            .collect::<Vec<_>>(),
         vec![4, 5]
     );
     let expected: Vec<String> = [4, 6].iter().map(|n| format!("{n:019}.log")).collect();
@@ -350,7 +354,10 @@ fn a_snapshot_ahead_of_the_log_restarts_the_log_after_it() {
     drop(wal);
     let (_, recovered) = open(tmp.path());
     assert_eq!(
-        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        all(recovered.records)
+            .iter()
+            .map(|e| e.lsn)
+            .collect::<Vec<_>>(),
         vec![100]
     );
 }
@@ -395,7 +402,7 @@ proptest! {
         let (_, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
         let written: Vec<(u64, u64, Vec<u8>)> = batches.iter().flatten().enumerate()
             .map(|(i, (t, d))| (i as u64, *t, d.clone())).collect();
-        let read: Vec<(u64, u64, Vec<u8>)> = recovered.records.iter()
+        let read: Vec<(u64, u64, Vec<u8>)> = all(recovered.records).iter()
             .map(|e| (e.lsn, e.term, e.data.to_vec())).collect();
         prop_assert_eq!(read, written);
     }
@@ -446,7 +453,7 @@ fn a_failed_log_refuses_to_sync_or_rotate_until_retried() {
     assert_eq!(append(&mut wal, &[b"next"]), vec![1]);
     drop(wal);
     assert_eq!(
-        datas(&open(tmp.path()).1.records),
+        datas(&all(open(tmp.path()).1.records)),
         vec![&b"kept"[..], b"next"]
     );
 }
@@ -488,9 +495,269 @@ fn rotation_takes_a_segment_prepared_full_of_zeros_and_recovery_reads_it() {
     drop(wal);
 
     let (wal, recovered) = Wal::open(tmp.path(), options).unwrap();
-    let got: Vec<&[u8]> = datas(&recovered.records);
+    let records = all(recovered.records);
+    let got: Vec<&[u8]> = datas(&records);
     let want: Vec<&[u8]> = written.iter().map(|r| &r[..]).collect();
     assert_eq!(got, want);
     assert_eq!(wal.next_lsn(), written.len() as u64);
     assert_eq!(fs::read_dir(tmp.path().join("temp")).unwrap().count(), 0);
+}
+
+fn all(entries: mqstate_wal::Entries) -> Vec<mqstate_wal::Entry> {
+    entries.collect::<Result<_, _>>().unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The durable end: damage to acknowledged records is refused, not cut
+// ---------------------------------------------------------------------------------------------
+
+/// Three records, fsynced and recorded as durable (what a graceful stop leaves).
+fn three_durable(dir: &Path) -> PathBuf {
+    let (mut wal, _) = open(dir);
+    append(&mut wal, &[b"one", b"two", b"three"]);
+    wal.mark_durable().unwrap();
+    assert_eq!(wal.metadata().durable_end, 3);
+    segment0(dir)
+}
+
+#[test]
+fn a_damaged_last_record_below_the_durable_end_is_refused_not_cut() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = three_durable(tmp.path());
+    let last_at = SEGMENT_HEADER_LEN + 2 * encoded_record_len(3);
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[last_at + 20] ^= 0x01; // a data byte of "three"
+    fs::write(&path, &bytes).unwrap();
+    let err = Wal::open(tmp.path(), WalOptions::default()).unwrap_err();
+    match &err {
+        WalError::LostDurable {
+            lsn, durable_end, ..
+        } => assert_eq!((*lsn, *durable_end), (2, 3)),
+        other => panic!("expected LostDurable, got {other}"),
+    }
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!("byte offset {last_at}")),
+        "{message}"
+    );
+    assert!(message.contains("mqstate data repair"), "{message}");
+    assert_eq!(fs::read(&path).unwrap(), bytes, "nothing was cut");
+}
+
+#[test]
+fn a_log_cut_short_below_the_durable_end_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = three_durable(tmp.path());
+    // Cut exactly after the first record: every byte left is intact.
+    let file = fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len((SEGMENT_HEADER_LEN + encoded_record_len(3)) as u64)
+        .unwrap();
+    drop(file);
+    let err = Wal::open(tmp.path(), WalOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            WalError::LostDurable {
+                lsn: 1,
+                durable_end: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    fs::remove_file(&path).unwrap();
+    let err = Wal::open(tmp.path(), WalOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            WalError::LostDurable {
+                lsn: 0,
+                durable_end: 3,
+                ..
+            }
+        ),
+        "a deleted segment is a loss too: {err}"
+    );
+}
+
+#[test]
+fn a_graceful_writer_shutdown_records_the_durable_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (wal, _) = open(tmp.path());
+        let writer = mqstate_wal::WalWriter::spawn(wal).unwrap();
+        for data in [&b"a"[..], b"b"] {
+            writer
+                .append(1, Bytes::copy_from_slice(data))
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+        writer.shutdown().await.unwrap();
+    });
+    let metadata = mqstate_wal::read_metadata(&mqstate_wal::DataDir::new(tmp.path()))
+        .unwrap()
+        .unwrap();
+    assert_eq!(metadata.durable_end, 2);
+}
+
+#[test]
+fn opening_a_directory_with_a_log_but_no_metadata_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    three_durable(tmp.path());
+    fs::remove_file(tmp.path().join("mqstate.metadata")).unwrap();
+    let err = Wal::open(tmp.path(), WalOptions::default()).unwrap_err();
+    assert!(matches!(err, WalError::MetadataMissing { .. }), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// What a replica needs
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_replica_appends_at_the_next_index_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = open(tmp.path());
+    assert_eq!(wal.write_batch_at(0, [(3, &b"a"[..])]).unwrap(), 0..1);
+    for wrong in [0, 2] {
+        let err = wal.write_batch_at(wrong, [(3, &b"x"[..])]).unwrap_err();
+        assert!(
+            matches!(err, WalError::NotNext { expected: 1, found } if found == wrong),
+            "{err}"
+        );
+    }
+    assert_eq!(wal.write_batch_at(1, [(4, &b"b"[..])]).unwrap(), 1..2);
+    wal.sync().unwrap();
+    assert_eq!(
+        (wal.term_at(0), wal.term_at(1), wal.term_at(2)),
+        (Some(3), Some(4), None)
+    );
+}
+
+#[test]
+fn truncate_from_removes_a_suffix_across_segments_and_the_log_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..6u8 {
+        wal.write_batch([(1, &[b'a' + i; 8][..])]).unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    wal.mark_durable().unwrap();
+    let reader = wal.reader();
+    let durable = reader.durable();
+    assert_eq!(*durable.borrow(), 6);
+    wal.truncate_from(3).unwrap();
+    assert_eq!(wal.next_lsn(), 3);
+    assert_eq!(
+        *durable.borrow(),
+        3,
+        "the durable index follows the truncation"
+    );
+    assert_eq!(
+        wal.metadata().durable_end,
+        3,
+        "lowered in the metadata file"
+    );
+    assert_eq!(reader.bounds(), 0..3);
+    assert_eq!(wal.write_batch([(2, &b"new"[..])]).unwrap(), 3..4);
+    wal.sync().unwrap();
+    let read: Vec<(u64, u64, Vec<u8>)> = reader
+        .read(0..10)
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.lsn, e.term, e.data.to_vec()))
+        .collect();
+    assert_eq!(
+        read,
+        vec![
+            (0, 1, vec![b'a'; 8]),
+            (1, 1, vec![b'b'; 8]),
+            (2, 1, vec![b'c'; 8]),
+            (3, 2, b"new".to_vec())
+        ]
+    );
+    drop(wal);
+    let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+    assert_eq!(
+        all(recovered.records)
+            .iter()
+            .map(|e| e.data.to_vec())
+            .collect::<Vec<_>>(),
+        vec![vec![b'a'; 8], vec![b'b'; 8], vec![b'c'; 8], b"new".to_vec()]
+    );
+    assert_eq!(wal.next_lsn(), 4);
+}
+
+#[test]
+fn truncate_from_the_first_record_of_a_segment_keeps_that_segment_as_the_active_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..6u8 {
+        wal.write_batch([(1, &[b'a' + i; 8][..])]).unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    wal.truncate_from(4).unwrap();
+    assert_eq!(wal.write_batch([(2, &b"new"[..])]).unwrap(), 4..5);
+    wal.sync().unwrap();
+    let read: Vec<Vec<u8>> = wal
+        .read(0..10)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.data.to_vec())
+        .collect();
+    assert_eq!(read.len(), 5);
+    assert_eq!(read[4], b"new".to_vec());
+    drop(wal);
+    let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+    let reopened: Vec<Vec<u8>> = all(recovered.records)
+        .into_iter()
+        .map(|e| e.data.to_vec())
+        .collect();
+    assert_eq!(reopened, read);
+    assert_eq!(wal.next_lsn(), 5);
+}
+
+#[test]
+fn reads_by_range_see_every_segment_and_the_purge_is_remembered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), small_segments()).unwrap();
+    for i in 0..6u8 {
+        wal.write_batch([(u64::from(i), &[b'a' + i; 8][..])])
+            .unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    let reader = wal.reader();
+    let lsns: Vec<u64> = reader.read(1..5).unwrap().iter().map(|e| e.lsn).collect();
+    assert_eq!(lsns, vec![1, 2, 3, 4]);
+    wal.install_snapshot(&Snapshot {
+        last_index: 2,
+        last_term: 2,
+        state: Bytes::from_static(b"s"),
+    })
+    .unwrap();
+    let purged = Some(mqstate_wal::LogId { term: 2, index: 2 });
+    assert_eq!(reader.last_purged(), purged);
+    assert_eq!(reader.bounds(), 3..6);
+    assert_eq!(reader.term_at(5), Some(5));
+    drop(wal);
+    let (wal, recovered) = Wal::open(tmp.path(), small_segments()).unwrap();
+    assert_eq!(recovered.metadata.last_purged, purged);
+    assert_eq!(recovered.replay, 3..6);
+    assert_eq!(wal.reader().bounds(), 3..6);
+    let err = {
+        let (mut wal, _) = (wal, ());
+        wal.truncate_from(2).unwrap_err()
+    };
+    assert!(
+        matches!(err, WalError::TruncatePurged { lsn: 2, first: 3 }),
+        "{err}"
+    );
 }

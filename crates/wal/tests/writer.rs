@@ -11,7 +11,10 @@ use mqstate_wal::{
 
 fn reopen(dir: &std::path::Path) -> Vec<Vec<u8>> {
     let (_, recovered) = Wal::open(dir, WalOptions::default()).unwrap();
-    recovered.records.iter().map(|e| e.data.to_vec()).collect()
+    all(recovered.records)
+        .iter()
+        .map(|e| e.data.to_vec())
+        .collect()
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -220,7 +223,10 @@ async fn a_snapshot_through_the_writer_deletes_covered_segments() {
         Bytes::from_static(b"state")
     );
     assert_eq!(
-        recovered.records.iter().map(|e| e.lsn).collect::<Vec<_>>(),
+        all(recovered.records)
+            .iter()
+            .map(|e| e.lsn)
+            .collect::<Vec<_>>(),
         vec![4, 5, 6]
     );
 }
@@ -253,4 +259,104 @@ async fn policy_interval_acknowledges_before_the_interval_fsync() {
     );
     writer.shutdown().await.unwrap();
     assert_eq!(reopen(tmp.path()).len(), 3);
+}
+
+fn all(entries: mqstate_wal::Entries) -> Vec<mqstate_wal::Entry> {
+    entries.collect::<Result<_, _>>().unwrap()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_replica_appends_at_given_indexes_truncates_and_watches_the_durable_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    let mut durable = writer.reader().durable();
+    assert_eq!(*durable.borrow_and_update(), 0);
+    for (lsn, data) in [(0, &b"a"[..]), (1, b"b"), (2, b"c")] {
+        let pending = writer
+            .append_at(lsn, 5, Bytes::copy_from_slice(data))
+            .await
+            .unwrap();
+        assert_eq!(pending.await.unwrap(), lsn);
+    }
+    durable.changed().await.unwrap();
+    assert_eq!(*durable.borrow_and_update(), 3);
+    let gap = writer
+        .append_at(4, 5, Bytes::from_static(b"gap"))
+        .await
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            gap,
+            WalError::NotNext {
+                expected: 3,
+                found: 4
+            }
+        ),
+        "{gap}"
+    );
+    writer.truncate_from(1).await.unwrap();
+    assert_eq!(*durable.borrow_and_update(), 1);
+    let pending = writer
+        .append_at(1, 6, Bytes::from_static(b"B"))
+        .await
+        .unwrap();
+    assert_eq!(pending.await.unwrap(), 1);
+    let read: Vec<(u64, u64, Vec<u8>)> = writer
+        .reader()
+        .read(0..10)
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.lsn, e.term, e.data.to_vec()))
+        .collect();
+    assert_eq!(read, vec![(0, 5, b"a".to_vec()), (1, 6, b"B".to_vec())]);
+    writer.shutdown().await.unwrap();
+    assert_eq!(reopen(tmp.path()), vec![b"a".to_vec(), b"B".to_vec()]);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_streamed_snapshot_is_installed_and_purges_the_log() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    for data in [&b"a"[..], b"b", b"c"] {
+        writer
+            .append(1, Bytes::copy_from_slice(data))
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+    let feeder = tokio::spawn(async move {
+        for chunk in [&b"sta"[..], b"te"] {
+            tx.send(Bytes::copy_from_slice(chunk)).await.unwrap();
+        }
+    });
+    let upto = mqstate_wal::LogId { term: 1, index: 1 };
+    writer
+        .install_streamed_snapshot(upto, move |file| {
+            while let Some(chunk) = rx.blocking_recv() {
+                file.write(&chunk)?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+    feeder.await.unwrap();
+    assert_eq!(writer.reader().last_purged(), Some(upto));
+    writer.shutdown().await.unwrap();
+    let (_, recovered) = Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let snapshot = recovered.snapshot.unwrap();
+    assert_eq!(
+        (snapshot.last_index, &snapshot.state[..]),
+        (1, &b"state"[..])
+    );
+    let replayed: Vec<Vec<u8>> = recovered
+        .records
+        .map(|e| e.unwrap().data.to_vec())
+        .collect();
+    assert_eq!(replayed, vec![b"c".to_vec()]);
 }
