@@ -160,7 +160,9 @@ impl Command {
 pub enum Outcome {
     Done,
     /// A lease of this length was granted.
-    Granted { lease_ms: u64 },
+    Granted {
+        lease_ms: u64,
+    },
     /// Refused, with the reason (not a member, no map yet, ...).
     Refused(String),
 }
@@ -223,7 +225,9 @@ impl ControlState {
             return Outcome::Done;
         }
         if config.partition_count == 0 || config.replication_factor == 0 {
-            return Outcome::Refused("partition count and replication factor must be at least 1".into());
+            return Outcome::Refused(
+                "partition count and replication factor must be at least 1".into(),
+            );
         }
         self.config = Some(config);
         for member in self.members.values_mut() {
@@ -307,7 +311,8 @@ impl ControlState {
                 changed = true;
             }
         }
-        self.retired.retain(|_, lease| now_ms < lease.lapses_at_ms());
+        self.retired
+            .retain(|_, lease| now_ms < lease.lapses_at_ms());
         if changed {
             self.reconcile_all();
         }
@@ -393,7 +398,10 @@ impl ControlState {
         // A replaced pending change keeps its start: confirmations of it still hold, since nobody
         // has acted on the partition since. Even a change back to the published chain stays
         // pending (and is published under a new id): nodes may have stopped acting on it already.
-        let since_epoch = p.pending.as_ref().map_or(epoch, |pending| pending.since_epoch);
+        let since_epoch = p
+            .pending
+            .as_ref()
+            .map_or(epoch, |pending| pending.since_epoch);
         p.pending = Some(PendingView {
             chain,
             read_view,
@@ -488,7 +496,11 @@ mod tests {
         let mut state = ControlState::default();
         state.set_members(&[(1, "a".to_owned())].into());
         assert!(matches!(
-            state.apply(&Command::Renew { node: 1, seen_epoch: 0, now_ms: 1 }),
+            state.apply(&Command::Renew {
+                node: 1,
+                seen_epoch: 0,
+                now_ms: 1
+            }),
             Outcome::Refused(_)
         ));
         state.apply(&Command::Init {
@@ -556,7 +568,10 @@ mod tests {
         assert!(state.partitions[0].pending.is_some());
         renew_all(&mut state, &[3], 18_000);
         state.apply(&Command::Tick { now_ms: 19_499 });
-        assert!(state.partitions[0].pending.is_some(), "2 may act until 19.5 s");
+        assert!(
+            state.partitions[0].pending.is_some(),
+            "2 may act until 19.5 s"
+        );
         state.apply(&Command::Tick { now_ms: 19_500 });
         let p0 = &state.partitions[0];
         assert!(p0.pending.is_none());
@@ -597,7 +612,11 @@ mod tests {
         state.set_members(&members(&[1, 2, 3, 4]));
         renew_all(&mut state, &[1, 2, 3, 4], 1_100);
         state.apply(&Command::Tick { now_ms: 1_200 });
-        let with_4 = state.partitions.iter().filter(|p| p.chain.contains(&4)).count();
+        let with_4 = state
+            .partitions
+            .iter()
+            .filter(|p| p.chain.contains(&4))
+            .count();
         assert_eq!(with_4, 6, "node 4 is in 3 of every 4 ideal chains");
         assert!(state.partitions.iter().all(|p| p.chain.len() == 3));
         // Remove 2: its lease is kept (retired) until it lapses.
@@ -609,8 +628,13 @@ mod tests {
             state.partitions.iter().any(|p| p.pending.is_some()),
             "2 has neither confirmed nor lapsed"
         );
-        state.apply(&Command::Tick { now_ms: 1_100 + LEASE + CF });
-        assert!(state.partitions.iter().all(|p| !p.chain.contains(&2) && p.pending.is_none()));
+        state.apply(&Command::Tick {
+            now_ms: 1_100 + LEASE + CF,
+        });
+        assert!(state
+            .partitions
+            .iter()
+            .all(|p| !p.chain.contains(&2) && p.pending.is_none()));
         assert!(state.retired.is_empty());
     }
 

@@ -12,7 +12,11 @@
 //!   operations and [`status::Status`].
 
 pub mod control;
+pub mod journal;
+pub mod log_store;
 pub mod partition;
+pub mod state_machine;
+pub mod types;
 
 /// A node's id: a positive number given on the command line, never reused.
 pub type NodeId = u64;
