@@ -16,6 +16,7 @@ pub mod journal;
 pub mod log_store;
 pub mod partition;
 pub mod state_machine;
+pub mod transport;
 pub mod types;
 
 /// A node's id: a positive number given on the command line, never reused.
