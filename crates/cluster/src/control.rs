@@ -123,10 +123,10 @@ pub enum Command {
         seen_epoch: u64,
         now_ms: u64,
     },
-    /// `node` holds partition's data: it may enter the read view.
+    /// `node` holds these partitions' data: it may enter their read views.
     CaughtUp {
         node: NodeId,
-        partition: PartitionId,
+        partitions: Vec<PartitionId>,
     },
     /// The leader's periodic step: failure detection and publication of pending views.
     Tick { now_ms: u64 },
@@ -177,7 +177,15 @@ impl ControlState {
                 seen_epoch,
                 now_ms,
             } => self.renew(node, seen_epoch, now_ms),
-            Command::CaughtUp { node, partition } => self.caught_up(node, partition),
+            Command::CaughtUp {
+                node,
+                ref partitions,
+            } => {
+                for &partition in partitions {
+                    self.caught_up(node, partition);
+                }
+                Outcome::Done
+            }
             Command::Tick { now_ms } => {
                 self.observe(now_ms);
                 self.tick(now_ms);
@@ -274,16 +282,16 @@ impl ControlState {
         }
     }
 
-    fn caught_up(&mut self, node: NodeId, partition: PartitionId) -> Outcome {
+    fn caught_up(&mut self, node: NodeId, partition: PartitionId) {
         let Some(p) = self.partitions.get(partition as usize) else {
-            return Outcome::Refused(format!("no partition {partition}"));
+            return;
         };
         let (chain, read) = match &p.pending {
             Some(pending) => (&pending.chain, &pending.read_view),
             None => (&p.chain, &p.read_view),
         };
         if !chain.contains(&node) || read.contains(&node) {
-            return Outcome::Done;
+            return;
         }
         let read_view = chain
             .iter()
@@ -292,7 +300,6 @@ impl ControlState {
             .collect();
         let chain = chain.clone();
         self.propose(partition, chain, read_view);
-        Outcome::Done
     }
 
     fn tick(&mut self, now_ms: u64) {
@@ -596,7 +603,7 @@ mod tests {
         assert_eq!(p0.view, 3);
         state.apply(&Command::CaughtUp {
             node: 1,
-            partition: 0,
+            partitions: vec![0],
         });
         renew_all(&mut state, &[1, 2, 3], 5_200);
         state.apply(&Command::Tick { now_ms: 5_300 });

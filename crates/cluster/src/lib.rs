@@ -14,10 +14,17 @@
 pub mod control;
 pub mod journal;
 pub mod log_store;
+pub mod network;
+pub mod node;
 pub mod partition;
 pub mod state_machine;
+pub mod status;
 pub mod transport;
 pub mod types;
 
 /// A node's id: a positive number given on the command line, never reused.
 pub type NodeId = u64;
+
+pub use control::MapConfig;
+pub use node::{ClusterError, ClusterNode, NodeConfig};
+pub use status::{KeyPlacement, Status};
