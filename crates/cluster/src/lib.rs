@@ -11,6 +11,7 @@
 //! * [`node`] — a running member: Raft, bootstrap, lease renewal, the leader's ticks, admin
 //!   operations and [`status::Status`].
 
+pub mod admin;
 pub mod control;
 pub mod journal;
 pub mod log_store;
