@@ -6,9 +6,9 @@
 //!
 //! A partition's *published view* is its chain (the write view, head first), the read view (the
 //! chain without the replicas still catching up) and a view id that grows by one with every change.
-//! A node **acts** on a partition only while (a) its own lease is valid by its own clock, (b) the
-//! partition has no pending change in its copy of this state, and (c) it is in the partition's chain
-//! ([`ControlState::acting_view`]).
+//! A node **acts** on a partition only while (a) its own lease is valid by its own clock and its copy
+//! of this state has reached the epoch the lease was granted at, (b) the partition has no pending
+//! change in that copy, and (c) it is in the partition's chain ([`ControlState::acting_view`]).
 //!
 //! A change is never published directly. It is first made *pending* (RTable's "delete the current
 //! configuration"): from then on no node starts acting on the partition under the old view. The new
@@ -159,9 +159,12 @@ impl Command {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Outcome {
     Done,
-    /// A lease of this length was granted.
+    /// A lease of this length was granted. It holds only once the node has applied the state up to
+    /// `epoch`: a node whose copy is older (back from a crash or a partition) must not act on views
+    /// that were replaced while it was away.
     Granted {
         lease_ms: u64,
+        epoch: u64,
     },
     /// Refused, with the reason (not a member, no map yet, ...).
     Refused(String),
@@ -279,6 +282,7 @@ impl ControlState {
         }
         Outcome::Granted {
             lease_ms: config.lease_ms,
+            epoch: self.epoch,
         }
     }
 
@@ -468,7 +472,10 @@ mod tests {
                 seen_epoch,
                 now_ms,
             });
-            assert_eq!(granted, Outcome::Granted { lease_ms: LEASE });
+            assert!(
+                matches!(granted, Outcome::Granted { lease_ms: LEASE, epoch } if epoch == state.epoch),
+                "{granted:?}"
+            );
         }
     }
 

