@@ -65,6 +65,7 @@ struct Current {
 
 impl StateMachineStore {
     /// Opens the store in `dir`, starting from the snapshot there if any.
+    #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
     pub fn open(dir: &Path) -> Result<StateMachineStore, StorageError> {
         std::fs::create_dir_all(dir).map_err(storage_error::read_snapshot)?;
         let path = dir.join(SNAPSHOT_FILE);
@@ -106,6 +107,7 @@ impl StateMachineStore {
     }
 
     /// Writes `snapshot` to a temp file, fsyncs, renames it over the old one, fsyncs the directory.
+    #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
     fn persist(&self, snapshot: &StoredSnapshot) -> Result<(), StorageError> {
         let bytes = postcard::to_allocvec(snapshot).map_err(storage_error::write_snapshot)?;
         let path = self.dir.join(SNAPSHOT_FILE);

@@ -260,7 +260,7 @@ impl Sim {
         }
         // The leader's step.
         if let Some(leader) = self.leader {
-            if self.now_ms % 100 == 0 {
+            if self.now_ms.is_multiple_of(100) {
                 let now_ms = self.local_ms(leader);
                 let mut probe = self.head().clone();
                 probe.apply(&Command::Tick { now_ms });

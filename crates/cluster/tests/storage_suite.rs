@@ -19,6 +19,8 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, tempfile::TempDir> fo
 }
 
 #[test]
-fn openraft_storage_suite_passes() -> Result<(), StorageError> {
-    Suite::test_all(Builder)
+fn openraft_storage_suite_passes() {
+    if let Err(e) = Suite::test_all(Builder) {
+        panic!("openraft's storage suite failed: {e}");
+    }
 }
