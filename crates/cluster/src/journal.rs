@@ -256,6 +256,12 @@ impl Journal {
     }
 }
 
+/// Decodes a journal image as [`Journal::open`] would, without a file: the number of whole records,
+/// or the damage. For the fuzzer and tools; never panics.
+pub fn scan(bytes: &[u8]) -> Result<usize, JournalError> {
+    decode_frames(bytes, Path::new("<memory>")).map(|(records, _)| records.len())
+}
+
 fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> JournalError + 'a {
     move |source| JournalError::Io {
         what,
@@ -387,6 +393,13 @@ mod tests {
             err.contains("offset 0") && err.contains("checksum"),
             "{err}"
         );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_decode_or_fail_without_panicking(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            let _ = scan(&bytes);
+        }
     }
 
     #[test]

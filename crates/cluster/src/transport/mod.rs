@@ -144,4 +144,16 @@ mod tests {
         assert!(decode_body::<Request>(&[0xff, 0xff, 0xff]).is_err());
         assert!(decode_body::<Request>(&[]).is_err());
     }
+
+    proptest::proptest! {
+        #[test]
+        fn any_body_decodes_or_fails_without_panicking(body in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            if let Ok(request) = decode_body::<Request>(&body) {
+                // What decodes re-encodes and decodes again.
+                let frame = encode_frame(&request).unwrap();
+                proptest::prop_assert!(decode_body::<Request>(&frame[4..]).is_ok());
+            }
+            let _ = decode_body::<Response>(&body);
+        }
+    }
 }
