@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod auth;
 mod bench;
 mod client;
+mod cluster;
 mod data;
 mod metrics;
 mod serve;
@@ -38,6 +39,9 @@ enum Command {
     Serve(Box<ServeArgs>),
     #[command(flatten)]
     Client(client::Command),
+    /// Cluster status and membership (over any node's MQTT port).
+    #[command(subcommand)]
+    Cluster(client::cluster::Command),
     /// Load generator for any AIO state store (or plain MQTT pub/sub).
     Bench(bench::BenchArgs),
     /// Inspect, verify or repair a data directory (offline).
@@ -79,6 +83,7 @@ fn main() -> ExitCode {
                 }
             },
             Command::Client(cmd) => client::run(cmd).await,
+            Command::Cluster(cmd) => client::cluster::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Data(cmd) => data::run(cmd),
             Command::Passwd(args) => match auth::passwd::run(args) {

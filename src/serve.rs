@@ -86,6 +86,21 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         .context("cannot attach the state store to the broker")?;
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    // Started before the MQTT listeners, but it never waits for the cluster to form: the
+    // listeners open at once.
+    let cluster = match &settings.cluster {
+        Some(cluster) => Some(crate::cluster::start(cluster, &settings.data_dir).await?),
+        None => None,
+    };
+    let admin_inbox = broker
+        .claim_topic(mqstate_cluster::admin::ADMIN_TOPIC)
+        .context("cannot attach cluster administration to the broker")?;
+    let admin = tokio::spawn(crate::cluster::serve_admin(
+        broker.clone(),
+        admin_inbox,
+        cluster.as_ref().map(|running| Arc::clone(&running.node)),
+        wait_for(shutdown_rx.clone()),
+    ));
     let hangup = settings
         .listen
         .iter()
@@ -180,6 +195,10 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         let _ = listener.await;
     }
     let _ = store.await;
+    let _ = admin.await;
+    if let Some(cluster) = cluster {
+        cluster.stop().await;
+    }
     // Connections are closed (their detach and wills recorded): flush the session log.
     session_log.close().await;
     let _ = appender.await;

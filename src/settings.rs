@@ -26,6 +26,16 @@ pub mod defaults {
     pub const AUTH_FAILURE_REFILL_SECS: u64 = 6;
     /// How often the TLS certificate, key and client CA files are checked for changes.
     pub const TLS_RELOAD_POLL: std::time::Duration = std::time::Duration::from_secs(2);
+    /// Partitions of the key space, fixed when a cluster is created.
+    pub const CLUSTER_PARTITIONS: u32 = 64;
+    /// Replicas per partition (capped by the node count).
+    pub const REPLICATION_FACTOR: u32 = 3;
+    /// How long a control-plane lease lets a node act, in seconds.
+    pub const CLUSTER_LEASE_SECS: u64 = 3;
+    /// Bound on clock drift between nodes over one lease, in seconds.
+    pub const CLUSTER_CLOCK_FACTOR_SECS: u64 = 1;
+    /// Raft election timeout (the low end; the high end is twice this), in milliseconds.
+    pub const CLUSTER_ELECTION_TIMEOUT_MS: u64 = 1000;
 }
 
 /// `fsync` policy of the write-ahead log.
@@ -480,6 +490,163 @@ pub struct Settings {
     /// Notifications listed and pushed at a time (one HTTP POST). Default 100.
     #[arg(long, env = "MQSTATE_NOTIFY_BATCH", value_name = "N")]
     pub notify_batch: Option<usize>,
+    /// This node's id in a cluster: a positive number, never reused. Default: none (a single node).
+    #[arg(long, env = "MQSTATE_NODE_ID", value_name = "N")]
+    pub node_id: Option<u64>,
+
+    /// Address for node-to-node traffic (control plane), e.g. 0.0.0.0:7001. Default: none (a single node).
+    #[arg(long, env = "MQSTATE_CLUSTER_LISTEN", value_name = "ADDR")]
+    pub cluster_listen: Option<String>,
+
+    /// The founding members as ID=HOST:PORT (their cluster addresses), this node included; the same
+    /// list on every node. Default: none (a single node).
+    #[arg(
+        long,
+        env = "MQSTATE_PEERS",
+        value_delimiter = ',',
+        value_name = "ID=ADDR"
+    )]
+    pub peers: Vec<String>,
+
+    /// Join an existing cluster: wait to be added with `mqstate cluster add-node` instead of forming
+    /// one. Default false.
+    #[arg(long, env = "MQSTATE_JOIN", value_name = "BOOL",
+          num_args = 0..=1, default_missing_value = "true")]
+    pub join: Option<bool>,
+
+    /// Partitions of the key space; fixed when the cluster is created. Default 64.
+    #[arg(long, env = "MQSTATE_CLUSTER_PARTITIONS", value_name = "N")]
+    pub cluster_partitions: Option<u32>,
+
+    /// Replicas of each partition (capped by the node count). Default 3.
+    #[arg(long, env = "MQSTATE_REPLICATION_FACTOR", value_name = "N")]
+    pub replication_factor: Option<u32>,
+
+    /// Seconds a control-plane lease lets a node act on its partitions; a node that misses its
+    /// renewals for lease + clock factor is taken out of its chains. Default 3.
+    #[arg(long, env = "MQSTATE_CLUSTER_LEASE", value_name = "SECS")]
+    pub cluster_lease: Option<u64>,
+
+    /// Seconds by which node clocks may drift apart over one lease; a new view waits lease + this.
+    /// Default 1.
+    #[arg(long, env = "MQSTATE_CLUSTER_CLOCK_FACTOR", value_name = "SECS")]
+    pub cluster_clock_factor: Option<u64>,
+
+    /// Raft election timeout in milliseconds (a leader is replaced within about twice this).
+    /// Default 1000.
+    #[arg(long, env = "MQSTATE_CLUSTER_ELECTION_TIMEOUT", value_name = "MS")]
+    pub cluster_election_timeout: Option<u64>,
+}
+
+/// The cluster part of the resolved settings; absent on a single node.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    pub node_id: u64,
+    pub listen: SocketAddr,
+    /// The address the other nodes reach this one at: its entry in `peers`, else `listen`.
+    pub advertise: String,
+    /// Founding members (empty when joining).
+    pub peers: std::collections::BTreeMap<u64, String>,
+    pub join: bool,
+    pub partitions: u32,
+    pub replication_factor: u32,
+    pub lease: Duration,
+    pub clock_factor: Duration,
+    pub election_timeout: Duration,
+}
+
+impl ClusterSettings {
+    fn resolve(s: &Settings) -> anyhow::Result<Option<ClusterSettings>> {
+        let join = s.join.unwrap_or(false);
+        if s.node_id.is_none() && s.cluster_listen.is_none() && s.peers.is_empty() && !join {
+            return Ok(None);
+        }
+        let Some(node_id) = s.node_id else {
+            bail!("a cluster node needs --node-id (a positive number, never reused)");
+        };
+        if node_id == 0 {
+            bail!("node_id must be at least 1");
+        }
+        let Some(listen) = &s.cluster_listen else {
+            bail!("a cluster node needs --cluster-listen, the address for node-to-node traffic");
+        };
+        let listen: SocketAddr = listen.parse().with_context(|| {
+            format!("invalid cluster_listen {listen:?}: expected IP:PORT, e.g. 0.0.0.0:7001")
+        })?;
+        let mut peers = std::collections::BTreeMap::new();
+        for entry in &s.peers {
+            let (id, addr) = entry.split_once('=').with_context(|| {
+                format!("invalid peer {entry:?}: expected ID=HOST:PORT, e.g. 1=10.0.0.1:7001")
+            })?;
+            let id: u64 = id
+                .trim()
+                .parse()
+                .ok()
+                .filter(|&id| id > 0)
+                .with_context(|| {
+                    format!("invalid peer {entry:?}: the id must be a positive number")
+                })?;
+            let addr = addr.trim();
+            if addr
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.parse::<u16>().is_err())
+            {
+                bail!("invalid peer {entry:?}: expected ID=HOST:PORT");
+            }
+            if peers.insert(id, addr.to_owned()).is_some() {
+                bail!("peer id {id} is listed twice in --peers");
+            }
+        }
+        if peers.is_empty() && !join {
+            bail!("a cluster node needs --peers ID=ADDR,... (every founding node, this one included) or --join");
+        }
+        if !peers.is_empty() && !join && !peers.contains_key(&node_id) {
+            bail!("--peers does not list this node (id {node_id}); list every founding node, this one included");
+        }
+        let positive = |name: &str, value: Option<u64>, default: u64| -> anyhow::Result<u64> {
+            match value {
+                Some(0) => bail!("{name} must be at least 1"),
+                Some(v) => Ok(v),
+                None => Ok(default),
+            }
+        };
+        let partitions = positive(
+            "cluster_partitions",
+            s.cluster_partitions.map(u64::from),
+            u64::from(defaults::CLUSTER_PARTITIONS),
+        )?;
+        let replication_factor = positive(
+            "replication_factor",
+            s.replication_factor.map(u64::from),
+            u64::from(defaults::REPLICATION_FACTOR),
+        )?;
+        Ok(Some(ClusterSettings {
+            node_id,
+            listen,
+            advertise: peers
+                .get(&node_id)
+                .cloned()
+                .unwrap_or_else(|| listen.to_string()),
+            peers,
+            join,
+            partitions: u32::try_from(partitions).unwrap_or(u32::MAX),
+            replication_factor: u32::try_from(replication_factor).unwrap_or(u32::MAX),
+            lease: Duration::from_secs(positive(
+                "cluster_lease",
+                s.cluster_lease,
+                defaults::CLUSTER_LEASE_SECS,
+            )?),
+            clock_factor: Duration::from_secs(
+                s.cluster_clock_factor
+                    .unwrap_or(defaults::CLUSTER_CLOCK_FACTOR_SECS),
+            ),
+            election_timeout: Duration::from_millis(positive(
+                "cluster_election_timeout",
+                s.cluster_election_timeout,
+                defaults::CLUSTER_ELECTION_TIMEOUT_MS,
+            )?),
+        }))
+    }
 }
 
 /// Settings with every default applied and every value checked.
@@ -521,6 +688,7 @@ pub struct Resolved {
     pub server_keep_alive: Option<u16>,
     pub statestore_requests_per_second: u32,
     pub notify: mqstate_statestore::notify::NotifyConfig,
+    pub cluster: Option<ClusterSettings>,
 }
 
 /// The notification settings with defaults applied; intervals of 0 and an invalid node id are refused.
@@ -643,10 +811,26 @@ impl Settings {
             notify_retry_min_ms: self.notify_retry_min_ms.or(lower.notify_retry_min_ms),
             notify_retry_max_ms: self.notify_retry_max_ms.or(lower.notify_retry_max_ms),
             notify_batch: self.notify_batch.or(lower.notify_batch),
+            node_id: self.node_id.or(lower.node_id),
+            cluster_listen: self.cluster_listen.or(lower.cluster_listen),
+            peers: if self.peers.is_empty() {
+                lower.peers
+            } else {
+                self.peers
+            },
+            join: self.join.or(lower.join),
+            cluster_partitions: self.cluster_partitions.or(lower.cluster_partitions),
+            replication_factor: self.replication_factor.or(lower.replication_factor),
+            cluster_lease: self.cluster_lease.or(lower.cluster_lease),
+            cluster_clock_factor: self.cluster_clock_factor.or(lower.cluster_clock_factor),
+            cluster_election_timeout: self
+                .cluster_election_timeout
+                .or(lower.cluster_election_timeout),
         }
     }
 
     pub fn resolve(self) -> anyhow::Result<Resolved> {
+        let cluster = ClusterSettings::resolve(&self)?;
         let listen_text = if self.listen.is_empty() {
             vec![defaults::LISTEN.to_owned()]
         } else {
@@ -758,6 +942,7 @@ impl Settings {
                 ],
                 self.notify_batch,
             )?,
+            cluster,
         })
     }
 }
@@ -948,6 +1133,84 @@ mod tests {
         .resolve()
         .unwrap_err();
         assert!(format!("{err:#}").contains("slow_consumer_timeout"));
+    }
+
+    #[test]
+    fn without_cluster_settings_the_server_is_a_single_node() {
+        assert!(Settings::default().resolve().unwrap().cluster.is_none());
+    }
+
+    #[test]
+    fn cluster_settings_resolve_and_bad_ones_name_the_problem() {
+        let flags = Settings {
+            node_id: Some(2),
+            cluster_listen: Some("127.0.0.1:7002".into()),
+            peers: vec![
+                "1=127.0.0.1:7001".into(),
+                "2=node2.example:7002".into(),
+                "3=127.0.0.1:7003".into(),
+            ],
+            ..Settings::default()
+        };
+        let file: Settings =
+            toml::from_str("cluster_lease = 5\nreplication_factor = 2\ncluster_partitions = 16")
+                .unwrap();
+        let c = flags
+            .clone()
+            .layer(file)
+            .resolve()
+            .unwrap()
+            .cluster
+            .unwrap();
+        assert_eq!(c.node_id, 2);
+        assert_eq!(c.advertise, "node2.example:7002");
+        assert_eq!(c.peers.len(), 3);
+        assert_eq!(c.lease, Duration::from_secs(5));
+        assert_eq!(c.clock_factor, Duration::from_secs(1));
+        assert_eq!((c.partitions, c.replication_factor), (16, 2));
+        assert!(!c.join);
+        let err = |s: Settings| format!("{:#}", s.resolve().unwrap_err());
+        assert!(err(Settings {
+            node_id: None,
+            ..flags.clone()
+        })
+        .contains("--node-id"));
+        assert!(err(Settings {
+            node_id: Some(4),
+            ..flags.clone()
+        })
+        .contains("does not list this node"));
+        assert!(err(Settings {
+            peers: vec!["x=1:2".into()],
+            ..flags.clone()
+        })
+        .contains("positive number"));
+        assert!(err(Settings {
+            peers: vec!["1:7001".into()],
+            ..flags.clone()
+        })
+        .contains("ID=HOST:PORT"));
+        assert!(err(Settings {
+            cluster_lease: Some(0),
+            ..flags.clone()
+        })
+        .contains("cluster_lease"));
+        assert!(err(Settings {
+            peers: vec![],
+            ..flags.clone()
+        })
+        .contains("--join"));
+        let joining = Settings {
+            peers: vec![],
+            join: Some(true),
+            ..flags
+        }
+        .resolve()
+        .unwrap()
+        .cluster
+        .unwrap();
+        assert!(joining.join && joining.peers.is_empty());
+        assert_eq!(joining.advertise, "127.0.0.1:7002");
     }
 
     #[test]

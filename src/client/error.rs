@@ -48,6 +48,9 @@ pub enum CliError {
     #[error("unexpected reply to {command}: {detail} — is this an AIO-compatible state store?")]
     Protocol { command: String, detail: String },
 
+    #[error("{command} failed: {text}")]
+    Cluster { command: String, text: String },
+
     #[error("lock {name} is held by another client; pass --wait to wait for it")]
     LockHeld { name: String },
 

@@ -6,6 +6,7 @@
 //! that `bench` also drives. Exit status: 0 success, 1 not found / condition not met, 2 usage or
 //! connection error (see [`error`]).
 
+pub mod cluster;
 pub mod connection;
 pub mod error;
 mod lock;

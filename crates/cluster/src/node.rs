@@ -1,0 +1,678 @@
+//! A running member of the cluster: its Raft, how it finds or forms the cluster, its lease, the
+//! leader's periodic step, membership changes and [`Status`].
+//!
+//! Time enters here and only here: the leader stamps its wall clock (Unix ms) on every timed
+//! command it proposes, and a node measures its own lease on its monotonic clock from the moment it
+//! asked for it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{BasicNode, ChangeMembers, ServerState};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::control::{Command, MapConfig, Outcome};
+use crate::log_store::LogStore;
+use crate::network::Network;
+use crate::partition::{partition_of, PartitionId};
+use crate::state_machine::{SharedState, StateMachineStore};
+use crate::status::{KeyPlacement, MemberStatus, PartitionStatus, Status};
+use crate::transport::{AdminRequest, BoxFuture, Handler, Request, Response, Transport};
+use crate::types::Raft;
+use crate::NodeId;
+
+/// How long a forwarded proposal or admin request may take.
+const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a `Hello` during bootstrap may take.
+const HELLO_TIMEOUT: Duration = Duration::from_millis(500);
+/// Bootstrap retries this often until a majority of the listed peers answered.
+const BOOTSTRAP_RETRY: Duration = Duration::from_millis(300);
+/// How long `add-node` waits for the new node to copy the log before making it a voter.
+const LEARNER_CATCH_UP: Duration = Duration::from_secs(10);
+/// The leader's step (failure detection, publishing views) runs this often.
+const LEADER_STEP: Duration = Duration::from_millis(100);
+/// Raft snapshots after this many entries; older entries are then purged.
+const SNAPSHOT_EVERY_ENTRIES: u64 = 1000;
+
+/// How a node runs.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub id: NodeId,
+    /// This node's cluster address as the others reach it.
+    pub addr: String,
+    /// Every founding member (this one included), or empty when joining an existing cluster.
+    pub peers: BTreeMap<NodeId, String>,
+    /// Wait to be added (`cluster add-node`) instead of forming the cluster.
+    pub join: bool,
+    /// Where the Raft journal and snapshot live.
+    pub dir: PathBuf,
+    /// Proposed when this node creates the partition map.
+    pub map: MapConfig,
+    pub heartbeat: Duration,
+    pub election_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("the cluster has no leader yet (is a majority of the nodes up?)")]
+    NoLeader,
+    #[error("node {node} is not the leader{}", leader.map_or(String::new(), |l| format!(" (node {l} is)")))]
+    NotLeader {
+        node: NodeId,
+        leader: Option<NodeId>,
+    },
+    #[error("{0}")]
+    Transport(#[from] crate::transport::TransportError),
+    #[error("raft: {0}")]
+    Raft(String),
+    #[error("cannot open the cluster state: {0}")]
+    Storage(String),
+    #[error("invalid cluster configuration: {0}")]
+    Config(String),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// The lease this node holds, on its own monotonic clock.
+#[derive(Debug, Default)]
+struct LocalLease {
+    valid_until: Option<Instant>,
+    /// The lease holds only once this node applied the state up to here.
+    epoch: u64,
+    /// Whether the last check found it valid (to count expiries once).
+    was_valid: bool,
+}
+
+struct Inner {
+    config: NodeConfig,
+    raft: Raft,
+    state: SharedState,
+    transport: Arc<dyn Transport>,
+    lease: Mutex<LocalLease>,
+}
+
+/// A running cluster member. Serve [`ClusterNode::handler`] on the cluster address.
+pub struct ClusterNode {
+    inner: Arc<Inner>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+fn unix_now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl ClusterNode {
+    /// Opens the node's Raft state and starts it; the node forms or joins the cluster by itself.
+    pub async fn start(
+        config: NodeConfig,
+        transport: Arc<dyn Transport>,
+    ) -> Result<ClusterNode, ClusterError> {
+        if config.id == 0 {
+            return Err(ClusterError::Config("node ids start at 1".into()));
+        }
+        if !config.join && !config.peers.is_empty() && !config.peers.contains_key(&config.id) {
+            return Err(ClusterError::Config(format!(
+                "the peer list does not name this node (id {}); list every founding node, this one included, or start it with --join",
+                config.id
+            )));
+        }
+        let log = LogStore::open(&config.dir).map_err(|e| ClusterError::Storage(e.to_string()))?;
+        let machine = StateMachineStore::open(&config.dir)
+            .map_err(|e| ClusterError::Storage(e.to_string()))?;
+        let state = machine.shared();
+        let heartbeat = config.heartbeat.as_millis() as u64;
+        let election = config.election_timeout.as_millis() as u64;
+        let raft_config = openraft::Config {
+            cluster_name: "mqstate".into(),
+            heartbeat_interval: heartbeat.max(1),
+            election_timeout_min: election.max(heartbeat + 1),
+            election_timeout_max: election.max(heartbeat + 1) * 2,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
+            max_in_snapshot_log_to_keep: 100,
+            ..openraft::Config::default()
+        }
+        .validate()
+        .map_err(|e| ClusterError::Config(e.to_string()))?;
+        let raft = Raft::new(
+            config.id,
+            Arc::new(raft_config),
+            Network::new(Arc::clone(&transport)),
+            log,
+            machine,
+        )
+        .await
+        .map_err(|e| ClusterError::Raft(e.to_string()))?;
+        let inner = Arc::new(Inner {
+            config,
+            raft,
+            state,
+            transport,
+            lease: Mutex::new(LocalLease::default()),
+        });
+        let (stop, stopped) = watch::channel(false);
+        let tasks = vec![
+            tokio::spawn(bootstrap(Arc::clone(&inner), stopped.clone())),
+            tokio::spawn(lead(Arc::clone(&inner), stopped.clone())),
+            tokio::spawn(renew_lease(Arc::clone(&inner), stopped.clone())),
+            tokio::spawn(report_metrics(Arc::clone(&inner), stopped)),
+        ];
+        Ok(ClusterNode { inner, stop, tasks })
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.inner.config.id
+    }
+
+    /// Answers other nodes' requests; serve it on the cluster address.
+    pub fn handler(&self) -> Arc<dyn Handler> {
+        Arc::clone(&self.inner) as Arc<dyn Handler>
+    }
+
+    pub fn status(&self) -> Status {
+        self.inner.status()
+    }
+
+    /// The view under which this node may act on `partition` now, if any: the partition is in a
+    /// published view that has this node in its chain, and this node's lease is valid.
+    pub fn acting_view(&self, partition: PartitionId) -> Option<u64> {
+        if !self.inner.lease_valid() {
+            return None;
+        }
+        self.inner
+            .state
+            .read()
+            .state
+            .acting_view(self.inner.config.id, partition)
+    }
+
+    /// Where `key` lives, once the partition map exists.
+    pub fn partition_of(&self, key: &str) -> Option<KeyPlacement> {
+        let applied = self.inner.state.read();
+        let config = applied.state.config?;
+        let partition = partition_of(key.as_bytes(), config.partition_count);
+        let p = applied.state.partitions.get(partition as usize)?;
+        Some(KeyPlacement {
+            key: key.to_owned(),
+            partition,
+            chain: p.chain.clone(),
+            view: p.view,
+        })
+    }
+
+    /// Adds a node (learner first, then voter: joint consensus inside openraft), via the leader.
+    pub async fn add_node(&self, id: NodeId, addr: String) -> Result<(), ClusterError> {
+        if id == 0 {
+            return Err(ClusterError::Refused("node ids start at 1".into()));
+        }
+        self.inner.admin(AdminRequest::AddNode { id, addr }).await
+    }
+
+    /// Removes a node from the cluster, via the leader.
+    pub async fn remove_node(&self, id: NodeId) -> Result<(), ClusterError> {
+        self.inner.admin(AdminRequest::RemoveNode { id }).await
+    }
+
+    /// Waits until this node sees a leader, up to `timeout`.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> Option<NodeId> {
+        let mut metrics = self.inner.raft.metrics();
+        let wait = async {
+            loop {
+                if let Some(leader) = metrics.borrow().current_leader {
+                    return leader;
+                }
+                if metrics.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.ok()
+    }
+
+    /// Stops the node's tasks and its Raft.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        if let Err(e) = self.inner.raft.shutdown().await {
+            tracing::warn!("raft did not shut down cleanly: {e}");
+        }
+    }
+}
+
+impl Inner {
+    fn id(&self) -> NodeId {
+        self.config.id
+    }
+
+    fn lease(&self) -> MutexGuard<'_, LocalLease> {
+        self.lease.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lease_valid(&self) -> bool {
+        let (valid_until, epoch) = {
+            let lease = self.lease();
+            (lease.valid_until, lease.epoch)
+        };
+        valid_until.is_some_and(|until| Instant::now() < until)
+            && self.state.read().state.epoch >= epoch
+    }
+
+    fn leader(&self) -> Option<NodeId> {
+        self.raft.metrics().borrow().current_leader
+    }
+
+    fn addr_of(&self, id: NodeId) -> Option<String> {
+        self.raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .get_node(&id)
+            .map(|node| node.addr.clone())
+    }
+
+    /// Proposes `command` through the leader (this node or another).
+    async fn propose(&self, command: Command) -> Result<Outcome, ClusterError> {
+        let leader = self.leader().ok_or(ClusterError::NoLeader)?;
+        if leader == self.id() {
+            return self.propose_here(command).await;
+        }
+        let addr = self.addr_of(leader).ok_or(ClusterError::NoLeader)?;
+        match self
+            .transport
+            .call(&addr, Request::Propose(command), RPC_TIMEOUT)
+            .await?
+        {
+            Response::Proposed(outcome) => Ok(outcome),
+            Response::NotLeader { leader } => Err(ClusterError::NotLeader {
+                node: leader.unwrap_or(0),
+                leader,
+            }),
+            Response::Failed(reason) => Err(ClusterError::Raft(reason)),
+            other => Err(ClusterError::Raft(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Proposes on this node, which must be the leader; the leader's clock is stamped on it.
+    async fn propose_here(&self, command: Command) -> Result<Outcome, ClusterError> {
+        match self.raft.client_write(command.stamped(unix_now_ms())).await {
+            Ok(response) => Ok(response.data),
+            Err(e) => Err(self.write_error(e)),
+        }
+    }
+
+    fn write_error(
+        &self,
+        e: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>,
+    ) -> ClusterError {
+        match e {
+            RaftError::APIError(ClientWriteError::ForwardToLeader(forward)) => {
+                ClusterError::NotLeader {
+                    node: self.id(),
+                    leader: forward.leader_id,
+                }
+            }
+            other => ClusterError::Raft(other.to_string()),
+        }
+    }
+
+    async fn admin(&self, request: AdminRequest) -> Result<(), ClusterError> {
+        let leader = self.leader().ok_or(ClusterError::NoLeader)?;
+        if leader == self.id() {
+            return self.admin_here(request).await;
+        }
+        let addr = self.addr_of(leader).ok_or(ClusterError::NoLeader)?;
+        match self
+            .transport
+            .call(
+                &addr,
+                Request::Admin(request),
+                LEARNER_CATCH_UP + RPC_TIMEOUT * 2,
+            )
+            .await?
+        {
+            Response::AdminDone => Ok(()),
+            Response::NotLeader { leader } => Err(ClusterError::NotLeader {
+                node: leader.unwrap_or(0),
+                leader,
+            }),
+            Response::Failed(reason) => Err(ClusterError::Refused(reason)),
+            other => Err(ClusterError::Raft(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    async fn admin_here(&self, request: AdminRequest) -> Result<(), ClusterError> {
+        match request {
+            AdminRequest::AddNode { id, addr } => {
+                let membership = self.raft.metrics().borrow().membership_config.clone();
+                if membership.membership().voter_ids().any(|v| v == id) {
+                    return Err(ClusterError::Refused(format!(
+                        "node {id} is already a member"
+                    )));
+                }
+                // A learner first: it copies the log before it counts toward any quorum.
+                let learner = self.raft.add_learner(id, BasicNode::new(addr), true);
+                match tokio::time::timeout(LEARNER_CATCH_UP, learner).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => return Err(self.write_error(e)),
+                    Err(_) => tracing::warn!(
+                        node = id,
+                        "the new node has not caught up yet; making it a voter anyway"
+                    ),
+                }
+                self.raft
+                    .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false)
+                    .await
+                    .map_err(|e| self.write_error(e))?;
+                tracing::info!(node = id, "node added to the cluster");
+            }
+            AdminRequest::RemoveNode { id } => {
+                let membership = self.raft.metrics().borrow().membership_config.clone();
+                if membership.membership().get_node(&id).is_none() {
+                    return Err(ClusterError::Refused(format!("node {id} is not a member")));
+                }
+                let voters: BTreeSet<NodeId> = membership.membership().voter_ids().collect();
+                if voters.len() == 1 && voters.contains(&id) {
+                    return Err(ClusterError::Refused(
+                        "cannot remove the last voter of the cluster".into(),
+                    ));
+                }
+                let change = if voters.contains(&id) {
+                    ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+                } else {
+                    ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+                };
+                self.raft
+                    .change_membership(change, false)
+                    .await
+                    .map_err(|e| self.write_error(e))?;
+                tracing::info!(node = id, "node removed from the cluster");
+            }
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> Status {
+        let metrics = self.raft.metrics().borrow().clone();
+        let applied = self.state.read();
+        let membership = metrics.membership_config.membership();
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        let members = membership
+            .nodes()
+            .map(|(&id, node)| {
+                let up = applied.state.members.get(&id).is_some_and(|m| m.up);
+                MemberStatus {
+                    id,
+                    addr: node.addr.clone(),
+                    state: if up { "up" } else { "down" }.to_owned(),
+                    voter: voters.contains(&id),
+                }
+            })
+            .collect();
+        let partitions = applied
+            .state
+            .partitions
+            .iter()
+            .map(|p| PartitionStatus {
+                id: p.id,
+                chain: p.chain.clone(),
+                view: p.view,
+                read_view: p.read_view.clone(),
+                write_view: p.chain.clone(),
+                pending: p.pending.is_some(),
+            })
+            .collect();
+        let config = applied.state.config;
+        Status {
+            node_id: self.id(),
+            leader: metrics.current_leader,
+            term: metrics.current_term,
+            applied_index: metrics.last_applied.map(|id| id.index),
+            members,
+            partition_count: config.map_or(0, |c| c.partition_count),
+            replication_factor: config.map_or(0, |c| c.replication_factor),
+            partitions,
+        }
+    }
+}
+
+impl Handler for Inner {
+    fn handle(&self, request: Request) -> BoxFuture<'_, Response> {
+        Box::pin(async move {
+            let failed = |e: &dyn std::fmt::Display| Response::Failed(e.to_string());
+            match request {
+                Request::AppendEntries(rpc) => match self.raft.append_entries(rpc).await {
+                    Ok(response) => Response::AppendEntries(response),
+                    Err(e) => failed(&e),
+                },
+                Request::Vote(rpc) => match self.raft.vote(rpc).await {
+                    Ok(response) => Response::Vote(response),
+                    Err(e) => failed(&e),
+                },
+                Request::InstallSnapshot(rpc) => match self.raft.install_snapshot(rpc).await {
+                    Ok(response) => Response::InstallSnapshot(response),
+                    Err(e) => failed(&e),
+                },
+                Request::Propose(command) => match self.propose_here(command).await {
+                    Ok(outcome) => Response::Proposed(outcome),
+                    Err(ClusterError::NotLeader { leader, .. }) => Response::NotLeader { leader },
+                    Err(e) => failed(&e),
+                },
+                Request::Admin(request) => {
+                    if self.leader() != Some(self.id()) {
+                        return Response::NotLeader {
+                            leader: self.leader(),
+                        };
+                    }
+                    match self.admin_here(request).await {
+                        Ok(()) => Response::AdminDone,
+                        Err(ClusterError::NotLeader { leader, .. }) => {
+                            Response::NotLeader { leader }
+                        }
+                        Err(e) => failed(&e),
+                    }
+                }
+                Request::Hello => Response::Hello {
+                    node_id: self.id(),
+                    initialized: self.raft.is_initialized().await.unwrap_or(false),
+                },
+            }
+        })
+    }
+}
+
+/// Sleeps `period` unless told to stop; false once stopped.
+async fn pause(stopped: &mut watch::Receiver<bool>, period: Duration) -> bool {
+    let slept = tokio::select! {
+        _ = stopped.wait_for(|stop| *stop) => false,
+        () = tokio::time::sleep(period) => true,
+    };
+    slept && !*stopped.borrow()
+}
+
+/// Forms the cluster from the peer list: once a majority of the listed peers (this one included)
+/// answers that it has no Raft state, every one of them initializes Raft with the same membership
+/// (openraft accepts that). If any peer already belongs to a cluster, this node was not a founder:
+/// it waits to be added.
+async fn bootstrap(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let peers = inner.config.peers.clone();
+    if inner.config.join || peers.is_empty() {
+        return;
+    }
+    loop {
+        if inner.raft.is_initialized().await.unwrap_or(true) {
+            return;
+        }
+        let mut empty = 1usize;
+        let mut member_of_cluster = None;
+        for (&id, addr) in &peers {
+            if id == inner.id() {
+                continue;
+            }
+            match inner
+                .transport
+                .call(addr, Request::Hello, HELLO_TIMEOUT)
+                .await
+            {
+                Ok(Response::Hello {
+                    initialized: true, ..
+                }) => member_of_cluster = Some(id),
+                Ok(Response::Hello {
+                    initialized: false, ..
+                }) => empty += 1,
+                _ => {}
+            }
+        }
+        if let Some(peer) = member_of_cluster {
+            if !inner.raft.is_initialized().await.unwrap_or(true) {
+                tracing::info!(
+                    peer,
+                    "node {peer} already belongs to a cluster: waiting to be added (mqstate cluster add-node)"
+                );
+            }
+            return;
+        }
+        if empty * 2 > peers.len() {
+            let nodes: BTreeMap<NodeId, BasicNode> = peers
+                .iter()
+                .map(|(&id, addr)| (id, BasicNode::new(addr.clone())))
+                .collect();
+            match inner.raft.initialize(nodes).await {
+                Ok(()) => tracing::info!(peers = ?peers, "cluster formed from the peer list"),
+                Err(e) => tracing::debug!("not initializing: {e}"),
+            }
+            return;
+        }
+        if !pause(&mut stopped, BOOTSTRAP_RETRY).await {
+            return;
+        }
+    }
+}
+
+/// The leader's duties: create the partition map once, then step the control state (failure
+/// detection, publishing views) whenever a step would change it.
+async fn lead(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    while pause(&mut stopped, LEADER_STEP).await {
+        if inner.leader() != Some(inner.id()) {
+            continue;
+        }
+        let now_ms = unix_now_ms();
+        let command = {
+            let state = &inner.state.read().state;
+            if state.config.is_none() {
+                Some(Command::Init {
+                    config: inner.config.map,
+                    now_ms,
+                })
+            } else {
+                let mut stepped = state.clone();
+                stepped.apply(&Command::Tick { now_ms });
+                stepped.now_ms = state.now_ms;
+                (stepped != *state).then_some(Command::Tick { now_ms })
+            }
+        };
+        if let Some(command) = command {
+            if let Err(e) = inner.propose_here(command).await {
+                tracing::debug!("leader step not committed: {e}");
+            }
+        }
+    }
+}
+
+/// Renews this node's lease every third of a lease (so two renewals can fail before it lapses),
+/// confirming the state it has applied; and, until chains copy data, reports itself caught up on
+/// partitions whose write view it entered.
+async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let period = Duration::from_millis((inner.config.map.lease_ms / 3).max(50));
+    while pause(&mut stopped, period).await {
+        let (seen_epoch, catching_up) = {
+            let applied = inner.state.read();
+            let catching_up: Vec<PartitionId> = applied
+                .state
+                .partitions
+                .iter()
+                .filter(|p| {
+                    p.pending.is_none()
+                        && p.chain.contains(&inner.id())
+                        && !p.read_view.contains(&inner.id())
+                })
+                .map(|p| p.id)
+                .collect();
+            (applied.state.epoch, catching_up)
+        };
+        let asked_at = Instant::now();
+        let renewed = inner
+            .propose(Command::Renew {
+                node: inner.id(),
+                seen_epoch,
+                now_ms: 0,
+            })
+            .await;
+        match renewed {
+            Ok(Outcome::Granted { lease_ms, epoch }) => {
+                let mut lease = inner.lease();
+                lease.valid_until = Some(asked_at + Duration::from_millis(lease_ms));
+                lease.epoch = epoch;
+            }
+            Ok(other) => tracing::debug!(?other, "lease not granted"),
+            Err(e) => tracing::debug!("lease renewal failed: {e}"),
+        }
+        let valid = inner.lease_valid();
+        {
+            let mut lease = inner.lease();
+            if lease.was_valid && !valid {
+                metrics::counter!("mqstate_cluster_lease_expiries_total").increment(1);
+                tracing::warn!(
+                    "this node's control-plane lease expired: it stops acting on its partitions until renewed"
+                );
+            }
+            lease.was_valid = valid;
+        }
+        if valid && !catching_up.is_empty() {
+            let command = Command::CaughtUp {
+                node: inner.id(),
+                partitions: catching_up,
+            };
+            if let Err(e) = inner.propose(command).await {
+                tracing::debug!("catch-up report failed: {e}");
+            }
+        }
+    }
+}
+
+/// Publishes the control plane's figures through the `metrics` facade.
+async fn report_metrics(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    while pause(&mut stopped, Duration::from_secs(1)).await {
+        let raft = inner.raft.metrics().borrow().clone();
+        metrics::gauge!("mqstate_cluster_term").set(raft.current_term as f64);
+        metrics::gauge!("mqstate_cluster_leader").set(raft.current_leader.unwrap_or(0) as f64);
+        metrics::gauge!("mqstate_cluster_is_leader")
+            .set(f64::from(u8::from(raft.state == ServerState::Leader)));
+        metrics::gauge!("mqstate_cluster_commit_index")
+            .set(raft.last_applied.map_or(0, |id| id.index) as f64);
+        metrics::gauge!("mqstate_cluster_lease_valid")
+            .set(f64::from(u8::from(inner.lease_valid())));
+        let applied = inner.state.read();
+        let up = applied.state.members.values().filter(|m| m.up).count();
+        let down = applied.state.members.len() - up;
+        metrics::gauge!("mqstate_cluster_members", "state" => "up").set(up as f64);
+        metrics::gauge!("mqstate_cluster_members", "state" => "down").set(down as f64);
+        for p in &applied.state.partitions {
+            let partition = p.id.to_string();
+            metrics::gauge!("mqstate_cluster_partition_view", "partition" => partition.clone())
+                .set(p.view as f64);
+            metrics::gauge!("mqstate_cluster_partition_head", "partition" => partition.clone())
+                .set(p.chain.first().copied().unwrap_or(0) as f64);
+            metrics::gauge!("mqstate_cluster_partition_chain_length", "partition" => partition)
+                .set(p.chain.len() as f64);
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! openraft's state machine: the applied [`ControlState`], shared with the node that reads it, and
+//! its snapshots (kept in `<dir>/raft.snapshot`, replaced atomically, so the log they cover can be
+//! purged).
+
+use std::fs::File;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
+use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::control::{ControlState, Outcome};
+use crate::types::{storage_error, Entry, LogId, StorageError, StoredMembership, TypeConfig};
+use crate::NodeId;
+
+const SNAPSHOT_FILE: &str = "raft.snapshot";
+
+type Meta = SnapshotMeta<NodeId, openraft::BasicNode>;
+
+/// What the log has made of the control state so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    pub last_applied: Option<LogId>,
+    pub membership: StoredMembership,
+    pub state: ControlState,
+}
+
+/// The applied state, readable by the node while Raft applies.
+#[derive(Debug, Clone, Default)]
+pub struct SharedState(Arc<RwLock<Applied>>);
+
+impl SharedState {
+    pub fn read(&self) -> RwLockReadGuard<'_, Applied> {
+        // Writers replace whole values; a panic mid-apply leaves a consistent (if older) state.
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Applied> {
+        self.0.write().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: Meta,
+    data: Vec<u8>,
+}
+
+/// The state machine store.
+#[derive(Debug, Clone)]
+pub struct StateMachineStore {
+    state: SharedState,
+    dir: PathBuf,
+    /// Shared with the snapshot builders openraft gets (clones of this store).
+    current: Arc<Mutex<Current>>,
+}
+
+#[derive(Debug, Default)]
+struct Current {
+    snapshot: Option<StoredSnapshot>,
+    built: u64,
+}
+
+impl StateMachineStore {
+    /// Opens the store in `dir`, starting from the snapshot there if any.
+    #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
+    pub fn open(dir: &Path) -> Result<StateMachineStore, StorageError> {
+        std::fs::create_dir_all(dir).map_err(storage_error::read_snapshot)?;
+        let path = dir.join(SNAPSHOT_FILE);
+        let (current, applied) = match std::fs::read(&path) {
+            Ok(bytes) => {
+                let stored: StoredSnapshot = postcard::from_bytes(&bytes).map_err(|e| {
+                    storage_error::read_snapshot(format!(
+                        "the control-plane snapshot {} does not decode: {e}",
+                        path.display()
+                    ))
+                })?;
+                let applied: Applied = postcard::from_bytes(&stored.data).map_err(|e| {
+                    storage_error::read_snapshot(format!(
+                        "the control-plane snapshot {} holds no state: {e}",
+                        path.display()
+                    ))
+                })?;
+                (Some(stored), applied)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, Applied::default()),
+            Err(e) => return Err(storage_error::read_snapshot(e)),
+        };
+        Ok(StateMachineStore {
+            state: SharedState(Arc::new(RwLock::new(applied))),
+            dir: dir.to_owned(),
+            current: Arc::new(Mutex::new(Current {
+                snapshot: current,
+                built: 0,
+            })),
+        })
+    }
+
+    fn current(&self) -> MutexGuard<'_, Current> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn shared(&self) -> SharedState {
+        self.state.clone()
+    }
+
+    /// Writes `snapshot` to a temp file, fsyncs, renames it over the old one, fsyncs the directory.
+    #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
+    fn persist(&self, snapshot: &StoredSnapshot) -> Result<(), StorageError> {
+        let bytes = postcard::to_allocvec(snapshot).map_err(storage_error::write_snapshot)?;
+        let path = self.dir.join(SNAPSHOT_FILE);
+        let temp = self.dir.join(format!("{SNAPSHOT_FILE}.tmp"));
+        let written = std::fs::write(&temp, &bytes)
+            .and_then(|()| File::open(&temp)?.sync_all())
+            .and_then(|()| std::fs::rename(&temp, &path))
+            .and_then(|()| File::open(&self.dir)?.sync_all());
+        written.map_err(|e| {
+            storage_error::write_snapshot(format!("cannot write {}: {e}", path.display()))
+        })
+    }
+
+    fn to_snapshot(stored: &StoredSnapshot) -> Snapshot<TypeConfig> {
+        Snapshot {
+            meta: stored.meta.clone(),
+            snapshot: Box::new(Cursor::new(stored.data.clone())),
+        }
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let (data, last_log_id, last_membership) = {
+            let applied = self.state.read();
+            let data = postcard::to_allocvec(&*applied).map_err(storage_error::write_snapshot)?;
+            (data, applied.last_applied, applied.membership.clone())
+        };
+        let built = {
+            let mut current = self.current();
+            current.built += 1;
+            current.built
+        };
+        let snapshot_id = match last_log_id {
+            Some(id) => format!("{}-{}-{built}", id.leader_id.term, id.index),
+            None => format!("none-{built}"),
+        };
+        let stored = StoredSnapshot {
+            meta: Meta {
+                last_log_id,
+                last_membership,
+                snapshot_id,
+            },
+            data,
+        };
+        self.persist(&stored)?;
+        let snapshot = Self::to_snapshot(&stored);
+        self.current().snapshot = Some(stored);
+        Ok(snapshot)
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = StateMachineStore;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+        let applied = self.state.read();
+        Ok((applied.last_applied, applied.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Outcome>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut applied = self.state.write();
+        let mut outcomes = Vec::new();
+        for entry in entries {
+            applied.last_applied = Some(entry.log_id);
+            let outcome = match entry.payload {
+                EntryPayload::Blank => Outcome::Done,
+                EntryPayload::Normal(command) => applied.state.apply(&command),
+                EntryPayload::Membership(membership) => {
+                    let members = membership
+                        .nodes()
+                        .map(|(id, node)| (*id, node.addr.clone()))
+                        .collect();
+                    applied.state.set_members(&members);
+                    applied.membership = StoredMembership::new(Some(entry.log_id), membership);
+                    Outcome::Done
+                }
+            };
+            outcomes.push(outcome);
+        }
+        Ok(outcomes)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &Meta,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let data = snapshot.into_inner();
+        let applied: Applied = postcard::from_bytes(&data).map_err(|e| {
+            storage_error::read_snapshot(format!("a received snapshot does not decode: {e}"))
+        })?;
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data,
+        };
+        self.persist(&stored)?;
+        *self.state.write() = Applied {
+            last_applied: meta.last_log_id,
+            membership: meta.last_membership.clone(),
+            ..applied
+        };
+        self.current().snapshot = Some(stored);
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        Ok(self.current().snapshot.as_ref().map(Self::to_snapshot))
+    }
+}

@@ -1,0 +1,230 @@
+//! Frames over TCP. A caller keeps idle connections per address and reuses them; one request is in
+//! flight per connection. The server runs one task per accepted connection.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::{
+    decode_body, encode_frame, BoxFuture, Handler, Request, Response, Transport, TransportError,
+    MAX_FRAME_BYTES,
+};
+
+/// Idle connections kept per peer.
+const IDLE_PER_PEER: usize = 4;
+
+/// The TCP side of [`Transport`].
+#[derive(Debug, Default)]
+pub struct TcpTransport {
+    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+}
+
+impl TcpTransport {
+    pub fn new() -> TcpTransport {
+        TcpTransport::default()
+    }
+
+    fn take_idle(&self, addr: &str) -> Option<TcpStream> {
+        self.idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(addr)
+            .and_then(Vec::pop)
+    }
+
+    fn put_idle(&self, addr: &str, stream: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let list = idle.entry(addr.to_owned()).or_default();
+        if list.len() < IDLE_PER_PEER {
+            list.push(stream);
+        }
+    }
+
+    async fn exchange(stream: &mut TcpStream, frame: &[u8]) -> Result<Response, std::io::Error> {
+        stream.write_all(frame).await?;
+        read_frame(stream).await
+    }
+
+    async fn call_inner(&self, addr: &str, frame: Vec<u8>) -> Result<Response, TransportError> {
+        let unreachable = |e: std::io::Error| TransportError::Unreachable {
+            addr: addr.to_owned(),
+            reason: e.to_string(),
+        };
+        // A reused connection may have been closed by a restarted peer: one retry on a fresh one.
+        if let Some(mut stream) = self.take_idle(addr) {
+            if let Ok(response) = Self::exchange(&mut stream, &frame).await {
+                self.put_idle(addr, stream);
+                return Ok(response);
+            }
+        }
+        let mut stream = TcpStream::connect(addr).await.map_err(unreachable)?;
+        let _ = stream.set_nodelay(true);
+        let response = Self::exchange(&mut stream, &frame)
+            .await
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::InvalidData => TransportError::Frame {
+                    addr: addr.to_owned(),
+                    reason: e.to_string(),
+                },
+                _ => unreachable(e),
+            })?;
+        self.put_idle(addr, stream);
+        Ok(response)
+    }
+}
+
+impl Transport for TcpTransport {
+    fn call<'a>(
+        &'a self,
+        addr: &'a str,
+        request: Request,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Response, TransportError>> {
+        Box::pin(async move {
+            let frame = encode_frame(&request).map_err(|e| TransportError::Frame {
+                addr: addr.to_owned(),
+                reason: format!("cannot encode the request: {e}"),
+            })?;
+            match tokio::time::timeout(timeout, self.call_inner(addr, frame)).await {
+                Ok(result) => result,
+                Err(_) => Err(TransportError::Timeout {
+                    addr: addr.to_owned(),
+                    timeout,
+                }),
+            }
+        })
+    }
+}
+
+/// Reads one frame and decodes it; a length beyond [`MAX_FRAME_BYTES`] or a body that does not
+/// decode is `InvalidData`.
+pub async fn read_frame<T: DeserializeOwned>(stream: &mut TcpStream) -> std::io::Result<T> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit of {MAX_FRAME_BYTES}"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).await?;
+    decode_body(&body).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame does not decode: {e}"),
+        )
+    })
+}
+
+/// Answers requests on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    handler: Arc<dyn Handler>,
+    shutdown: impl Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                let handler = Arc::clone(&handler);
+                tokio::spawn(async move {
+                    if let Err(e) = serve_connection(stream, handler).await {
+                        if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                            tracing::debug!(%peer, "cluster connection closed: {e}");
+                        }
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!("cannot accept a cluster connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn serve_connection(mut stream: TcpStream, handler: Arc<dyn Handler>) -> std::io::Result<()> {
+    loop {
+        let request: Request = match read_frame(&mut stream).await {
+            Ok(request) => request,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                tracing::warn!("refusing a cluster connection: {e}");
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        let response = handler.handle(request).await;
+        let frame = encode_frame(&response)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+        stream.write_all(&frame).await?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Echo;
+
+    impl Handler for Echo {
+        fn handle(&self, request: Request) -> BoxFuture<'_, Response> {
+            Box::pin(async move {
+                match request {
+                    Request::Hello => Response::Hello {
+                        node_id: 7,
+                        initialized: true,
+                    },
+                    _ => Response::Failed("unexpected".into()),
+                }
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn requests_get_responses_and_oversized_frames_are_refused() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = tokio::spawn(serve(listener, Arc::new(Echo), std::future::pending()));
+        let transport = TcpTransport::new();
+        for _ in 0..3 {
+            let response = transport
+                .call(&addr, Request::Hello, Duration::from_secs(5))
+                .await
+                .unwrap();
+            assert!(matches!(
+                response,
+                Response::Hello {
+                    node_id: 7,
+                    initialized: true
+                }
+            ));
+        }
+        // A frame claiming more than the limit closes the connection without an answer.
+        let mut raw = TcpStream::connect(&addr).await.unwrap();
+        raw.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        let mut buf = [0u8; 1];
+        assert_eq!(raw.read(&mut buf).await.unwrap(), 0);
+        // Nobody listening: unreachable, not a hang.
+        let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead = closed.local_addr().unwrap().to_string();
+        drop(closed);
+        let err = transport
+            .call(&dead, Request::Hello, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TransportError::Unreachable { .. }), "{err}");
+        server.abort();
+    }
+}

@@ -1,0 +1,156 @@
+//! `mqstate serve` as a cluster member: starts the control-plane node on `--cluster-listen`, and
+//! answers the operator's `mqstate cluster …` requests on the admin topic of the MQTT port. The
+//! state store itself still runs locally; its chains are the next step (issue 15).
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use bytes::Bytes;
+use mqstate_broker::service::ServiceInbox;
+use mqstate_broker::{Broker, Message, PublishProperties, QoS};
+use mqstate_cluster::admin::{AdminCall, AdminReply};
+use mqstate_cluster::transport::tcp::{self, TcpTransport};
+use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig};
+use tokio::net::TcpListener;
+
+use crate::settings::ClusterSettings;
+
+/// The running node and its listener task.
+pub struct Running {
+    pub node: Arc<ClusterNode>,
+    listener: tokio::task::JoinHandle<()>,
+}
+
+/// Binds the cluster address and starts the node; it forms or joins the cluster in the background.
+pub async fn start(
+    settings: &ClusterSettings,
+    data_dir: &std::path::Path,
+) -> anyhow::Result<Running> {
+    let listener = TcpListener::bind(settings.listen)
+        .await
+        .with_context(|| format!("cannot listen for cluster traffic on {}", settings.listen))?;
+    let config = NodeConfig {
+        id: settings.node_id,
+        addr: settings.advertise.clone(),
+        peers: settings.peers.clone(),
+        join: settings.join,
+        dir: data_dir.join("cluster"),
+        map: MapConfig {
+            partition_count: settings.partitions,
+            replication_factor: settings.replication_factor,
+            lease_ms: settings.lease.as_millis() as u64,
+            clock_factor_ms: settings.clock_factor.as_millis() as u64,
+        },
+        heartbeat: settings.election_timeout / 5,
+        election_timeout: settings.election_timeout,
+    };
+    let node = ClusterNode::start(config, Arc::new(TcpTransport::new()))
+        .await
+        .context("cannot start the cluster node")?;
+    let node = Arc::new(node);
+    let listener = tokio::spawn(tcp::serve(listener, node.handler(), std::future::pending()));
+    tracing::info!(
+        node_id = settings.node_id,
+        cluster_listen = %settings.listen,
+        peers = ?settings.peers,
+        join = settings.join,
+        "cluster node started"
+    );
+    Ok(Running { node, listener })
+}
+
+impl Running {
+    pub async fn stop(self) {
+        self.listener.abort();
+        let _ = self.listener.await;
+        match Arc::try_unwrap(self.node) {
+            Ok(node) => node.shutdown().await,
+            Err(_) => tracing::warn!("cluster node still in use at shutdown"),
+        }
+    }
+}
+
+/// Answers admin requests until the inbox closes or `shutdown` completes. Without a cluster every
+/// request gets an error saying so.
+pub async fn serve_admin(
+    broker: Broker,
+    mut inbox: ServiceInbox,
+    node: Option<Arc<ClusterNode>>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        let mut request = tokio::select! {
+            () = &mut shutdown => return,
+            request = inbox.recv() => match request {
+                Some(request) => request,
+                None => return,
+            },
+        };
+        request.ack(0);
+        let properties = &request.message.properties;
+        let Some(response_topic) = properties.response_topic.clone() else {
+            tracing::debug!(client = %request.client_id, "admin request without a response topic ignored");
+            continue;
+        };
+        let correlation = properties.correlation_data.clone();
+        let call = serde_json::from_slice::<AdminCall>(&request.message.payload);
+        let broker = broker.clone();
+        let node = node.clone();
+        // Membership changes take seconds; status requests must not queue behind them.
+        tokio::spawn(async move {
+            let reply = match (call, node) {
+                (Err(e), _) => AdminReply::error(format!("invalid admin request: {e}")),
+                (Ok(_), None) => AdminReply::error(
+                    "this server is a single node, not part of a cluster (start it with --node-id, --cluster-listen and --peers)",
+                ),
+                (Ok(call), Some(node)) => execute(&node, call).await,
+            };
+            let payload = serde_json::to_vec(&reply).unwrap_or_default();
+            broker.publish(Message {
+                topic: response_topic,
+                payload: Bytes::from(payload),
+                qos: QoS::AtLeastOnce,
+                retain: false,
+                properties: PublishProperties {
+                    correlation_data: correlation,
+                    content_type: Some("application/json".into()),
+                    payload_is_utf8: true,
+                    ..PublishProperties::default()
+                },
+            });
+        });
+    }
+}
+
+async fn execute(node: &ClusterNode, call: AdminCall) -> AdminReply {
+    match call {
+        AdminCall::Status => AdminReply {
+            status: Some(node.status()),
+            ..AdminReply::default()
+        },
+        AdminCall::PartitionOf { key } => match node.partition_of(&key) {
+            Some(placement) => AdminReply {
+                placement: Some(placement),
+                ..AdminReply::default()
+            },
+            None => AdminReply::error(
+                "the partition map does not exist yet: the cluster has not formed",
+            ),
+        },
+        AdminCall::AddNode { id, addr } => match node.add_node(id, addr).await {
+            Ok(()) => AdminReply {
+                done: Some(true),
+                ..AdminReply::default()
+            },
+            Err(e) => AdminReply::error(e.to_string()),
+        },
+        AdminCall::RemoveNode { id } => match node.remove_node(id).await {
+            Ok(()) => AdminReply {
+                done: Some(true),
+                ..AdminReply::default()
+            },
+            Err(e) => AdminReply::error(e.to_string()),
+        },
+    }
+}

@@ -1,0 +1,257 @@
+//! Real `mqstate serve` processes on loopback forming a cluster: status agrees on every node, the
+//! leader is killed with SIGKILL and replaced, restarts and rejoins, a fourth node is added and
+//! another removed, and all of them restarted together keep the configuration.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::{free_addr, Server};
+use serde_json::Value;
+
+/// Generous: the machine running the tests may be loaded. Timings are measured and printed, not
+/// asserted.
+const AGREEMENT_TIMEOUT: Duration = Duration::from_secs(90);
+
+struct Node {
+    id: u64,
+    cluster_addr: SocketAddr,
+    server: Server,
+}
+
+fn start_node(root: &Path, id: u64, cluster_addr: SocketAddr, membership: &[&str]) -> Node {
+    let id_text = id.to_string();
+    let listen = cluster_addr.to_string();
+    let mut args = vec!["--node-id", &id_text, "--cluster-listen", &listen];
+    args.extend_from_slice(membership);
+    let server = Server::start_in(&root.join(format!("n{id}")), &args, &[]);
+    Node {
+        id,
+        cluster_addr,
+        server,
+    }
+}
+
+fn cli(port: u16, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .args(args)
+        .args(["--port", &port.to_string(), "--timeout", "5"])
+        .env_remove("AIO_BROKER_HOSTNAME")
+        .env_remove("AIO_BROKER_TCP_PORT")
+        .output()
+        .expect("run mqstate")
+}
+
+fn status(node: &Node) -> Option<Value> {
+    let out = cli(node.server.port(), &["cluster", "status", "--json"]);
+    if !out.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+fn member_ids(status: &Value) -> Vec<u64> {
+    status["members"]
+        .as_array()
+        .map(|members| members.iter().filter_map(|m| m["id"].as_u64()).collect())
+        .unwrap_or_default()
+}
+
+fn member_state(status: &Value, id: u64) -> Option<String> {
+    status["members"]
+        .as_array()?
+        .iter()
+        .find(|m| m["id"].as_u64() == Some(id))
+        .and_then(|m| m["state"].as_str().map(str::to_owned))
+}
+
+/// Every node reports the same leader and the same members (`expected`, all up), and a settled
+/// partition map (no pending view).
+fn agreed(nodes: &[&Node], expected: &[u64]) -> Option<u64> {
+    let statuses: Vec<Value> = nodes.iter().map(|n| status(n)).collect::<Option<_>>()?;
+    let leader = statuses[0]["leader"].as_u64()?;
+    for s in &statuses {
+        if s["leader"].as_u64() != Some(leader) || member_ids(s) != expected {
+            return None;
+        }
+        if expected
+            .iter()
+            .any(|&id| member_state(s, id).as_deref() != Some("up"))
+        {
+            return None;
+        }
+        let partitions = s["partitions"].as_array()?;
+        if partitions.is_empty() || partitions.iter().any(|p| p["pending"] != false) {
+            return None;
+        }
+        if s["partitions"] != statuses[0]["partitions"] {
+            return None;
+        }
+    }
+    Some(leader)
+}
+
+fn eventually<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> (T, Duration) {
+    let started = Instant::now();
+    loop {
+        if let Some(value) = check() {
+            return (value, started.elapsed());
+        }
+        assert!(
+            started.elapsed() < AGREEMENT_TIMEOUT,
+            "not within {AGREEMENT_TIMEOUT:?}: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn three_processes_form_a_cluster_survive_kill_9_and_change_membership() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs: Vec<SocketAddr> = (0..4).map(|_| free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let founding = ["--peers", peers.as_str()];
+    let mut nodes: Vec<Node> = (1..=3)
+        .map(|id| start_node(root.path(), id, addrs[id as usize - 1], &founding))
+        .collect();
+
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let (leader, formed_in) = eventually("three nodes agree on a leader and members", || {
+        agreed(&refs, &[1, 2, 3])
+    });
+    eprintln!("cluster formed and agreed in {formed_in:?}; leader {leader}");
+    let s = status(&nodes[1]).unwrap();
+    assert_eq!(s["node_id"], 2);
+    assert!(s["term"].as_u64().unwrap() >= 1);
+    let partitions = s["partitions"].as_array().unwrap();
+    assert_eq!(partitions.len(), 64);
+    for p in partitions {
+        assert_eq!(p["chain"].as_array().unwrap().len(), 3);
+        assert_eq!(p["read_view"], p["write_view"]);
+        assert!(p["view"].as_u64().unwrap() >= 1);
+    }
+
+    // The human table and partition-of.
+    let table = cli(nodes[0].server.port(), &["cluster", "status"]);
+    assert!(table.status.success());
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains(&format!("leader {leader}")), "{table}");
+    for node in &nodes {
+        assert!(table.contains(&node.cluster_addr.to_string()), "{table}");
+    }
+    let placed = cli(
+        nodes[2].server.port(),
+        &["cluster", "partition-of", "sensor/1", "--json"],
+    );
+    assert!(placed.status.success());
+    let placed: Value = serde_json::from_slice(&placed.stdout).unwrap();
+    assert_eq!(
+        placed["partition"].as_u64(),
+        Some(u64::from(mqstate_cluster::partition::partition_of(
+            b"sensor/1",
+            64
+        )))
+    );
+    assert_eq!(placed["chain"].as_array().unwrap().len(), 3);
+
+    // kill -9 the leader: the other two elect a new one and take the old one out of its chains.
+    let index = nodes.iter().position(|n| n.id == leader).unwrap();
+    nodes[index].server.kill9();
+    let killed_at = Instant::now();
+    let rest: Vec<&Node> = nodes.iter().filter(|n| n.id != leader).collect();
+    let (new_leader, _) = eventually("a new leader after kill -9", || {
+        let statuses: Vec<Value> = rest.iter().map(|n| status(n)).collect::<Option<_>>()?;
+        let first = statuses[0]["leader"].as_u64()?;
+        (first != leader && statuses.iter().all(|s| s["leader"].as_u64() == Some(first)))
+            .then_some(first)
+    });
+    eprintln!(
+        "new leader {new_leader} seen by both survivors {:?} after kill -9 of leader {leader} (default settings)",
+        killed_at.elapsed()
+    );
+    eventually("the killed leader is down and out of every chain", || {
+        rest.iter()
+            .all(|n| {
+                status(n).is_some_and(|s| {
+                    member_state(&s, leader).as_deref() == Some("down")
+                        && s["partitions"].as_array().is_some_and(|ps| {
+                            ps.iter().all(|p| {
+                                p["pending"] == false
+                                    && !p["chain"].as_array().is_some_and(|c| {
+                                        c.iter().any(|id| id.as_u64() == Some(leader))
+                                    })
+                            })
+                        })
+                })
+            })
+            .then_some(())
+    });
+    eprintln!(
+        "old leader taken out of its chains {:?} after the kill",
+        killed_at.elapsed()
+    );
+
+    // The old leader restarts on its data and rejoins.
+    nodes[index].server.restart();
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let (_, rejoined_in) = eventually("the old leader rejoined", || agreed(&refs, &[1, 2, 3]));
+    eprintln!("old leader rejoined in {rejoined_in:?}");
+
+    // A fourth node, started with --join, is added; then node 2 (or 3, if 2 leads) is removed.
+    nodes.push(start_node(root.path(), 4, addrs[3], &["--join"]));
+    let added = cli(
+        nodes[0].server.port(),
+        &["cluster", "add-node", "4", &addrs[3].to_string()],
+    );
+    assert!(
+        added.status.success(),
+        "{}",
+        String::from_utf8_lossy(&added.stderr)
+    );
+    let refs: Vec<&Node> = nodes.iter().collect();
+    eventually("four members agree", || agreed(&refs, &[1, 2, 3, 4]));
+    let current = status(&nodes[0]).unwrap()["leader"].as_u64().unwrap();
+    let gone = if current == 2 { 3 } else { 2 };
+    let asked = nodes.iter().find(|n| n.id != gone).unwrap();
+    let removed = cli(
+        asked.server.port(),
+        &["cluster", "remove-node", &gone.to_string()],
+    );
+    assert!(
+        removed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&removed.stderr)
+    );
+    let index = nodes.iter().position(|n| n.id == gone).unwrap();
+    nodes.remove(index).server.stop();
+    let remaining: Vec<u64> = nodes.iter().map(|n| n.id).collect();
+    let refs: Vec<&Node> = nodes.iter().collect();
+    eventually("the removed node is gone everywhere", || {
+        agreed(&refs, &remaining)
+    });
+
+    // All of them restarted together keep the configuration.
+    for node in &mut nodes {
+        node.server.stop();
+    }
+    for node in &mut nodes {
+        node.server.restart();
+    }
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let (_, back_in) = eventually("the same configuration after a full restart", || {
+        agreed(&refs, &remaining)
+    });
+    eprintln!("full restart agreed again in {back_in:?}");
+}
+
+#[test]
+fn a_single_node_says_it_is_not_a_cluster() {
+    let server = Server::start();
+    let out = cli(server.port(), &["cluster", "status"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("single node"), "{err}");
+}
