@@ -1,4 +1,4 @@
-//! Node-to-node messages and how they travel (decision 0018-raft-transport): request/response
+//! Node-to-node messages and how they travel (decision 0022): request/response
 //! pairs in length-prefixed frames — a `u32` big-endian length, then the postcard encoding — over
 //! TCP ([`tcp`]), or handed over in memory for tests ([`mem`]). One mechanism for the control plane
 //! now and the chains later: a new message is a new enum variant.
