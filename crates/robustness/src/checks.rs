@@ -1,7 +1,7 @@
 //! The checks of one run's history: linearizability per key, acknowledged writes after recovery,
 //! versions, fencing tokens, notifications, persistent sessions.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -282,7 +282,7 @@ fn notifications(history: &History, by_key: &BTreeMap<&str, Vec<&Op>>, findings:
             })
             .collect();
         let mut previous: Option<&crate::history::Notified> = None;
-        let mut received: BTreeSet<&Version> = BTreeSet::new();
+        let mut received: BTreeMap<&Version, Change> = BTreeMap::new();
         for &i in indices {
             let n = &history.notifications[i];
             let Some(version) = &n.version else {
@@ -292,7 +292,18 @@ fn notifications(history: &History, by_key: &BTreeMap<&str, Vec<&Op>>, findings:
                 ));
                 continue;
             };
-            received.insert(version);
+            // QoS 1 into a persistent session is at least once: after a reconnect or a restart
+            // the unacknowledged ones come again. A repeat is not a step back.
+            if let Some(first) = received.get(version) {
+                if *first != n.change {
+                    findings.violations.push(notify_violation(
+                        key,
+                        format!("{observer} got version {version} twice with different changes"),
+                    ));
+                }
+                continue;
+            }
+            received.insert(version, n.change.clone());
             if let (Change::Set(value), Some(op)) = (&n.change, written.get(version)) {
                 if let Cmd::Set { value: sent, .. } = &op.cmd {
                     if sent != value {
@@ -303,9 +314,8 @@ fn notifications(history: &History, by_key: &BTreeMap<&str, Vec<&Op>>, findings:
                     }
                 }
             }
-            if let Some(prev) = previous.and_then(|p| Some((p, p.version.as_ref()?))) {
-                let (p, pv) = prev;
-                if version < pv || (version == pv && n.change != p.change) {
+            if let Some(pv) = previous.and_then(|p| p.version.as_ref()) {
+                if version < pv {
                     findings.violations.push(notify_violation(
                         key,
                         format!(
@@ -339,7 +349,8 @@ fn notifications(history: &History, by_key: &BTreeMap<&str, Vec<&Op>>, findings:
                 let Outcome::Written(v) = &op.outcome else {
                     continue;
                 };
-                if op.invoked_us > registered.registered_us && v < last && !received.contains(v) {
+                if op.invoked_us > registered.registered_us && v < last && !received.contains_key(v)
+                {
                     findings.violations.push(Violation {
                         check: "notification-gap",
                         key: (*key).to_owned(),
@@ -361,5 +372,160 @@ fn notify_violation(key: &str, detail: String) -> Violation {
         key: key.to_owned(),
         detail,
         ops: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::{Condition, Notified, Registration};
+
+    fn v(n: u64) -> Version {
+        Version::parse(&format!("{n:015}:00000:n")).unwrap()
+    }
+
+    fn op(id: usize, key: &str, cmd: Cmd, outcome: Outcome, at: u64) -> Op {
+        Op {
+            id,
+            client: format!("c{id}"),
+            key: key.into(),
+            cmd,
+            invoked_us: at,
+            returned_us: Some(at + 10),
+            outcome,
+            incarnation: 0,
+        }
+    }
+
+    fn set(value: &str, token: Option<u64>) -> Cmd {
+        Cmd::Set {
+            value: value.into(),
+            condition: Condition::Always,
+            px_ms: None,
+            fencing_token: token.map(v),
+        }
+    }
+
+    fn notified(epoch: u32, value: &str, version: u64) -> Notified {
+        Notified {
+            observer: "o".into(),
+            epoch,
+            key: "k".into(),
+            change: Change::Set(value.into()),
+            version: Some(v(version)),
+            received_us: 0,
+        }
+    }
+
+    fn checks_of(history: &History) -> Vec<&'static str> {
+        run_checks(history, Duration::from_secs(10))
+            .violations
+            .iter()
+            .map(|v| v.check)
+            .collect()
+    }
+
+    fn three_sets() -> History {
+        History {
+            ops: vec![
+                op(0, "k", set("a", None), Outcome::Written(v(1)), 100),
+                op(1, "k", set("b", None), Outcome::Written(v(2)), 200),
+                op(2, "k", set("c", None), Outcome::Written(v(3)), 300),
+            ],
+            registrations: vec![Registration {
+                observer: "o".into(),
+                epoch: 1,
+                key: "k".into(),
+                registered_us: 50,
+            }],
+            ..History::default()
+        }
+    }
+
+    #[test]
+    fn repeated_notifications_after_a_reconnect_are_not_out_of_order() {
+        let mut history = three_sets();
+        history.notifications = vec![
+            notified(1, "a", 1),
+            notified(1, "b", 2),
+            notified(2, "a", 1),
+            notified(2, "b", 2),
+            notified(2, "c", 3),
+        ];
+        assert_eq!(checks_of(&history), Vec::<&str>::new());
+    }
+
+    #[test]
+    fn a_missing_or_reordered_notification_is_reported() {
+        let mut history = three_sets();
+        history.notifications = vec![notified(1, "a", 1), notified(1, "c", 3)];
+        assert_eq!(checks_of(&history), vec!["notification-gap"]);
+        history.notifications = vec![
+            notified(1, "a", 1),
+            notified(1, "c", 3),
+            notified(1, "b", 2),
+        ];
+        assert_eq!(checks_of(&history), vec!["notification-order"]);
+    }
+
+    #[test]
+    fn an_older_fencing_token_accepted_later_is_reported() {
+        let history = History {
+            ops: vec![
+                op(
+                    0,
+                    "fenced/0",
+                    set("a", Some(50)),
+                    Outcome::Written(v(100)),
+                    0,
+                ),
+                op(
+                    1,
+                    "fenced/0",
+                    set("b", Some(40)),
+                    Outcome::Written(v(200)),
+                    100,
+                ),
+            ],
+            ..History::default()
+        };
+        let found = checks_of(&history);
+        assert!(found.contains(&"fencing"), "{found:?}");
+        assert!(found.contains(&"linearizability"), "{found:?}");
+    }
+
+    #[test]
+    fn a_version_going_back_is_reported() {
+        let history = History {
+            ops: vec![
+                op(0, "k", set("a", None), Outcome::Written(v(5)), 0),
+                op(
+                    1,
+                    "k",
+                    Cmd::Get,
+                    Outcome::Hit {
+                        value: "a".into(),
+                        version: v(4),
+                    },
+                    100,
+                ),
+            ],
+            ..History::default()
+        };
+        assert!(checks_of(&history).contains(&"version-order"));
+    }
+
+    #[test]
+    fn a_final_read_missing_an_acknowledged_write_counts_as_lost() {
+        let mut history = History {
+            ops: vec![op(0, "k", set("a", None), Outcome::Written(v(1)), 0)],
+            ..History::default()
+        };
+        let mut read = op(1, "k", Cmd::Get, Outcome::Miss, 1000);
+        read.client = FINAL_CLIENT.into();
+        history.ops.push(read);
+        let findings = run_checks(&history, Duration::from_secs(10));
+        assert_eq!(findings.acked_lost, 1);
+        assert_eq!(findings.violations[0].check, "acknowledged-write-lost");
     }
 }
