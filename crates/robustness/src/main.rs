@@ -51,6 +51,10 @@ struct Args {
     /// Seconds the linearizability search may spend on one key.
     #[arg(long, default_value_t = 20)]
     check_budget: u64,
+    /// The server's `--fsync` policy. Anything but `always` acknowledges writes before they are
+    /// durable: a negative control, under which the power-loss fault must find lost writes.
+    #[arg(long, default_value = "always")]
+    fsync: String,
     /// Keep the data directory, server log and history of passing runs too.
     #[arg(long)]
     keep: bool,
@@ -200,7 +204,7 @@ fn run_one(
 ) -> anyhow::Result<RunSummary> {
     let _ = std::fs::remove_dir_all(run_dir);
     std::fs::create_dir_all(run_dir)?;
-    let server = Server::start(&args.server, run_dir)?;
+    let server = Server::start(&args.server, run_dir, &args.fsync)?;
     let shared = Shared::new(server.addr);
     let duration = Duration::from_secs(args.duration);
     let schedule = faults::schedule(seed, duration);

@@ -27,12 +27,13 @@ pub struct Server {
     data_dir: PathBuf,
     markers: PathBuf,
     log: PathBuf,
+    fsync: String,
     child: Option<Child>,
 }
 
 impl Server {
     /// Starts a server on a free loopback port; its data and marker files live under `run_dir`.
-    pub fn start(binary: &Path, run_dir: &Path) -> anyhow::Result<Server> {
+    pub fn start(binary: &Path, run_dir: &Path, fsync: &str) -> anyhow::Result<Server> {
         let markers = run_dir.join("markers");
         fs::create_dir_all(&markers).context("creating the marker directory")?;
         let mut server = Server {
@@ -41,6 +42,7 @@ impl Server {
             data_dir: run_dir.join("data"),
             markers,
             log: run_dir.join("server.log"),
+            fsync: fsync.to_owned(),
             child: None,
         };
         server.spawn()?;
@@ -80,7 +82,12 @@ impl Server {
             .arg(self.addr.to_string())
             .arg("--data-dir")
             .arg(&self.data_dir)
-            .args(["--fsync", "always", "--snapshot-threshold-bytes", "262144"])
+            .args([
+                "--fsync",
+                &self.fsync,
+                "--snapshot-threshold-bytes",
+                "262144",
+            ])
             .env("MQSTATE_FAILPOINT", self.failpoint_spec())
             .env("MQSTATE_LOG", "warn")
             .stdin(Stdio::null())

@@ -53,84 +53,34 @@ pub fn render(seed: u64, history: &History, findings: &Findings) -> String {
         .max()
         .unwrap_or(start + 1)
         .max(start + 1);
-    let x = |t: u64| {
-        LEFT + (t.clamp(start, end) - start) as f64 / (end - start) as f64 * (WIDTH - LEFT - 10.0)
-    };
-    let mut rows: BTreeMap<&str, usize> = BTreeMap::new();
-    for op in &drawn {
-        let next = rows.len();
-        rows.entry(op.client.as_str()).or_insert(next);
+    let mut svg = draw(history, &drawn, &flagged, start, end);
+    // The first violation up close: its operations on its key, ±0.5 s.
+    if let Some(first) = findings.violations.iter().find(|v| !v.ops.is_empty()) {
+        let named: Vec<&Op> = history
+            .ops
+            .iter()
+            .filter(|op| first.ops.contains(&op.id))
+            .collect();
+        let from = named.iter().map(|op| op.invoked_us).min().unwrap_or(start);
+        let to = named
+            .iter()
+            .map(|op| op.returned_us.unwrap_or(op.invoked_us))
+            .max()
+            .unwrap_or(end);
+        let (from, to) = (from.saturating_sub(500_000), to.saturating_add(500_000));
+        let near: Vec<&Op> = history
+            .ops
+            .iter()
+            .filter(|op| op.key == first.key)
+            .filter(|op| op.invoked_us <= to && op.returned_us.unwrap_or(u64::MAX) >= from)
+            .collect();
+        svg.push_str(&format!(
+            "<h2>Up close: {} on {}</h2>",
+            esc(first.check),
+            esc(&first.key)
+        ));
+        svg.push_str(&draw(history, &near, &flagged, from, to.max(from + 1)));
     }
-    let height = (rows.len() as f64 + 2.0) * ROW + 20.0;
-    let mut svg = String::new();
-    let _ = write!(
-        svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="monospace" font-size="11">"#
-    );
-    for fault in &history.faults {
-        let (a, b) = (
-            x(fault.started_us),
-            x(fault.ended_us).max(x(fault.started_us) + 2.0),
-        );
-        let _ = write!(
-            svg,
-            r#"<rect x="{a:.1}" y="0" width="{:.1}" height="{height}" fill="orange" opacity="0.25"><title>{}: {}</title></rect><text x="{a:.1}" y="12">{}</text>"#,
-            b - a,
-            esc(&fault.kind),
-            esc(&fault.detail),
-            esc(&fault.kind)
-        );
-    }
-    for incarnation in &history.incarnations {
-        if let Some(ended) = incarnation.ended_us {
-            let at = x(ended);
-            let _ = write!(
-                svg,
-                r#"<line x1="{at:.1}" x2="{at:.1}" y1="0" y2="{height}" stroke="black" stroke-dasharray="4 2"/>"#
-            );
-        }
-    }
-    for (client, row) in &rows {
-        let y = 20.0 + *row as f64 * ROW;
-        let _ = write!(
-            svg,
-            r#"<text x="4" y="{:.1}">{}</text>"#,
-            y + 12.0,
-            esc(client)
-        );
-    }
-    for op in &drawn {
-        let y = 20.0 + rows[op.client.as_str()] as f64 * ROW;
-        let (a, known_end) = (x(op.invoked_us), op.returned_us);
-        let b = x(known_end.unwrap_or_else(|| history.effect_deadline_us(op.incarnation).min(end)));
-        let color = if flagged.contains(&op.id) {
-            "red"
-        } else {
-            match op.outcome {
-                Outcome::Written(_) | Outcome::Deleted(1) => "steelblue",
-                Outcome::Hit { .. } | Outcome::Miss => "seagreen",
-                Outcome::Unknown | Outcome::Unexpected(_) => "gray",
-                _ => "silver",
-            }
-        };
-        let dash = if known_end.is_none() {
-            r#" stroke-dasharray="3 2""#
-        } else {
-            ""
-        };
-        let _ = write!(
-            svg,
-            r#"<rect x="{a:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{color}" stroke="{color}"{dash} fill-opacity="0.7"><title>#{} {} {} {} → {:?}</title></rect>"#,
-            (b - a).max(1.0),
-            ROW - 6.0,
-            op.id,
-            esc(&op.client),
-            esc(op.cmd.name()),
-            esc(&op.key),
-            op.outcome
-        );
-    }
-    svg.push_str("</svg>");
 
     let mut html = format!(
         "<!doctype html><meta charset=utf-8><title>mqstate robustness run {seed}</title>\
@@ -184,4 +134,96 @@ fn esc(text: &str) -> String {
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
+}
+
+fn draw(
+    history: &History,
+    drawn: &[&Op],
+    flagged: &BTreeSet<usize>,
+    start: u64,
+    end: u64,
+) -> String {
+    let x = |t: u64| {
+        LEFT + (t.clamp(start, end) - start) as f64 / (end - start) as f64 * (WIDTH - LEFT - 10.0)
+    };
+    let mut rows: BTreeMap<&str, usize> = BTreeMap::new();
+    for op in drawn {
+        let next = rows.len();
+        rows.entry(op.client.as_str()).or_insert(next);
+    }
+    let height = (rows.len() as f64 + 2.0) * ROW + 20.0;
+    let mut svg = String::new();
+    let _ = write!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="monospace" font-size="11">"#
+    );
+    for fault in history
+        .faults
+        .iter()
+        .filter(|f| f.ended_us >= start && f.started_us <= end)
+    {
+        let (a, b) = (
+            x(fault.started_us),
+            x(fault.ended_us).max(x(fault.started_us) + 2.0),
+        );
+        let _ = write!(
+            svg,
+            r#"<rect x="{a:.1}" y="0" width="{:.1}" height="{height}" fill="orange" opacity="0.25"><title>{}: {}</title></rect><text x="{a:.1}" y="12">{}</text>"#,
+            b - a,
+            esc(&fault.kind),
+            esc(&fault.detail),
+            esc(&fault.kind)
+        );
+    }
+    for incarnation in &history.incarnations {
+        if let Some(ended) = incarnation.ended_us {
+            let at = x(ended);
+            let _ = write!(
+                svg,
+                r#"<line x1="{at:.1}" x2="{at:.1}" y1="0" y2="{height}" stroke="black" stroke-dasharray="4 2"/>"#
+            );
+        }
+    }
+    for (client, row) in &rows {
+        let y = 20.0 + *row as f64 * ROW;
+        let _ = write!(
+            svg,
+            r#"<text x="4" y="{:.1}">{}</text>"#,
+            y + 12.0,
+            esc(client)
+        );
+    }
+    for op in drawn {
+        let y = 20.0 + rows[op.client.as_str()] as f64 * ROW;
+        let (a, known_end) = (x(op.invoked_us), op.returned_us);
+        let b = x(known_end.unwrap_or_else(|| history.effect_deadline_us(op.incarnation).min(end)));
+        let color = if flagged.contains(&op.id) {
+            "red"
+        } else {
+            match op.outcome {
+                Outcome::Written(_) | Outcome::Deleted(1) => "steelblue",
+                Outcome::Hit { .. } | Outcome::Miss => "seagreen",
+                Outcome::Unknown | Outcome::Unexpected(_) => "gray",
+                _ => "silver",
+            }
+        };
+        let dash = if known_end.is_none() {
+            r#" stroke-dasharray="3 2""#
+        } else {
+            ""
+        };
+        let _ = write!(
+            svg,
+            r#"<rect x="{a:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{color}" stroke="{color}"{dash} fill-opacity="0.7"><title>#{} {} {} {} → {:?}</title></rect>"#,
+            (b - a).max(1.0),
+            ROW - 6.0,
+            op.id,
+            esc(&op.client),
+            esc(op.cmd.name()),
+            esc(&op.key),
+            op.outcome
+        );
+    }
+    svg.push_str("</svg>");
+    svg
 }
