@@ -5,6 +5,7 @@
 //! decoded with rumqttc's public codec (`mqttbytes::v5`), never by hand.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -42,7 +43,8 @@ pub struct Client {
     buf: BytesMut,
     response_topic: String,
     next_pkid: u16,
-    next_correlation: u64,
+    /// This process's start, so correlation data differs from an earlier driver's too.
+    correlation_base: u64,
     /// Notifications that arrived while waiting for a reply.
     pub notifications: Vec<Notification>,
 }
@@ -75,7 +77,7 @@ impl Client {
             buf: BytesMut::with_capacity(16 * 1024),
             response_topic,
             next_pkid: 1,
-            next_correlation: 0,
+            correlation_base: *PROCESS_START_US,
             notifications: Vec::new(),
         };
         let connect = Connect {
@@ -126,8 +128,16 @@ impl Client {
         fencing_token: Option<&str>,
         deadline: Instant,
     ) -> Result<Reply, String> {
-        self.next_correlation += 1;
-        let correlation = Bytes::copy_from_slice(&self.next_correlation.to_be_bytes());
+        // Unique across connections: the server replays its cached reply to a repeated
+        // (client id, correlation data), and a reconnecting client keeps its id.
+        let mut correlation = BytesMut::with_capacity(16);
+        correlation.extend_from_slice(&self.correlation_base.to_be_bytes());
+        correlation.extend_from_slice(
+            &NEXT_CORRELATION
+                .fetch_add(1, Ordering::Relaxed)
+                .to_be_bytes(),
+        );
+        let correlation = correlation.freeze();
         let mut user_properties = vec![("__ts".to_owned(), ts.to_owned())];
         if let Some(ft) = fencing_token {
             user_properties.push(("__ft".to_owned(), ft.to_owned()));
@@ -244,6 +254,10 @@ impl Client {
 }
 
 pub const TIMED_OUT: &str = "timed out";
+
+static NEXT_CORRELATION: AtomicU64 = AtomicU64::new(0);
+static PROCESS_START_US: std::sync::LazyLock<u64> =
+    std::sync::LazyLock::new(crate::history::now_us);
 
 fn user_property(props: &PublishProperties, name: &str) -> Option<String> {
     props

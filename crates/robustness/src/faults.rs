@@ -57,16 +57,27 @@ const WEIGHTED: [(Fault, u32); 8] = [
     (Fault::ClockSkew, 1),
 ];
 
-/// One to three faults at times in the middle of the run (offsets from its start).
-pub fn schedule(seed: u64, duration: Duration) -> Vec<(Duration, Fault)> {
+/// The fault kinds by report name, for `--faults`.
+pub fn kinds() -> impl Iterator<Item = Fault> {
+    WEIGHTED.iter().map(|(f, _)| *f)
+}
+
+/// One to three faults at times in the middle of the run (offsets from its start), drawn from
+/// `allowed` (every kind when empty).
+pub fn schedule(seed: u64, duration: Duration, allowed: &[Fault]) -> Vec<(Duration, Fault)> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xFA17);
     let count = rng.gen_range(1..=3);
-    let total: u32 = WEIGHTED.iter().map(|(_, w)| w).sum();
+    let weighted: Vec<(Fault, u32)> = WEIGHTED
+        .iter()
+        .filter(|(f, _)| allowed.is_empty() || allowed.contains(f))
+        .copied()
+        .collect();
+    let total: u32 = weighted.iter().map(|(_, w)| w).sum();
     let mut faults: Vec<(Duration, Fault)> = (0..count)
         .map(|_| {
             let at = duration.mul_f64(rng.gen_range(0.15..0.7));
             let mut pick = rng.gen_range(0..total);
-            let fault = WEIGHTED
+            let fault = weighted
                 .iter()
                 .find(|(_, w)| {
                     let hit = pick < *w;

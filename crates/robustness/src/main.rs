@@ -55,6 +55,9 @@ struct Args {
     /// durable: a negative control, under which the power-loss fault must find lost writes.
     #[arg(long, default_value = "always")]
     fsync: String,
+    /// Only these fault kinds (report names, comma-separated), e.g. `pause,power_loss`.
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<String>,
     /// Keep the data directory, server log and history of passing runs too.
     #[arg(long)]
     keep: bool,
@@ -116,6 +119,19 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
     if args.runs == 0 || args.duration < 2 {
         bail!("--runs must be at least 1 and --duration at least 2 seconds");
     }
+    let mut allowed = Vec::new();
+    for name in &args.faults {
+        match faults::kinds().find(|f| f.name() == name) {
+            Some(fault) => allowed.push(fault),
+            None => bail!(
+                "--faults: unknown fault {name:?}; known: {}",
+                faults::kinds()
+                    .map(|f| f.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
     let first_seed = args.seed.unwrap_or_else(|| now_us() ^ 0x5EED);
     let work_dir = args
         .report
@@ -144,7 +160,8 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
     };
     for i in 0..args.runs {
         let seed = first_seed.wrapping_add(u64::from(i));
-        let summary = run_one(args, &runtime, seed, &work_dir.join(seed.to_string()))?;
+        let run_dir = work_dir.join(seed.to_string());
+        let summary = run_one(args, &runtime, seed, &run_dir, &allowed)?;
         eprintln!(
             "robustness: run {}/{} seed {seed}: {} ops ({} unknown), {} notifications, faults [{}], {} violation(s), {} incomplete, checked in {} ms",
             i + 1,
@@ -201,19 +218,20 @@ fn run_one(
     runtime: &tokio::runtime::Runtime,
     seed: u64,
     run_dir: &Path,
+    allowed: &[faults::Fault],
 ) -> anyhow::Result<RunSummary> {
     let _ = std::fs::remove_dir_all(run_dir);
     std::fs::create_dir_all(run_dir)?;
     let server = Server::start(&args.server, run_dir, &args.fsync)?;
     let shared = Shared::new(server.addr);
     let duration = Duration::from_secs(args.duration);
-    let schedule = faults::schedule(seed, duration);
+    let schedule = faults::schedule(seed, duration, allowed);
     let started = Instant::now();
 
     let (writers, observers) = runtime.block_on(async { workload::spawn_clients(&shared, seed) });
     let injector = {
         let shared = Arc::clone(&shared);
-        std::thread::spawn(move || inject_all(server, &shared, schedule, started, seed))
+        std::thread::spawn(move || inject_all(server, &shared, schedule, started, duration, seed))
     };
     std::thread::sleep(duration);
     shared.stop_writers.store(true, Ordering::SeqCst);
@@ -233,7 +251,7 @@ fn run_one(
     });
 
     // The final crash and recovery: everything acknowledged must be there afterwards.
-    if errors.is_empty() {
+    if server.pid().is_some() {
         let crashed = now_us();
         server.kill9();
         shared.end_incarnation();
@@ -313,15 +331,46 @@ fn inject_all(
     shared: &Shared,
     schedule: Vec<(Duration, faults::Fault)>,
     started: Instant,
+    duration: Duration,
     seed: u64,
 ) -> (Server, Vec<String>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x1A7E);
+    let mut errors = Vec::new();
     for (at, fault) in schedule {
-        let wait = at.saturating_sub(started.elapsed());
-        std::thread::sleep(wait);
+        let due = started + at;
+        if let Err(e) = watch(&mut server, shared, due, &mut errors) {
+            errors.push(e);
+            return (server, errors);
+        }
         if let Err(e) = faults::inject(fault, &mut server, shared, &mut rng) {
-            return (server, vec![format!("{}: {e:#}", fault.name())]);
+            errors.push(format!("{}: {e:#}", fault.name()));
+            return (server, errors);
         }
     }
-    (server, Vec::new())
+    let end = started + duration;
+    if let Err(e) = watch(&mut server, shared, end, &mut errors) {
+        errors.push(e);
+    }
+    (server, errors)
+}
+
+/// Until `until`: checks every 50 ms that the server has not died on its own; if it has, that is
+/// a finding, and it is restarted so the run goes on.
+fn watch(
+    server: &mut Server,
+    shared: &Shared,
+    until: Instant,
+    errors: &mut Vec<String>,
+) -> Result<(), String> {
+    while Instant::now() < until && !shared.stop_writers.load(Ordering::SeqCst) {
+        if let Some(status) = server.exited() {
+            shared.end_incarnation();
+            errors.push(format!("the server exited on its own ({status})"));
+            server
+                .restart()
+                .map_err(|e| format!("restart after an unexpected exit: {e:#}"))?;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }

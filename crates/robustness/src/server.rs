@@ -125,6 +125,13 @@ impl Server {
         }
     }
 
+    /// How the process ended, if it exited without being told to.
+    pub fn exited(&mut self) -> Option<String> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        Some(status.to_string())
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }

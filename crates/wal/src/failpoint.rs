@@ -110,12 +110,12 @@ impl Failpoints {
         Self(Some(Arc::new(hook)))
     }
 
-    /// Whether the failpoint `name` would act now (for points that do more than fail or abort,
-    /// such as [`POWER_LOSS`]).
+    /// Whether the failpoint `name` is armed to abort now (for points that do more than abort
+    /// first, such as [`POWER_LOSS`]). A full disk (`enospc`) fails I/O calls; it arms no crash.
     pub(crate) fn is_armed(&self, name: &str) -> bool {
         self.0
             .as_ref()
-            .is_some_and(|hook| hook(name) != FailAction::Continue)
+            .is_some_and(|hook| hook(name) == FailAction::Abort)
     }
 
     pub(crate) fn check(&self, name: &str) -> io::Result<()> {
@@ -179,9 +179,14 @@ mod tests {
         std::fs::write(&crash, b"").unwrap();
         assert!(failpoints.is_armed(POWER_LOSS));
         assert!(!failpoints.is_armed(MID_SNAPSHOT), "only the named point");
+        std::fs::remove_file(&crash).unwrap();
         std::fs::write(&full, b"").unwrap();
         let error = failpoints.check(MID_SNAPSHOT).unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::StorageFull);
+        assert!(
+            !failpoints.is_armed(POWER_LOSS),
+            "a full disk is not a power loss"
+        );
     }
 
     #[test]
