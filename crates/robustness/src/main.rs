@@ -79,6 +79,8 @@ struct Report {
     failing_seeds: Vec<u64>,
     /// Keys whose linearizability search ran out of budget (not failures; listed per run).
     incomplete_checks: usize,
+    /// The largest `max_version_ahead_ms` of any run.
+    max_version_ahead_ms: i64,
     run_details: Vec<RunSummary>,
 }
 
@@ -92,6 +94,9 @@ struct RunSummary {
     violations: Vec<Violation>,
     acked_lost: usize,
     incomplete_checks: Vec<String>,
+    /// How far the newest version ran ahead of the wall clock at its reply (restarts resume the
+    /// HLC at its persisted ceiling, up to 10 s ahead, decision 0012; client clock skew adds to it).
+    max_version_ahead_ms: i64,
     check_millis: u128,
     /// The failing run's timeline (HTML with an SVG).
     timeline: Option<PathBuf>,
@@ -156,6 +161,7 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         faults: BTreeMap::new(),
         failing_seeds: Vec::new(),
         incomplete_checks: 0,
+        max_version_ahead_ms: 0,
         run_details: Vec::new(),
     };
     for i in 0..args.runs {
@@ -184,6 +190,9 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         report.violations += summary.violations.len();
         report.acked_lost += summary.acked_lost;
         report.incomplete_checks += summary.incomplete_checks.len();
+        report.max_version_ahead_ms = report
+            .max_version_ahead_ms
+            .max(summary.max_version_ahead_ms);
         for fault in &summary.faults {
             *report.faults.entry(fault.kind.clone()).or_default() += 1;
         }
@@ -306,8 +315,19 @@ fn run_one(
         }
         None
     };
+    let max_version_ahead_ms = history
+        .ops
+        .iter()
+        .filter_map(|op| {
+            let returned_ms = i64::try_from(op.returned_us? / 1000).ok()?;
+            let version_ms = i64::try_from(op.version()?.0.wall_ms).ok()?;
+            Some(version_ms - returned_ms)
+        })
+        .max()
+        .unwrap_or(0);
     Ok(RunSummary {
         seed,
+        max_version_ahead_ms,
         operations: history.ops.len(),
         unknown_operations: history
             .ops
