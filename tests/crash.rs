@@ -4,7 +4,8 @@
 //!   increasing values while the server is SIGKILLed at seeded random moments; after every restart
 //!   each key holds its last acknowledged value and version, or a later write that was in flight.
 //! * failpoints (`MQSTATE_FAILPOINT`, `crates/wal/src/failpoint.rs`): the server aborts inside the
-//!   log writer or a snapshot; it must start again with every acknowledged write.
+//!   log writer or a snapshot (or loses its unsynced log writes first: power loss); it must start
+//!   again with every acknowledged write.
 //! * persistent sessions across a restart (graceful and kill -9).
 //!
 //! Reproduce a failing random run with `MQSTATE_CRASH_SEED=<seed printed by the test>`.
@@ -460,7 +461,9 @@ async fn crash_at_failpoint(failpoint: &str, extra_args: &[&str]) {
 
     let mut child =
         tokio::task::block_in_place(|| spawn_serve(&dir, addr, Some(failpoint), extra_args));
-    write_until_dead(addr, &mut ledger, failpoint, FAILPOINT_WRITES_MAX).await;
+    // Keys and the client id are named after the point, not after a marker's path.
+    let label = failpoint.split('@').next().unwrap_or(failpoint);
+    write_until_dead(addr, &mut ledger, label, FAILPOINT_WRITES_MAX).await;
     let status = tokio::task::block_in_place(|| wait_exit(&mut child, failpoint));
     assert_eq!(
         status.signal(),
@@ -508,6 +511,16 @@ async fn abort_before_snapshot_rename_loses_no_acknowledged_write() {
         &["--snapshot-threshold-bytes", TINY_SNAPSHOT_BYTES],
     )
     .await;
+}
+
+/// Power loss: the writes since the last fsync vanish from the segment, then the process aborts
+/// (`power-loss@<marker>`, armed from the start here by creating the marker first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn power_loss_before_fsync_loses_no_acknowledged_write() {
+    let markers = tempfile::tempdir().unwrap();
+    let marker = markers.path().join("power-loss");
+    std::fs::write(&marker, b"").unwrap();
+    crash_at_failpoint(&format!("power-loss@{}", marker.display()), &[]).await;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@
 //! Armed from the environment with `MQSTATE_FAILPOINT=<name>` (aborts there), with
 //! `MQSTATE_FAILPOINT=enospc:<marker file>` (every failpoint fails with "no space left on device"
 //! while the marker file exists: a disk that fills and frees on demand, for tests that cannot mount
-//! a small filesystem), or in-process with [`Failpoints::with_hook`]. Disarmed, a check costs one
-//! `Option` test.
+//! a small filesystem), with `<name>@<marker file>` (aborts there once the marker file exists: a
+//! crash at a moment another process chooses, as the robustness suite does), or in-process with
+//! [`Failpoints::with_hook`]. Several specs may be joined with `,`; the first that acts wins.
+//! Disarmed, a check costs one `Option` test.
 
 use std::fmt;
 use std::io;
@@ -18,6 +20,10 @@ pub const AFTER_WRITE_BEFORE_FSYNC: &str = "after-write-before-fsync";
 pub const MID_SNAPSHOT: &str = "mid-snapshot";
 /// After a temp file (snapshot, metadata, segment) is fsynced, before it is renamed into place.
 pub const BEFORE_RENAME: &str = "before-rename";
+/// Power loss at the log's fsync: the bytes written since the last completed fsync are discarded
+/// (as a disk cache that never reached the platter), then the process aborts. Only the log checks
+/// it; arm it with `power-loss@<marker>`.
+pub const POWER_LOSS: &str = "power-loss";
 /// The environment variable that arms one failpoint to abort (or all of them to fail, see
 /// [`ENOSPC_PREFIX`]).
 pub const FAILPOINT_ENV: &str = "MQSTATE_FAILPOINT";
@@ -49,8 +55,24 @@ impl Failpoints {
         std::env::var(FAILPOINT_ENV).map_or_else(|_| Self::default(), |spec| Self::parse(&spec))
     }
 
-    /// The failpoints a `MQSTATE_FAILPOINT` value arms.
+    /// The failpoints a `MQSTATE_FAILPOINT` value arms: specs joined with `,`, the first that acts wins.
     fn parse(spec: &str) -> Self {
+        let armed: Vec<Self> = spec.split(',').map(Self::parse_one).collect();
+        match armed.len() {
+            1 => armed.into_iter().next().unwrap_or_default(),
+            _ => Self::with_hook(move |name| {
+                armed
+                    .iter()
+                    .filter_map(|f| f.0.as_ref())
+                    .map(|hook| hook(name))
+                    .find(|action| *action != FailAction::Continue)
+                    .unwrap_or(FailAction::Continue)
+            }),
+        }
+    }
+
+    /// One spec: `enospc:<marker>`, `<name>@<marker>` or `<name>`.
+    fn parse_one(spec: &str) -> Self {
         if let Some(marker) = spec.strip_prefix(ENOSPC_PREFIX) {
             let marker = PathBuf::from(marker);
             return Self::with_hook(move |_| {
@@ -64,6 +86,16 @@ impl Failpoints {
         if spec.is_empty() {
             return Self::default();
         }
+        if let Some((armed, marker)) = spec.split_once('@') {
+            let (armed, marker) = (armed.to_owned(), PathBuf::from(marker));
+            return Self::with_hook(move |name| {
+                if name == armed && marker.exists() {
+                    FailAction::Abort
+                } else {
+                    FailAction::Continue
+                }
+            });
+        }
         let armed = spec.to_owned();
         Self::with_hook(move |name| {
             if name == armed {
@@ -76,6 +108,14 @@ impl Failpoints {
 
     pub fn with_hook(hook: impl Fn(&str) -> FailAction + Send + Sync + 'static) -> Self {
         Self(Some(Arc::new(hook)))
+    }
+
+    /// Whether the failpoint `name` is armed to abort now (for points that do more than abort
+    /// first, such as [`POWER_LOSS`]). A full disk (`enospc`) fails I/O calls; it arms no crash.
+    pub(crate) fn aborts_at(&self, name: &str) -> bool {
+        self.0
+            .as_ref()
+            .is_some_and(|hook| hook(name) == FailAction::Abort)
     }
 
     /// Whether any failpoint is armed (a caller may prepare for one, e.g. wait for durability).
@@ -139,6 +179,29 @@ mod tests {
         }
         std::fs::remove_file(&marker).unwrap();
         assert!(failpoints.check(BEFORE_RENAME).is_ok());
+    }
+
+    #[test]
+    fn a_marker_arms_one_point_and_specs_combine() {
+        let dir = tempfile::tempdir().unwrap();
+        let (full, crash) = (dir.path().join("full"), dir.path().join("crash"));
+        let failpoints = Failpoints::parse(&format!(
+            "{ENOSPC_PREFIX}{},{POWER_LOSS}@{}",
+            full.display(),
+            crash.display()
+        ));
+        assert!(!failpoints.aborts_at(POWER_LOSS));
+        std::fs::write(&crash, b"").unwrap();
+        assert!(failpoints.aborts_at(POWER_LOSS));
+        assert!(!failpoints.aborts_at(MID_SNAPSHOT), "only the named point");
+        std::fs::remove_file(&crash).unwrap();
+        std::fs::write(&full, b"").unwrap();
+        let error = failpoints.check(MID_SNAPSHOT).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::StorageFull);
+        assert!(
+            !failpoints.aborts_at(POWER_LOSS),
+            "a full disk is not a power loss"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use tokio::sync::watch;
 
 use crate::error::WalError;
-use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC};
+use crate::failpoint::{Failpoints, AFTER_WRITE_BEFORE_FSYNC, POWER_LOSS};
 use crate::index::LogIndex;
 use crate::layout::{rename_into_place, replace_atomically, sync_dir, DataDir, DirLock};
 use crate::metadata::{read_metadata, write_metadata, LogId, Metadata, MetadataFile};
@@ -434,6 +434,9 @@ impl Wal {
         if self.is_synced() {
             return Ok(());
         }
+        if self.options.failpoints.aborts_at(POWER_LOSS) {
+            self.lose_unsynced_writes_and_abort();
+        }
         let started = Instant::now();
         let synced = self
             .options
@@ -589,6 +592,23 @@ impl Wal {
         }
         tracing::info!(lsn, "log truncated");
         Ok(())
+    }
+
+    /// The [`POWER_LOSS`] failpoint: the segment's bytes after the last fsync become what they were
+    /// on disk before (zeros: the end marker, then preallocated or no space), without an fsync of
+    /// its own — the page cache outlives the abort, and is what the next start reads.
+    fn lose_unsynced_writes_and_abort(&mut self) -> ! {
+        let from = self.active.durable.end_offset;
+        let to = self.active.written.end_offset + END_MARKER.len() as u64;
+        let zeros = vec![0u8; usize::try_from(to.saturating_sub(from)).unwrap_or(0)];
+        let lost = self.active.file.write_all_at(&zeros, from);
+        tracing::error!(
+            failpoint = POWER_LOSS,
+            lost_bytes = zeros.len(),
+            ?lost,
+            "failpoint armed: discarding unsynced log writes and aborting the process"
+        );
+        std::process::abort()
     }
 
     fn refuse_if_failed(&self) -> Result<(), WalError> {

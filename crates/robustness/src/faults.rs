@@ -1,0 +1,184 @@
+//! Faults, chosen and timed from the run's seed, injected into the running server.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::history::{now_us, FaultRecord};
+use crate::server::Server;
+use crate::workload::{Shared, LEASE_MS};
+
+/// How long an armed failpoint may take to be reached before the process is killed instead.
+const FAILPOINT_WAIT: Duration = Duration::from_secs(6);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// `kill -9`, then restart.
+    Kill9,
+    /// `SIGSTOP`, longer than a lock lease, then `SIGCONT`.
+    Pause,
+    /// Every write fails with ENOSPC for a while (the wal's `enospc` failpoint).
+    DiskFull,
+    /// Abort at a wal failpoint (`after-write-before-fsync`, `mid-snapshot`, `before-rename`), restart.
+    Crash(&'static str),
+    /// Unsynced log writes discarded, then abort (the wal's `power-loss` failpoint), restart.
+    PowerLoss,
+    /// Clients' clocks (`__ts`) jump ahead or behind for a while.
+    ClockSkew,
+}
+
+impl Fault {
+    /// The name in the report's `faults` object.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::Kill9 => "kill9",
+            Fault::Pause => "pause",
+            Fault::DiskFull => "disk_full",
+            Fault::Crash("after-write-before-fsync") => "crash_after_write_before_fsync",
+            Fault::Crash("mid-snapshot") => "crash_mid_snapshot",
+            Fault::Crash(_) => "crash_before_rename",
+            Fault::PowerLoss => "power_loss",
+            Fault::ClockSkew => "clock_skew",
+        }
+    }
+}
+
+const WEIGHTED: [(Fault, u32); 8] = [
+    (Fault::Kill9, 3),
+    (Fault::Pause, 2),
+    (Fault::DiskFull, 2),
+    (Fault::Crash("after-write-before-fsync"), 2),
+    (Fault::Crash("mid-snapshot"), 1),
+    (Fault::Crash("before-rename"), 1),
+    (Fault::PowerLoss, 3),
+    (Fault::ClockSkew, 1),
+];
+
+/// The fault kinds by report name, for `--faults`.
+pub fn kinds() -> impl Iterator<Item = Fault> {
+    WEIGHTED.iter().map(|(f, _)| *f)
+}
+
+/// One to three faults at times in the middle of the run (offsets from its start), drawn from
+/// `allowed` (every kind when empty).
+pub fn schedule(seed: u64, duration: Duration, allowed: &[Fault]) -> Vec<(Duration, Fault)> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xFA17);
+    let count = rng.gen_range(1..=3);
+    let weighted: Vec<(Fault, u32)> = WEIGHTED
+        .iter()
+        .filter(|(f, _)| allowed.is_empty() || allowed.contains(f))
+        .copied()
+        .collect();
+    let total: u32 = weighted.iter().map(|(_, w)| w).sum();
+    let mut faults: Vec<(Duration, Fault)> = (0..count)
+        .map(|_| {
+            let at = duration.mul_f64(rng.gen_range(0.15..0.7));
+            let mut pick = rng.gen_range(0..total);
+            let fault = weighted
+                .iter()
+                .find(|(_, w)| {
+                    let hit = pick < *w;
+                    pick = pick.saturating_sub(*w);
+                    hit
+                })
+                .map_or(Fault::Kill9, |(f, _)| *f);
+            (at, fault)
+        })
+        .collect();
+    faults.sort_by_key(|(at, _)| *at);
+    faults
+}
+
+/// Injects `fault` now; blocks until it is over (the server runs again).
+pub fn inject(
+    fault: Fault,
+    server: &mut Server,
+    shared: &Shared,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    let started_us = now_us();
+    let mut kind = fault.name();
+    let detail = match fault {
+        Fault::Kill9 => {
+            server.kill9();
+            shared.end_incarnation();
+            std::thread::sleep(Duration::from_millis(rng.gen_range(50..500)));
+            server.restart().context("restart after kill -9")?;
+            "killed and restarted".to_owned()
+        }
+        Fault::Pause => {
+            let pause = Duration::from_millis(rng.gen_range(LEASE_MS + 100..3 * LEASE_MS));
+            server.signal("STOP");
+            std::thread::sleep(pause);
+            server.signal("CONT");
+            format!("stopped for {} ms", pause.as_millis())
+        }
+        Fault::DiskFull => {
+            let full = Duration::from_millis(rng.gen_range(300..2000));
+            server.arm("disk-full")?;
+            std::thread::sleep(full);
+            server.disarm("disk-full");
+            format!("full for {} ms", full.as_millis())
+        }
+        Fault::Crash(_) | Fault::PowerLoss => {
+            let point = if let Fault::Crash(point) = fault {
+                point
+            } else {
+                "power-loss"
+            };
+            let (reached, detail) = crash_at(server, shared, point)?;
+            if !reached {
+                // Counted as what happened.
+                kind = Fault::Kill9.name();
+            }
+            detail
+        }
+        Fault::ClockSkew => {
+            let magnitude: i64 = rng.gen_range(5_000..30_000);
+            let skew = if rng.gen_bool(0.5) {
+                magnitude
+            } else {
+                -magnitude
+            };
+            let window = Duration::from_millis(rng.gen_range(500..3000));
+            shared.skew_ms.store(skew, Ordering::Relaxed);
+            std::thread::sleep(window);
+            shared.skew_ms.store(0, Ordering::Relaxed);
+            format!("client clocks {skew:+} ms for {} ms", window.as_millis())
+        }
+    };
+    shared.record_fault(FaultRecord {
+        kind: kind.to_owned(),
+        started_us,
+        ended_us: now_us(),
+        detail,
+    });
+    Ok(())
+}
+
+/// Arms `point` and waits for the process to abort there; kills it if the point is not reached.
+fn crash_at(server: &mut Server, shared: &Shared, point: &str) -> anyhow::Result<(bool, String)> {
+    let armed = Instant::now();
+    server.arm(point)?;
+    let reached = server.wait_exit(FAILPOINT_WAIT);
+    if !reached {
+        server.kill9();
+    }
+    shared.end_incarnation();
+    server.disarm(point);
+    server
+        .restart()
+        .with_context(|| format!("restart after the {point} failpoint"))?;
+    let detail = if reached {
+        format!(
+            "aborted at {point} {} ms after arming; restarted",
+            armed.elapsed().as_millis()
+        )
+    } else {
+        format!("{point} not reached in {FAILPOINT_WAIT:?}: killed instead; restarted")
+    };
+    Ok((reached, detail))
+}
