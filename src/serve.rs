@@ -36,6 +36,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     };
     let settings = flags.layer(file).resolve()?;
     init_logging(settings.log_format, &settings.log)?;
+    crate::auth::check_exposure(&settings)?;
     tracing::debug!(?settings, "settings");
 
     // Up before recovery, so that /health answers and /ready says 503 while a large log replays.

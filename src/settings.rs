@@ -370,8 +370,9 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_JWT_AUDIENCE", value_name = "AUD")]
     pub jwt_audience: Option<String>,
 
-    /// Whether clients without credentials may connect. Default: true only when no authentication
-    /// (password file, JWT key) is configured.
+    /// Whether clients without credentials may connect; unset and without authentication, listeners
+    /// beyond loopback are refused at start-up, set it to true to allow that on purpose. Default: true
+    /// only when no authentication (password file, JWT key, client CA) is configured.
     #[arg(long, env = "MQSTATE_ALLOW_ANONYMOUS", value_name = "BOOL")]
     pub allow_anonymous: Option<bool>,
 

@@ -220,19 +220,27 @@ pub fn serve_stderr(
     let until = until.to_owned();
     std::thread::spawn(move || {
         let mut text = String::new();
+        let mut found = false;
         for line in BufReader::new(stderr).lines() {
             let Ok(line) = line else { break };
-            let done = line.contains(&until);
+            found = line.contains(&until);
             text.push_str(&line);
             text.push('\n');
-            if done {
+            if found {
                 break;
             }
         }
-        let _ = tx.send(text);
+        let _ = tx.send((text, found));
     });
-    let text = rx.recv_timeout(START_TIMEOUT).unwrap_or_default();
-    let status = child.try_wait().ok().flatten();
+    let (text, found) = rx
+        .recv_timeout(START_TIMEOUT)
+        .unwrap_or_else(|_| (String::new(), true));
+    // Standard error closed without the line: the server is exiting, so wait for its status.
+    let status = if found {
+        child.try_wait().ok().flatten()
+    } else {
+        child.wait().ok()
+    };
     if status.is_none() {
         let _ = child.kill();
         let _ = child.wait();
