@@ -58,6 +58,9 @@ struct ServeArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Client(_) | Command::Data(_)) {
+        quiet_on_closed_pipe();
+    }
     let mut builder = match &cli.command {
         Command::Bench(args) => bench::runtime(args),
         _ => tokio::runtime::Builder::new_multi_thread(),
@@ -90,4 +93,14 @@ fn main() -> ExitCode {
             },
         }
     })
+}
+
+/// `mqstate data inspect | head` and `mqstate scan '*' | head` end quietly when the reader goes away,
+/// as `cat` does: SIGPIPE ends the process (status 141) instead of a write error or a `println!`
+/// panic. Not for `serve`, which must outlive any one peer's closed socket.
+fn quiet_on_closed_pipe() {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: SIG_DFL installs no handler code, and this runs before any other thread exists (the
+    // async runtime is built afterwards), so nothing races with the change of disposition.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
 }

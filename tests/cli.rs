@@ -53,9 +53,14 @@ fn set_get_and_exit_codes() {
     assert_eq!(code(&set), 0, "{set:?}");
     assert_eq!(stdout(&set), "OK\n");
 
+    // Into a pipe the value is written as it is: no escaping, no newline added.
     let get = run(&server, &["get", "greeting"]);
     assert_eq!(code(&get), 0);
-    assert_eq!(stdout(&get), "hello\n");
+    assert_eq!(stdout(&get), "hello");
+    assert_eq!(
+        stdout(&run(&server, &["get", "greeting", "--escape"])),
+        "hello\n"
+    );
 
     let doc = json(&run(&server, &["get", "greeting", "--json"]));
     assert_eq!(doc["found"], true);
@@ -85,7 +90,7 @@ fn set_get_and_exit_codes() {
         0
     );
     assert_eq!(code(&run(&server, &["set", "greeting", "bye", "--nex"])), 1);
-    assert_eq!(stdout(&run(&server, &["get", "greeting"])), "hello\n");
+    assert_eq!(stdout(&run(&server, &["get", "greeting"])), "hello");
 }
 
 #[test]
@@ -102,7 +107,10 @@ fn binary_values_round_trip_through_files_stdin_and_raw_output() {
     assert_eq!(code(&raw), 0);
     assert_eq!(raw.stdout, bytes);
 
-    let escaped = stdout(&run(&server, &["get", "bin"]));
+    // What `mqstate get k > f` writes is what `mqstate set k @f` read.
+    let piped = run(&server, &["get", "bin"]);
+    assert_eq!(piped.stdout, bytes);
+    let escaped = stdout(&run(&server, &["get", "bin", "--escape"]));
     assert!(escaped.starts_with("\\x00\\x01"), "{escaped}");
     assert!(escaped.ends_with("\\xfe\\xff\n"), "{escaped}");
     assert_eq!(
@@ -518,4 +526,91 @@ fn session_present(addr: std::net::SocketAddr, client_id: &str) -> bool {
     stream.read_exact(&mut head).unwrap();
     assert_eq!((head[0], head[3]), (0x20, 0), "CONNACK success expected");
     head[2] & 1 == 1
+}
+
+#[test]
+fn output_into_a_closed_pipe_ends_quietly() {
+    let mut server = Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big");
+    // More than a pipe holds, so the writer meets the closed end whatever the timing.
+    std::fs::write(&big, vec![b'v'; 200_000]).unwrap();
+    assert_eq!(
+        code(&run(&server, &["set", "k", &format!("@{}", big.display())])),
+        0
+    );
+    let get_output = {
+        let mut child = mqstate(&server, &["get", "k"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        child.wait_with_output().unwrap()
+    };
+    assert_eq!(
+        stderr(&get_output),
+        "",
+        "get complained about the closed pipe"
+    );
+    assert!(!get_output.status.success());
+    // The data tools read a stopped server's directory.
+    server.stop();
+    for args in [vec![
+        "data".to_owned(),
+        "inspect".to_owned(),
+        server.data_dir().display().to_string(),
+    ]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            stderr(&out),
+            "",
+            "{args:?} complained about the closed pipe"
+        );
+        assert!(!out.status.success(), "{args:?}: {:?}", out.status);
+    }
+}
+
+#[test]
+fn passwd_without_a_terminal_reads_standard_input_or_says_how() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("passwd");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .args(["passwd", "-c"])
+        .arg(&file)
+        .arg("alice")
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"wonderland\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(std::fs::read_to_string(&file)
+        .unwrap()
+        .starts_with("alice:$argon2id$"));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .args(["passwd"])
+        .arg(&file)
+        .arg("bob")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_ne!(code(&out), 0);
+    let text = stderr(&out);
+    assert!(text.contains("standard input"), "{text}");
+    assert!(text.contains("terminal"), "{text}");
 }

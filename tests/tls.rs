@@ -611,7 +611,7 @@ fn cli_works_over_tls_and_mtls() {
     assert!(set.status.success(), "{set:?}");
     let get = cli(addr, &["get", "greeting"], &with_cert);
     assert!(get.status.success(), "{get:?}");
-    assert_eq!(String::from_utf8_lossy(&get.stdout), "over tls\n");
+    assert_eq!(String::from_utf8_lossy(&get.stdout), "over tls");
     let keys = cli(addr, &["scan", "*"], &with_cert);
     assert!(keys.status.success(), "{keys:?}");
     assert!(String::from_utf8_lossy(&keys.stdout).contains("greeting"));
