@@ -10,6 +10,7 @@ mod auth;
 mod bench;
 mod client;
 mod data;
+mod manual;
 mod metrics;
 mod serve;
 mod sessions;
@@ -45,6 +46,10 @@ enum Command {
     Data(data::Command),
     /// Add, change or delete a user in a password file (argon2id hashes).
     Passwd(auth::passwd::PasswdArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(manual::CompletionsArgs),
+    /// Print the man page (roff), or write one page per command with --dir.
+    Man(manual::ManArgs),
 }
 
 #[derive(clap::Args)]
@@ -58,7 +63,10 @@ struct ServeArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Client(_) | Command::Data(_)) {
+    if matches!(
+        cli.command,
+        Command::Client(_) | Command::Data(_) | Command::Completions(_) | Command::Man(_)
+    ) {
         quiet_on_closed_pipe();
     }
     let mut builder = match &cli.command {
@@ -84,6 +92,8 @@ fn main() -> ExitCode {
             Command::Client(cmd) => client::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Data(cmd) => data::run(cmd),
+            Command::Completions(args) => manual::completions(&args),
+            Command::Man(args) => manual::man(&args),
             Command::Passwd(args) => match auth::passwd::run(args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

@@ -614,3 +614,54 @@ fn passwd_without_a_terminal_reads_standard_input_or_says_how() {
     assert!(text.contains("standard input"), "{text}");
     assert!(text.contains("terminal"), "{text}");
 }
+
+#[test]
+fn completions_and_man_pages_come_from_the_command_line_definition() {
+    let shell = |name: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+            .args(["completions", name])
+            .output()
+            .unwrap();
+        assert_eq!(code(&out), 0, "{out:?}");
+        stdout(&out)
+    };
+    let bash = shell("bash");
+    assert!(bash.contains("_mqstate()"), "{bash}");
+    assert!(
+        bash.contains("--password-file"),
+        "connection flags complete too"
+    );
+    assert!(shell("zsh").starts_with("#compdef mqstate"));
+    let fish = shell("fish");
+    assert!(fish.contains("complete -c mqstate"), "{fish}");
+    assert!(fish.contains("watch"), "{fish}");
+
+    let man = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .arg("man")
+        .output()
+        .unwrap();
+    assert_eq!(code(&man), 0);
+    let page = stdout(&man);
+    assert!(
+        page.starts_with(".ie") || page.contains(".TH mqstate"),
+        "{page}"
+    );
+    assert!(page.contains("serve"), "{page}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .args(["man", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(code(&out), 0, "{out:?}");
+    for page in [
+        "mqstate.1",
+        "mqstate-get.1",
+        "mqstate-lock.1",
+        "mqstate-data-verify.1",
+    ] {
+        let text = std::fs::read_to_string(dir.path().join(page)).unwrap();
+        assert!(text.contains(".TH"), "{page}: {text}");
+    }
+}
