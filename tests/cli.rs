@@ -539,43 +539,23 @@ fn output_into_a_closed_pipe_ends_quietly() {
         code(&run(&server, &["set", "k", &format!("@{}", big.display())])),
         0
     );
-    let get_output = {
-        let mut child = mqstate(&server, &["get", "k"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        drop(child.stdout.take());
-        child.wait_with_output().unwrap()
-    };
-    assert_eq!(
-        stderr(&get_output),
-        "",
-        "get complained about the closed pipe"
-    );
-    assert!(!get_output.status.success());
-    // The data tools read a stopped server's directory.
-    server.stop();
-    for args in [vec![
-        "data".to_owned(),
-        "inspect".to_owned(),
-        server.data_dir().display().to_string(),
-    ]] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mqstate"))
-            .args(&args)
+    let into_closed_pipe = |mut cmd: Command| {
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         drop(child.stdout.take());
         let out = child.wait_with_output().unwrap();
-        assert_eq!(
-            stderr(&out),
-            "",
-            "{args:?} complained about the closed pipe"
-        );
-        assert!(!out.status.success(), "{args:?}: {:?}", out.status);
-    }
+        assert_eq!(stderr(&out), "", "{cmd:?} complained about the closed pipe");
+        assert!(!out.status.success(), "{cmd:?}: {:?}", out.status);
+    };
+    into_closed_pipe(mqstate(&server, &["get", "k"]));
+    // The data tools read a stopped server's directory.
+    server.stop();
+    let mut inspect = Command::new(env!("CARGO_BIN_EXE_mqstate"));
+    inspect.args(["data", "inspect"]).arg(server.data_dir());
+    into_closed_pipe(inspect);
 }
 
 #[test]
