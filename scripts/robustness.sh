@@ -6,7 +6,8 @@
 #   scripts/robustness.sh [--nodes 1|3] [--runs N] [--duration S] [--seed S] [--report FILE]
 #                         [--check-budget S] [--keep]
 #
-# Builds the server and the driver (crates/robustness) with --release, then runs the driver. The JSON
+# Builds the server and the driver (crates/robustness) with --release, then runs the driver; with
+# MQSTATE_SERVER=PATH it tests that server binary instead (CI passes the static build). The JSON
 # report's path is the last line on stdout; the exit status is 1 when a check failed. Failing runs
 # keep their data directory, server log, history.json and timeline.html under <report dir>/runs/<seed>/.
 set -euo pipefail
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
 # Refuse before a long build: the cluster does not exist yet.
@@ -28,5 +29,11 @@ for arg in "$@"; do
 done
 
 TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
-cargo build --release --quiet -p mqstate -p mqstate-robustness
-exec "$TARGET/release/mqstate-robustness" --server "$TARGET/release/mqstate" "$@"
+if [ -n "${MQSTATE_SERVER:-}" ]; then
+  cargo build --release --quiet -p mqstate-robustness
+  server="$MQSTATE_SERVER"
+else
+  cargo build --release --quiet -p mqstate -p mqstate-robustness
+  server="$TARGET/release/mqstate"
+fi
+exec "$TARGET/release/mqstate-robustness" --server "$server" "$@"

@@ -11,6 +11,7 @@ mod bench;
 mod client;
 mod cluster;
 mod data;
+mod manual;
 mod metrics;
 mod serve;
 mod sessions;
@@ -49,6 +50,10 @@ enum Command {
     Data(data::Command),
     /// Add, change or delete a user in a password file (argon2id hashes).
     Passwd(auth::passwd::PasswdArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(manual::CompletionsArgs),
+    /// Print the man page (roff), or write one page per command with --dir.
+    Man(manual::ManArgs),
 }
 
 #[derive(clap::Args)]
@@ -62,6 +67,12 @@ struct ServeArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Client(_) | Command::Data(_) | Command::Completions(_) | Command::Man(_)
+    ) {
+        quiet_on_closed_pipe();
+    }
     let mut builder = match &cli.command {
         Command::Bench(args) => bench::runtime(args),
         _ => tokio::runtime::Builder::new_multi_thread(),
@@ -86,6 +97,8 @@ fn main() -> ExitCode {
             Command::Cluster(cmd) => client::cluster::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Data(cmd) => data::run(cmd),
+            Command::Completions(args) => manual::completions(&args),
+            Command::Man(args) => manual::man(&args),
             Command::Passwd(args) => match auth::passwd::run(args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -95,4 +108,15 @@ fn main() -> ExitCode {
             },
         }
     })
+}
+
+/// `mqstate data inspect | head` and `mqstate scan '*' | head` end quietly when the reader goes away,
+/// as `cat` does: SIGPIPE ends the process (status 141) instead of a write error or a `println!`
+/// panic. Not for `serve`, which must outlive any one peer's closed socket.
+#[allow(unsafe_code)]
+fn quiet_on_closed_pipe() {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: SIG_DFL installs no handler code, and this runs before any other thread exists (the
+    // async runtime is built afterwards), so nothing races with the change of disposition.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
 }

@@ -34,6 +34,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     };
     let settings = flags.layer(file).resolve()?;
     init_logging(settings.log_format, &settings.log)?;
+    crate::auth::check_exposure(&settings)?;
     tracing::debug!(?settings, "settings");
 
     // Up before recovery, so that /health answers and /ready says 503 while a large log replays.
@@ -513,8 +514,10 @@ async fn shutdown_signal() {
 fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .map_err(|e| anyhow::anyhow!("invalid log filter {filter:?}: {e}"))?;
+    // Colour codes only on a terminal: in a file or the journal they are noise (`\x1b[2m…`).
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let result = match format {
         LogFormat::Text => builder.try_init(),

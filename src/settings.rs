@@ -20,10 +20,13 @@ pub mod defaults {
     pub const MAX_PACKET_SIZE_BYTES: u32 = 1024 * 1024;
     /// Snapshot once the log has grown by this much since the last one.
     pub const SNAPSHOT_THRESHOLD_BYTES: u64 = 64 * 1024 * 1024;
-    /// Failed authentications allowed from one address before it is refused without checking.
-    pub const AUTH_FAILURE_LIMIT: u32 = 10;
-    /// A rate-limited address gets one more attempt per this many seconds.
-    pub const AUTH_FAILURE_REFILL_SECS: u64 = 6;
+    /// Failed authentications allowed from one address before it is refused without checking: enough
+    /// that a site behind one NAT address survives a few mistyped passwords and a misconfigured client
+    /// (docs/security.md, "Failed logins").
+    pub const AUTH_FAILURE_LIMIT: u32 = 30;
+    /// A rate-limited address gets one more attempt per this many seconds (≈ 1,800 guesses an hour at
+    /// most, each against an argon2id hash).
+    pub const AUTH_FAILURE_REFILL_SECS: u64 = 2;
     /// How often the TLS certificate, key and client CA files are checked for changes.
     pub const TLS_RELOAD_POLL: std::time::Duration = std::time::Duration::from_secs(2);
     /// Partitions of the key space, fixed when a cluster is created.
@@ -380,8 +383,9 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_JWT_AUDIENCE", value_name = "AUD")]
     pub jwt_audience: Option<String>,
 
-    /// Whether clients without credentials may connect. Default: true only when no authentication
-    /// (password file, JWT key) is configured.
+    /// Whether clients without credentials may connect; unset and without authentication, listeners
+    /// beyond loopback are refused at start-up, set it to true to allow that on purpose. Default: true
+    /// only when no authentication (password file, JWT key, client CA) is configured.
     #[arg(long, env = "MQSTATE_ALLOW_ANONYMOUS", value_name = "BOOL")]
     pub allow_anonymous: Option<bool>,
 
@@ -391,11 +395,11 @@ pub struct Settings {
     pub acl_file: Option<PathBuf>,
 
     /// Failed authentications from one address before its CONNECTs are refused unchecked; 0 disables.
-    /// Default 10.
+    /// Default 30.
     #[arg(long, env = "MQSTATE_AUTH_FAILURE_LIMIT", value_name = "N")]
     pub auth_failure_limit: Option<u32>,
 
-    /// Seconds after which a rate-limited address gets one more attempt. Default 6.
+    /// Seconds after which a rate-limited address gets one more attempt. Default 2.
     #[arg(long, env = "MQSTATE_AUTH_FAILURE_REFILL", value_name = "SECS")]
     pub auth_failure_refill: Option<u64>,
     /// PEM certificate chain for `tls://` and `wss://` listeners (reloaded on SIGHUP or change). Default none.

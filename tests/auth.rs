@@ -701,3 +701,22 @@ async fn the_state_store_replies_only_where_the_requester_may_publish() {
     assert_eq!(topic, "sensors/secret/door");
     assert_eq!(&payload[..], b"$4\r\nOPEN\r\n");
 }
+
+#[test]
+fn anonymous_listener_beyond_loopback_is_refused_unless_asked_for() {
+    // Refused before any socket is opened, so no traffic leaves loopback.
+    let (stderr, status) = common::serve_stderr(&["--listen", "0.0.0.0:0"], &[], "mqstate ready");
+    let status = status.expect("the server must refuse to start");
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("allow_anonymous"), "{stderr}");
+    assert!(stderr.contains("password_file"), "{stderr}");
+
+    // Loopback needs no configuration at all.
+    let (stderr, status) = common::serve_stderr(
+        &["--listen", "127.0.0.1:0"],
+        &[("MQSTATE_LOG", "info")],
+        "mqstate ready",
+    );
+    assert!(status.is_none(), "exited: {status:?} {stderr}");
+    assert!(stderr.contains("mqstate ready"), "{stderr}");
+}

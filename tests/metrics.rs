@@ -204,3 +204,15 @@ fn snapshots_are_counted_and_timed() {
         assert_eq!(sample(&text, &series), Some(1.0), "{series}: {text}");
     }
 }
+
+#[test]
+fn text_logs_carry_no_colour_codes_off_a_terminal() {
+    let (stderr, status) = common::serve_stderr(
+        &["--listen", "127.0.0.1:0", "--log-format", "text"],
+        &[("MQSTATE_LOG", "info")],
+        "mqstate ready",
+    );
+    assert!(status.is_none(), "exited: {status:?} {stderr}");
+    assert!(stderr.contains("mqstate ready"), "{stderr}");
+    assert!(!stderr.contains('\u{1b}'), "ANSI escape in {stderr:?}");
+}

@@ -568,7 +568,7 @@ async fn mqtt_over_secure_websocket() {
     client.disconnect().await;
 }
 
-// ---- the CLI (AIO SDK) over TLS ----
+// ---- the CLI over TLS ----
 
 fn cli(addr: SocketAddr, args: &[&str], tls: &[String]) -> std::process::Output {
     let (subcommand, rest) = args.split_first().unwrap();
@@ -611,14 +611,66 @@ fn cli_works_over_tls_and_mtls() {
     assert!(set.status.success(), "{set:?}");
     let get = cli(addr, &["get", "greeting"], &with_cert);
     assert!(get.status.success(), "{get:?}");
-    assert_eq!(String::from_utf8_lossy(&get.stdout), "over tls\n");
-    // SCAN goes over rumqttc, not the SDK: the same flags must work there too.
+    assert_eq!(String::from_utf8_lossy(&get.stdout), "over tls");
     let keys = cli(addr, &["scan", "*"], &with_cert);
     assert!(keys.status.success(), "{keys:?}");
     assert!(String::from_utf8_lossy(&keys.stdout).contains("greeting"));
     // mTLS is required on this listener: without a client certificate the CLI fails.
     let refused = cli(addr, &["get", "greeting"], &trust);
     assert!(!refused.status.success(), "{refused:?}");
+}
+
+#[test]
+fn cli_tls_failures_name_the_cause_and_mtls_identity_needs_no_client_id() {
+    let ca = Ca::new("test CA");
+    let other_ca = Ca::new("some other CA");
+    let files = Files::new();
+    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let ca_file = files.write("ca.pem", &ca.pem);
+    let other_ca_file = files.write("other-ca.pem", &other_ca.pem);
+    let client = ca.leaf("sensor-9", &[], false);
+    let (_server, addr) = start(
+        "tls",
+        &tls_args(
+            &cert,
+            &key,
+            &[
+                "--tls-client-ca",
+                &arg(&ca_file),
+                "--use-identity-as-client-id",
+            ],
+        ),
+    );
+    let untrusted = cli(
+        addr,
+        &["get", "k"],
+        &["--ca".to_owned(), arg(&other_ca_file)],
+    );
+    assert_eq!(untrusted.status.code(), Some(2), "{untrusted:?}");
+    let text = String::from_utf8_lossy(&untrusted.stderr);
+    assert!(text.contains("not trusted"), "{text}");
+    assert!(text.contains("--ca"), "{text}");
+
+    let no_cert = cli(addr, &["get", "k"], &["--ca".to_owned(), arg(&ca_file)]);
+    assert_eq!(no_cert.status.code(), Some(2), "{no_cert:?}");
+    let text = String::from_utf8_lossy(&no_cert.stderr);
+    assert!(text.contains("--cert"), "{text}");
+
+    // The certificate's CN becomes the client id; the CLI follows the id the CONNACK announces, so
+    // its replies come back without --client-id.
+    let with_cert = vec![
+        "--ca".to_owned(),
+        arg(&ca_file),
+        "--cert".to_owned(),
+        arg(&files.write("client.pem", &client.pem)),
+        "--key".to_owned(),
+        arg(&files.write("client.key", &client.key_pem)),
+    ];
+    let set = cli(addr, &["set", "by-identity", "v"], &with_cert);
+    assert!(set.status.success(), "{set:?}");
+    let get = cli(addr, &["get", "by-identity", "--json"], &with_cert);
+    assert!(get.status.success(), "{get:?}");
+    assert!(String::from_utf8_lossy(&get.stdout).contains("\"value\":\"v\""));
 }
 
 #[test]

@@ -27,6 +27,33 @@ pub fn auth_configured(settings: &Resolved) -> bool {
             .any(|l| l.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
 }
 
+/// Refuses to serve anonymous clients on an address beyond this machine unless the operator asked for it
+/// (`allow_anonymous = true`), like Mosquitto 2: with no authentication configured, anyone who can reach
+/// such a listener could read and write every key and topic. Loopback listeners stay open, so
+/// `mqstate serve` on 127.0.0.1 needs no configuration (decision 0018-cli-open-by-default).
+pub fn check_exposure(settings: &Resolved) -> anyhow::Result<()> {
+    if settings.allow_anonymous.is_some() || auth_configured(settings) {
+        return Ok(());
+    }
+    let exposed: Vec<String> = settings
+        .listen
+        .iter()
+        .filter(|l| !l.addr.ip().is_loopback())
+        .map(ToString::to_string)
+        .collect();
+    if exposed.is_empty() {
+        return Ok(());
+    }
+    bail!(
+        "refusing to listen on {} without authentication: anyone who can reach it could read and write \
+         everything. Configure passwords (`mqstate passwd -c FILE USER`, then password_file = FILE, \
+         --password-file, MQSTATE_PASSWORD_FILE), tokens (jwt_public_key) or client certificates \
+         (tls_client_ca); or, to allow anonymous clients on purpose, set allow_anonymous = true \
+         (--allow-anonymous true, MQSTATE_ALLOW_ANONYMOUS=true); or listen on 127.0.0.1 only",
+        exposed.join(", ")
+    )
+}
+
 /// The policies `serve` installs: topic rules for the broker, key rules for the state store.
 pub struct Policy {
     pub security: Security,
@@ -126,5 +153,44 @@ impl Authenticator for Configured {
         }
         tracing::info!(peer = %a.peer, client_id = %a.client_id, "anonymous client refused");
         Err(Refusal::NotAuthorized)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::Settings;
+
+    fn resolved(toml_text: &str) -> Resolved {
+        let file: Settings = toml::from_str(toml_text).unwrap();
+        Settings::default().layer(file).resolve().unwrap()
+    }
+
+    #[test]
+    fn loopback_without_authentication_needs_no_configuration() {
+        assert!(check_exposure(&resolved("")).is_ok());
+        assert!(check_exposure(&resolved(r#"listen = ["127.0.0.1:1", "[::1]:2"]"#)).is_ok());
+    }
+
+    #[test]
+    fn other_addresses_without_authentication_are_refused_naming_the_settings() {
+        let err = check_exposure(&resolved(r#"listen = ["127.0.0.1:1", "0.0.0.0:1883"]"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tcp://0.0.0.0:1883"), "{err}");
+        assert!(!err.contains("127.0.0.1:1"), "{err}");
+        assert!(err.contains("allow_anonymous = true"), "{err}");
+        assert!(err.contains("password_file"), "{err}");
+    }
+
+    #[test]
+    fn explicit_anonymous_or_authentication_opens_other_addresses() {
+        let anonymous = resolved("listen = [\"0.0.0.0:1883\"]\nallow_anonymous = true");
+        assert!(check_exposure(&anonymous).is_ok());
+        let passwords = resolved("listen = [\"0.0.0.0:1883\"]\npassword_file = \"/p\"");
+        assert!(check_exposure(&passwords).is_ok());
+        // `false` is explicit too: then nobody anonymous gets in anywhere (`load` checks the rest).
+        let closed = resolved("listen = [\"0.0.0.0:1883\"]\nallow_anonymous = false");
+        assert!(check_exposure(&closed).is_ok());
     }
 }

@@ -102,7 +102,8 @@ pub struct PasswdArgs {
     /// Delete the user instead of setting a password.
     #[arg(short = 'D', long = "delete")]
     delete: bool,
-    /// Read the password from the first line of standard input instead of prompting.
+    /// Read the password from the first line of standard input instead of prompting (the default
+    /// when standard input is not a terminal).
     #[arg(long)]
     password_stdin: bool,
     /// The password file.
@@ -128,7 +129,9 @@ pub fn run(args: PasswdArgs) -> anyhow::Result<()> {
             bail!("user {} is not in {}", args.user, args.file.display());
         }
     } else {
-        let password = read_password(args.password_stdin)?;
+        let from_stdin =
+            args.password_stdin || !std::io::IsTerminal::is_terminal(&std::io::stdin());
+        let password = read_password(from_stdin)?;
         file.users
             .insert(args.user.clone(), hash_password(password.as_bytes())?);
     }
@@ -141,7 +144,13 @@ fn read_password(from_stdin: bool) -> anyhow::Result<String> {
         std::io::stdin()
             .read_line(&mut line)
             .context("cannot read the password from standard input")?;
-        line.trim_end_matches(['\r', '\n']).to_owned()
+        let password = line.trim_end_matches(['\r', '\n']).to_owned();
+        if password.is_empty() {
+            bail!(
+                "no password on standard input: pipe it in (`printf '%s\\n' \"$PASSWORD\" | mqstate passwd FILE USER`) or run from a terminal to be asked for it"
+            );
+        }
+        password
     } else {
         let first = rpassword::prompt_password("Password: ").context("cannot read the password")?;
         let again =

@@ -89,6 +89,7 @@ async fn open(addr: String, client_id: String) -> Result<TcpStream, CliError> {
     let connect_error = |reason: String| CliError::Connect {
         addr: addr.clone(),
         reason,
+        fix: "is the broker running there (--host/--port)?".into(),
     };
     let mut stream = TcpStream::connect(&addr)
         .await

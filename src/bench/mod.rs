@@ -18,14 +18,12 @@
 //! `--json` and `--plot` ([`plot`]).
 
 mod idle;
-mod link;
 mod plot;
 mod progress;
 mod pubsub;
 mod responder;
 mod statestore;
 mod stats;
-mod wire;
 mod workload;
 
 use std::path::PathBuf;

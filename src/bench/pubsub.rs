@@ -10,11 +10,11 @@ use rumqttc::v5::mqttbytes::v5::Filter;
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::task::JoinSet;
 
-use super::link::{Connection, Dialer};
 use super::stats::Outcome;
-use super::wire::{self, Turn};
 use super::{BenchArgs, Shared};
+use crate::client::dial::{Connection, Dialer};
 use crate::client::error::CliError;
+use crate::client::wire::{self, Turn};
 
 pub struct Prepared {
     topic_root: String,

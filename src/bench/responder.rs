@@ -11,11 +11,11 @@ use rumqttc::v5::mqttbytes::v5::{Filter, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::task::JoinSet;
 
-use super::link::{Connection, Dialer};
-use super::wire;
 use super::BenchArgs;
+use crate::client::dial::{Connection, Dialer};
 use crate::client::error::CliError;
 use crate::client::rpc;
+use crate::client::wire;
 
 pub async fn run(args: &BenchArgs) -> Result<(), CliError> {
     let prefix = args.conn.client_id("mqstate-responder");

@@ -16,13 +16,13 @@ use rumqttc::v5::mqttbytes::v5::{Filter, Publish};
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::task::JoinSet;
 
-use super::link::{Connection, Dialer};
 use super::stats::{classify, Outcome};
-use super::wire::{self, Turn};
 use super::workload::{key_name, value_of_size, KeyChooser, Mix, Op};
 use super::{BenchArgs, Shared};
+use crate::client::dial::{Connection, Dialer};
 use crate::client::error::CliError;
 use crate::client::rpc;
+use crate::client::wire::{self, Turn};
 
 /// One connection, connected and subscribed.
 struct Opened {

@@ -6,13 +6,10 @@ use std::process::ExitCode;
 
 use bytes::Bytes;
 use mqstate_cluster::admin::{AdminCall, AdminReply, ADMIN_TOPIC};
-use rumqttc::v5::mqttbytes::v5::{Filter, Packet, PublishProperties};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::Event;
 
 use super::connection::ConnectionArgs;
 use super::error::CliError;
-use super::rpc;
+use super::rpc::RawClient;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -137,81 +134,27 @@ fn missing(command: &str) -> CliError {
 }
 
 /// One request/response exchange on the admin topic; a reply with an error becomes
-/// [`CliError::Cluster`].
+/// [`CliError::Admin`].
 async fn call(
     conn: &ConnectionArgs,
     command: &str,
     request: &AdminCall,
 ) -> Result<AdminReply, CliError> {
-    let client_id = conn.client_id("mqstate-cluster");
-    let topic = rpc::response_topic(&client_id);
-    let filters = vec![Filter::new(topic.as_str(), QoS::AtLeastOnce)];
-    let rpc::Connected {
-        client,
-        mut eventloop,
-    } = rpc::open(
-        conn.mqtt_options(&client_id)?,
-        filters,
-        rpc::EVENT_CHANNEL_CAPACITY,
-        conn.timeout(),
-    )
-    .await?;
-    let lost = |reason: String| CliError::ConnectionLost {
-        addr: conn.addr(),
-        reason,
-    };
-    let correlation = rpc::correlation(1);
-    let properties = PublishProperties {
-        response_topic: Some(topic.clone()),
-        correlation_data: Some(correlation.clone()),
-        content_type: Some("application/json".to_owned()),
-        message_expiry_interval: Some(u32::try_from(conn.timeout).unwrap_or(u32::MAX)),
-        ..PublishProperties::default()
-    };
-    let payload = serde_json::to_vec(request).map_err(|e| lost(e.to_string()))?;
-    client
-        .publish_with_properties(
-            ADMIN_TOPIC,
-            QoS::AtLeastOnce,
-            false,
-            Bytes::from(payload),
-            properties,
-        )
-        .await
-        .map_err(|e| lost(e.to_string()))?;
-    let wait = async {
-        loop {
-            match eventloop.poll().await {
-                Ok(Event::Incoming(Packet::Publish(p)))
-                    if p.topic.as_ref() == topic.as_bytes()
-                        && p.properties
-                            .as_ref()
-                            .and_then(|p| p.correlation_data.as_ref())
-                            == Some(&correlation) =>
-                {
-                    return serde_json::from_slice::<AdminReply>(&p.payload).map_err(|e| {
-                        CliError::Protocol {
-                            command: command.to_owned(),
-                            detail: format!("the reply is not an admin reply: {e}"),
-                        }
-                    });
-                }
-                Ok(_) => {}
-                Err(e) => return Err(lost(e.to_string())),
-            }
-        }
-    };
-    let reply = match tokio::time::timeout(conn.timeout(), wait).await {
-        Ok(reply) => reply,
-        Err(_) => Err(CliError::Timeout {
-            command: command.to_owned(),
-            timeout_s: conn.timeout,
-        }),
-    };
-    let _ = client.disconnect().await;
-    let reply = reply?;
+    let payload = serde_json::to_vec(request).map_err(|e| CliError::Protocol {
+        command: command.to_owned(),
+        detail: format!("cannot encode the request: {e}"),
+    })?;
+    let mut client = RawClient::connect(conn).await?;
+    let reply = client
+        .call(ADMIN_TOPIC, Bytes::from(payload), command)
+        .await;
+    client.close().await;
+    let reply = serde_json::from_slice::<AdminReply>(&reply?).map_err(|e| CliError::Protocol {
+        command: command.to_owned(),
+        detail: format!("the reply is not an admin reply: {e}"),
+    })?;
     match reply.error {
-        Some(text) => Err(CliError::Cluster {
+        Some(text) => Err(CliError::Admin {
             command: command.to_owned(),
             text,
         }),

@@ -1,16 +1,10 @@
 //! Connection flags shared by every CLI command and `bench`, with the AIO environment variables as
-//! defaults, and their translation into the two MQTT clients we use: the AIO SDK session (state-store
-//! commands) and rumqttc v5 (the raw request path of `scan` and `bench`).
+//! defaults (the same ones the AIO SDKs read). [`super::dial`] turns them into a connection.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use azure_iot_operations_mqtt::aio::connection_settings::{
-    MqttConnectionSettings, MqttConnectionSettingsBuilder,
-};
 use clap::builder::BoolishValueParser;
-use rumqttc::v5::MqttOptions;
-use rumqttc::Transport;
 
 use super::error::CliError;
 
@@ -22,10 +16,7 @@ pub const DEFAULT_PORT: u16 = 1883;
 pub const DEFAULT_TIMEOUT_S: u64 = 10;
 /// MQTT keep-alive of every connection the tools open.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(60);
-/// Session expiry the tools ask for: long enough to ride out a reconnect, short enough that a killed CLI
-/// does not leave its session on the broker for the SDK default of an hour.
-pub const SESSION_EXPIRY: Duration = Duration::from_secs(60);
-/// Largest packet the raw client accepts: the MQTT maximum, since values may be large (spec §2) and
+/// Largest packet our client accepts: the MQTT maximum, since values may be large (spec §2) and
 /// rumqttc's own default is only 10 KiB.
 pub const MAX_PACKET_BYTES: u32 = 268_435_455;
 
@@ -92,27 +83,6 @@ impl ConnectionArgs {
         }
     }
 
-    /// Settings for the AIO SDK session.
-    pub fn sdk_settings(&self, client_id: &str) -> Result<MqttConnectionSettings, CliError> {
-        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
-        MqttConnectionSettingsBuilder::default()
-            .client_id(client_id)
-            .hostname(self.host.as_str())
-            .tcp_port(self.port)
-            .keep_alive(KEEP_ALIVE)
-            .session_expiry(SESSION_EXPIRY)
-            .connection_timeout(self.timeout())
-            .clean_start(true)
-            .use_tls(self.tls)
-            .ca_file(path(&self.ca))
-            .cert_file(path(&self.cert))
-            .key_file(path(&self.tls_key))
-            .username(self.username.clone())
-            .password_file(path(&self.password_file))
-            .build()
-            .map_err(|e| CliError::usage("connection settings", e.to_string()))
-    }
-
     /// User name and password (read from `--password-file`) of a raw MQTT connection, if a user is given.
     pub fn credentials(&self) -> Result<Option<(String, String)>, CliError> {
         let Some(username) = &self.username else {
@@ -123,36 +93,6 @@ impl ConnectionArgs {
             None => String::new(),
         };
         Ok(Some((username.clone(), password)))
-    }
-
-    /// Options for a raw rumqttc v5 connection.
-    pub fn mqtt_options(&self, client_id: &str) -> Result<MqttOptions, CliError> {
-        let mut options = MqttOptions::new(client_id, self.host.as_str(), self.port);
-        options
-            .set_keep_alive(KEEP_ALIVE)
-            .set_clean_start(true)
-            .set_max_packet_size(Some(MAX_PACKET_BYTES))
-            .set_connection_timeout(self.timeout);
-        if let Some((username, password)) = self.credentials()? {
-            options.set_credentials(username, password);
-        }
-        if self.tls {
-            let ca_path = self.ca.as_ref().ok_or_else(|| {
-                CliError::usage(
-                    "--tls",
-                    "this command needs the broker's CA certificate: pass --ca FILE (or AIO_TLS_CA_FILE)",
-                )
-            })?;
-            let ca = read_file(ca_path, "--ca")?;
-            let client_auth = match (&self.cert, &self.tls_key) {
-                (Some(cert), Some(key)) => {
-                    Some((read_file(cert, "--cert")?, read_file(key, "--key")?))
-                }
-                _ => None,
-            };
-            options.set_transport(Transport::tls(ca, client_auth, None));
-        }
-        Ok(options)
     }
 }
 
@@ -210,15 +150,6 @@ mod tests {
     fn cert_needs_key() {
         assert!(Probe::try_parse_from(["probe", "--cert", "c.pem"]).is_err());
         assert!(Probe::try_parse_from(["probe", "--cert", "c.pem", "--key", "k.pem"]).is_ok());
-    }
-
-    #[test]
-    fn raw_tls_without_ca_says_which_flag_to_pass() {
-        let probe = Probe::try_parse_from(["probe", "--tls"]).unwrap();
-        let mut conn = probe.conn;
-        conn.ca = None;
-        let err = conn.mqtt_options("c").unwrap_err();
-        assert!(err.to_string().contains("--ca"));
     }
 
     #[test]

@@ -9,6 +9,11 @@ pub const EXIT_NOT_MET: u8 = 1;
 /// Exit status: bad usage, unreachable broker, or any other failure.
 pub const EXIT_FAILED: u8 = 2;
 
+/// Exit status of `lock` when its command does not exist (a shell's 127).
+pub const EXIT_NOT_FOUND: u8 = 127;
+/// Exit status of `lock` when its command cannot be executed (a shell's 126).
+pub const EXIT_NOT_EXECUTABLE: u8 = 126;
+
 /// Everything that can stop a CLI command. Messages name the thing and what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
@@ -22,11 +27,20 @@ pub enum CliError {
         source: std::io::Error,
     },
 
-    #[error(
-        "cannot connect to the MQTT broker at {addr}: {reason} — is it running? \
-         Set --host/--port (or AIO_BROKER_HOSTNAME/AIO_BROKER_TCP_PORT), and --tls if it needs TLS"
-    )]
-    Connect { addr: String, reason: String },
+    #[error("the MQTT broker at {addr} refused the connection: {reason} — {fix}")]
+    Refused {
+        addr: String,
+        reason: String,
+        fix: String,
+    },
+
+    #[error("cannot connect to the MQTT broker at {addr}: {reason} — {fix}")]
+    Connect {
+        addr: String,
+        reason: String,
+        /// What to do about it (flags to set, what to check).
+        fix: String,
+    },
 
     #[error("lost the connection to the MQTT broker at {addr}: {reason}")]
     ConnectionLost { addr: String, reason: String },
@@ -49,7 +63,16 @@ pub enum CliError {
     Protocol { command: String, detail: String },
 
     #[error("{command} failed: {text}")]
-    Cluster { command: String, text: String },
+    Admin { command: String, text: String },
+    #[error(
+        "the {command} request would be {size} bytes, more than the broker's maximum packet size of \
+         {max} bytes; store a smaller value, or raise the broker's max_packet_size"
+    )]
+    TooLarge {
+        command: String,
+        size: usize,
+        max: u32,
+    },
 
     #[error("lock {name} is held by another client; pass --wait to wait for it")]
     LockHeld { name: String },
@@ -73,6 +96,12 @@ impl CliError {
             }
             | CliError::LockHeld { .. }
             | CliError::LockLost { .. } => EXIT_NOT_MET,
+            // As a shell reports a command it cannot run.
+            CliError::Spawn { source, .. } => match source.kind() {
+                std::io::ErrorKind::NotFound => EXIT_NOT_FOUND,
+                std::io::ErrorKind::PermissionDenied => EXIT_NOT_EXECUTABLE,
+                _ => EXIT_FAILED,
+            },
             _ => EXIT_FAILED,
         }
     }
@@ -121,6 +150,7 @@ mod tests {
         let e = CliError::Connect {
             addr: "127.0.0.1:1".into(),
             reason: "connection refused".into(),
+            fix: "is the broker running? Set --host/--port".into(),
         };
         assert_eq!(e.exit_status(), EXIT_FAILED);
         assert!(e.to_string().contains("--host/--port"));

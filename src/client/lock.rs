@@ -1,20 +1,26 @@
 //! `mqstate lock NAME --ttl MS -- COMMAND…`: hold a lease while a command runs.
 //!
-//! Acquire is `SET NAME <client id> NEX PX ttl` through the SDK's lease client, renewed every ttl/3 (so two
-//! renewals can fail before the lease lapses); the command gets the fencing token in
-//! `MQSTATE_FENCING_TOKEN`; release is `VDEL NAME <client id>`. If a renewal fails the command is killed:
-//! it can no longer be sure it holds the lock.
+//! Acquire is `SET NAME <client id> NEX PX ttl` (the AIO lease pattern, as the SDK's leased-lock client
+//! sends it), renewed every ttl/3 (so two renewals can fail before the lease lapses); the command gets
+//! the fencing token (the SET's `__ts`) in `MQSTATE_FENCING_TOKEN`; release is `VDEL NAME <client id>`.
+//!
+//! The lock is released only once the command has ended: SIGTERM, SIGINT and SIGHUP (what `timeout`,
+//! systemd and a terminal send) are forwarded to the command, which is waited for while the lease is
+//! still renewed. A command that cannot start releases the lock at once. If a renewal fails the command
+//! is killed: it can no longer be sure it holds the lock. Exit status: the command's, or 128+n when a
+//! signal n ended it, as a shell reports it.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
-use azure_iot_operations_services::leased_lock::{self, lease};
-use azure_iot_operations_services::state_store;
+use bytes::Bytes;
+use mqstate_protocol::{Hlc, Reply};
+use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::time::Instant;
 
 use super::connection::ConnectionArgs;
 use super::error::{CliError, EXIT_FAILED};
-use super::sdk::{map_error, Store};
+use super::rpc::{self, RawClient};
 
 /// How often `--wait` retries a lock held by someone else.
 pub const WAIT_RETRY: Duration = Duration::from_millis(200);
@@ -24,6 +30,8 @@ pub const RENEWALS_PER_TTL: u32 = 3;
 pub const FENCING_TOKEN_ENV: &str = "MQSTATE_FENCING_TOKEN";
 /// Shortest TTL: renewals every ttl/3 must leave time for a request round trip.
 pub const MIN_TTL_MS: u64 = 30;
+/// Exit status base of a command ended by a signal (a shell's `128 + n`).
+pub const EXIT_SIGNAL_BASE: i32 = 128;
 
 #[derive(clap::Args)]
 pub struct LockArgs {
@@ -50,62 +58,97 @@ pub async fn run(args: &LockArgs) -> ExitCode {
 }
 
 async fn lock(args: &LockArgs) -> Result<ExitCode, CliError> {
-    let store = Store::connect(&args.conn).await?;
-    let result = hold(&store, args).await;
-    store.close().await;
+    // Before connecting: from here on these signals are ours to forward, not to die of.
+    let mut signals = Signals::register()?;
+    let mut client = RawClient::connect(&args.conn).await?;
+    let result = hold(&mut client, args, &mut signals).await;
+    client.close().await;
     result
 }
 
-fn lease_error(args: &LockArgs, error: leased_lock::Error) -> CliError {
-    match error.kind() {
-        leased_lock::ErrorKind::LeaseAlreadyHeld => CliError::LockHeld {
-            name: args.name.clone(),
-        },
-        _ => {
-            // Re-express through the state-store mapping so exit codes and hints match other commands.
-            let kind = match error.kind() {
-                leased_lock::ErrorKind::ServiceError(e) => {
-                    state_store::ErrorKind::ServiceError(clone_service_error(e))
-                }
-                other => state_store::ErrorKind::UnexpectedPayload(other.to_string()),
-            };
-            map_error(
-                "SET NEX",
-                &args.conn.addr(),
-                args.conn.timeout,
-                &state_store::Error::from(kind),
-            )
+/// `SET NAME holder NEX PX ttl`: the fencing token if we hold the lock now, `None` if another does.
+async fn acquire(client: &mut RawClient, args: &LockArgs) -> Result<Option<Hlc>, CliError> {
+    let request = [
+        Bytes::from_static(b"SET"),
+        Bytes::from(args.name.clone().into_bytes()),
+        Bytes::from(client.client_id().as_bytes().to_vec()),
+        Bytes::from_static(b"NEX"),
+        Bytes::from_static(b"PX"),
+        Bytes::from(args.ttl.to_string()),
+    ];
+    let response = client.request(&request, None).await?;
+    match rpc::parse_reply("SET", &response.payload)? {
+        Reply::Ok => {
+            let token = response.ts.as_deref().and_then(|t| Hlc::parse(t).ok());
+            token.map(Some).ok_or_else(|| CliError::Protocol {
+                command: "SET".into(),
+                detail: "no valid __ts (the fencing token) on the reply".into(),
+            })
         }
+        Reply::Integer(-1) | Reply::Nil => Ok(None),
+        other => Err(CliError::Protocol {
+            command: "SET".into(),
+            detail: format!("unexpected reply {other:?}"),
+        }),
     }
 }
 
-fn clone_service_error(e: &state_store::ServiceError) -> state_store::ServiceError {
-    state_store::ServiceError::from(e.to_string().into_bytes())
+/// `VDEL NAME holder`: best effort; the lease expires by itself otherwise.
+async fn release(client: &mut RawClient, args: &LockArgs) {
+    let request = [
+        Bytes::from_static(b"VDEL"),
+        Bytes::from(args.name.clone().into_bytes()),
+        Bytes::from(client.client_id().as_bytes().to_vec()),
+    ];
+    if let Err(e) = client.request(&request, None).await {
+        eprintln!(
+            "mqstate: could not release lock {} ({e}); it expires by itself after {} ms",
+            args.name, args.ttl
+        );
+    }
 }
 
-async fn hold(store: &Store, args: &LockArgs) -> Result<ExitCode, CliError> {
+async fn hold(
+    client: &mut RawClient,
+    args: &LockArgs,
+    signals: &mut Signals,
+) -> Result<ExitCode, CliError> {
     let ttl = Duration::from_millis(args.ttl);
-    let timeout = args.conn.timeout();
-    let lease = lease::Client::new(
-        Arc::clone(&store.client),
-        args.name.as_bytes().to_vec(),
-        store.client_id.as_bytes().to_vec(),
-    )
-    .map_err(|e| CliError::usage("lock name", e.to_string()))?;
     let token = loop {
-        match lease.acquire(ttl, timeout, None).await {
-            Ok(token) => break token,
-            Err(e) if args.wait && matches!(e.kind(), leased_lock::ErrorKind::LeaseAlreadyHeld) => {
-                tokio::time::sleep(WAIT_RETRY.min(ttl)).await;
+        match acquire(client, args).await? {
+            Some(token) => break token,
+            None if args.wait => {
+                tokio::select! {
+                    () = tokio::time::sleep(WAIT_RETRY.min(ttl)) => {}
+                    signal = signals.next() => {
+                        let code = EXIT_SIGNAL_BASE + signal as i32;
+                        return Ok(ExitCode::from(u8::try_from(code).unwrap_or(EXIT_FAILED)));
+                    }
+                }
             }
-            Err(e) => return Err(lease_error(args, e)),
+            None => {
+                return Err(CliError::LockHeld {
+                    name: args.name.clone(),
+                })
+            }
         }
     };
     eprintln!(
         "mqstate: lock {} acquired; fencing token {token}",
         args.name
     );
+    let outcome = supervise(client, args, signals, &token).await;
+    release(client, args).await;
+    outcome
+}
 
+/// Runs the command while renewing the lease; forwards signals to it and waits for it.
+async fn supervise(
+    client: &mut RawClient,
+    args: &LockArgs,
+    signals: &mut Signals,
+    token: &Hlc,
+) -> Result<ExitCode, CliError> {
     let (program, rest) = args
         .command
         .split_first()
@@ -119,41 +162,116 @@ async fn hold(store: &Store, args: &LockArgs) -> Result<ExitCode, CliError> {
             program: program.clone(),
             source,
         })?;
-
-    let renew_every = ttl / RENEWALS_PER_TTL;
-    let mut renewals =
-        tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
-    let outcome = loop {
+    let renew_every = Duration::from_millis(args.ttl) / RENEWALS_PER_TTL;
+    let mut next_renewal = Instant::now() + renew_every;
+    let lost = loop {
         tokio::select! {
-            status = child.wait() => break status.map_err(|source| CliError::Spawn {
-                program: program.clone(),
-                source,
-            }),
-            _ = renewals.tick() => {
-                if let Err(e) = lease.acquire(ttl, timeout, None).await {
-                    let _ = child.kill().await;
-                    return Err(CliError::LockLost { name: args.name.clone(), reason: e.to_string() });
+            status = child.wait() => {
+                let status = status.map_err(|source| CliError::Spawn {
+                    program: program.clone(),
+                    source,
+                })?;
+                return Ok(exit_code(status));
+            }
+            () = tokio::time::sleep_until(next_renewal) => {
+                match acquire(client, args).await {
+                    Ok(Some(_)) => next_renewal += renew_every,
+                    Ok(None) => break "another client holds it now".to_owned(),
+                    Err(e) => break e.to_string(),
                 }
             }
-            error = store.disconnected() => {
-                let _ = child.kill().await;
-                return Err(CliError::LockLost { name: args.name.clone(), reason: error.to_string() });
+            unexpected = client.notification() => {
+                // Nothing else is subscribed: only the end of the connection gets here.
+                if let Err(e) = unexpected {
+                    break e.to_string();
+                }
             }
-            _ = tokio::signal::ctrl_c() => {
-                let _ = child.kill().await;
-                break Ok(std::process::ExitStatus::default());
+            signal = signals.next() => {
+                if let Some(pid) = child.id() {
+                    forward(signal, pid);
+                }
             }
         }
     };
-    if let Err(e) = lease.release(timeout).await {
-        eprintln!(
-            "mqstate: could not release lock {} ({e}); it expires by itself after {} ms",
-            args.name, args.ttl
+    // The lease may lapse any moment now: the command must not go on believing it holds the lock.
+    let _ = child.kill().await;
+    Err(CliError::LockLost {
+        name: args.name.clone(),
+        reason: lost,
+    })
+}
+
+/// A shell's exit status for the command: its own code, or 128+n when signal n ended it.
+fn exit_code(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    let code = match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => EXIT_SIGNAL_BASE + signal,
+        (None, None) => i32::from(EXIT_FAILED),
+    };
+    ExitCode::from(u8::try_from(code).unwrap_or(EXIT_FAILED))
+}
+
+/// The signals `lock` forwards to its command.
+struct Signals {
+    term: Signal,
+    int: Signal,
+    hup: Signal,
+}
+
+impl Signals {
+    fn register() -> Result<Signals, CliError> {
+        let listen = |kind: SignalKind| {
+            signal(kind).map_err(|source| CliError::Input {
+                what: "signal handlers".into(),
+                source,
+            })
+        };
+        Ok(Signals {
+            term: listen(SignalKind::terminate())?,
+            int: listen(SignalKind::interrupt())?,
+            hup: listen(SignalKind::hangup())?,
+        })
+    }
+
+    /// The next of these signals to arrive.
+    async fn next(&mut self) -> nix::sys::signal::Signal {
+        use nix::sys::signal::Signal as S;
+        tokio::select! {
+            _ = self.term.recv() => S::SIGTERM,
+            _ = self.int.recv() => S::SIGINT,
+            _ = self.hup.recv() => S::SIGHUP,
+        }
+    }
+}
+
+fn forward(signal: nix::sys::signal::Signal, pid: u32) {
+    let Ok(pid) = i32::try_from(pid) else {
+        return;
+    };
+    // The child may have exited meanwhile; its wait() reports that.
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn exit_status_is_the_commands_or_128_plus_the_signal() {
+        // Raw wait statuses: exit code n is n << 8; death by signal n is n.
+        assert_eq!(
+            exit_code(std::process::ExitStatus::from_raw(7 << 8)),
+            ExitCode::from(7)
+        );
+        assert_eq!(
+            exit_code(std::process::ExitStatus::from_raw(15)),
+            ExitCode::from(143)
+        );
+        assert_eq!(
+            exit_code(std::process::ExitStatus::from_raw(9)),
+            ExitCode::from(137)
         );
     }
-    let status = outcome?;
-    Ok(match status.code() {
-        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(EXIT_FAILED)),
-        None => ExitCode::from(EXIT_FAILED),
-    })
 }

@@ -1,35 +1,36 @@
 //! The state-store CLI (`get`, `set`, `del`, `vdel`, `scan`, `watch`, `lock`), like redis-cli or
 //! etcdctl, for any AIO-compatible broker.
 //!
-//! Every command except `scan` goes through the official AIO Rust SDK ([`sdk`]), so the CLI doubles as
-//! proof that our server works with it; `scan` (not in SDK 1.3.0) uses the raw MQTT 5 path ([`rpc`])
-//! that `bench` also drives. Exit status: 0 success, 1 not found / condition not met, 2 usage or
-//! connection error (see [`error`]).
+//! Every command speaks the state-store protocol over our own MQTT 5 client ([`rpc`] over [`wire`],
+//! connected by [`dial`]), the same path `bench` drives; the official AIO SDK is a dev-dependency only,
+//! proving the server's compatibility in `tests/`. So the shipped binary links no OpenSSL. Exit status:
+//! 0 success, 1 not found / condition not met, 2 usage or connection error (see [`error`]).
+//!
+//! A new subcommand: a variant of [`Command`] (its arguments struct beside it, or in its own module
+//! like [`watch`] and [`lock`]) and its arm in [`run`]; connect with [`rpc::RawClient::connect`].
 
 pub mod cluster;
 pub mod connection;
+pub mod dial;
 pub mod error;
 mod lock;
 mod output;
 pub mod rpc;
-mod sdk;
 pub mod topic;
 pub mod value;
 mod watch;
+pub mod wire;
 
 use std::process::ExitCode;
-use std::time::Duration;
 
-use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
-use azure_iot_operations_services::state_store::{SetCondition, SetOptions};
 use bytes::Bytes;
-use mqstate_protocol::Reply;
+use mqstate_protocol::{Hlc, Reply};
 use serde_json::json;
 
 use connection::ConnectionArgs;
 use error::{CliError, EXIT_NOT_MET, EXIT_OK};
 use output::Outcome;
-use sdk::{map_error, Store};
+use rpc::{RawClient, Response};
 use value::{read_value, OutputArgs};
 
 /// Most SCAN pages followed before giving up: a server that keeps returning continuation tokens is
@@ -130,10 +131,10 @@ pub async fn run(cmd: Command) -> ExitCode {
     output::finish(output, result)
 }
 
-fn parse_fence(token: Option<&str>) -> Result<Option<HybridLogicalClock>, CliError> {
+fn parse_fence(token: Option<&str>) -> Result<Option<Hlc>, CliError> {
     token
         .map(|t| {
-            t.parse().map_err(|e| {
+            Hlc::parse(t).map_err(|e| {
                 CliError::usage(
                     "--fence",
                     format!("{t:?} is not an HLC like 001696374425000:00001:node ({e})"),
@@ -143,41 +144,47 @@ fn parse_fence(token: Option<&str>) -> Result<Option<HybridLogicalClock>, CliErr
         .transpose()
 }
 
-/// Connects, runs `op` on the SDK client, and closes the session whatever happened.
-async fn with_store<T, F, Fut>(conn: &ConnectionArgs, op: F) -> Result<T, CliError>
-where
-    F: FnOnce(std::sync::Arc<azure_iot_operations_services::state_store::Client>) -> Fut,
-    Fut: std::future::Future<Output = Result<T, CliError>>,
-{
-    let store = Store::connect(conn).await?;
-    let result = op(store.client.clone()).await;
-    store.close().await;
-    result
+/// Connects, sends one request, and closes the connection whatever happened.
+async fn one_request(
+    conn: &ConnectionArgs,
+    args: &[Bytes],
+    fencing: Option<&Hlc>,
+    extra: &[(&str, &str)],
+) -> Result<(Reply, Option<String>), CliError> {
+    let mut client = RawClient::connect(conn).await?;
+    let result = client.request_with(args, fencing, extra).await;
+    client.close().await;
+    let Response { payload, ts } = result?;
+    let command = String::from_utf8_lossy(&args[0]).into_owned();
+    Ok((rpc::parse_reply(&command, &payload)?, ts))
+}
+
+fn unexpected(command: &str, reply: &Reply) -> CliError {
+    CliError::Protocol {
+        command: command.to_owned(),
+        detail: format!("unexpected reply {reply:?}"),
+    }
+}
+
+fn arg(bytes: impl Into<Bytes>) -> Bytes {
+    bytes.into()
 }
 
 async fn get(args: &KeyArgs) -> Result<Outcome, CliError> {
-    let conn = &args.conn;
-    let key = args.key.as_bytes().to_vec();
-    let response = with_store(conn, |client| async move {
-        client
-            .get(key, conn.timeout())
-            .await
-            .map_err(|e| map_error("GET", &conn.addr(), conn.timeout, &e))
-    })
-    .await?;
+    let request = [arg("GET"), arg(args.key.clone().into_bytes())];
+    let (reply, version) = one_request(&args.conn, &request, None, &[]).await?;
     let mut out = Outcome::new(EXIT_OK, json!({}));
     value::put_bytes(out.object(), "key", args.key.as_bytes());
-    match response.response {
-        Some(data) => {
+    match reply {
+        Reply::Bulk(data) => {
             out.object().insert("found".into(), true.into());
             value::put_bytes(out.object(), "value", &data);
-            if let Some(version) = response.version {
-                out.object()
-                    .insert("version".into(), version.to_string().into());
+            if let Some(version) = version {
+                out.object().insert("version".into(), version.into());
             }
-            out.values.push(data);
+            out.values.push(data.to_vec());
         }
-        None => {
+        Reply::Nil => {
             out.status = EXIT_NOT_MET;
             out.object().insert("found".into(), false.into());
             out.note = Some(format!(
@@ -185,39 +192,41 @@ async fn get(args: &KeyArgs) -> Result<Outcome, CliError> {
                 value::escape(args.key.as_bytes())
             ));
         }
+        other => return Err(unexpected("GET", &other)),
     }
     Ok(out)
 }
 
 async fn set(args: &SetArgs) -> Result<Outcome, CliError> {
-    let conn = &args.conn;
     let data = read_value(&args.value)?;
     let fence = parse_fence(args.fence.as_deref())?;
-    let options = SetOptions {
-        set_condition: if args.nx {
-            SetCondition::OnlyIfDoesNotExist
-        } else if args.nex {
-            SetCondition::OnlyIfEqualOrDoesNotExist
-        } else {
-            SetCondition::Unconditional
-        },
-        expires: args.px.map(Duration::from_millis),
-        persist: args.persist,
-    };
-    let key = args.key.as_bytes().to_vec();
-    let response = with_store(conn, |client| async move {
-        client
-            .set(key, data, conn.timeout(), fence, options)
-            .await
-            .map_err(|e| map_error("SET", &conn.addr(), conn.timeout, &e))
-    })
-    .await?;
-    let mut out = Outcome::new(EXIT_OK, json!({ "applied": response.response }));
-    if let Some(version) = response.version {
-        out.object()
-            .insert("version".into(), version.to_string().into());
+    let mut request = vec![arg("SET"), arg(args.key.clone().into_bytes()), arg(data)];
+    if args.nx {
+        request.push(arg("NX"));
+    } else if args.nex {
+        request.push(arg("NEX"));
     }
-    if response.response {
+    if let Some(px) = args.px {
+        request.push(arg("PX"));
+        request.push(arg(px.to_string()));
+    }
+    let persist: &[(&str, &str)] = if args.persist {
+        &[(rpc::PERSIST, "true")]
+    } else {
+        &[]
+    };
+    let (reply, version) = one_request(&args.conn, &request, fence.as_ref(), persist).await?;
+    let applied = match reply {
+        Reply::Ok => true,
+        // A condition (NX, NEX) not met.
+        Reply::Integer(-1) | Reply::Nil => false,
+        other => return Err(unexpected("SET", &other)),
+    };
+    let mut out = Outcome::new(EXIT_OK, json!({ "applied": applied }));
+    if let Some(version) = version {
+        out.object().insert("version".into(), version.into());
+    }
+    if applied {
         out.text = Some("OK".into());
     } else {
         out.status = EXIT_NOT_MET;
@@ -231,31 +240,24 @@ async fn set(args: &SetArgs) -> Result<Outcome, CliError> {
 }
 
 async fn del(args: &KeyArgs) -> Result<Outcome, CliError> {
-    let conn = &args.conn;
-    let key = args.key.as_bytes().to_vec();
-    let response = with_store(conn, |client| async move {
-        client
-            .del(key, None, conn.timeout())
-            .await
-            .map_err(|e| map_error("DEL", &conn.addr(), conn.timeout, &e))
-    })
-    .await?;
-    Ok(deleted_outcome(&args.key, response.response))
+    let request = [arg("DEL"), arg(args.key.clone().into_bytes())];
+    match one_request(&args.conn, &request, None, &[]).await?.0 {
+        Reply::Integer(count) => Ok(deleted_outcome(&args.key, count)),
+        other => Err(unexpected("DEL", &other)),
+    }
 }
 
 async fn vdel(args: &VdelArgs) -> Result<Outcome, CliError> {
-    let conn = &args.conn;
     let data = read_value(&args.value)?;
     let fence = parse_fence(args.fence.as_deref())?;
-    let key = args.key.as_bytes().to_vec();
-    let response = with_store(conn, |client| async move {
-        client
-            .vdel(key, data, fence, conn.timeout())
-            .await
-            .map_err(|e| map_error("VDEL", &conn.addr(), conn.timeout, &e))
-    })
-    .await?;
-    Ok(deleted_outcome(&args.key, response.response))
+    let request = [arg("VDEL"), arg(args.key.clone().into_bytes()), arg(data)];
+    match one_request(&args.conn, &request, fence.as_ref(), &[])
+        .await?
+        .0
+    {
+        Reply::Integer(count) => Ok(deleted_outcome(&args.key, count)),
+        other => Err(unexpected("VDEL", &other)),
+    }
 }
 
 /// DEL and VDEL replies: 1 deleted, 0 missing, -1 value differs (VDEL only).
@@ -287,7 +289,7 @@ fn deleted_outcome(key: &str, count: i64) -> Outcome {
 }
 
 async fn scan(args: &ScanArgs) -> Result<Outcome, CliError> {
-    let mut client = rpc::RawClient::connect(&args.conn).await?;
+    let mut client = RawClient::connect(&args.conn).await?;
     let result = scan_pages(&mut client, args.pattern.as_bytes()).await;
     client.close().await;
     let keys = result?;
@@ -304,13 +306,13 @@ async fn scan(args: &ScanArgs) -> Result<Outcome, CliError> {
     Ok(out)
 }
 
-async fn scan_pages(client: &mut rpc::RawClient, pattern: &[u8]) -> Result<Vec<Bytes>, CliError> {
+async fn scan_pages(client: &mut RawClient, pattern: &[u8]) -> Result<Vec<Bytes>, CliError> {
     let mut keys = Vec::new();
     let mut token: Option<Bytes> = None;
     for _ in 0..MAX_SCAN_PAGES {
         let mut request = vec![Bytes::from_static(b"SCAN"), Bytes::copy_from_slice(pattern)];
         request.extend(token.take());
-        let payload = client.request(&request).await?;
+        let payload = client.request(&request, None).await?.payload;
         match rpc::parse_reply("SCAN", &payload)? {
             Reply::Keys {
                 keys: page,

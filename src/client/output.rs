@@ -14,7 +14,7 @@ pub struct Outcome {
     pub status: u8,
     /// The `--json` document (an object).
     pub json: Value,
-    /// Values printed one after another on stdout (escaped, or raw with `--raw`).
+    /// Values printed one after another on stdout (raw, or escaped: [`OutputArgs::raw_values`]).
     pub values: Vec<Vec<u8>>,
     /// With `--raw`, end each value with a newline (lists of keys) instead of writing bytes back to back.
     pub values_are_lines: bool,
@@ -77,9 +77,10 @@ fn print_outcome(output: OutputArgs, outcome: &Outcome) -> std::io::Result<()> {
         if let Some(text) = &outcome.text {
             writeln!(out, "{text}")?;
         }
+        let raw = output.raw_values();
         for value in &outcome.values {
-            write_value(&mut out, output, value)?;
-            if output.raw && outcome.values_are_lines {
+            write_value(&mut out, raw, value)?;
+            if raw && outcome.values_are_lines {
                 out.write_all(b"\n")?;
             }
         }

@@ -1,5 +1,7 @@
-//! The raw MQTT 5 request path (rumqttc v5): the AIO RPC envelope on top of plain PUBLISHes, used by
-//! `scan` (not in SDK 1.3.0), by `bench` (pipelined, for throughput) and by `bench --responder`.
+//! The state-store request path over our own MQTT 5 client: the AIO RPC envelope on top of plain
+//! PUBLISHes, used by every CLI command ([`RawClient`]), by `bench` (pipelined, for throughput) and by
+//! `bench --responder`. The official AIO SDK speaks the same envelope; `tests/statestore_sdk.rs` proves
+//! our server against it.
 //!
 //! A request is a QoS 1 PUBLISH of a RESP payload to the invoke topic, carrying a response topic,
 //! correlation data and the `__srcId`/`__ts`/`__protVer` user properties (spec §1); the reply comes back
@@ -8,18 +10,18 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::collections::VecDeque;
+
 use bytes::Bytes;
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::{encode_request, Hlc, HybridClock, Reply};
-use rumqttc::v5::mqttbytes::v5::{
-    ConnectReturnCode, Filter, Packet, Publish, PublishProperties, SubscribeReasonCode,
-};
+use rumqttc::v5::mqttbytes::v5::{Filter, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
-use tokio::sync::mpsc;
 
 use super::connection::ConnectionArgs;
+use super::dial::{Connection, Dialer};
 use super::error::CliError;
+use super::wire;
 
 /// Request property: the sender's client id.
 pub const SOURCE_ID: &str = "__srcId";
@@ -31,14 +33,14 @@ pub const PROTOCOL_VERSION: &str = "__protVer";
 pub const FENCING_TOKEN: &str = "__ft";
 /// Response property: the RPC status; `200` on every state-store reply.
 pub const STATUS: &str = "__stat";
+/// Request property asking AIO to persist a key (what the AIO SDK sends for `persist: true`).
+pub const PERSIST: &str = "aio-persistence";
 /// The only protocol version spoken.
 pub const PROTOCOL_VERSION_VALUE: &str = "1.0";
 /// `__stat` of an RPC that reached the state store.
 pub const STATUS_OK: &str = "200";
 /// Content type of requests and replies.
 pub const CONTENT_TYPE: &str = "application/octet-stream";
-/// Channel capacity between a raw client and its event loop task.
-pub const EVENT_CHANNEL_CAPACITY: usize = 64;
 
 /// The response topic of a raw client: under `clients/<id>/` like the SDKs, never under the state
 /// store's own `clients/statestore/…` prefix (which gets the client disconnected).
@@ -126,205 +128,270 @@ pub fn user_property<'a>(properties: Option<&'a PublishProperties>, name: &str) 
         .map(|(_, v)| v.as_str())
 }
 
-/// A connected rumqttc client whose subscriptions are acknowledged.
-pub struct Connected {
-    pub client: AsyncClient,
-    pub eventloop: EventLoop,
+/// A reply: its payload and the server's `__ts` (the key's version on SET and GET hits).
+#[derive(Debug)]
+pub struct Response {
+    pub payload: Bytes,
+    pub ts: Option<String>,
 }
 
-/// Connects, waits for CONNACK, subscribes to `filters` and waits for their SUBACK, all within `timeout`.
-pub async fn open(
-    options: MqttOptions,
-    filters: Vec<Filter>,
-    channel_capacity: usize,
-    timeout: Duration,
-) -> Result<Connected, CliError> {
-    let (host, port) = options.broker_address();
-    let addr = format!("{host}:{port}");
-    let (client, mut eventloop) = AsyncClient::new(options, channel_capacity);
-    let connect_error = |reason: String| CliError::Connect {
-        addr: addr.clone(),
-        reason,
-    };
-    let handshake = async {
-        loop {
-            match eventloop.poll().await {
-                Ok(Event::Incoming(Packet::ConnAck(ack))) => {
-                    if ack.code != ConnectReturnCode::Success {
-                        return Err(connect_error(format!("broker refused: {:?}", ack.code)));
-                    }
-                    break;
-                }
-                Ok(_) => {}
-                Err(e) => return Err(connect_error(e.to_string())),
-            }
-        }
-        if filters.is_empty() {
-            return Ok(());
-        }
-        let wanted: Vec<String> = filters.iter().map(|f| f.path.clone()).collect();
-        client
-            .subscribe_many(filters)
-            .await
-            .map_err(|e| connect_error(e.to_string()))?;
-        loop {
-            match eventloop.poll().await {
-                Ok(Event::Incoming(Packet::SubAck(ack))) => {
-                    if let Some(code) = ack
-                        .return_codes
-                        .iter()
-                        .find(|c| !matches!(c, SubscribeReasonCode::Success(_)))
-                    {
-                        return Err(connect_error(format!(
-                            "subscription to {wanted:?} refused: {code:?}"
-                        )));
-                    }
-                    return Ok(());
-                }
-                // No request is out yet, so no PUBLISH now can be a reply we wait for.
-                Ok(_) => {}
-                Err(e) => return Err(connect_error(e.to_string())),
-            }
-        }
-    };
-    match tokio::time::timeout(timeout, handshake).await {
-        Ok(Ok(())) => Ok(Connected { client, eventloop }),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(connect_error(format!(
-            "no CONNACK/SUBACK within {} s",
-            timeout.as_secs()
-        ))),
-    }
-}
+/// In flight at once on a CLI connection: one request, and PUBACKs of earlier ones that trail their
+/// replies (the server sends the reply first).
+pub const CLI_INFLIGHT: u16 = 16;
 
-/// A sequential raw state-store client (one request at a time), for commands the SDK lacks.
+/// A sequential state-store client (one request at a time) over our own MQTT 5 client ([`wire`]):
+/// the CLI's path to any AIO-compatible broker.
 pub struct RawClient {
-    client: AsyncClient,
+    link: Connection,
     client_id: String,
     response_topic: String,
+    invoke: Bytes,
     clock: HybridClock,
-    next_seq: u64,
-    replies: mpsc::Receiver<Result<Publish, String>>,
     addr: String,
     timeout: Duration,
-    pump: tokio::task::JoinHandle<()>,
+    /// PUBLISHes that are not replies (key notifications), oldest first.
+    others: VecDeque<Publish>,
 }
 
 impl RawClient {
+    /// Connects (one attempt), then subscribes to the response topic under the client id the server
+    /// uses for us: the one we sent, or the one it imposed (a certificate identity with
+    /// `use_identity_as_client_id`) and announced in the CONNACK.
     pub async fn connect(conn: &ConnectionArgs) -> Result<RawClient, CliError> {
-        let client_id = conn.client_id("mqstate");
+        let dialer = Dialer::new(conn)?;
+        let requested = conn.client_id("mqstate");
+        let mut link = dialer.connect(&requested, CLI_INFLIGHT).await?;
+        let client_id = link.assigned_client_id().map_or(requested, str::to_owned);
         let response_topic = response_topic(&client_id);
         let filters = vec![Filter::new(response_topic.as_str(), QoS::AtLeastOnce)];
-        let connected = open(
-            conn.mqtt_options(&client_id)?,
-            filters,
-            EVENT_CHANNEL_CAPACITY,
-            conn.timeout(),
-        )
-        .await?;
-        let (tx, replies) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
-        let mut eventloop = connected.eventloop;
-        let topic = response_topic.clone();
-        let pump = tokio::spawn(async move {
-            loop {
-                let item = match eventloop.poll().await {
-                    Ok(Event::Incoming(Packet::Publish(p)))
-                        if p.topic.as_ref() == topic.as_bytes() =>
-                    {
-                        Ok(p)
-                    }
-                    Ok(Event::Incoming(Packet::Disconnect(d))) => {
-                        Err(format!("broker sent DISCONNECT {:?}", d.reason_code))
-                    }
-                    Ok(_) => continue,
-                    Err(e) => Err(e.to_string()),
-                };
-                let stop = item.is_err();
-                if tx.send(item).await.is_err() || stop {
-                    return;
-                }
-            }
-        });
+        let subscribed = tokio::time::timeout(conn.timeout(), link.subscribe(filters))
+            .await
+            .unwrap_or_else(|_| Err(format!("no SUBACK within {} s", conn.timeout)));
+        if let Err(reason) = subscribed {
+            return Err(CliError::Connect {
+                addr: conn.addr(),
+                reason: format!("subscribing to the response topic {response_topic}: {reason}"),
+                fix: "the broker's ACL must let this client subscribe to clients/<client id>/#"
+                    .into(),
+            });
+        }
         Ok(RawClient {
-            client: connected.client,
+            link,
             clock: client_clock(&client_id),
             client_id,
             response_topic,
-            next_seq: 0,
-            replies,
+            invoke: Bytes::from_static(INVOKE_TOPIC.as_bytes()),
             addr: conn.addr(),
             timeout: conn.timeout(),
-            pump,
+            others: VecDeque::new(),
         })
     }
 
-    /// Sends one request and waits for its reply payload (replies to older, abandoned requests are skipped).
-    pub async fn request(&mut self, args: &[Bytes]) -> Result<Bytes, CliError> {
+    /// The client id the server knows us by (key notifications are addressed to it).
+    pub fn client_id(&self) -> &str {
+        &self.client_id
+    }
+
+    /// Sends one request and waits for its reply (replies to older, abandoned requests are skipped;
+    /// other PUBLISHes are kept for [`RawClient::notification`]). A request larger than the server's
+    /// Maximum Packet Size is refused here, before anything is sent.
+    pub async fn request(
+        &mut self,
+        args: &[Bytes],
+        fencing: Option<&Hlc>,
+    ) -> Result<Response, CliError> {
+        self.request_with(args, fencing, &[]).await
+    }
+
+    /// [`RawClient::request`] with extra user properties (such as [`PERSIST`]).
+    pub async fn request_with(
+        &mut self,
+        args: &[Bytes],
+        fencing: Option<&Hlc>,
+        extra: &[(&str, &str)],
+    ) -> Result<Response, CliError> {
         let command =
             String::from_utf8_lossy(args.first().map_or(&b""[..], |a| a.as_ref())).into_owned();
-        self.next_seq += 1;
-        let correlation = correlation(self.next_seq);
+        // Random, like the SDKs' UUIDs: the server deduplicates by (client id, correlation data),
+        // and with a certificate identity every CLI call has the same client id.
+        let correlation = Bytes::copy_from_slice(&rand::random::<u128>().to_be_bytes());
         let ts = self.clock.now(now_ms());
-        let properties = request_properties(
+        let mut properties = request_properties(
             &self.client_id,
             &self.response_topic,
             correlation.clone(),
             &ts,
-            None,
+            fencing,
             self.timeout,
         );
-        self.client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                encode_request(args),
-                properties,
-            )
-            .await
-            .map_err(|e| CliError::ConnectionLost {
-                addr: self.addr.clone(),
-                reason: e.to_string(),
-            })?;
-        let wait = async {
+        properties.user_properties.extend(
+            extra
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+        );
+        let mut publish = wire::publish(
+            &self.invoke,
+            QoS::AtLeastOnce,
+            encode_request(args),
+            Some(properties),
+        );
+        if let Some(max) = self.link.server_max_packet() {
+            let size = publish.size();
+            if size > max as usize {
+                return Err(CliError::TooLarge { command, size, max });
+            }
+        }
+        let timeout = self.timeout;
+        let exchange = async {
+            while !self.link.window_open() {
+                let other = self.next_publish().await?;
+                self.keep(other);
+            }
+            self.link.publish(&mut publish).map_err(|e| self.lost(e))?;
+            self.link.flush().await.map_err(|e| self.lost(e))?;
             loop {
-                match self.replies.recv().await {
-                    Some(Ok(p)) => {
-                        let props = p.properties.as_ref();
-                        if props.and_then(|p| p.correlation_data.as_ref()) != Some(&correlation) {
-                            continue;
-                        }
-                        return check_status(&command, props).map(|()| p.payload.clone());
-                    }
-                    Some(Err(reason)) => {
-                        return Err(CliError::ConnectionLost {
-                            addr: self.addr.clone(),
-                            reason,
-                        })
-                    }
-                    None => {
-                        return Err(CliError::ConnectionLost {
-                            addr: self.addr.clone(),
-                            reason: "event loop stopped".into(),
-                        })
-                    }
+                let p = self.next_publish().await?;
+                if p.topic.as_ref() != self.response_topic.as_bytes() {
+                    self.keep(p);
+                    continue;
                 }
+                let props = p.properties.as_ref();
+                if props.and_then(|p| p.correlation_data.as_ref()) != Some(&correlation) {
+                    continue;
+                }
+                check_status(&command, props)?;
+                let ts = user_property(props, TIMESTAMP).map(str::to_owned);
+                if let Some(seen) = ts.as_deref().and_then(|t| Hlc::parse(t).ok()) {
+                    self.clock.observe(&seen);
+                }
+                return Ok(Response {
+                    payload: p.payload.clone(),
+                    ts,
+                });
             }
         };
-        match tokio::time::timeout(self.timeout, wait).await {
+        match tokio::time::timeout(timeout, exchange).await {
             Ok(result) => result,
             Err(_) => Err(CliError::Timeout {
                 command,
-                timeout_s: self.timeout.as_secs(),
+                timeout_s: timeout.as_secs(),
             }),
         }
     }
 
-    /// Sends DISCONNECT (session expiry 0, so the broker forgets the session) and stops the event loop.
+    /// Sends one JSON request to an admin topic (`mqstate topic`, `mqstate cluster`) and returns its
+    /// reply's payload. The broker's refusal (a failed PUBACK, e.g. 0x87 without admin rights) is
+    /// reported as such, not as a timeout.
+    pub async fn call(
+        &mut self,
+        topic: &str,
+        payload: Bytes,
+        command: &str,
+    ) -> Result<Bytes, CliError> {
+        let correlation = Bytes::copy_from_slice(&rand::random::<u128>().to_be_bytes());
+        let properties = PublishProperties {
+            response_topic: Some(self.response_topic.clone()),
+            correlation_data: Some(correlation.clone()),
+            content_type: Some("application/json".into()),
+            message_expiry_interval: Some(
+                u32::try_from(self.timeout.as_secs()).unwrap_or(u32::MAX),
+            ),
+            ..PublishProperties::default()
+        };
+        let topic = Bytes::copy_from_slice(topic.as_bytes());
+        let mut publish = wire::publish(&topic, QoS::AtLeastOnce, payload, Some(properties));
+        let timeout = self.timeout;
+        let exchange = async {
+            self.link.publish(&mut publish).map_err(|e| self.lost(e))?;
+            self.link.flush().await.map_err(|e| self.lost(e))?;
+            loop {
+                let p = self.next_publish_or_refusal(command).await?;
+                let ours = p.topic.as_ref() == self.response_topic.as_bytes()
+                    && p.properties
+                        .as_ref()
+                        .and_then(|p| p.correlation_data.as_ref())
+                        == Some(&correlation);
+                if ours {
+                    return Ok(p.payload.clone());
+                }
+                self.keep(p);
+            }
+        };
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(CliError::Timeout {
+                command: command.to_owned(),
+                timeout_s: timeout.as_secs(),
+            }),
+        }
+    }
+
+    /// [`RawClient::next_publish`], failing as soon as a PUBACK refuses our request.
+    async fn next_publish_or_refusal(&mut self, command: &str) -> Result<Publish, CliError> {
+        loop {
+            if let Some(p) = self.link.next().map_err(|e| self.lost(e))? {
+                self.link.acknowledge(&p).map_err(|e| self.lost(e))?;
+                return Ok(p);
+            }
+            // Every packet read so far is handled: a refusing PUBACK among them is final.
+            if let Some(code) = self.link.take_refusal() {
+                return Err(CliError::Admin {
+                    command: command.to_owned(),
+                    text: format!(
+                        "the broker refused the request (reason code 0x{code:02X}); \
+                         with an ACL, admin commands need write access to their admin topic"
+                    ),
+                });
+            }
+            self.link.flush().await.map_err(|e| self.lost(e))?;
+            self.link.read().await.map_err(|e| self.lost(e))?;
+        }
+    }
+
+    /// The next PUBLISH that is not a reply (a key notification), acknowledged; waits as long as it
+    /// takes, answering keep-alive meanwhile. An error when the connection ends.
+    pub async fn notification(&mut self) -> Result<Publish, CliError> {
+        loop {
+            if let Some(p) = self.others.pop_front() {
+                return Ok(p);
+            }
+            let p = self.next_publish().await?;
+            // A reply nobody waits for any more (its request timed out) is dropped.
+            if p.topic.as_ref() != self.response_topic.as_bytes() {
+                return Ok(p);
+            }
+        }
+    }
+
+    /// Sends DISCONNECT (the session expires with the connection: nothing is left on the server) and
+    /// waits, at most the reply timeout, for the server to close.
     pub async fn close(self) {
-        let _ = self.client.disconnect().await;
-        // The pump ends when the connection closes; give it the reply timeout at most.
-        let _ = tokio::time::timeout(self.timeout, self.pump).await;
+        let _ = tokio::time::timeout(self.timeout, self.link.disconnect()).await;
+    }
+
+    fn keep(&mut self, p: Publish) {
+        if p.topic.as_ref() != self.response_topic.as_bytes() {
+            self.others.push_back(p);
+        }
+    }
+
+    /// The next PUBLISH from the server, its PUBACK queued (it leaves with the next write).
+    async fn next_publish(&mut self) -> Result<Publish, CliError> {
+        loop {
+            if let Some(p) = self.link.next().map_err(|e| self.lost(e))? {
+                self.link.acknowledge(&p).map_err(|e| self.lost(e))?;
+                return Ok(p);
+            }
+            self.link.flush().await.map_err(|e| self.lost(e))?;
+            self.link.read().await.map_err(|e| self.lost(e))?;
+        }
+    }
+
+    fn lost(&self, reason: String) -> CliError {
+        CliError::ConnectionLost {
+            addr: self.addr.clone(),
+            reason,
+        }
     }
 }
 

@@ -1,15 +1,13 @@
 //! `mqstate topic create|list|get|stats|rm`: persistent-notification topics, over the admin RPC of
 //! any mqstate node (a JSON request on `mqstate/admin/v1/notify`, the reply on our response topic).
 
-use rumqttc::v5::mqttbytes::v5::{Filter, Packet, PublishProperties};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::Event;
+use bytes::Bytes;
 use serde_json::{json, Value};
 
 use super::connection::ConnectionArgs;
 use super::error::{CliError, EXIT_OK};
 use super::output::{self, Outcome};
-use super::rpc::{correlation, open, response_topic, EVENT_CHANNEL_CAPACITY};
+use super::rpc::RawClient;
 use super::value::OutputArgs;
 use std::process::ExitCode;
 
@@ -122,67 +120,12 @@ fn human(request: &Value, reply: &Value) -> String {
 
 /// Sends one admin request and waits for its reply.
 async fn admin(conn: &ConnectionArgs, request: &Value, label: &str) -> Result<Value, CliError> {
-    let client_id = conn.client_id("mqstate-admin");
-    let reply_topic = response_topic(&client_id);
-    let mut connected = open(
-        conn.mqtt_options(&client_id)?,
-        vec![Filter::new(reply_topic.as_str(), QoS::AtLeastOnce)],
-        EVENT_CHANNEL_CAPACITY,
-        conn.timeout(),
-    )
-    .await?;
-    let properties = PublishProperties {
-        response_topic: Some(reply_topic.clone()),
-        correlation_data: Some(correlation(1)),
-        content_type: Some("application/json".into()),
-        ..PublishProperties::default()
-    };
-    let lost = |reason: String| CliError::ConnectionLost {
-        addr: conn.addr(),
-        reason,
-    };
-    connected
-        .client
-        .publish_with_properties(
-            ADMIN_TOPIC,
-            QoS::AtLeastOnce,
-            false,
-            request.to_string(),
-            properties,
-        )
-        .await
-        .map_err(|e| lost(e.to_string()))?;
-    let wait = async {
-        loop {
-            match connected.eventloop.poll().await {
-                Ok(Event::Incoming(Packet::Publish(p)))
-                    if p.topic.as_ref() == reply_topic.as_bytes() =>
-                {
-                    return Ok(p.payload);
-                }
-                Ok(Event::Incoming(Packet::PubAck(ack))) if ack.reason as u8 != 0 => {
-                    return Err(CliError::Service {
-                        command: label.to_owned(),
-                        text: format!("the broker refused the request ({:?}); topic commands need admin rights", ack.reason),
-                        condition: false,
-                    });
-                }
-                Ok(Event::Incoming(Packet::Disconnect(d))) => {
-                    return Err(lost(format!("broker sent DISCONNECT {:?}", d.reason_code)))
-                }
-                Ok(_) => {}
-                Err(e) => return Err(lost(e.to_string())),
-            }
-        }
-    };
-    let payload = tokio::time::timeout(conn.timeout(), wait)
-        .await
-        .map_err(|_| CliError::Timeout {
-            command: label.to_owned(),
-            timeout_s: conn.timeout().as_secs(),
-        })??;
-    let _ = connected.client.disconnect().await;
-    let reply: Value = serde_json::from_slice(&payload).map_err(|e| CliError::Protocol {
+    let mut client = RawClient::connect(conn).await?;
+    let payload = client
+        .call(ADMIN_TOPIC, Bytes::from(request.to_string()), label)
+        .await;
+    client.close().await;
+    let reply: Value = serde_json::from_slice(&payload?).map_err(|e| CliError::Protocol {
         command: label.to_owned(),
         detail: format!("the reply is not JSON: {e}"),
     })?;

@@ -14,12 +14,24 @@ pub const MAX_INPUT_BYTES: u64 = 256 * 1024 * 1024;
 /// Output style shared by every command.
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct OutputArgs {
-    /// Print values as raw bytes (default: escaped text, `\xNN` for non-printable bytes).
-    #[arg(long, conflicts_with = "json")]
+    /// Print values as raw bytes, also on a terminal (the default when stdout is a file or a pipe).
+    #[arg(long, conflicts_with_all = ["json", "escape"])]
     pub raw: bool,
+    /// Print values as escaped text (`\xNN` for non-printable bytes), also into a file or a pipe (the
+    /// default on a terminal).
+    #[arg(long, conflicts_with = "json")]
+    pub escape: bool,
     /// Print results and errors as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+impl OutputArgs {
+    /// Whether values go out as raw bytes: asked for, or stdout is not a terminal (a file or a pipe,
+    /// like redis-cli and etcdctl), so `mqstate get k > f` and `mqstate set k @f` round-trip.
+    pub fn raw_values(&self) -> bool {
+        self.raw || (!self.escape && !std::io::IsTerminal::is_terminal(&std::io::stdout()))
+    }
 }
 
 /// Reads a value argument: `-` is stdin, `@path` is a file, anything else is the value itself.
@@ -91,9 +103,9 @@ pub fn put_bytes(object: &mut Map<String, Value>, name: &str, bytes: &[u8]) {
     };
 }
 
-/// Writes one value in the chosen style, followed by a newline unless raw.
-pub fn write_value(out: &mut impl Write, output: OutputArgs, bytes: &[u8]) -> std::io::Result<()> {
-    if output.raw {
+/// Writes one value raw, or escaped and followed by a newline.
+pub fn write_value(out: &mut impl Write, raw: bool, bytes: &[u8]) -> std::io::Result<()> {
+    if raw {
         out.write_all(bytes)
     } else {
         writeln!(out, "{}", escape(bytes))
@@ -137,19 +149,11 @@ mod tests {
 
     #[test]
     fn raw_output_is_byte_exact() {
-        let raw = OutputArgs {
-            raw: true,
-            json: false,
-        };
         let mut out = Vec::new();
-        write_value(&mut out, raw, &[0, 10, 0xff]).unwrap();
+        write_value(&mut out, true, &[0, 10, 0xff]).unwrap();
         assert_eq!(out, vec![0, 10, 0xff]);
-        let text = OutputArgs {
-            raw: false,
-            json: false,
-        };
         let mut out = Vec::new();
-        write_value(&mut out, text, &[0, 10, 0xff]).unwrap();
+        write_value(&mut out, false, &[0, 10, 0xff]).unwrap();
         assert_eq!(out, b"\\x00\\n\\xff\n");
     }
 }

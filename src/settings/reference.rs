@@ -7,6 +7,9 @@ use clap::CommandFactory;
 
 const REGENERATE: &str = "MQSTATE_UPDATE_DOCS=1 cargo test --bin mqstate configuration_reference";
 
+/// The example settings file shipped in `packaging/`, shown in the reference and checked here.
+const EXAMPLE: &str = include_str!("../../packaging/mqstate.toml");
+
 fn serve_command() -> clap::Command {
     crate::Cli::command()
         .find_subcommand("serve")
@@ -71,18 +74,9 @@ fn render() -> String {
             cell(&help)
         ));
     }
-    out.push_str(
-        "\n## Example settings file\n\n\
-         ```toml\n\
-         # mqstate.toml — run with `mqstate serve --config mqstate.toml`\n\
-         listen = [\"0.0.0.0:1883\"]\n\
-         metrics_listen = \"127.0.0.1:9090\"\n\
-         data_dir = \"/var/lib/mqstate\"\n\
-         fsync = \"always\"\n\
-         log_format = \"json\"\n\
-         log = \"info,mqstate_broker=debug\"\n\
-         ```\n",
-    );
+    out.push_str(&format!(
+        "\n## Example settings file\n\n`packaging/mqstate.toml`:\n\n```toml\n{EXAMPLE}```\n"
+    ));
     out
 }
 
@@ -125,5 +119,6 @@ fn the_example_settings_file_is_valid() {
         .and_then(|rest| rest.split("```").next())
         .expect("an example in the reference");
     let settings: super::Settings = toml::from_str(example).expect("the example parses");
-    settings.resolve().expect("the example resolves");
+    let resolved = settings.resolve().expect("the example resolves");
+    crate::auth::check_exposure(&resolved).expect("the example may listen beyond loopback");
 }

@@ -199,3 +199,57 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .unwrap_or_else(|| panic!("no HTTP status in {head:?}"));
     (status, body.to_owned())
 }
+
+/// Runs `mqstate serve ARGS` with its standard error captured (so not a terminal) and reads it until a
+/// line contains `until` or the server exits (bounded by [`START_TIMEOUT`]); then kills it. Returns
+/// what it wrote and its exit status if it exited by itself.
+pub fn serve_stderr(
+    args: &[&str],
+    env: &[(&str, &str)],
+    until: &str,
+) -> (String, Option<std::process::ExitStatus>) {
+    use std::io::{BufRead, BufReader};
+    let temp = tempfile::tempdir().expect("temp dir");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .arg("serve")
+        .arg("--data-dir")
+        .arg(temp.path().join("data"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn mqstate serve");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let until = until.to_owned();
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let mut found = false;
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            found = line.contains(&until);
+            text.push_str(&line);
+            text.push('\n');
+            if found {
+                break;
+            }
+        }
+        let _ = tx.send((text, found));
+    });
+    let (text, found) = rx
+        .recv_timeout(START_TIMEOUT)
+        .unwrap_or_else(|_| (String::new(), true));
+    // Standard error closed without the line: the server is exiting, so wait for its status.
+    let status = if found {
+        child.try_wait().ok().flatten()
+    } else {
+        child.wait().ok()
+    };
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    (text, status)
+}

@@ -1,6 +1,7 @@
-//! The load generator's own MQTT 5 client: rumqttc 0.24 never sets TCP_NODELAY, and with
-//! request/response traffic its Nagle delay meets the peer's delayed ACK and stalls requests ~40 ms,
-//! so the client, not the server, would be measured (`docs/decisions/0013-bench-client.md`).
+//! Our own MQTT 5 client, used by the CLI and the load generator: rumqttc 0.24 never sets TCP_NODELAY,
+//! and with request/response traffic its Nagle delay meets the peer's delayed ACK and stalls requests
+//! ~40 ms, so the client, not the server, would be measured (`docs/decisions/0013-bench-client.md`);
+//! and the CLI must see a refused CONNECT as it is, not as a reconnect loop.
 //!
 //! One task owns one connection ([`Conn`]) and drives it in turns: [`Conn::read`] waits for bytes,
 //! [`Conn::next`] decodes every whole packet (a PUBACK frees its slot of our QoS 1 window on the spot,
@@ -16,7 +17,8 @@
 //! server still sees its deadlines, and sends PINGREQ once the connection has been quiet for most of the
 //! keep-alive.
 //!
-//! Only what the benchmark needs: clean start, QoS 0 and 1, one SUBSCRIBE during the handshake.
+//! Only what the tools need: clean start with session expiry 0 (nothing is left on the server after
+//! DISCONNECT or a lost connection), QoS 0 and 1, one SUBSCRIBE right after the CONNACK.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -32,7 +34,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 /// Largest packet we accept (advertised in CONNECT): the MQTT maximum, since values may be large.
-pub const MAX_PACKET_BYTES: u32 = crate::client::connection::MAX_PACKET_BYTES;
+pub const MAX_PACKET_BYTES: u32 = super::connection::MAX_PACKET_BYTES;
 /// How often [`Conn::read`] returns without input: the granularity of keep-alive and of the
 /// callers' deadlines, coarse enough to cost nothing next to the traffic.
 pub const TICK: Duration = Duration::from_millis(100);
@@ -51,8 +53,37 @@ pub struct Options {
     pub login: Option<Login>,
     /// Our own cap on outgoing QoS 1 publishes awaiting PUBACK; the server's Receive Maximum may lower it.
     pub max_inflight: u16,
-    /// Subscribed (and acknowledged) before [`Conn::start`] returns.
-    pub filters: Vec<Filter>,
+}
+
+/// Why [`Conn::start`] failed: the server refused the CONNECT, or anything else went wrong.
+#[derive(Debug)]
+pub enum StartError {
+    Refused {
+        code: ConnectReturnCode,
+        reason: Option<String>,
+    },
+    Failed(String),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Refused { code, reason } => {
+                write!(f, "broker refused the connection: {code:?}")?;
+                match reason {
+                    Some(r) => write!(f, " ({r})"),
+                    None => Ok(()),
+                }
+            }
+            StartError::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+impl From<String> for StartError {
+    fn from(why: String) -> Self {
+        StartError::Failed(why)
+    }
 }
 
 /// What [`Conn::read`] waited for.
@@ -107,23 +138,24 @@ pub struct Conn<S> {
     ids: PacketIds,
     /// PUBLISHes that arrived before the SUBACK, handed out first.
     early: VecDeque<Publish>,
+    /// The reason code of the last PUBACK that refused a publish (≥ 0x80), until taken.
+    refused: Option<u8>,
     tick: Interval,
     /// PINGREQ once nothing has been written for this long (none when the keep-alive is 0).
     quiet_limit: Option<Duration>,
     last_write: Instant,
+    /// The client id the server uses for us, if it differs from the one we sent (an empty one, or an
+    /// identity imposed by a client certificate).
+    assigned_client_id: Option<String>,
+    /// The largest packet the server accepts (CONNACK Maximum Packet Size), if it set one.
+    server_max_packet: Option<u32>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
-    /// Runs the handshake on an established byte stream (CONNECT, then SUBSCRIBE if there are
-    /// filters) and waits for the acknowledgements.
-    pub async fn start(mut stream: S, options: Options) -> Result<Conn<S>, String> {
+    /// Sends CONNECT on an established byte stream and waits for the CONNACK.
+    pub async fn start(mut stream: S, options: Options) -> Result<Conn<S>, StartError> {
         let mut read_buf = BytesMut::with_capacity(READ_CHUNK_BYTES);
         let connack = handshake_connect(&mut stream, &mut read_buf, &options).await?;
-        let early = if options.filters.is_empty() {
-            VecDeque::new()
-        } else {
-            handshake_subscribe(&mut stream, &mut read_buf, options.filters).await?
-        };
         let properties = connack.properties.as_ref();
         let receive_maximum = properties
             .and_then(|p| p.receive_max)
@@ -139,11 +171,38 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             read_buf,
             write_buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
             ids: PacketIds::new(window),
-            early,
             tick,
             quiet_limit: (keep_alive > Duration::ZERO).then(|| keep_alive * 3 / 4),
             last_write: Instant::now(),
+            assigned_client_id: properties.and_then(|p| p.assigned_client_identifier.clone()),
+            server_max_packet: properties.and_then(|p| p.max_packet_size),
+            early: VecDeque::new(),
+            refused: None,
         })
+    }
+
+    /// Subscribes to `filters` and waits for the SUBACK (PUBLISHes that arrive first are kept for
+    /// [`Conn::next`]). Only before the first QoS 1 [`Conn::publish`]: the SUBSCRIBE's packet id is
+    /// fixed.
+    pub async fn subscribe(&mut self, filters: Vec<Filter>) -> Result<(), String> {
+        debug_assert!(
+            self.ids.in_flight.iter().all(|busy| !busy),
+            "subscribe runs before any QoS 1 publish"
+        );
+        self.flush().await?;
+        let early = handshake_subscribe(&mut self.stream, &mut self.read_buf, filters).await?;
+        self.early.extend(early);
+        Ok(())
+    }
+
+    /// The client id the server assigned or imposed, when it is not the one we asked for.
+    pub fn assigned_client_id(&self) -> Option<&str> {
+        self.assigned_client_id.as_deref()
+    }
+
+    /// The server's Maximum Packet Size, if it announced one.
+    pub fn server_max_packet(&self) -> Option<u32> {
+        self.server_max_packet
     }
 
     /// Whether a QoS 1 [`Conn::publish`] may go out now (a slot of the window is free).
@@ -191,14 +250,25 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             match packet {
                 None => return Ok(None),
                 Some(Packet::Publish(publish)) => return Ok(Some(publish)),
-                Some(Packet::PubAck(ack)) => self.ids.release(ack.pkid)?,
+                Some(Packet::PubAck(ack)) => {
+                    self.ids.release(ack.pkid)?;
+                    let code = ack.reason as u8;
+                    if code >= 0x80 {
+                        self.refused = Some(code);
+                    }
+                }
                 Some(Packet::PingResp(_)) => {}
                 Some(Packet::Disconnect(d)) => return Err(disconnected(&d)),
                 Some(other) => {
-                    tracing::debug!(packet = packet_name(&other), "bench client ignores packet");
+                    tracing::debug!(packet = packet_name(&other), "MQTT client ignores packet");
                 }
             }
         }
+    }
+
+    /// The reason code of a PUBACK that refused one of our publishes since the last call, if any.
+    pub fn take_refusal(&mut self) -> Option<u8> {
+        self.refused.take()
     }
 
     /// Sends everything queued since the last flush, in one write.
@@ -342,7 +412,7 @@ async fn handshake_connect<S>(
     stream: &mut S,
     buf: &mut BytesMut,
     options: &Options,
-) -> Result<ConnAck, String>
+) -> Result<ConnAck, StartError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -361,9 +431,12 @@ where
         .map_err(|e| format!("sending CONNECT: {e}"))?;
     match read_packet(stream, buf).await? {
         Packet::ConnAck(ack) if ack.code == ConnectReturnCode::Success => Ok(ack),
-        Packet::ConnAck(ack) => Err(format!("broker refused: {:?}", ack.code)),
-        Packet::Disconnect(d) => Err(disconnected(&d)),
-        other => Err(format!("expected CONNACK, got {}", packet_name(&other))),
+        Packet::ConnAck(ack) => Err(StartError::Refused {
+            code: ack.code,
+            reason: ack.properties.and_then(|p| p.reason_string),
+        }),
+        Packet::Disconnect(d) => Err(disconnected(&d).into()),
+        other => Err(format!("expected CONNACK, got {}", packet_name(&other)).into()),
     }
 }
 
@@ -469,14 +542,15 @@ mod tests {
         })
     }
 
-    fn options(max_inflight: u16, filters: Vec<Filter>) -> Options {
-        Options {
+    /// Client options, and the filters [`connected`] subscribes to after the CONNACK.
+    fn options(max_inflight: u16, filters: Vec<Filter>) -> (Options, Vec<Filter>) {
+        let options = Options {
             client_id: "wire-test".into(),
             keep_alive: Duration::from_secs(60),
             login: None,
             max_inflight,
-            filters,
-        }
+        };
+        (options, filters)
     }
 
     /// The broker's side of an in-memory connection, decoding what the client sends.
@@ -498,7 +572,10 @@ mod tests {
     }
 
     /// Starts a client against a fake broker that answers CONNECT with `ack` sent one byte at a time.
-    async fn connected(ack: Packet, opts: Options) -> (Conn<DuplexStream>, FakeBroker) {
+    async fn connected(
+        ack: Packet,
+        (opts, filters): (Options, Vec<Filter>),
+    ) -> (Conn<DuplexStream>, FakeBroker) {
         let (client_end, broker_end) = tokio::io::duplex(1 << 16);
         let (r, w) = tokio::io::split(broker_end);
         let mut broker = FakeBroker {
@@ -506,8 +583,14 @@ mod tests {
             writer: w,
             buf: BytesMut::new(),
         };
-        let has_filters = !opts.filters.is_empty();
-        let client = tokio::spawn(Conn::start(client_end, opts));
+        let has_filters = !filters.is_empty();
+        let client = tokio::spawn(async move {
+            let mut conn = Conn::start(client_end, opts).await?;
+            if !filters.is_empty() {
+                conn.subscribe(filters).await?;
+            }
+            Ok::<_, StartError>(conn)
+        });
         assert!(matches!(broker.next().await, Packet::Connect(..)));
         // CONNACK split across reads: every byte is its own write.
         for byte in bytes_of(&ack).iter() {
@@ -716,10 +799,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_quiet_connection_sends_pingreq() {
-        let opts = Options {
-            keep_alive: Duration::from_secs(1),
-            ..options(8, Vec::new())
-        };
+        let (opts, filters) = options(8, Vec::new());
+        let opts = (
+            Options {
+                keep_alive: Duration::from_secs(1),
+                ..opts
+            },
+            filters,
+        );
         let (mut conn, mut broker) = connected(connack(None), opts).await;
         // Keep-alive 1 s: quiet for 0.75 s, then a PINGREQ goes out with the next flush.
         loop {
