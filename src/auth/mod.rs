@@ -30,7 +30,7 @@ pub fn auth_configured(settings: &Resolved) -> bool {
 /// Refuses to serve anonymous clients on an address beyond this machine unless the operator asked for it
 /// (`allow_anonymous = true`), like Mosquitto 2: with no authentication configured, anyone who can reach
 /// such a listener could read and write every key and topic. Loopback listeners stay open, so
-/// `mqstate serve` on 127.0.0.1 needs no configuration (decision 0018-cli-open-by-default).
+/// `mqstate serve` on 127.0.0.1 needs no configuration (decision 0024).
 pub fn check_exposure(settings: &Resolved) -> anyhow::Result<()> {
     if settings.allow_anonymous.is_some() || auth_configured(settings) {
         return Ok(());
