@@ -361,7 +361,14 @@ async fn authenticate(
         cert_identity: peer.cert_identity.clone(),
     };
     let authenticator = inner.security.authenticator.clone();
-    match tokio::task::spawn_blocking(move || authenticator.authenticate(&attempt)).await {
+    // The permit goes with the work: it is held until the authenticator returns, even if this
+    // connection gives up waiting. The semaphore is never closed, so `Err` cannot happen.
+    let slot = inner.auth_slots.clone().acquire_owned().await.ok();
+    let authenticate = move || {
+        let _slot = slot;
+        authenticator.authenticate(&attempt)
+    };
+    match tokio::task::spawn_blocking(authenticate).await {
         Ok(Ok(identity)) => Ok(identity),
         Ok(Err(refusal)) => {
             inner

@@ -153,9 +153,7 @@ impl Registry {
                     });
                 }
                 if clean_start {
-                    effects
-                        .wills
-                        .extend(old.pending_will.take().map(|p| p.0));
+                    effects.wills.extend(old.pending_will.take().map(|p| p.0));
                     old.handle.set_online(false);
                     old.handle.lock().end();
                     effects.ended.push(old.handle);
@@ -277,9 +275,7 @@ impl Registry {
             .is_some_and(|e| e.epoch == epoch && e.owner.is_none());
         if still_idle {
             if let Some(mut entry) = sessions.by_client.remove(client_id) {
-                effects
-                    .wills
-                    .extend(entry.pending_will.take().map(|p| p.0));
+                effects.wills.extend(entry.pending_will.take().map(|p| p.0));
                 entry.handle.lock().end();
                 effects.ended.push(entry.handle);
             }
