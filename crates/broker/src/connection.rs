@@ -96,6 +96,29 @@ enum Deferred {
 
 type Pending = Pin<Box<dyn Future<Output = Deferred> + Send>>;
 
+/// The replies a connection owes. Created on first use: most idle connections never owe one, and
+/// an empty `FuturesUnordered` already holds two allocations (about 200 bytes).
+#[derive(Default)]
+struct Replies(Option<FuturesUnordered<Pending>>);
+
+impl Replies {
+    fn push(&mut self, reply: Pending) {
+        self.0.get_or_insert_with(FuturesUnordered::new).push(reply);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.as_ref().is_none_or(FuturesUnordered::is_empty)
+    }
+
+    /// The next reply ready; `None` if none is owed.
+    async fn next(&mut self) -> Option<Deferred> {
+        match &mut self.0 {
+            Some(replies) => replies.next().await,
+            None => None,
+        }
+    }
+}
+
 /// Resolves once every change in `durable` is durable: `Ok` or the reason one is not.
 async fn all_durable(durable: Vec<Durable>) -> Result<(), JournalError> {
     for d in durable {
@@ -404,7 +427,7 @@ struct Connection {
     session_expiry_secs: u32,
     aliases: TopicAliases,
     /// Replies waiting for a service or for durability.
-    pending: FuturesUnordered<Pending>,
+    pending: Replies,
     inbound_qos1_pending: usize,
     /// QoS 2 packet ids whose PUBREC waits for a service or for durability.
     qos2_awaiting_service: BTreeSet<u16>,
@@ -543,7 +566,7 @@ impl Connection {
             rbuf,
             out: BytesMut::new(),
             session_expiry_secs,
-            pending: FuturesUnordered::new(),
+            pending: Replies::default(),
             inbound_qos1_pending: 0,
             qos2_awaiting_service: BTreeSet::new(),
             will,
