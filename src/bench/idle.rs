@@ -5,13 +5,14 @@
 //! Connections are raw sockets that send one CONNECT (encoded by rumqttc's codec) and read the
 //! CONNACK: a full MQTT client per connection would measure the client, not the broker.
 
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use rumqttc::v5::mqttbytes::v5::{Connect, ConnectProperties};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::task::JoinSet;
 
 use super::BenchArgs;
@@ -21,6 +22,9 @@ use crate::client::error::CliError;
 const RAMP_CONCURRENCY: usize = 256;
 /// Keep Alive the idle clients announce: longer than any run, so the broker never times them out.
 const IDLE_KEEP_ALIVE_S: u16 = 3600;
+/// Connections per loopback source address: fewer than the ephemeral ports Linux has by default
+/// (32768-60999) towards one server address.
+const CONNECTIONS_PER_SOURCE_ADDRESS: usize = 25_000;
 /// Settle time before the second memory reading, so the broker's last allocations are counted.
 const SETTLE: Duration = Duration::from_secs(2);
 
@@ -84,16 +88,41 @@ fn connect_packet(client_id: String) -> Result<BytesMut, CliError> {
     Ok(buf)
 }
 
-/// Opens one connection and waits for a successful CONNACK.
-async fn open(addr: String, client_id: String) -> Result<TcpStream, CliError> {
+/// The local address connection `i` of `total` binds to: on loopback past what one source
+/// address has ephemeral ports for, 127.0.0.2 and up take turns (`None`: the system chooses).
+fn source_address(host: &str, total: usize, i: usize) -> Option<IpAddr> {
+    let loopback = host == "localhost" || host.parse::<Ipv4Addr>().is_ok_and(|a| a.is_loopback());
+    if !loopback || total <= CONNECTIONS_PER_SOURCE_ADDRESS {
+        return None;
+    }
+    let n = u8::try_from(2 + i / CONNECTIONS_PER_SOURCE_ADDRESS).unwrap_or(u8::MAX);
+    Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, n)))
+}
+
+/// Opens one connection (from `source`, if given) and waits for a successful CONNACK.
+async fn open(
+    addr: String,
+    source: Option<IpAddr>,
+    client_id: String,
+) -> Result<TcpStream, CliError> {
     let connect_error = |reason: String| CliError::Connect {
         addr: addr.clone(),
         reason,
         fix: "is the broker running there (--host/--port)?".into(),
     };
-    let mut stream = TcpStream::connect(&addr)
-        .await
-        .map_err(|e| connect_error(e.to_string()))?;
+    let connected = async {
+        let Some(source) = source else {
+            return TcpStream::connect(&addr).await;
+        };
+        let target = tokio::net::lookup_host(&addr)
+            .await?
+            .find(SocketAddr::is_ipv4)
+            .ok_or_else(|| std::io::Error::other("no IPv4 address"))?;
+        let socket = TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::new(source, 0))?;
+        socket.connect(target).await
+    };
+    let mut stream = connected.await.map_err(|e| connect_error(e.to_string()))?;
     stream
         .write_all(&connect_packet(client_id)?)
         .await
@@ -117,14 +146,18 @@ pub async fn run(args: &BenchArgs, hold: Duration) -> Result<IdleReport, CliErro
     let before = args.server_pid.map(rss_kib).transpose()?;
     let prefix = args.conn.client_id("mqstate-idle");
     let timeout = args.conn.timeout();
-    let total = usize::from(args.connections);
+    let total = args.connections as usize;
     let started = Instant::now();
     let mut streams = Vec::with_capacity(total);
     let mut pending = JoinSet::new();
     let mut next = 0usize;
     while streams.len() < total {
         while next < total && pending.len() < RAMP_CONCURRENCY {
-            let open = open(args.conn.addr(), format!("{prefix}-{next}"));
+            let open = open(
+                args.conn.addr(),
+                source_address(&args.conn.host, total, next),
+                format!("{prefix}-{next}"),
+            );
             pending.spawn(async move {
                 tokio::time::timeout(timeout, open)
                     .await
@@ -170,6 +203,16 @@ pub async fn run(args: &BenchArgs, hold: Duration) -> Result<IdleReport, CliErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loopback_connections_past_the_port_range_spread_over_source_addresses() {
+        assert_eq!(source_address("127.0.0.1", 10_000, 9_999), None);
+        assert_eq!(source_address("10.0.0.1", 100_000, 99_999), None);
+        let first = source_address("127.0.0.1", 100_000, 0);
+        let last = source_address("localhost", 100_000, 99_999);
+        assert_eq!(first, Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2))));
+        assert_eq!(last, Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 5))));
+    }
 
     #[test]
     fn connect_packet_is_an_mqtt5_connect() {

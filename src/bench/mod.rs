@@ -64,9 +64,11 @@ pub struct BenchArgs {
     /// connections; with a plain filter every connection answers every request.
     #[arg(long, value_name = "FILTER", default_value = RESPONDER_FILTER)]
     pub responder_topic: String,
-    /// Connections (state-store mode, idle mode and responder).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
-    pub connections: u16,
+    /// Connections (state-store mode, idle mode and responder). Idle mode goes past 65,535: on
+    /// loopback it spreads its connections over source addresses 127.0.0.2, 127.0.0.3, ... so that
+    /// each has enough ephemeral ports.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub connections: u32,
     /// Threads of the load generator. One, like redis-benchmark, leaves the most CPU to a server on the
     /// same machine and needs no hand-offs between threads; more when one core cannot drive the server.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]

@@ -72,7 +72,7 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
             })
         });
     }
-    let mut connections = Vec::with_capacity(usize::from(args.connections));
+    let mut connections = Vec::with_capacity(args.connections as usize);
     while let Some(joined) = opening.join_next().await {
         connections.push(joined.map_err(|e| CliError::usage("bench", e.to_string()))??);
     }

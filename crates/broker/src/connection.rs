@@ -25,6 +25,7 @@ use crate::codec::{
 };
 use crate::inbound::TopicAliases;
 use crate::limits::{RefusalSlot, Refused};
+use crate::mailbox;
 use crate::message::{Message, PublishProperties, QoS};
 use crate::metrics;
 use crate::persist::{Durable, JournalError};
@@ -102,6 +103,29 @@ enum Deferred {
 }
 
 type Pending = Pin<Box<dyn Future<Output = Deferred> + Send>>;
+
+/// The replies a connection owes. Created on first use: most idle connections never owe one, and
+/// an empty `FuturesUnordered` already holds two allocations (about 200 bytes).
+#[derive(Default)]
+struct Replies(Option<FuturesUnordered<Pending>>);
+
+impl Replies {
+    fn push(&mut self, reply: Pending) {
+        self.0.get_or_insert_with(FuturesUnordered::new).push(reply);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.as_ref().is_none_or(FuturesUnordered::is_empty)
+    }
+
+    /// The next reply ready; `None` if none is owed.
+    async fn next(&mut self) -> Option<Deferred> {
+        match &mut self.0 {
+            Some(replies) => replies.next().await,
+            None => None,
+        }
+    }
+}
 
 /// Resolves once every change in `durable` is durable: `Ok` or the reason one is not.
 async fn all_durable(durable: Vec<Durable>) -> Result<(), JournalError> {
@@ -183,6 +207,10 @@ fn fail_codes(codes: &mut [u8], result: Result<(), JournalError>) -> bool {
 }
 
 /// Serves one connection (its TLS/WebSocket handshake done) until it closes.
+///
+/// An idle connection's cost is mostly the size of this future, which is the largest state any of
+/// its awaits needs: the handshake and the ending are boxed, so they take memory only while they
+/// run and the parked state is `serve`'s (see "Idle connections" in `docs/benchmarks.md`).
 pub(crate) async fn run(
     stream: Stream,
     peer: Peer,
@@ -190,40 +218,51 @@ pub(crate) async fn run(
     shutdown: CancellationToken,
 ) {
     let (mut rd, mut wr) = tokio::io::split(stream);
+    let Some((mut conn, control)) = Box::pin(open(&mut rd, &mut wr, peer, &inner, &shutdown)).await
+    else {
+        return;
+    };
+    let end = conn.serve(&mut rd, &mut wr, control, &shutdown).await;
+    Box::pin(conn.finish(end, &mut wr)).await;
+}
+
+/// Reads CONNECT, authenticates, attaches the session and queues CONNACK. `None` if the
+/// connection ended here (refused, timed out, shut down).
+async fn open(
+    rd: &mut Reader,
+    wr: &mut Writer,
+    peer: Peer,
+    inner: &Arc<Inner>,
+    shutdown: &CancellationToken,
+) -> Option<(Connection, mailbox::Receiver<Control>)> {
     let mut rbuf = BytesMut::new();
     let handshake = tokio::select! {
-        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(&mut rd, &mut rbuf, inner.config.max_packet_size)) => r,
-        _ = shutdown.cancelled() => return,
+        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(rd, &mut rbuf, inner.config.max_packet_size)) => r,
+        _ = shutdown.cancelled() => return None,
     };
     let (codec, connect) = match handshake {
         Err(_) => {
             tracing::debug!(%peer, "no CONNECT within the connect timeout; closing");
-            return;
+            return None;
         }
         Ok(Err(reply)) => {
             if !reply.is_empty() {
-                let _ = tokio::time::timeout(
-                    inner.config.close_timeout,
-                    transport::send(&mut wr, &reply),
-                )
-                .await;
+                let _ =
+                    tokio::time::timeout(inner.config.close_timeout, transport::send(wr, &reply))
+                        .await;
             }
             tracing::debug!(%peer, "handshake refused");
-            return;
+            return None;
         }
         Ok(Ok(c)) => c,
     };
-    let Some(mut conn) = Connection::establish(codec, *connect, rbuf, &inner, &mut wr, peer).await
-    else {
-        return;
-    };
-    let (control_tx, control_rx) = mpsc::channel(CONTROL_CHANNEL_CAPACITY);
+    let mut conn = Connection::establish(codec, *connect, rbuf, inner, wr, peer).await?;
+    let (control_tx, control_rx) = mailbox::channel(CONTROL_CHANNEL_CAPACITY);
     if !conn.attach(control_tx).await {
-        conn.finish(End::Refused, &mut wr).await;
-        return;
+        conn.finish(End::Refused, wr).await;
+        return None;
     }
-    let end = conn.serve(&mut rd, &mut wr, control_rx, &shutdown).await;
-    conn.finish(end, &mut wr).await;
+    Some((conn, control_rx))
 }
 
 /// Answers a socket refused by the connection limits: reads its CONNECT (briefly, and only up to a
@@ -375,7 +414,14 @@ async fn authenticate(
         cert_identity: peer.cert_identity.clone(),
     };
     let authenticator = inner.security.authenticator.clone();
-    match tokio::task::spawn_blocking(move || authenticator.authenticate(&attempt)).await {
+    // The permit goes with the work: it is held until the authenticator returns, even if this
+    // connection gives up waiting. The semaphore is never closed, so `Err` cannot happen.
+    let slot = inner.auth_slots.clone().acquire_owned().await.ok();
+    let authenticate = move || {
+        let _slot = slot;
+        authenticator.authenticate(&attempt)
+    };
+    match tokio::task::spawn_blocking(authenticate).await {
         Ok(Ok(identity)) => Ok(identity),
         Ok(Err(refusal)) => {
             inner
@@ -397,7 +443,8 @@ struct Connection {
     conn_id: u64,
     codec: Codec,
     client_id: Arc<str>,
-    connect: ConnectInfo,
+    /// What of CONNECT is still needed once connected (all of it would stay in every connection).
+    connect: Requested,
     assigned_id: bool,
     session: Option<Arc<SessionHandle>>,
     session_present: bool,
@@ -412,17 +459,18 @@ struct Connection {
     session_expiry_secs: u32,
     aliases: TopicAliases,
     /// Replies waiting for a service or for durability.
-    pending: FuturesUnordered<Pending>,
+    pending: Replies,
     inbound_qos1_pending: usize,
     /// QoS 2 packet ids whose PUBREC waits for a service or for durability.
     qos2_awaiting_service: BTreeSet<u16>,
-    will: Option<Will>,
+    /// Boxed, like `stalled`: most connections have none, and inline it would cost every one.
+    will: Option<Box<Will>>,
     peer: Peer,
     /// Who the client authenticated as.
     identity: Identity,
     /// A claimed-topic publish waiting for room in its service's inbox. While set, the connection
     /// reads nothing more from the socket (back-pressure) but still writes acks and deliveries.
-    stalled: Option<Stalled>,
+    stalled: Option<Box<Stalled>>,
     /// Service acknowledgements held back while this client's own queue is full (see
     /// [`Connection::on_ack_ready`]), in the order they resolved.
     held_acks: VecDeque<(u16, AckKind, u8)>,
@@ -434,6 +482,14 @@ struct Connection {
     /// interop tests among them) that wait for the copy and then disconnect would otherwise lose
     /// the PUBACK with the connection and re-send the publish on the next one.
     delivery_holds: BTreeMap<u64, usize>,
+}
+
+/// The CONNECT fields a connection consults after CONNACK.
+struct Requested {
+    clean_start: bool,
+    /// Session Expiry Interval as requested (`None`: MQTT 3.1.1 or not given).
+    session_expiry_secs: Option<u32>,
+    auth_method: Option<ByteString>,
 }
 
 struct Stalled {
@@ -559,7 +615,7 @@ impl Connection {
             _ => connect.keep_alive,
         };
         // The registry caps the will delay at the session expiry when the connection ends.
-        let will = connect.will.clone();
+        let will = connect.will.map(Box::new);
         Some(Self {
             conn_id: inner.next_conn_id(),
             inner: inner.clone(),
@@ -576,13 +632,17 @@ impl Connection {
             rbuf,
             out: BytesMut::new(),
             session_expiry_secs,
-            pending: FuturesUnordered::new(),
+            pending: Replies::default(),
             inbound_qos1_pending: 0,
             qos2_awaiting_service: BTreeSet::new(),
             will,
             peer,
             identity,
-            connect,
+            connect: Requested {
+                clean_start: connect.clean_start,
+                session_expiry_secs: connect.session_expiry_secs,
+                auth_method: connect.auth_method,
+            },
             stalled: None,
             held_acks: VecDeque::new(),
             delivery_holds: BTreeMap::new(),
@@ -605,7 +665,7 @@ impl Connection {
 
     /// Attaches to the session (taking it over if needed), sends CONNACK and re-sends what was in
     /// flight. Returns `false` if the connection must close.
-    async fn attach(&mut self, control: mpsc::Sender<Control>) -> bool {
+    async fn attach(&mut self, control: mailbox::Sender<Control>) -> bool {
         let deadline = Instant::now() + self.inner.config.takeover_timeout;
         let (handle, session_present, effects, durable) = loop {
             let owner = Owner {
@@ -758,7 +818,7 @@ impl Connection {
         &mut self,
         rd: &mut Reader,
         wr: &mut Writer,
-        mut control: mpsc::Receiver<Control>,
+        mut control: mailbox::Receiver<Control>,
         shutdown: &CancellationToken,
     ) -> End {
         let session = self.session().clone();
@@ -795,7 +855,8 @@ impl Connection {
             let stalled_inbox = self.stalled.as_ref().map(|s| s.inbox.clone());
             let inbox_room = async {
                 match &stalled_inbox {
-                    Some(inbox) => inbox.reserve().await,
+                    // Boxed: only a stalled connection needs its state.
+                    Some(inbox) => Box::pin(inbox.reserve()).await,
                     None => std::future::pending().await,
                 }
             };
@@ -1049,7 +1110,7 @@ impl Connection {
                 Ok(()) => {}
                 // Back-pressure: stop reading until the inbox has room.
                 Err(mpsc::error::TrySendError::Full(request)) => {
-                    self.stalled = Some(Stalled { inbox, request })
+                    self.stalled = Some(Box::new(Stalled { inbox, request }))
                 }
                 // The service is gone: the dropped request resolves its ack as 0x80.
                 Err(mpsc::error::TrySendError::Closed(_)) => {}
@@ -1435,7 +1496,11 @@ impl Connection {
             wr.shutdown().await
         })
         .await;
-        let will = if publish_will { self.will.take() } else { None };
+        let will = if publish_will {
+            self.will.take().map(|w| *w)
+        } else {
+            None
+        };
         let effects = self.inner.registry.detach(
             &self.client_id,
             self.conn_id,
@@ -1451,5 +1516,38 @@ impl Connection {
         }
         tracing::info!(client_id = %self.client_id, peer = %self.peer, reason = why, "client disconnected");
         metrics::client_disconnected();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::BrokerConfig;
+    use crate::service::Broker;
+    use crate::transport::Transport;
+
+    /// Bytes of a connection task's future: most of what an idle connection costs (see "Idle
+    /// connections" in `docs/benchmarks.md`). A change that parks more state in every connection
+    /// shows here first.
+    #[tokio::test]
+    async fn an_idle_connection_future_stays_small() {
+        let broker = Broker::new(BrokerConfig::default());
+        let (stream, _client) = tokio::io::duplex(64);
+        let peer = Peer {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            transport: Transport::Tcp,
+            cert_identity: None,
+            identity_is_client_id: false,
+        };
+        let future = run(
+            Box::new(stream),
+            peer,
+            broker.inner.clone(),
+            CancellationToken::new(),
+        );
+        let size = std::mem::size_of_val(&future);
+        // 2128 bytes (debug build) with the handshake, the ending and all of CONNECT inline;
+        // 1160 once they are boxed or dropped.
+        assert!(size <= 1536, "the connection future grew to {size} bytes");
     }
 }

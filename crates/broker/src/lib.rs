@@ -37,6 +37,7 @@ mod connection;
 pub mod error;
 mod inbound;
 pub mod limits;
+mod mailbox;
 pub mod message;
 mod metrics;
 pub mod persist;

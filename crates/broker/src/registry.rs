@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
+
+use crate::mailbox;
 
 use crate::persist::{clock, Durable, SessionChange, SessionJournal};
 use crate::session::SessionHandle;
@@ -35,7 +37,7 @@ pub(crate) enum Control {
 /// The connection that currently owns a session.
 pub(crate) struct Owner {
     pub conn_id: u64,
-    pub control: mpsc::Sender<Control>,
+    pub control: mailbox::Sender<Control>,
 }
 
 struct Entry {
@@ -43,7 +45,8 @@ struct Entry {
     owner: Option<Owner>,
     epoch: u64,
     /// A delayed will and when it is due (wall-clock ms).
-    pending_will: Option<(Will, u64)>,
+    /// Boxed: one entry per session, and few have a delayed will.
+    pending_will: Option<Box<(Will, u64)>>,
 }
 
 #[derive(Default)]
@@ -150,9 +153,7 @@ impl Registry {
                     });
                 }
                 if clean_start {
-                    effects
-                        .wills
-                        .extend(old.pending_will.take().map(|(w, _)| w));
+                    effects.wills.extend(old.pending_will.take().map(|p| p.0));
                     old.handle.set_online(false);
                     old.handle.lock().end();
                     effects.ended.push(old.handle);
@@ -235,7 +236,7 @@ impl Registry {
                     will: w.clone(),
                     at_ms,
                 });
-                entry.pending_will = Some((w, at_ms));
+                entry.pending_will = Some(Box::new((w, at_ms)));
             }
             None => {}
         }
@@ -256,7 +257,7 @@ impl Registry {
         if entry.epoch != epoch || entry.owner.is_some() {
             return None;
         }
-        let (will, _) = entry.pending_will.take()?;
+        let (will, _) = *entry.pending_will.take()?;
         entry
             .handle
             .lock()
@@ -274,9 +275,7 @@ impl Registry {
             .is_some_and(|e| e.epoch == epoch && e.owner.is_none());
         if still_idle {
             if let Some(mut entry) = sessions.by_client.remove(client_id) {
-                effects
-                    .wills
-                    .extend(entry.pending_will.take().map(|(w, _)| w));
+                effects.wills.extend(entry.pending_will.take().map(|p| p.0));
                 entry.handle.lock().end();
                 effects.ended.push(entry.handle);
             }
@@ -295,7 +294,7 @@ impl Registry {
                 handle,
                 owner: None,
                 epoch,
-                pending_will: will,
+                pending_will: will.map(Box::new),
             },
         );
         epoch
@@ -311,7 +310,7 @@ impl Registry {
                 continue;
             }
             image.extend(state.image(now, now_ms));
-            if let Some((will, at_ms)) = &entry.pending_will {
+            if let Some((will, at_ms)) = entry.pending_will.as_deref() {
                 image.push(SessionChange::WillScheduled {
                     client_id: entry.handle.client_id.clone(),
                     will: will.clone(),
@@ -351,8 +350,8 @@ mod tests {
     use crate::message::{Message, QoS};
     use bytes::Bytes;
 
-    fn owner(conn_id: u64) -> (Owner, mpsc::Receiver<Control>) {
-        let (tx, rx) = mpsc::channel(4);
+    fn owner(conn_id: u64) -> (Owner, mailbox::Receiver<Control>) {
+        let (tx, rx) = mailbox::channel(4);
         (
             Owner {
                 conn_id,
@@ -398,7 +397,7 @@ mod tests {
         let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false) else {
             panic!("must wait")
         };
-        assert!(matches!(rx1.try_recv(), Ok(Control::TakeOver { .. })));
+        assert!(matches!(rx1.try_recv(), Some(Control::TakeOver { .. })));
         let fx = reg.detach(&id, 1, None, Instant::now());
         assert!(fx.ended.is_empty());
         let (o2, _rx2) = owner(2);

@@ -161,6 +161,11 @@ pub struct Broker {
 pub(crate) struct Inner {
     pub config: BrokerConfig,
     pub security: Security,
+    /// Authentications running at once, each on a blocking thread. Bounded by the cores: hashing
+    /// passwords is CPU work, so more threads add no throughput, and a burst of CONNECTs would
+    /// otherwise start hundreds of blocking threads that stay (stacks, allocator caches) long
+    /// after it (decision 0018-idle).
+    pub auth_slots: Arc<tokio::sync::Semaphore>,
     pub auth_failures: AuthFailures,
     pub connections: Arc<Connections>,
     pub router: Router,
@@ -205,6 +210,9 @@ impl Broker {
                 MAX_REFUSALS_IN_PROGRESS,
             )),
             security,
+            auth_slots: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )),
             router: Router::new(
                 QueueLimit {
                     messages: config.max_queued_messages,

@@ -248,3 +248,46 @@ async fn default_security_lets_everyone_in() {
         vec![v5::SubscribeAckReason::GrantedQos1]
     );
 }
+
+/// Lets everyone in, slowly (like a password hash), and records how many calls overlapped.
+#[derive(Default)]
+struct SlowAuthenticator {
+    running: AtomicUsize,
+    most: AtomicUsize,
+}
+
+impl Authenticator for SlowAuthenticator {
+    fn authenticate(&self, _: &ConnectAttempt) -> Result<Identity, Refusal> {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(20));
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        Ok(Identity::default())
+    }
+}
+
+#[tokio::test]
+async fn a_burst_of_connects_authenticates_on_at_most_one_thread_per_core() {
+    let authenticator = Arc::new(SlowAuthenticator::default());
+    let security = Security {
+        authenticator: authenticator.clone(),
+        authorizer: Arc::new(mqstate_broker::auth::AllowAll),
+    };
+    let s = Server::start_secured(BrokerConfig::default(), security).await;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let clients = (0..cores * 4 + 4).map(|i| {
+        let addr = s.addr;
+        tokio::spawn(async move {
+            Raw::connect_with(addr, login(&format!("burst-{i}"), None, None)).await
+        })
+    });
+    for client in clients.collect::<Vec<_>>() {
+        let (_c, ack) = client.await.unwrap();
+        assert_eq!(u8::from(ack.reason_code), 0x00);
+    }
+    let most = authenticator.most.load(Ordering::SeqCst);
+    assert!(
+        (1..=cores).contains(&most),
+        "{most} authentications ran at once on {cores} cores"
+    );
+}
