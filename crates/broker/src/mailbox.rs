@@ -3,7 +3,7 @@
 //!
 //! Every connection owns one, so what it costs while empty is paid per idle connection: one
 //! allocation of about a hundred bytes, where a tokio `mpsc` channel allocates its shared state
-//! and a first block of 32 slots up front (1.5 KiB per connection; decision 0018-idle).
+//! and a first block of 32 slots up front (1.5 KiB per connection; decision 0026).
 //!
 //! Semantics are those of a bounded `tokio::sync::mpsc` channel as the broker used it:
 //! [`Sender::try_send`] fails when the queue is full or the receiver is gone, and

@@ -164,7 +164,7 @@ pub(crate) struct Inner {
     /// Authentications running at once, each on a blocking thread. Bounded by the cores: hashing
     /// passwords is CPU work, so more threads add no throughput, and a burst of CONNECTs would
     /// otherwise start hundreds of blocking threads that stay (stacks, allocator caches) long
-    /// after it (decision 0018-idle).
+    /// after it (decision 0026).
     pub auth_slots: Arc<tokio::sync::Semaphore>,
     pub auth_failures: AuthFailures,
     pub connections: Arc<Connections>,
