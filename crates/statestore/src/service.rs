@@ -7,7 +7,9 @@
 //! * The **completer** takes the executor's outcomes in the same order, waits until each one's log
 //!   record is durable, and only then delivers the notifications, publishes the reply and acknowledges
 //!   the publish. Reads travel the same queue, so a reply never reveals a write that is not yet durable,
-//!   and a notification always precedes the reply of the write that caused it (spec §6).
+//!   and a notification always precedes the reply of the write that caused it (spec §6). When a
+//!   commit fails, the outcomes computed behind it before the executor rolled back are not released
+//!   either ([`Rollbacks`]).
 //!
 //! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), then
 //! queued to the completer like any outcome, so they are written once every record they may reflect is
@@ -126,7 +128,9 @@ impl Default for ServiceConfig {
 // cost an allocation per request.
 #[allow(clippy::large_enum_variant)]
 enum Outcome {
-    /// Publish `notifications` then `reply`, then ack — once `commit` (if any) is durable.
+    /// Publish `notifications` then `reply`, then ack — once `commit` (if any) is durable and no
+    /// commit queued before it in its epoch failed; otherwise the not-durable reply, without the
+    /// notifications ([`Rollbacks`]).
     Reply {
         commit: Option<PendingCommit>,
         notifications: Vec<(Arc<str>, Message)>,
@@ -135,7 +139,8 @@ enum Outcome {
         /// For the request metrics; `None` for expiries and cached replies.
         timing: Option<Timing>,
     },
-    /// Call `done` once `commit` (if any) is durable (`true`) or failed (`false`).
+    /// Call `done` once `commit` (if any) is durable (`true`) or failed (`false`); `false` too when
+    /// the outcome was computed on state being rolled back ([`Rollbacks`]).
     Internal {
         commit: Option<PendingCommit>,
         done: Box<dyn FnOnce(bool) + Send>,
@@ -147,6 +152,47 @@ enum Outcome {
         /// durable, it is not written.
         reflects_below: u64,
     },
+}
+
+/// An outcome on its way to the completer, with the rollback epoch it was computed in.
+struct Queued {
+    /// How many rollbacks the executor had made when it computed the outcome; `None` for outcomes
+    /// that do not depend on the keyspace (a cached reply, a rejected envelope).
+    epoch: Option<u64>,
+    outcome: Outcome,
+}
+
+/// The completer's view of failed commits: which outcomes were computed on state that is being
+/// rolled back.
+///
+/// A commit that fails in epoch `e` means every change the executor made after it in epoch `e` is
+/// undone (the writer refuses every record queued behind a failed one, and the executor rolls back
+/// all undurable writes, then counts epoch `e + 1`). An outcome of epoch `e` queued behind the
+/// failed commit may have read those changes — a GET of the refused SET's value, a VDEL that found
+/// the key another refused VDEL had deleted — so it is not released: it becomes the not-durable
+/// error, like the failed write itself (decision 0012).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Rollbacks {
+    /// The newest epoch in which a commit failed.
+    failed_in: Option<u64>,
+}
+
+impl Rollbacks {
+    /// A commit computed in `epoch` failed.
+    pub fn commit_failed(&mut self, epoch: Option<u64>) {
+        debug_assert!(
+            epoch.is_some(),
+            "only outcomes computed on the state commit"
+        );
+        self.failed_in = self.failed_in.max(epoch);
+    }
+
+    /// Whether an outcome computed in `epoch`, reached after every earlier one, may have seen a
+    /// change that is rolled back. Epochs only grow along the queue, so an outcome of an epoch in
+    /// which a commit already failed was computed after that commit, before the rollback.
+    pub fn is_stale(&self, epoch: Option<u64>) -> bool {
+        matches!((epoch, self.failed_in), (Some(e), Some(f)) if e <= f)
+    }
 }
 
 /// A snapshot being encoded between requests (decision 0014).
@@ -240,7 +286,7 @@ pub async fn run(
         next_lsn,
         metadata,
     } = recovered;
-    let (tx, rx) = mpsc::channel(COMPLETION_QUEUE_CAPACITY);
+    let (tx, rx) = mpsc::channel::<Queued>(COMPLETION_QUEUE_CAPACITY);
     let (failure_tx, failures) = mpsc::unbounded_channel();
     let durable_lsn = Arc::new(AtomicU64::new(next_lsn));
     let dedup = Arc::new(Mutex::new(DedupCache::new(config.dedup_max_entries)));
@@ -275,6 +321,7 @@ pub async fn run(
         ceiling_failed_at: None,
         notify,
         pending_queue: None,
+        rollbacks: 0,
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -291,14 +338,14 @@ struct Executor {
     config: ServiceConfig,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     replies: ReplyBuilder,
-    tx: mpsc::Sender<Outcome>,
+    tx: mpsc::Sender<Queued>,
     /// For each logged but not yet durable write: its LSN and the delta that restores the key's
     /// previous state. A failed commit rolls the keyspace back to what the disk holds.
     undo: VecDeque<(u64, notify_exec::Undo)>,
     /// LSNs below this are durable (written by the completer).
     durable_lsn: Arc<AtomicU64>,
-    /// The completer reports a failed commit here.
-    failures: mpsc::UnboundedReceiver<()>,
+    /// The completer reports a failed commit here, with the epoch it was computed in.
+    failures: mpsc::UnboundedReceiver<u64>,
     /// Set while the log refuses writes; when the last attempt to recover was made.
     degraded: Option<Instant>,
     rates: RequestRates,
@@ -313,6 +360,8 @@ struct Executor {
     notify: Option<notify_exec::NotifySide>,
     /// The queue side of the request being handled: set by `execute`, taken by `handle`.
     pending_queue: Option<notify_exec::PendingQueue>,
+    /// Rollbacks made so far: the epoch outcomes are tagged with ([`Rollbacks`]).
+    rollbacks: u64,
 }
 
 /// How far ahead of the clock the ceiling is set: the metadata file is rewritten about once per
@@ -379,7 +428,12 @@ impl Executor {
                     }
                     Err(broadcast::error::RecvError::Closed) => break,
                 },
-                Some(()) = self.failures.recv() => self.roll_back_undurable(),
+                // Every commit behind a failed one fails too; the first failure of an epoch rolls
+                // back all of them, and the rest (computed before that rollback) must not roll back
+                // writes made since.
+                Some(epoch) = self.failures.recv() => if epoch == self.rollbacks {
+                    self.roll_back_undurable();
+                },
                 Some(request) = recv_some(&mut internal) => self.handle_internal(request).await,
                 Some(request) = recv_some(&mut admin) => self.handle_admin(request).await,
                 () = sleep_until(stale_at) => self.abort_stale_reservations().await,
@@ -442,7 +496,8 @@ impl Executor {
                     reply.version,
                     request.expiry,
                 );
-                self.send(Outcome::Reply {
+                // The first reply, already released: the keyspace has no say in it.
+                self.send_stateless(Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
                     reply: Some(reply),
@@ -681,6 +736,7 @@ impl Executor {
             tracing::warn!("snapshot in progress abandoned after the log write failure");
         }
         self.next_lsn = durable;
+        self.rollbacks += 1;
         self.degraded = Some(Instant::now());
         self.report_keyspace_size();
         tracing::error!(rolled_back, durable_lsn = durable, "log write failed: undurable writes rolled back; writes are refused until the log recovers, reads go on");
@@ -893,7 +949,7 @@ impl Executor {
                     ),
                     version: None,
                 };
-                self.send(Outcome::Reply {
+                self.send_stateless(Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
                     reply: Some(reply),
@@ -918,7 +974,7 @@ impl Executor {
                     message: reply,
                     version: None,
                 };
-                self.send(Outcome::Reply {
+                self.send_stateless(Outcome::Reply {
                     commit: None,
                     notifications: Vec::new(),
                     reply: Some(reply),
@@ -961,9 +1017,20 @@ impl Executor {
         }
     }
 
+    /// Queues an outcome computed on the current state: it is not released if a commit queued
+    /// before it fails ([`Rollbacks`]).
     async fn send(&mut self, outcome: Outcome) {
+        self.queue(Some(self.rollbacks), outcome).await;
+    }
+
+    /// Queues an outcome that does not depend on the state (a cached reply, a rejection).
+    async fn send_stateless(&mut self, outcome: Outcome) {
+        self.queue(None, outcome).await;
+    }
+
+    async fn queue(&mut self, epoch: Option<u64>, outcome: Outcome) {
         self.raise_clock_ceiling().await;
-        if self.tx.send(outcome).await.is_err() {
+        if self.tx.send(Queued { epoch, outcome }).await.is_err() {
             tracing::error!("state store completer stopped; outcome dropped");
         }
     }
@@ -1001,15 +1068,46 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
+/// Awaits a commit. On failure reports it to the executor, which rolls back, and returns the epoch
+/// the failed write was computed in.
+async fn settle(
+    commit: Option<PendingCommit>,
+    epoch: Option<u64>,
+    durable_lsn: &AtomicU64,
+    failures: &mpsc::UnboundedSender<u64>,
+) -> Result<(), Option<u64>> {
+    let Some(commit) = commit else {
+        return Ok(());
+    };
+    match commit.await {
+        Ok(lsn) => {
+            debug_assert!(
+                lsn >= durable_lsn.load(Acquire),
+                "commits complete in LSN order"
+            );
+            durable_lsn.store(lsn + 1, Release);
+            Ok(())
+        }
+        Err(e) => {
+            tracing::error!("state store write not durable: {e}");
+            if let Some(epoch) = epoch {
+                let _ = failures.send(epoch);
+            }
+            Err(epoch)
+        }
+    }
+}
+
 async fn complete(
     broker: Broker,
-    mut rx: mpsc::Receiver<Outcome>,
+    mut rx: mpsc::Receiver<Queued>,
     wal: Arc<WalWriter>,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     durable_lsn: Arc<AtomicU64>,
-    failures: mpsc::UnboundedSender<()>,
+    failures: mpsc::UnboundedSender<u64>,
 ) {
-    while let Some(outcome) = rx.recv().await {
+    let mut rollbacks = Rollbacks::default();
+    while let Some(Queued { epoch, outcome }) = rx.recv().await {
         match outcome {
             Outcome::Snapshot {
                 snapshot,
@@ -1038,21 +1136,11 @@ async fn complete(
                 });
             }
             Outcome::Internal { commit, done } => {
-                let durable = match commit {
-                    None => true,
-                    Some(commit) => match commit.await {
-                        Ok(lsn) => {
-                            durable_lsn.store(lsn + 1, Release);
-                            true
-                        }
-                        Err(e) => {
-                            tracing::error!("state store write not durable: {e}");
-                            let _ = failures.send(());
-                            false
-                        }
-                    },
-                };
-                done(durable);
+                let settled = settle(commit, epoch, &durable_lsn, &failures).await;
+                if let Err(failed_in) = settled {
+                    rollbacks.commit_failed(failed_in);
+                }
+                done(settled.is_ok() && !rollbacks.is_stale(epoch));
             }
             Outcome::Reply {
                 commit,
@@ -1061,36 +1149,23 @@ async fn complete(
                 acker,
                 timing,
             } => {
-                let durable = match commit {
-                    None => Ok(()),
-                    Some(commit) => commit.await.map(|lsn| {
-                        debug_assert!(
-                            lsn >= durable_lsn.load(Acquire),
-                            "commits complete in LSN order"
-                        );
-                        durable_lsn.store(lsn + 1, Release);
-                    }),
-                };
-                let durable_ok = durable.is_ok();
-                let (reply, reason) = match durable {
-                    Ok(()) => {
-                        for (client_id, message) in notifications {
-                            broker.deliver_to(&client_id, message);
-                        }
-                        let sent =
-                            reply.map(|r| (r.client_id, r.correlation, r.message, r.version));
-                        (sent, 0x00)
+                let settled = settle(commit, epoch, &durable_lsn, &failures).await;
+                if let Err(failed_in) = settled {
+                    rollbacks.commit_failed(failed_in);
+                }
+                // A failed write, or anything computed on its rolled-back state: the error reply.
+                let released = settled.is_ok() && !rollbacks.is_stale(epoch);
+                let (reply, reason) = if released {
+                    for (client_id, message) in notifications {
+                        broker.deliver_to(&client_id, message);
                     }
-                    Err(e) => {
-                        tracing::error!("state store write not durable: {e}");
-                        let _ = failures.send(());
-                        // Only writes have commits, and a write's reply becomes the error.
-                        match reply
-                            .map(|r| (r.client_id, r.correlation, not_durable(r.message), None))
-                        {
-                            Some(failed) => (Some(failed), 0x00),
-                            None => (None, PUBACK_UNSPECIFIED_ERROR),
-                        }
+                    let sent = reply.map(|r| (r.client_id, r.correlation, r.message, r.version));
+                    (sent, 0x00)
+                } else {
+                    match reply.map(|r| (r.client_id, r.correlation, not_durable(r.message), None))
+                    {
+                        Some(failed) => (Some(failed), 0x00),
+                        None => (None, PUBACK_UNSPECIFIED_ERROR),
                     }
                 };
                 if let Some((client_id, correlation, message, version)) = reply {
@@ -1112,14 +1187,31 @@ async fn complete(
                     acker.ack(reason);
                 }
                 if let Some(timing) = timing {
-                    let result = if durable_ok {
-                        timing.result
-                    } else {
-                        NOT_DURABLE
-                    };
+                    let result = if released { timing.result } else { NOT_DURABLE };
                     metrics::request_completed(timing.command, result, timing.received.elapsed());
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rollbacks;
+
+    #[test]
+    fn outcomes_of_an_epoch_with_a_failed_commit_are_stale() {
+        let mut rollbacks = Rollbacks::default();
+        assert!(!rollbacks.is_stale(Some(0)), "nothing failed yet");
+        rollbacks.commit_failed(Some(0));
+        assert!(rollbacks.is_stale(Some(0)), "computed before the rollback");
+        assert!(!rollbacks.is_stale(Some(1)), "computed after the rollback");
+        assert!(!rollbacks.is_stale(None), "independent of the state");
+        // Later failures of the same epoch (every commit behind the first fails) change nothing.
+        rollbacks.commit_failed(Some(0));
+        assert!(!rollbacks.is_stale(Some(1)));
+        rollbacks.commit_failed(Some(1));
+        assert!(rollbacks.is_stale(Some(1)));
+        assert!(!rollbacks.is_stale(Some(2)));
     }
 }

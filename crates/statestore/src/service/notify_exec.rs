@@ -356,8 +356,10 @@ impl Executor {
                 let entries = self.machine.topics().get(&topic).map(|t| t.list(0, max));
                 self.send(Outcome::Internal {
                     commit: None,
-                    done: Box::new(move |_| {
-                        let _ = reply.send(entries);
+                    // Listed behind a write whose commit failed, the entries may include ones that
+                    // are rolled back: none are pushed this time, the owner lists again.
+                    done: Box::new(move |current| {
+                        let _ = reply.send(entries.map(|e| if current { e } else { Vec::new() }));
                     }),
                 })
                 .await;
