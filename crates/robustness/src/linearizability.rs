@@ -214,20 +214,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::history::{Condition, Version};
-
-    fn v(n: u64) -> Version {
-        Version::parse(&format!("{n:015}:00000:n")).unwrap()
-    }
-
-    fn set(value: &str) -> Cmd {
-        Cmd::Set {
-            value: value.into(),
-            condition: Condition::Always,
-            px_ms: None,
-            fencing_token: None,
-        }
-    }
+    use crate::history::Condition;
+    use crate::model::fixtures::{set, v};
 
     fn hit(value: &str, version: u64) -> Outcome {
         Outcome::Hit {

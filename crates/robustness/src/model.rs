@@ -223,15 +223,18 @@ fn apply(view: &KeyState, step: &Step<'_>, next: &mut Vec<KeyState>) {
     }
 }
 
+/// Histories written by hand in the checker's and the model's tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod fixtures {
+    use crate::history::{Cmd, Condition, Version};
 
-    fn v(ms: u64) -> Version {
+    /// The version whose wall clock is `ms`.
+    pub(crate) fn v(ms: u64) -> Version {
         Version::parse(&format!("{ms:015}:00000:n")).unwrap()
     }
 
-    fn set(value: &str) -> Cmd {
+    /// An unconditional SET without expiry or fencing.
+    pub(crate) fn set(value: &str) -> Cmd {
         Cmd::Set {
             value: value.into(),
             condition: Condition::Always,
@@ -239,6 +242,12 @@ mod tests {
             fencing_token: None,
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fixtures::{set, v};
+    use super::*;
 
     fn at<'a>(cmd: &'a Cmd, outcome: &'a Outcome, t: u64) -> Step<'a> {
         Step {
