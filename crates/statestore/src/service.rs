@@ -497,14 +497,7 @@ impl Executor {
                     request.expiry,
                 );
                 // The first reply, already released: the keyspace has no say in it.
-                self.send_stateless(Outcome::Reply {
-                    commit: None,
-                    notifications: Vec::new(),
-                    reply: Some(reply),
-                    acker: Some(acker),
-                    timing: None,
-                })
-                .await;
+                self.send_stateless_reply(reply, acker).await;
                 return;
             }
         };
@@ -949,14 +942,7 @@ impl Executor {
                     ),
                     version: None,
                 };
-                self.send_stateless(Outcome::Reply {
-                    commit: None,
-                    notifications: Vec::new(),
-                    reply: Some(reply),
-                    acker: Some(acker),
-                    timing: None,
-                })
-                .await;
+                self.send_stateless_reply(reply, acker).await;
             }
             Rejection::BadRequest {
                 response_topic,
@@ -974,14 +960,7 @@ impl Executor {
                     message: reply,
                     version: None,
                 };
-                self.send_stateless(Outcome::Reply {
-                    commit: None,
-                    notifications: Vec::new(),
-                    reply: Some(reply),
-                    acker: Some(acker),
-                    timing: None,
-                })
-                .await;
+                self.send_stateless_reply(reply, acker).await;
             }
         }
     }
@@ -1026,6 +1005,18 @@ impl Executor {
     /// Queues an outcome that does not depend on the state (a cached reply, a rejection).
     async fn send_stateless(&mut self, outcome: Outcome) {
         self.queue(None, outcome).await;
+    }
+
+    /// [`Executor::send_stateless`] of a reply alone: no change to commit, nothing to notify.
+    async fn send_stateless_reply(&mut self, reply: ReplyTo, acker: Acker) {
+        self.send_stateless(Outcome::Reply {
+            commit: None,
+            notifications: Vec::new(),
+            reply: Some(reply),
+            acker: Some(acker),
+            timing: None,
+        })
+        .await;
     }
 
     async fn queue(&mut self, epoch: Option<u64>, outcome: Outcome) {
