@@ -34,6 +34,22 @@ impl Writer {
         self.buf.extend_from_slice(&value.to_be_bytes());
     }
 
+    /// A `u64` as Int64, saturating; [`Reader::u63`] reads it back and refuses a negative one.
+    pub(crate) fn u63(&mut self, value: u64) {
+        self.i64(i64::try_from(value).unwrap_or(i64::MAX));
+    }
+
+    /// The Int32 length that precedes a list of `n` items.
+    pub(crate) fn count(&mut self, what: &'static str, n: usize) -> Result<(), StoreError> {
+        let n = i32::try_from(n).map_err(|_| StoreError::BufferTooLarge {
+            what,
+            len: n,
+            max: i32::MAX as usize,
+        })?;
+        self.i32(n);
+        Ok(())
+    }
+
     pub(crate) fn buffer(&mut self, what: &'static str, data: &[u8]) -> Result<(), StoreError> {
         let len = i32::try_from(data.len()).map_err(|_| StoreError::BufferTooLarge {
             what,

@@ -154,7 +154,7 @@ fn encode_entry(w: &mut Writer, entry: &Entry<'_>) -> Result<(), StoreError> {
 
 fn encode_topics(w: &mut Writer, machine: &StateMachine) -> Result<(), StoreError> {
     let topics: Vec<_> = machine.notify.iter().collect();
-    w.i32(count(topics.len())?);
+    w.count("snapshot topic list", topics.len())?;
     for topic in topics {
         let (def, next_seq, next_reservation_id, reservations, entries) =
             Notifications::topic_parts(topic);
@@ -163,16 +163,16 @@ fn encode_topics(w: &mut Writer, machine: &StateMachine) -> Result<(), StoreErro
         w.buffer("key pattern", &def.keys)?;
         w.u8(def.events);
         w.i32(i32::try_from(def.max_queue).unwrap_or(i32::MAX));
-        w.i64(to_i64(next_seq));
-        w.i64(to_i64(next_reservation_id));
-        w.i32(count(reservations.len())?);
+        w.u63(next_seq);
+        w.u63(next_reservation_id);
+        w.count("snapshot reservation list", reservations.len())?;
         for (&id, &deadline) in reservations {
-            w.i64(to_i64(id));
-            w.i64(to_i64(deadline));
+            w.u63(id);
+            w.u63(deadline);
         }
-        w.i32(count(entries.len())?);
+        w.count("snapshot queue entry list", entries.len())?;
         for entry in entries {
-            w.i64(to_i64(entry.seq));
+            w.u63(entry.seq);
             w.buffer("key", &entry.key)?;
             w.u8(entry.event.bit());
             w.hlc(&entry.version)?;
@@ -231,18 +231,6 @@ fn decode_topics(r: &mut Reader<'_>, notify: &mut Notifications) -> Result<(), S
             .map_err(|reason| r.invalid("topic queue", reason))?;
     }
     Ok(())
-}
-
-fn count(n: usize) -> Result<i32, StoreError> {
-    i32::try_from(n).map_err(|_| StoreError::BufferTooLarge {
-        what: "snapshot topic list",
-        len: n,
-        max: i32::MAX as usize,
-    })
-}
-
-fn to_i64(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 impl StateMachine {

@@ -81,19 +81,19 @@ impl QueueDelta {
             }
             QueueDelta::Reserve(list) => {
                 w.u8(RESERVE_MARKER);
-                w.i32(count(list.len())?);
+                w.count("queue delta list", list.len())?;
                 for (name, id, deadline) in list {
                     w.buffer("topic name", name.as_bytes())?;
-                    w.i64(to_i64(*id));
-                    w.i64(to_i64(*deadline));
+                    w.u63(*id);
+                    w.u63(*deadline);
                 }
             }
             QueueDelta::Abort(list) => {
                 w.u8(ABORT_MARKER);
-                w.i32(count(list.len())?);
+                w.count("queue delta list", list.len())?;
                 for (name, id) in list {
                     w.buffer("topic name", name.as_bytes())?;
-                    w.i64(to_i64(*id));
+                    w.u63(*id);
                 }
             }
             QueueDelta::Commit {
@@ -104,16 +104,16 @@ impl QueueDelta {
                 w.u8(COMMIT_MARKER);
                 w.u8(event.bit());
                 w.buffer("key change", &change.encode()?)?;
-                w.i32(count(commits.len())?);
+                w.count("queue delta list", commits.len())?;
                 for (name, id) in commits {
                     w.buffer("topic name", name.as_bytes())?;
-                    w.i64(to_i64(*id));
+                    w.u63(*id);
                 }
             }
             QueueDelta::Remove { topic, up_to_seq } => {
                 w.u8(REMOVE_MARKER);
                 w.buffer("topic name", topic.as_bytes())?;
-                w.i64(to_i64(*up_to_seq));
+                w.u63(*up_to_seq);
             }
         }
         Ok(w.buf)
@@ -183,18 +183,6 @@ impl QueueDelta {
         r.finish()?;
         Ok(delta)
     }
-}
-
-fn count(n: usize) -> Result<i32, StoreError> {
-    i32::try_from(n).map_err(|_| StoreError::BufferTooLarge {
-        what: "queue delta list",
-        len: n,
-        max: i32::MAX as usize,
-    })
-}
-
-fn to_i64(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 pub(crate) fn text(r: &mut Reader<'_>, what: &'static str) -> Result<String, StoreError> {
