@@ -305,18 +305,23 @@ topic readwrite shared/#
 topic deny shared/secret/#
 ";
 
-#[tokio::test]
-async fn acl_allows_and_denies_topics_with_substitution() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = password_file(dir.path());
-    let acl = dir.path().join("acl");
-    std::fs::write(&acl, TOPIC_ACL).unwrap();
-    let server = common::Server::start_with(&[
+/// A server with the test password file and `acl` as its ACL file, both written under `dir`.
+fn start_with_passwords_and_acl(dir: &std::path::Path, acl: &str) -> common::Server {
+    let file = password_file(dir);
+    let acl_path = dir.join("acl");
+    std::fs::write(&acl_path, acl).unwrap();
+    common::Server::start_with(&[
         "--password-file",
         file.to_str().unwrap(),
         "--acl-file",
-        acl.to_str().unwrap(),
-    ]);
+        acl_path.to_str().unwrap(),
+    ])
+}
+
+#[tokio::test]
+async fn acl_allows_and_denies_topics_with_substitution() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_with_passwords_and_acl(dir.path(), TOPIC_ACL);
     let port = server.port();
     let logged_in = |id: &str, user: &str, pw: &str| {
         let mut o = options(port, id);
@@ -629,15 +634,7 @@ async fn next_publish(e: &mut EventLoop) -> (String, Bytes) {
 #[tokio::test]
 async fn the_state_store_replies_only_where_the_requester_may_publish() {
     let dir = tempfile::tempdir().unwrap();
-    let file = password_file(dir.path());
-    let acl = dir.path().join("acl");
-    std::fs::write(&acl, REPLY_ACL).unwrap();
-    let server = common::Server::start_with(&[
-        "--password-file",
-        file.to_str().unwrap(),
-        "--acl-file",
-        acl.to_str().unwrap(),
-    ]);
+    let server = start_with_passwords_and_acl(dir.path(), REPLY_ACL);
     let port = server.port();
     let logged_in = |id: &str, user: &str, pw: &str| {
         let mut o = options(port, id);
