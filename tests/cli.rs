@@ -185,10 +185,12 @@ fn scan_lists_matching_keys() {
     assert_eq!(listed, ["app/a", "app/b"]);
 }
 
-#[test]
-fn watch_prints_each_change() {
-    let server = Server::start();
-    let mut watcher = mqstate(&server, &["watch", "watched", "--count", "2"])
+/// `mqstate watch KEY --count 2`, started and registered (its first stderr line read).
+fn watch_two_changes(
+    server: &Server,
+    key: &str,
+) -> (std::process::Child, BufReader<std::process::ChildStderr>) {
+    let mut watcher = mqstate(server, &["watch", key, "--count", "2"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -197,6 +199,13 @@ fn watch_prints_each_change() {
     let mut line = String::new();
     stderr.read_line(&mut line).unwrap();
     assert!(line.contains("watching 1 key"), "{line}");
+    (watcher, stderr)
+}
+
+#[test]
+fn watch_prints_each_change() {
+    let server = Server::start();
+    let (watcher, _stderr) = watch_two_changes(&server, "watched");
 
     assert_eq!(code(&run(&server, &["set", "watched", "v\t1"])), 0);
     assert_eq!(code(&run(&server, &["del", "watched"])), 0);
@@ -479,15 +488,8 @@ fn lock_reports_signals_like_a_shell_and_releases_when_the_command_cannot_start(
 #[test]
 fn watch_reconnects_when_the_broker_restarts() {
     let mut server = Server::start();
-    let mut watcher = mqstate(&server, &["watch", "w", "--count", "2"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(watcher.stderr.take().unwrap());
+    let (watcher, mut err) = watch_two_changes(&server, "w");
     let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    assert!(line.contains("watching 1 key"), "{line}");
     assert_eq!(code(&run(&server, &["set", "w", "before"])), 0);
 
     server.stop();
