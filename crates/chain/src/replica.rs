@@ -352,9 +352,12 @@ impl Replica {
             return;
         }
         self.drive_repair();
+        // Rows still in the repair queue wait for their turn (or for a read to flush them).
+        let queued: BTreeSet<&Key> = self.repair.iter().collect();
         let stale: Vec<Key> = self
             .locked
             .iter()
+            .filter(|key| !queued.contains(key))
             .filter(|key| {
                 self.last_sent
                     .get(*key)
