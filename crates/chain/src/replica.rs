@@ -128,6 +128,25 @@ pub struct Replica {
     stats: Stats,
 }
 
+impl std::fmt::Debug for Replica {
+    /// A summary: what is started and not finished.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica")
+            .field("id", &self.id)
+            .field("view", &self.view)
+            .field("acting", &self.acting)
+            .field("joining", &self.joining)
+            .field("rows", &self.rows.len())
+            .field("locked", &self.locked)
+            .field("inflight", &self.inflight)
+            .field("waiting", &self.waiting.keys().collect::<Vec<_>>())
+            .field("repair", &self.repair)
+            .field("unsynced", &self.unsynced)
+            .field("copies", &self.copies)
+            .finish()
+    }
+}
+
 impl Replica {
     /// A replica with no data (a node that never held this partition).
     pub fn new(id: NodeId, config: Config) -> Replica {

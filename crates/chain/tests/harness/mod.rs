@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod wgl;
+
 use std::collections::BTreeMap;
 
 use mqstate_chain::{
