@@ -323,9 +323,7 @@ impl Replica {
                     value,
                     version,
                 } if Some(from) == pred => self.on_prepare(key, value, version),
-                Item::Commit { key, version } if Some(from) == succ => {
-                    self.on_commit(key, version)
-                }
+                Item::Commit { key, version } if Some(from) == succ => self.on_commit(key, version),
                 Item::Copy { seq, rows, end: _ } if Some(from) == head && self.joining => {
                     self.on_copy(seq, rows)
                 }
@@ -452,7 +450,9 @@ impl Replica {
     }
 
     fn busy(&self, key: &[u8]) -> bool {
-        self.inflight.contains_key(key) || self.locked.contains(key) || self.unsynced.contains_key(key)
+        self.inflight.contains_key(key)
+            || self.locked.contains(key)
+            || self.unsynced.contains_key(key)
     }
 
     // ---- the protocol -------------------------------------------------------------------------
@@ -725,7 +725,10 @@ impl Replica {
             key: key.clone(),
             row: row.clone(),
         });
-        let entry = self.unsynced.entry(key.clone()).or_insert((self.batch, false));
+        let entry = self
+            .unsynced
+            .entry(key.clone())
+            .or_insert((self.batch, false));
         entry.0 = self.batch;
         entry.1 |= advance;
         self.rows.insert(key, row);

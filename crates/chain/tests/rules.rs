@@ -47,7 +47,10 @@ fn a_write_goes_head_to_tail_and_back_before_it_is_answered() {
     assert!(c.net.is_empty());
     c.sync(3, None);
     c.deliver_all(1);
-    assert!(c.answer(10).is_none(), "not before phase 2 reached the head");
+    assert!(
+        c.answer(10).is_none(),
+        "not before phase 2 reached the head"
+    );
     assert!(!c.replica(2).row(b"k").unwrap().locked);
     c.deliver_all(10);
     assert_eq!(written(&mut c, 10), version(5));
@@ -151,8 +154,14 @@ fn a_read_of_a_locked_row_flushes_the_interrupted_write_first() {
     c.pause();
     c.publish(&view(2, &[1, 2], &[1, 2]));
     c.settle(3);
-    assert!(c.replica(1).row(b"k").unwrap().locked, "interrupted at the head");
-    assert!(c.replica(2).row(b"k").unwrap().locked, "and at the new tail");
+    assert!(
+        c.replica(1).row(b"k").unwrap().locked,
+        "interrupted at the head"
+    );
+    assert!(
+        c.replica(2).row(b"k").unwrap().locked,
+        "and at the new tail"
+    );
     assert!(c.answer(2).is_none());
     c.with(1, |r| r.read(3, b"k".to_vec()));
     assert!(c.answer(3).is_none(), "the read waits for the flush");
@@ -187,7 +196,15 @@ fn a_write_interrupted_by_a_mid_chain_crash_is_repaired_forward() {
     // The middle comes back with its locked row on disk: it re-enters at the tail, drops what it
     // held and is copied.
     c.restart(2);
-    assert!(c.nodes[&2].replica.as_ref().unwrap().row(b"k").unwrap().locked);
+    assert!(
+        c.nodes[&2]
+            .replica
+            .as_ref()
+            .unwrap()
+            .row(b"k")
+            .unwrap()
+            .locked
+    );
     c.pause();
     c.publish(&view(3, &[1, 3, 2], &[1, 3]));
     c.settle(20);
@@ -220,22 +237,29 @@ fn a_replica_joins_at_the_tail_and_catches_up_while_writes_continue() {
     c.settle(20);
     // Node 3 comes with a stale row the head no longer has as a value.
     c.crash(3);
-    c.nodes.get_mut(&3).unwrap().disk.durable.push(mqstate_chain::Record::Row {
-        key: b"stale".to_vec(),
-        row: mqstate_chain::Row {
-            value: Some(b"old".to_vec()),
-            version: version(1),
-            view: 0,
-            locked: true,
-        },
-    });
+    c.nodes
+        .get_mut(&3)
+        .unwrap()
+        .disk
+        .durable
+        .push(mqstate_chain::Record::Row {
+            key: b"stale".to_vec(),
+            row: mqstate_chain::Row {
+                value: Some(b"old".to_vec()),
+                version: version(1),
+                view: 0,
+                locked: true,
+            },
+        });
     c.restart(3);
     c.pause();
     c.publish(&view(2, &[1, 2, 3], &[1, 2]));
     assert!(c.replica(3).joining());
     // Writes during the copy, some to keys not yet copied.
     for i in 0..10u64 {
-        c.with(1, |r| r.write(200 + i, put(&format!("k{:02}", 39 - i), "b", 100 + i)));
+        c.with(1, |r| {
+            r.write(200 + i, put(&format!("k{:02}", 39 - i), "b", 100 + i))
+        });
         c.deliver_all(3);
         c.sync_all();
         c.with(1, |r| r.tick());
@@ -245,8 +269,18 @@ fn a_replica_joins_at_the_tail_and_catches_up_while_writes_continue() {
     for i in 0..10u64 {
         written(&mut c, 200 + i);
     }
-    let head: Vec<_> = c.replica(1).rows().iter().map(|(k, r)| (k.clone(), r.value.clone(), r.version)).collect();
-    let new: Vec<_> = c.replica(3).rows().iter().map(|(k, r)| (k.clone(), r.value.clone(), r.version)).collect();
+    let head: Vec<_> = c
+        .replica(1)
+        .rows()
+        .iter()
+        .map(|(k, r)| (k.clone(), r.value.clone(), r.version))
+        .collect();
+    let new: Vec<_> = c
+        .replica(3)
+        .rows()
+        .iter()
+        .map(|(k, r)| (k.clone(), r.value.clone(), r.version))
+        .collect();
     assert_eq!(head, new, "the new tail holds exactly the head's rows");
     assert!(c.replica(3).row(b"stale").is_none());
     assert_eq!(c.replica(3).row(b"gone").unwrap().value, None);
@@ -313,5 +347,9 @@ fn a_failed_head_is_replaced_by_its_successor_which_keeps_every_acknowledged_wri
     c.publish(&view(2, &[2, 3], &[2, 3]));
     c.with(2, |r| r.read(3, b"a".to_vec()));
     c.settle(10);
-    assert_eq!(value(&mut c, 3), Some(b"2".to_vec()), "the committed value, never an older one");
+    assert_eq!(
+        value(&mut c, 3),
+        Some(b"2".to_vec()),
+        "the committed value, never an older one"
+    );
 }

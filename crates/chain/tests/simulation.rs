@@ -29,6 +29,9 @@ const CLIENTS: usize = 4;
 /// unknown).
 const TIMEOUT: u64 = 1500;
 
+/// A row as compared across replicas: key, value, version, lock bit.
+type RowView = (Vec<u8>, Option<Vec<u8>>, Version, bool);
+
 #[derive(Debug, Clone)]
 enum OpKind {
     Write(Option<u64>),
@@ -207,7 +210,11 @@ impl Sim {
     }
 
     fn one_step(&mut self) {
-        if self.ctl.pending_until.is_some_and(|until| self.step >= until) {
+        if self
+            .ctl
+            .pending_until
+            .is_some_and(|until| self.step >= until)
+        {
             self.publish();
         }
         if let Some((n, at)) = self.down {
@@ -427,6 +434,17 @@ impl Sim {
             };
             match answer {
                 Answer::Written { version } => {
+                    // The promise: every replica of the write view has fsynced it.
+                    let key = format!("key{}", self.ops[op].key).into_bytes();
+                    for &n in &self.ctl.view.chain {
+                        let on_disk = self.c.nodes[&n].disk.durable_versions.get(&key);
+                        assert!(
+                            on_disk >= Some(&version),
+                            "seed {}: write {version:?} acknowledged while node {n} of {:?} has {on_disk:?} on disk",
+                            self.seed,
+                            self.ctl.view
+                        );
+                    }
                     client.clock = client.clock.max(version.wall_ms);
                     client.op = None;
                     self.ops[op].returned = Some(self.step);
@@ -449,7 +467,9 @@ impl Sim {
                 Answer::StaleVersion { current } => {
                     client.clock = client.clock.max(current.wall_ms);
                 }
-                Answer::ConditionFailed { .. } => panic!("seed {}: no conditions are used", self.seed),
+                Answer::ConditionFailed { .. } => {
+                    panic!("seed {}: no conditions are used", self.seed)
+                }
             }
         }
     }
@@ -525,7 +545,10 @@ impl Sim {
             self.c.settle(10);
             self.step += 1;
             let Some(Answer::Value { value, version }) = self.c.answer(request) else {
-                panic!("seed {}: the final read of key{key} was not answered", self.seed);
+                panic!(
+                    "seed {}: the final read of key{key} was not answered",
+                    self.seed
+                );
             };
             let value =
                 value.map(|b| u64::from_be_bytes(b.as_slice().try_into().expect("8 bytes")));
@@ -545,7 +568,7 @@ impl Sim {
         let seed = self.seed;
         // Every replica of the chain holds exactly the head's rows, none locked.
         let head = self.ctl.view.chain[0];
-        let rows = |id: NodeId| -> Vec<(Vec<u8>, Option<Vec<u8>>, Version, bool)> {
+        let rows = |id: NodeId| -> Vec<RowView> {
             self.c
                 .replica(id)
                 .rows()
@@ -556,7 +579,11 @@ impl Sim {
         let head_rows = rows(head);
         assert!(head_rows.iter().all(|r| !r.3), "seed {seed}: a lock left");
         for &id in &self.ctl.view.chain {
-            assert_eq!(rows(id), head_rows, "seed {seed}: node {id} differs from the head");
+            assert_eq!(
+                rows(id),
+                head_rows,
+                "seed {seed}: node {id} differs from the head"
+            );
         }
 
         for key in 0..KEYS {

@@ -43,6 +43,8 @@ impl Rng {
 #[derive(Default)]
 pub struct Disk {
     pub durable: Vec<Record>,
+    /// The durable records folded: each key's version on disk.
+    pub durable_versions: BTreeMap<Key, Version>,
     /// Appended, not yet fsynced: (batch index, records).
     pub pending: Vec<(u64, Vec<Record>)>,
 }
@@ -204,6 +206,15 @@ impl Cluster {
         let mut keep = Vec::new();
         for (index, records) in std::mem::take(&mut node.disk.pending) {
             if upto.is_none_or(|u| index <= u) && keep.is_empty() {
+                for record in &records {
+                    match record {
+                        Record::Row { key, row } => {
+                            node.disk.durable_versions.insert(key.clone(), row.version);
+                        }
+                        Record::Clear => node.disk.durable_versions.clear(),
+                        _ => {}
+                    }
+                }
                 node.disk.durable.extend(records);
                 last = Some(index);
             } else {

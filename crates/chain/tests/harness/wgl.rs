@@ -83,7 +83,10 @@ mod tests {
     #[test]
     fn the_checker_accepts_and_refuses() {
         // Write 1, then a read of 1: fine; a read of the initial value after the write returned: not.
-        let good = [op(Kind::Write(Some(1)), 0, 2), op(Kind::Read(Some(1)), 3, 4)];
+        let good = [
+            op(Kind::Write(Some(1)), 0, 2),
+            op(Kind::Read(Some(1)), 3, 4),
+        ];
         assert!(check(&good, None, 1000).is_ok());
         let bad = [op(Kind::Write(Some(1)), 0, 2), op(Kind::Read(None), 3, 4)];
         assert!(check(&bad, None, 1000).is_err());
