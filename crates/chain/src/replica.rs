@@ -101,7 +101,7 @@ pub struct Replica {
     rows: BTreeMap<Key, Row>,
     /// The keys of `rows` whose lock bit is set.
     locked: BTreeSet<Key>,
-    joining: bool,
+    joining_since: Option<u64>,
     caught_up_view: Option<u64>,
 
     /// The batch being collected (`records`), numbered from 1.
@@ -135,7 +135,7 @@ impl std::fmt::Debug for Replica {
             .field("id", &self.id)
             .field("view", &self.view)
             .field("acting", &self.acting)
-            .field("joining", &self.joining)
+            .field("joining_since", &self.joining_since)
             .field("rows", &self.rows.len())
             .field("locked", &self.locked)
             .field("inflight", &self.inflight)
@@ -168,7 +168,7 @@ impl Replica {
             acting: false,
             rows: restored.rows,
             locked,
-            joining: restored.joining,
+            joining_since: restored.joining_since,
             caught_up_view: restored.caught_up_view,
             batch: 1,
             durable: 0,
@@ -210,7 +210,7 @@ impl Replica {
 
     /// Catching up (re-entered at the tail, not yet in the read view).
     pub fn joining(&self) -> bool {
-        self.joining
+        self.joining_since.is_some()
     }
 
     pub fn stats(&self) -> Stats {
@@ -324,11 +324,11 @@ impl Replica {
                     version,
                 } if Some(from) == pred => self.on_prepare(key, value, version),
                 Item::Commit { key, version } if Some(from) == succ => self.on_commit(key, version),
-                Item::Copy { seq, rows, end: _ } if Some(from) == head && self.joining => {
+                Item::Copy { seq, rows, end: _ } if Some(from) == head && self.joining() => {
                     self.on_copy(seq, rows)
                 }
                 Item::CopyAck { seq } if is_head => self.on_copy_ack(from, seq),
-                Item::CopyDone if Some(from) == head && self.joining => self.on_copy_done(),
+                Item::CopyDone if Some(from) == head && self.joining() => self.on_copy_done(),
                 Item::CopyDoneAck if is_head => {
                     if let Some(copy) = self.copies.get_mut(&from) {
                         copy.finished = true;
@@ -473,20 +473,21 @@ impl Replica {
         self.after_durable.retain(|a| a.view == view_id);
 
         if readable {
-            if self.joining {
+            if self.joining_since.is_some() {
                 self.records.push(Record::Readable);
-                self.joining = false;
+                self.joining_since = None;
                 self.caught_up_view = None;
             }
-        } else if !self.joining {
+        } else if self.joining_since != Some(view_id) {
             // Re-entering at the tail: what this replica held may be stale or never committed.
-            // Start empty; the head's copy and the chain's writes fill it.
-            self.records.push(Record::Clear);
+            // Start empty; the head's copy (which starts over with every view) and the chain's
+            // writes fill it. Under the same view (a restart mid-copy) the copy goes on instead.
+            self.records.push(Record::Clear { view: view_id });
             self.rows.clear();
             self.locked.clear();
             self.unsynced.clear();
             self.last_sent.clear();
-            self.joining = true;
+            self.joining_since = Some(view_id);
             self.caught_up_view = None;
         }
 

@@ -75,9 +75,9 @@ impl View {
 pub enum Record {
     /// The row's new state (replaces the previous one).
     Row { key: Key, row: Row },
-    /// This replica re-enters a chain at its tail: every row before this record is void (it may be
-    /// stale, or a write that was never committed); a recovery copy from the head follows.
-    Clear,
+    /// This replica re-enters the chain of `view` at its tail: every row before this record is void
+    /// (it may be stale, or a write that was never committed); a recovery copy from the head follows.
+    Clear { view: u64 },
     /// The recovery copy under `view` is complete: this replica holds every committed row.
     CaughtUp { view: u64 },
     /// This replica is in the read view again; a later re-entry starts over with [`Record::Clear`].
@@ -88,8 +88,10 @@ pub enum Record {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Restored {
     pub rows: BTreeMap<Key, Row>,
-    /// A recovery copy began ([`Record::Clear`]) and the replica has not been readable since.
-    pub joining: bool,
+    /// The view whose recovery copy began ([`Record::Clear`]), while not readable since. A
+    /// restart under the same view keeps the rows copied so far (the head's copy goes on from where
+    /// it was); any other view starts over.
+    pub joining_since: Option<u64>,
     /// The view whose recovery copy completed, while still joining.
     pub caught_up_view: Option<u64>,
 }
@@ -101,14 +103,14 @@ impl Restored {
             Record::Row { key, row } => {
                 self.rows.insert(key, row);
             }
-            Record::Clear => {
+            Record::Clear { view } => {
                 self.rows.clear();
-                self.joining = true;
+                self.joining_since = Some(view);
                 self.caught_up_view = None;
             }
             Record::CaughtUp { view } => self.caught_up_view = Some(view),
             Record::Readable => {
-                self.joining = false;
+                self.joining_since = None;
                 self.caught_up_view = None;
             }
         }

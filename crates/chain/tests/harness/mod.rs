@@ -138,7 +138,7 @@ impl Cluster {
                                 );
                                 *last = row.version;
                             }
-                            Record::Clear => node.versions.clear(),
+                            Record::Clear { .. } => node.versions.clear(),
                             _ => {}
                         }
                     }
@@ -211,7 +211,7 @@ impl Cluster {
                         Record::Row { key, row } => {
                             node.disk.durable_versions.insert(key.clone(), row.version);
                         }
-                        Record::Clear => node.disk.durable_versions.clear(),
+                        Record::Clear { .. } => node.disk.durable_versions.clear(),
                         _ => {}
                     }
                 }
