@@ -112,6 +112,7 @@ struct Totals {
     reads: u64,
     unknown_writes: u64,
     crashes: u64,
+    isolations: u64,
     quick_restarts: u64,
     view_changes: u64,
     delivered: u64,
@@ -138,6 +139,9 @@ struct Sim {
     /// How many replicas may be down at once: 1, or on odd seeds 2 (a chain of three tolerates two
     /// failures as long as one replica of the read view survives).
     max_down: usize,
+    /// Nodes cut off from the other replicas (clients still reach them), and when the control plane
+    /// removes them: an old head that is alive but no longer acts, and re-enters at the tail.
+    isolated: Vec<(NodeId, u64)>,
     stopping: bool,
     drop_weight: usize,
     totals: Totals,
@@ -186,6 +190,7 @@ impl Sim {
             step: 0,
             down: Vec::new(),
             max_down: 1 + (seed % 2) as usize,
+            isolated: Vec::new(),
             stopping: false,
             drop_weight,
             totals: Totals::default(),
@@ -221,7 +226,7 @@ impl Sim {
         {
             self.publish();
         }
-        for (n, at) in self.down.clone() {
+        for (n, at) in self.down.clone().into_iter().chain(self.isolated.clone()) {
             if self.step >= at && self.ctl.up.contains(&n) {
                 self.ctl.up.remove(&n);
                 self.ctl.caught_up.remove(&n);
@@ -233,7 +238,16 @@ impl Sim {
             0..45 => {
                 if !self.c.net.is_empty() {
                     let i = self.rng.below(self.c.net.len());
-                    self.c.deliver(i);
+                    let (to, message) = &self.c.net[i];
+                    let cut = self
+                        .isolated
+                        .iter()
+                        .any(|&(n, _)| n == *to || n == message.from);
+                    if cut {
+                        self.c.drop_message(i);
+                    } else {
+                        self.c.deliver(i);
+                    }
                 }
             }
             45..60 => {
@@ -284,7 +298,12 @@ impl Sim {
             self.restart(n);
             return;
         }
-        if self.down.len() >= self.max_down
+        if !self.isolated.is_empty() && self.rng.chance(1, 5) {
+            let (n, _) = self.isolated.remove(self.rng.below(self.isolated.len()));
+            self.heal(n);
+            return;
+        }
+        if self.down.len() + self.isolated.len() >= self.max_down
             || self.stopping
             || self.ctl.pending_until.is_some()
             || !self.rng.chance(1, 25)
@@ -297,13 +316,19 @@ impl Sim {
             .view
             .read_view
             .iter()
-            .any(|&m| m != n && self.c.alive(m));
-        if !self.c.alive(n) || !survivor {
+            .any(|&m| m != n && self.c.alive(m) && self.isolated.iter().all(|&(i, _)| i != m));
+        let isolated = self.isolated.iter().any(|&(i, _)| i == n);
+        if !self.c.alive(n) || isolated || !survivor {
+            return;
+        }
+        let removal = self.step + 20 + self.rng.below(300) as u64;
+        if self.rng.chance(1, 3) {
+            self.totals.isolations += 1;
+            self.isolated.push((n, removal));
             return;
         }
         self.c.crash(n);
         self.totals.crashes += 1;
-        let removal = self.step + 20 + self.rng.below(300) as u64;
         self.down.push((n, removal));
     }
 
@@ -317,6 +342,15 @@ impl Sim {
                 self.c.set_view(n, Some(view));
             }
         } else {
+            self.ctl.up.insert(n);
+            self.request_change();
+        }
+    }
+
+    /// The cut-off node reaches the others again; if it was removed meanwhile, it re-enters at the
+    /// tail.
+    fn heal(&mut self, n: NodeId) {
+        if !self.ctl.up.contains(&n) {
             self.ctl.up.insert(n);
             self.request_change();
         }
@@ -489,6 +523,9 @@ impl Sim {
         self.stopping = true;
         for (n, _) in self.down.clone() {
             self.restart(n);
+        }
+        for (n, _) in std::mem::take(&mut self.isolated) {
+            self.heal(n);
         }
         let mut converged = false;
         for _ in 0..300 {
@@ -680,6 +717,7 @@ fn simulated_chains_keep_every_acknowledged_write_and_stay_linearizable() {
         all.reads += t.reads;
         all.unknown_writes += t.unknown_writes;
         all.crashes += t.crashes;
+        all.isolations += t.isolations;
         all.quick_restarts += t.quick_restarts;
         all.view_changes += t.view_changes;
         all.delivered += t.delivered;
@@ -694,6 +732,7 @@ fn simulated_chains_keep_every_acknowledged_write_and_stay_linearizable() {
     assert!(all.acked_writes > 0 && all.reads > 0);
     if all.seeds >= 50 {
         assert!(all.crashes > 0 && all.quick_restarts > 0 && all.view_changes > 0);
+        assert!(all.isolations > 0);
         assert!(all.joins_caught_up > 0 && all.dropped > 0 && all.repaired > 0);
     }
 }
