@@ -237,6 +237,7 @@ impl Replica {
             self.acting = false;
             return;
         };
+        let view = view.readable_first();
         if let Some(current) = &self.view {
             debug_assert!(view.id >= current.id, "views never go back");
             if view.id < current.id || (self.acting && view.id == current.id) {

@@ -67,6 +67,19 @@ impl View {
     pub fn readable(&self, node: NodeId) -> bool {
         self.read_view.contains(&node)
     }
+
+    /// The chain as replicas use it: the read view's members first, then those catching up, each
+    /// in chain order. The head must hold every committed row, so it is never a replica still
+    /// catching up, whatever order the control plane keeps (its chain keeps survivors in place,
+    /// so a replica catching up in the middle would otherwise become head when the head before it
+    /// fails). Moving a catching-up replica is safe: it starts its copy over in every new view.
+    pub fn readable_first(mut self) -> View {
+        let (mut chain, rest): (Vec<NodeId>, Vec<NodeId>) =
+            self.chain.iter().partition(|n| self.read_view.contains(n));
+        chain.extend(rest);
+        self.chain = chain;
+        self
+    }
 }
 
 /// What a replica asks its driver to append to its log, in order. Replaying a log's durable records

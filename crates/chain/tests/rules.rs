@@ -424,3 +424,30 @@ fn writes_to_different_keys_travel_together_one_batch_and_one_message_per_hop() 
         written(&mut c, i);
     }
 }
+
+/// The control plane keeps survivors in place, so a replica still catching up can end up first in
+/// its chain (`[3, 2, 1]`, read view `[3, 1]`, head 3 fails → `[2, 1]`, read view `[1]`). The head
+/// must hold every committed row: replicas order the chain readable-first, so 1 leads and 2 is
+/// copied again.
+#[test]
+fn a_replica_still_catching_up_never_becomes_head() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    c.publish(&view(1, &[3, 1], &[3, 1]));
+    c.set_view(2, None);
+    c.with(3, |r| r.write(1, put("k", "v", 1)));
+    c.settle(10);
+    written(&mut c, 1);
+    c.pause();
+    c.publish(&view(2, &[3, 2, 1], &[3, 1]));
+    c.crash(3);
+    c.net.clear();
+    c.pause();
+    c.publish(&view(3, &[2, 1], &[1]));
+    c.with(2, |r| r.read(2, b"k".to_vec()));
+    assert_eq!(c.answer(2), Some(Answer::NotHead { head: Some(1) }));
+    c.with(1, |r| r.read(3, b"k".to_vec()));
+    assert_eq!(value(&mut c, 3), Some(b"v".to_vec()));
+    c.settle(20);
+    assert_eq!(c.caught_up, vec![(2, 3)]);
+    assert_eq!(c.replica(2).row(b"k").unwrap().value, Some(b"v".to_vec()));
+}

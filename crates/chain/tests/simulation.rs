@@ -12,7 +12,7 @@
 //! end every replica of the chain holds exactly the head's rows, none locked.
 //!
 //! `MQSTATE_CHAIN_SEEDS` (default 300) and `MQSTATE_CHAIN_STEPS` (default 4000) size the run;
-//! `MQSTATE_CHAIN_SEED=N` runs one seed.
+//! `MQSTATE_CHAIN_SEED=N` runs one seed; `CHAIN_TRACE=1` prints its crashes and view changes.
 
 mod harness;
 
@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use harness::wgl::{self, Kind};
 use harness::{Cluster, Rng};
 use mqstate_chain::{Answer, Config, Expect, NodeId, RequestId, Version, View, Write};
+use mqstate_cluster::control::{Command, ControlState, MapConfig, Outcome};
 
 const NODES: [NodeId; 3] = [1, 2, 3];
 const KEYS: usize = 4;
@@ -103,6 +104,56 @@ impl Controller {
     }
 }
 
+/// Views from `mqstate-cluster`'s control-plane state machine on a simulated clock: every live
+/// node renews its lease every lease/3 (an isolated one cannot), the leader ticks, and a node acts
+/// under the partition's view only while its own lease is valid and no change is pending.
+struct RaftControl {
+    state: ControlState,
+    /// When each node's current lease was granted, as the node knows it (lost at a crash).
+    leases: BTreeMap<NodeId, u64>,
+    /// The view each live node was last given.
+    given: BTreeMap<NodeId, Option<View>>,
+}
+
+const MS_PER_STEP: u64 = 10;
+const LEASE_MS: u64 = 300;
+const CLOCK_FACTOR_MS: u64 = 100;
+
+impl RaftControl {
+    fn new() -> RaftControl {
+        let mut state = ControlState::default();
+        state.set_members(&NODES.iter().map(|&n| (n, format!("n{n}"))).collect());
+        state.apply(&Command::Init {
+            config: MapConfig {
+                partition_count: 1,
+                replication_factor: NODES.len() as u32,
+                lease_ms: LEASE_MS,
+                clock_factor_ms: CLOCK_FACTOR_MS,
+            },
+            now_ms: 0,
+        });
+        RaftControl {
+            state,
+            leases: BTreeMap::new(),
+            given: BTreeMap::new(),
+        }
+    }
+
+    /// The published view of the partition.
+    fn published(&self) -> View {
+        let p = &self.state.partitions[0];
+        View {
+            id: p.view,
+            chain: p.chain.clone(),
+            read_view: p.read_view.clone(),
+        }
+    }
+
+    fn pending(&self) -> bool {
+        self.state.partitions[0].pending.is_some()
+    }
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 struct Totals {
     seeds: u64,
@@ -128,6 +179,8 @@ struct Sim {
     rng: Rng,
     c: Cluster,
     ctl: Controller,
+    /// When set, views come from the real control plane and `ctl.view` mirrors its published view.
+    raft: Option<RaftControl>,
     clients: Vec<Client>,
     ops: Vec<OpRec>,
     requests: BTreeMap<RequestId, usize>,
@@ -148,7 +201,7 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(seed: u64) -> Sim {
+    fn new(seed: u64, real_control_plane: bool) -> Sim {
         let mut rng = Rng::new(seed);
         let config = Config {
             copy_batch: 1 + rng.below(4),
@@ -182,6 +235,7 @@ impl Sim {
                 caught_up: BTreeSet::new(),
                 pending_until: None,
             },
+            raft: real_control_plane.then(RaftControl::new),
             clients,
             ops: Vec::new(),
             requests: BTreeMap::new(),
@@ -219,6 +273,71 @@ impl Sim {
     }
 
     fn one_step(&mut self) {
+        if self.raft.is_some() {
+            self.raft_step();
+        } else {
+            self.mini_step();
+        }
+        self.random_action();
+        self.after_step();
+    }
+
+    fn raft_step(&mut self) {
+        let now = self.step * MS_PER_STEP;
+        let alive = self.c.alive_ids();
+        let isolated: Vec<NodeId> = self.isolated.iter().map(|&(n, _)| n).collect();
+        let Some(raft) = self.raft.as_mut() else {
+            return;
+        };
+        let renew_every = LEASE_MS / 3 / MS_PER_STEP;
+        for &n in &alive {
+            if isolated.contains(&n) || (self.step + n) % renew_every != 0 {
+                continue;
+            }
+            let seen_epoch = raft.state.epoch;
+            let outcome = raft.state.apply(&Command::Renew {
+                node: n,
+                seen_epoch,
+                now_ms: now,
+            });
+            if matches!(outcome, Outcome::Granted { .. }) {
+                raft.leases.insert(n, now);
+            }
+        }
+        if self.step % 5 == 0 {
+            raft.state.apply(&Command::Tick { now_ms: now });
+        }
+        let published = raft.published();
+        if published.id != self.ctl.view.id {
+            self.totals.view_changes += 1;
+            if std::env::var("CHAIN_TRACE").is_ok() {
+                eprintln!(
+                    "step {} view {:?} down {:?} isolated {:?}",
+                    self.step, published, self.down, self.isolated
+                );
+            }
+        }
+        self.ctl.view = published.clone();
+        self.ctl.pending_until = raft.pending().then_some(u64::MAX);
+        let mut changes = Vec::new();
+        for &n in &alive {
+            let lease_valid = raft.leases.get(&n).is_some_and(|&at| now < at + LEASE_MS);
+            let view = raft
+                .state
+                .acting_view(n, 0)
+                .filter(|_| lease_valid)
+                .map(|_| published.clone());
+            if raft.given.get(&n) != Some(&view) {
+                raft.given.insert(n, view.clone());
+                changes.push((n, view));
+            }
+        }
+        for (n, view) in changes {
+            self.c.set_view(n, view);
+        }
+    }
+
+    fn mini_step(&mut self) {
         if self
             .ctl
             .pending_until
@@ -233,6 +352,9 @@ impl Sim {
                 self.request_change();
             }
         }
+    }
+
+    fn random_action(&mut self) {
         let roll = self.rng.below(100 + self.drop_weight);
         match roll {
             0..45 => {
@@ -278,11 +400,21 @@ impl Sim {
                 }
             }
         }
-        self.after_step();
     }
 
     fn after_step(&mut self) {
         for (node, view) in std::mem::take(&mut self.c.caught_up) {
+            if let Some(raft) = self.raft.as_mut() {
+                // The command carries no view: report only while the view is the one caught up in.
+                if view == raft.state.partitions[0].view && !raft.pending() {
+                    raft.state.apply(&Command::CaughtUp {
+                        node,
+                        partitions: vec![0],
+                    });
+                    self.totals.joins_caught_up += 1;
+                }
+                continue;
+            }
             if view == self.ctl.view.id && self.ctl.view.chain.contains(&node) {
                 self.ctl.caught_up.insert(node);
                 self.totals.joins_caught_up += 1;
@@ -328,6 +460,9 @@ impl Sim {
             return;
         }
         self.c.crash(n);
+        if std::env::var("CHAIN_TRACE").is_ok() {
+            eprintln!("step {} crash {n}", self.step);
+        }
         self.totals.crashes += 1;
         self.down.push((n, removal));
     }
@@ -335,6 +470,15 @@ impl Sim {
     fn restart(&mut self, n: NodeId) {
         self.c.restart(n);
         self.down.retain(|&(m, _)| m != n);
+        if let Some(raft) = self.raft.as_mut() {
+            // A new process: no lease until it renews, no view given yet.
+            raft.leases.remove(&n);
+            raft.given.remove(&n);
+            if raft.state.members[&n].up {
+                self.totals.quick_restarts += 1;
+            }
+            return;
+        }
         if self.ctl.up.contains(&n) {
             self.totals.quick_restarts += 1;
             if self.ctl.pending_until.is_none() {
@@ -350,6 +494,9 @@ impl Sim {
     /// The cut-off node reaches the others again; if it was removed meanwhile, it re-enters at the
     /// tail.
     fn heal(&mut self, n: NodeId) {
+        if self.raft.is_some() {
+            return; // it renews again by itself
+        }
         if !self.ctl.up.contains(&n) {
             self.ctl.up.insert(n);
             self.request_change();
@@ -530,7 +677,13 @@ impl Sim {
         let mut converged = false;
         for _ in 0..300 {
             self.step += 1;
-            if self.ctl.pending_until.is_some() {
+            if self.raft.is_some() {
+                for _ in 0..10 {
+                    self.step += 1;
+                    self.raft_step();
+                    self.after_step();
+                }
+            } else if self.ctl.pending_until.is_some() {
                 self.publish();
             }
             self.c.settle(30);
@@ -556,8 +709,16 @@ impl Sim {
                 .iter()
                 .all(|&id| self.c.replica(id).is_quiet());
             let busy_clients = self.clients.iter().any(|c| c.op.is_some());
+            let settled = match &self.raft {
+                Some(raft) => {
+                    !raft.pending()
+                        && raft.state.members.values().all(|m| m.up)
+                        && self.ctl.view.chain.len() == NODES.len()
+                }
+                None => !self.ctl.differs(),
+            };
             if self.ctl.pending_until.is_none()
-                && !self.ctl.differs()
+                && settled
                 && self.ctl.view.read_view == self.ctl.view.chain
                 && quiet
                 && !busy_clients
@@ -702,14 +863,24 @@ fn env(name: &str, default: u64) -> u64 {
 
 #[test]
 fn simulated_chains_keep_every_acknowledged_write_and_stay_linearizable() {
+    simulate(false, 300);
+}
+
+/// The same, with the views, leases and failure detection of `mqstate-cluster`'s control plane.
+#[test]
+fn simulated_chains_under_the_real_control_plane() {
+    simulate(true, 150);
+}
+
+fn simulate(real_control_plane: bool, default_seeds: u64) {
     let steps = env("MQSTATE_CHAIN_STEPS", 4000);
     let seeds: Vec<u64> = match std::env::var("MQSTATE_CHAIN_SEED") {
         Ok(one) => vec![one.parse().expect("a seed number")],
-        Err(_) => (0..env("MQSTATE_CHAIN_SEEDS", 300)).collect(),
+        Err(_) => (0..env("MQSTATE_CHAIN_SEEDS", default_seeds)).collect(),
     };
     let mut all = Totals::default();
     for seed in seeds {
-        let t = Sim::new(seed).run(steps);
+        let t = Sim::new(seed, real_control_plane).run(steps);
         all.seeds += t.seeds;
         all.steps += t.steps;
         all.ops += t.ops;
