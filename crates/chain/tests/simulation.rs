@@ -291,7 +291,7 @@ impl Sim {
         };
         let renew_every = LEASE_MS / 3 / MS_PER_STEP;
         for &n in &alive {
-            if isolated.contains(&n) || (self.step + n) % renew_every != 0 {
+            if isolated.contains(&n) || !(self.step + n).is_multiple_of(renew_every) {
                 continue;
             }
             let seen_epoch = raft.state.epoch;
@@ -304,7 +304,7 @@ impl Sim {
                 raft.leases.insert(n, now);
             }
         }
-        if self.step % 5 == 0 {
+        if self.step.is_multiple_of(5) {
             raft.state.apply(&Command::Tick { now_ms: now });
         }
         let published = raft.published();
