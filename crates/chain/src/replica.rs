@@ -110,6 +110,9 @@ pub struct Replica {
     records: Vec<Record>,
     /// Rows whose latest value is in a batch not yet durable: (batch, advance once durable).
     unsynced: BTreeMap<Key, (u64, bool)>,
+    /// The keys recorded in each batch not yet durable (an entry is stale when `unsynced` has the
+    /// key at a later batch).
+    by_batch: BTreeMap<u64, Vec<Key>>,
     after_durable: Vec<AfterDurable>,
 
     /// Head: requests waiting for their key.
@@ -174,6 +177,7 @@ impl Replica {
             durable: 0,
             records: Vec::new(),
             unsynced: BTreeMap::new(),
+            by_batch: BTreeMap::new(),
             after_durable: Vec::new(),
             waiting: BTreeMap::new(),
             inflight: BTreeMap::new(),
@@ -347,16 +351,14 @@ impl Replica {
             return;
         }
         self.durable = index;
-        let ready: Vec<Key> = self
-            .unsynced
-            .iter()
-            .filter(|(_, &(batch, _))| batch <= index)
-            .map(|(key, _)| key.clone())
-            .collect();
-        for key in ready {
-            if let Some((_, advance)) = self.unsynced.remove(&key) {
-                if advance {
-                    self.advance(&key);
+        let later = self.by_batch.split_off(&(index + 1));
+        let ready = std::mem::replace(&mut self.by_batch, later);
+        for (batch, keys) in ready {
+            for key in keys {
+                if self.unsynced.get(&key).is_some_and(|&(b, _)| b == batch) {
+                    if let Some((_, true)) = self.unsynced.remove(&key) {
+                        self.advance(&key);
+                    }
                 }
             }
         }
@@ -487,6 +489,7 @@ impl Replica {
             self.rows.clear();
             self.locked.clear();
             self.unsynced.clear();
+            self.by_batch.clear();
             self.last_sent.clear();
             self.joining_since = Some(view_id);
             self.caught_up_view = None;
@@ -727,12 +730,15 @@ impl Replica {
             key: key.clone(),
             row: row.clone(),
         });
-        let entry = self
-            .unsynced
-            .entry(key.clone())
-            .or_insert((self.batch, false));
-        entry.0 = self.batch;
-        entry.1 |= advance;
+        let batch = self.batch;
+        match self.unsynced.get_mut(&key) {
+            Some(entry) if entry.0 == batch => entry.1 |= advance,
+            _ => {
+                let advance = advance || self.unsynced.get(&key).is_some_and(|e| e.1);
+                self.unsynced.insert(key.clone(), (batch, advance));
+                self.by_batch.entry(batch).or_default().push(key.clone());
+            }
+        }
         self.rows.insert(key, row);
     }
 

@@ -451,3 +451,65 @@ fn a_replica_still_catching_up_never_becomes_head() {
     assert_eq!(c.caught_up, vec![(2, 3)]);
     assert_eq!(c.replica(2).row(b"k").unwrap().value, Some(b"v".to_vec()));
 }
+
+/// Messages are input from the network: any item, from anyone, under any view, never panics a
+/// replica and never moves a row's version backwards (the harness checks every persisted record).
+#[test]
+fn arbitrary_messages_never_panic_or_move_a_version_backwards() {
+    use harness::Rng;
+    use mqstate_chain::CopiedRow;
+    for seed in 0..200 {
+        let mut rng = Rng::new(seed);
+        let mut c = Cluster::new(&[1, 2, 3], Config::default());
+        let v = view(5, &[1, 2, 3], &[1, 2]);
+        c.publish(&v);
+        for step in 0..300u64 {
+            let key = format!("k{}", rng.below(4)).into_bytes();
+            let version = version(rng.below(20) as u64);
+            let item = match rng.below(7) {
+                0 => Item::Prepare {
+                    key,
+                    value: Some(vec![1]),
+                    version,
+                },
+                1 => Item::Commit { key, version },
+                2 => Item::Copy {
+                    seq: rng.below(5) as u64,
+                    rows: vec![CopiedRow {
+                        key,
+                        value: None,
+                        version,
+                    }],
+                    end: rng.chance(1, 2),
+                },
+                3 => Item::CopyAck {
+                    seq: rng.below(5) as u64,
+                },
+                4 => Item::CopyDone,
+                5 => Item::CopyDoneAck,
+                _ => {
+                    c.with(1, |r| r.write(step, put("k0", "w", 100 + step)));
+                    continue;
+                }
+            };
+            let message = Message {
+                view: 4 + rng.below(3) as u64,
+                from: 1 + rng.below(4) as u64,
+                items: vec![item],
+            };
+            let to = 1 + rng.below(3) as u64;
+            c.with(to, |r| r.receive(message));
+            if rng.chance(1, 3) {
+                c.sync_all();
+            }
+            if rng.chance(1, 5) {
+                c.tick_all();
+            }
+            if rng.chance(1, 4) && !c.net.is_empty() {
+                let i = rng.below(c.net.len());
+                c.deliver(i);
+            }
+        }
+        c.settle(20);
+    }
+}
