@@ -249,6 +249,10 @@ impl Replica {
             }
         }
         if view.position(self.id).is_none() {
+            // Out of the chain: whatever waited here goes to the head; nothing else is ours.
+            self.release_requests(Answer::NotHead { head: view.head() });
+            self.copies.clear();
+            self.repair.clear();
             self.acting = false;
             self.view = Some(view);
             return;
@@ -501,15 +505,7 @@ impl Replica {
             } else {
                 Answer::NotHead { head: head_id }
             };
-            for (_, queue) in std::mem::take(&mut self.waiting) {
-                for waiting in queue {
-                    let (Waiting::Read(request) | Waiting::Write(request, _)) = waiting;
-                    self.reply(request, answer.clone());
-                }
-            }
-            // Started writes are completed by the chain or its repair; their outcome is not known
-            // here any more.
-            self.inflight.clear();
+            self.release_requests(answer);
         }
 
         self.copies = if head && readable {
@@ -527,6 +523,19 @@ impl Replica {
         self.last_sent.clear();
         self.drive_repair();
         self.drive_copies();
+    }
+
+    /// This replica no longer serves requests: answer those waiting (they were not executed).
+    /// Started writes are completed by the chain or its repair; their outcome is not known here any
+    /// more, so they get no answer (their driver times them out).
+    fn release_requests(&mut self, answer: Answer) {
+        for (_, queue) in std::mem::take(&mut self.waiting) {
+            for waiting in queue {
+                let (Waiting::Read(request) | Waiting::Write(request, _)) = waiting;
+                self.reply(request, answer.clone());
+            }
+        }
+        self.inflight.clear();
     }
 
     fn drive_repair(&mut self) {

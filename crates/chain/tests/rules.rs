@@ -513,3 +513,19 @@ fn arbitrary_messages_never_panic_or_move_a_version_backwards() {
         c.settle(20);
     }
 }
+
+/// An old head cut off and removed: requests still waiting there are sent to the new head (they
+/// were not executed); the write it had started gets no answer from it (its outcome is the chain's).
+#[test]
+fn a_removed_head_sends_its_waiting_requests_to_the_new_head() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(1, &[1, 2], &[1, 2]));
+    c.with(1, |r| r.write(1, put("k", "a", 1)));
+    c.with(1, |r| r.read(2, b"k".to_vec()));
+    c.with(1, |r| r.write(3, put("k", "b", 2)));
+    c.pause();
+    c.publish(&view(2, &[2], &[2]));
+    assert_eq!(c.answer(2), Some(Answer::NotHead { head: Some(2) }));
+    assert_eq!(c.answer(3), Some(Answer::NotHead { head: Some(2) }));
+    assert_eq!(c.answer(1), None);
+}
