@@ -28,12 +28,9 @@ pub enum Item {
     /// and committed; commit and unlock.
     Commit { key: Key, version: Version },
     /// Recovery, head → a replica catching up: committed rows in key order after the previous
-    /// chunk. `seq` numbers the chunks of one copy; `end` marks the last.
-    Copy {
-        seq: u64,
-        rows: Vec<CopiedRow>,
-        end: bool,
-    },
+    /// chunk (`seq` numbers the chunks of one copy). Applied by version, so a resent or stale
+    /// chunk changes nothing.
+    Copy { seq: u64, rows: Vec<CopiedRow> },
     /// The catching-up replica holds chunk `seq` durably.
     CopyAck { seq: u64 },
     /// Head → catching-up replica: every row the copy skipped (locked at the head) has since been

@@ -333,7 +333,7 @@ impl Replica {
                     version,
                 } if Some(from) == pred => self.on_prepare(key, value, version),
                 Item::Commit { key, version } if Some(from) == succ => self.on_commit(key, version),
-                Item::Copy { seq, rows, end: _ } if Some(from) == head && self.joining() => {
+                Item::Copy { seq, rows } if Some(from) == head && self.joining() => {
                     self.on_copy(seq, rows)
                 }
                 Item::CopyAck { seq } if is_head => self.on_copy_ack(from, seq),
@@ -832,7 +832,7 @@ impl Replica {
                 end,
                 sent_at: now,
             });
-            self.send(target, Item::Copy { seq, rows, end });
+            self.send(target, Item::Copy { seq, rows });
             return;
         }
         let deferred: BTreeSet<Key> = copy

@@ -480,7 +480,6 @@ fn arbitrary_messages_never_panic_or_move_a_version_backwards() {
                         value: None,
                         version,
                     }],
-                    end: rng.chance(1, 2),
                 },
                 3 => Item::CopyAck {
                     seq: rng.below(5) as u64,
@@ -528,4 +527,19 @@ fn a_removed_head_sends_its_waiting_requests_to_the_new_head() {
     assert_eq!(c.answer(2), Some(Answer::NotHead { head: Some(2) }));
     assert_eq!(c.answer(3), Some(Answer::NotHead { head: Some(2) }));
     assert_eq!(c.answer(1), None);
+}
+
+/// A request whose message expired is forgotten while it waits; the write before it completes.
+#[test]
+fn a_cancelled_request_is_forgotten() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(1, &[1, 2], &[1, 2]));
+    c.with(1, |r| r.write(1, put("k", "a", 1)));
+    c.with(1, |r| r.read(2, b"k".to_vec()));
+    c.with(1, |r| r.read(3, b"k".to_vec()));
+    c.with(1, |r| r.cancel(2));
+    c.settle(10);
+    written(&mut c, 1);
+    assert_eq!(c.answer(2), None);
+    assert_eq!(value(&mut c, 3), Some(b"a".to_vec()));
 }
