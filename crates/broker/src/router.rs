@@ -228,3 +228,90 @@ impl Router {
             .apply(&message, received_at);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::QoS;
+    use crate::topic::parse_filter;
+    use bytes::Bytes;
+    use mqstate_clock::ManualClock;
+
+    /// Keeps what it is told, in order.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<SessionChange>>);
+
+    impl SessionJournal for Recorder {
+        fn record(&self, changes: Vec<SessionChange>) -> Durable {
+            self.0.lock().unwrap().extend(changes);
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn options(qos: QoS) -> SubscriptionOptions {
+        SubscriptionOptions {
+            qos,
+            no_local: false,
+            retain_as_published: false,
+            retain_handling: 0,
+            subscription_id: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fan_out_reaches_the_journal_in_client_id_order() {
+        let recorder = Arc::new(Recorder::default());
+        let journal: Arc<dyn SessionJournal> = recorder.clone();
+        let clock: SharedClock = Arc::new(ManualClock::starting_at(1_000));
+        let router = Router::new(
+            QueueLimit::messages(10),
+            0,
+            Some(journal.clone()),
+            clock.clone(),
+        );
+        // Created in an order that is neither sorted nor the order of their addresses.
+        for id in ["m", "b", "z", "a", "q"] {
+            let session = Arc::new(SessionHandle::new(
+                id.into(),
+                60,
+                Some(journal.clone()),
+                clock.clone(),
+            ));
+            drop(session.lock()); // hands its Created to the journal
+            let filter = if id == "q" { "$share/g/t/#" } else { "t/+" };
+            router.subscribe(
+                &session,
+                parse_filter(filter).unwrap(),
+                options(QoS::AtLeastOnce),
+            );
+        }
+        recorder.0.lock().unwrap().clear();
+        let routed = router.route(
+            Message {
+                topic: "t/1".into(),
+                payload: Bytes::from_static(b"x"),
+                qos: QoS::AtLeastOnce,
+                retain: false,
+                properties: Default::default(),
+            },
+            None,
+        );
+        assert_eq!(routed.offered, 5);
+        let order: Vec<String> = recorder
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| match c {
+                SessionChange::Appended {
+                    client_id, message, ..
+                } => {
+                    assert_eq!(message.received_at_ms, 1_000, "dated by the router's clock");
+                    client_id.to_string()
+                }
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(order, ["a", "b", "m", "q", "z"]);
+    }
+}

@@ -557,7 +557,8 @@ async fn session_expiry_above_the_maximum_is_clamped_in_connack() {
     assert_eq!(ack.session_expiry_interval_secs, Some(100));
 }
 
-#[tokio::test]
+// Paused time: the broker reads tokio's clock, so the wait past the expiry takes no real time.
+#[tokio::test(start_paused = true)]
 async fn expired_messages_are_not_delivered() {
     let s = Server::default().await;
     let (mut sub, _) = Raw::connect(s.addr, "late", true, 60).await;
