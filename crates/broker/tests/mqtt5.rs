@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use mqstate_broker::{BrokerConfig, ClientEvent};
+use mqstate_broker::{Broker, BrokerConfig, ClientEvent, ClientIds};
 use rmqtt_codec::v5::{self, DisconnectReasonCode, Packet, RetainHandling, SubscriptionOptions};
 
 #[tokio::test]
@@ -21,6 +21,23 @@ async fn empty_client_id_gets_an_assigned_one() {
         ack.receive_max.get(),
         BrokerConfig::default().receive_maximum
     );
+}
+
+#[tokio::test]
+async fn assigned_ids_come_from_the_seeded_source() {
+    let mut ids = Vec::new();
+    for seed in [42, 42, 43] {
+        let broker = Broker::builder(BrokerConfig::default())
+            .client_ids(ClientIds::seeded(seed))
+            .build();
+        let s = Server::serve(broker).await;
+        let (_c, first) = Raw::connect(s.addr, "", true, 0).await;
+        let (_d, second) = Raw::connect(s.addr, "", true, 0).await;
+        ids.push((first.assigned_client_id, second.assigned_client_id));
+    }
+    assert_eq!(ids[0], ids[1], "the same seed assigns the same ids");
+    assert_ne!(ids[0].0, ids[0].1);
+    assert_ne!(ids[0], ids[2]);
 }
 
 #[tokio::test]
