@@ -321,7 +321,8 @@ async fn will_on_abnormal_close_and_0x04_not_on_normal() {
     assert_eq!(&watcher.expect_publish().await.topic[..], "will/asked");
 }
 
-#[tokio::test]
+// Paused time: the will's delay passes on the broker's clock, not on the wall.
+#[tokio::test(start_paused = true)]
 async fn delayed_will_fires_later_or_is_cancelled_by_reconnect() {
     let s = Server::default().await;
     let (mut watcher, _) = Raw::connect(s.addr, "watcher", true, 0).await;
