@@ -178,9 +178,13 @@ impl Router {
         // A client with several matching (non-shared) subscriptions gets the message once, at
         // the highest granted QoS, with every subscription id. Sessions get it in client id order
         // (stable: the trie's walk orders one client's subscriptions), so the order of the
-        // journal records it causes is a function of the subscriptions, not of addresses.
+        // journal records it causes is a function of the subscriptions, not of addresses. (The
+        // address only separates an ended session from its successor while a clean start
+        // replaces it, so that each one's subscriptions stay together to be merged.)
         targets.sort_by(|a, b| {
-            (&*a.session.client_id, a.shared).cmp(&(&*b.session.client_id, b.shared))
+            let at = Arc::as_ptr(&a.session) as usize;
+            let bt = Arc::as_ptr(&b.session) as usize;
+            (&*a.session.client_id, at, a.shared).cmp(&(&*b.session.client_id, bt, b.shared))
         });
         let mut offered = 0;
         let mut iter = targets.into_iter().peekable();
