@@ -553,3 +553,37 @@ async fn a_connected_session_is_not_exported_and_an_existing_one_is_not_replaced
     assert_eq!(publisher.publish_acked("mine/1", b"still", 1).await, 0);
     assert_eq!(&c.expect_publish().await.payload[..], b"still");
 }
+
+// Paused time: the delayed will comes due on the broker's clock.
+#[tokio::test(start_paused = true)]
+async fn a_handed_over_delayed_will_is_published_by_the_node_that_adopted_it() {
+    let a = journalled(&MemoryJournal::new()).await;
+    let b = journalled(&MemoryJournal::new()).await;
+    let mut events = a.broker.events();
+    let mut c = connect_packet("leaver", false, 600);
+    c.last_will = Some(will("will/leaver", b"gone", 1, false, Some(5)));
+    let (leaver, _) = Raw::connect_with(a.addr, c).await;
+    drop(leaver);
+    wait_event(&mut events, |e| {
+        matches!(e, mqstate_broker::ClientEvent::Disconnected { .. })
+    })
+    .await;
+    let stored = a.broker.export_session("leaver").expect("exported");
+    assert!(
+        stored.will.is_some(),
+        "the pending will goes with the session"
+    );
+    let (mut watcher_a, _) = Raw::connect(a.addr, "watcher", true, 0).await;
+    watcher_a.subscribe("will/#", 1).await;
+    let (mut watcher_b, _) = Raw::connect(b.addr, "watcher", true, 0).await;
+    watcher_b.subscribe("will/#", 1).await;
+    b.broker
+        .adopt_session("leaver".into(), stored)
+        .expect("adopted");
+    let will = watcher_b.expect_publish().await;
+    assert_eq!(&will.topic[..], "will/leaver");
+    assert!(
+        watcher_a.ping().await.is_empty(),
+        "the old node's timer found no session and published nothing"
+    );
+}
