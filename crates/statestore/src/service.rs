@@ -1032,6 +1032,7 @@ fn error_execution(kind: ErrorKind) -> Execution {
         reply: Reply::Error(kind),
         ts: None,
         delta: None,
+        undo: None,
         notifications: Vec::new(),
     }
 }

@@ -69,6 +69,10 @@ pub struct Execution {
     pub ts: Option<Hlc>,
     /// The change to make durable (already applied in memory); `None` for reads and no-ops.
     pub delta: Option<Delta>,
+    /// The change that puts the key back as it was before `delta` (the stored entry, expired or
+    /// not, or its absence): what the caller applies if `delta` does not become durable. `Some`
+    /// exactly when `delta` is.
+    pub undo: Option<Delta>,
     /// Notifications caused by the change, in publishing order (before the reply).
     pub notifications: Vec<KeyNotification>,
 }
@@ -79,8 +83,14 @@ impl Execution {
             reply,
             ts: None,
             delta: None,
+            undo: None,
             notifications: Vec::new(),
         }
+    }
+
+    /// An execution with no effect but its reply.
+    pub fn error(kind: ErrorKind) -> Execution {
+        Execution::reply(Reply::Error(kind))
     }
 }
 
@@ -285,12 +295,32 @@ impl StateMachine {
         ts: Option<Hlc>,
     ) -> Execution {
         let notifications = self.notifications(&delta, payload);
+        let undo = self.undo_of(delta.key());
         self.apply_delta(&delta);
         Execution {
             reply,
             ts,
             delta: Some(delta),
+            undo: Some(undo),
             notifications,
+        }
+    }
+
+    /// The delta that puts `key` back as it is now. A key that is absent comes back deleted at the
+    /// clock's high-water mark, which applying it leaves where it is.
+    fn undo_of(&self, key: &Bytes) -> Delta {
+        match self.keyspace.get(key) {
+            Some(entry) => Delta::Put {
+                key: key.clone(),
+                value: Bytes::copy_from_slice(entry.value()),
+                version: entry.version(),
+                fencing_token: entry.fencing_token(),
+                expires_at_ms: entry.expires_at_ms(),
+            },
+            None => Delta::Delete {
+                key: key.clone(),
+                version: self.clock.high_water(),
+            },
         }
     }
 
