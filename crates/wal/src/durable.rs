@@ -34,6 +34,14 @@ use crate::Lsn;
 /// How often a degraded log is asked to recover (disk space may have come back).
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Sleeps until `deadline`; never resolves without one (a timer branch of a `select!` that is off).
+pub async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// One past the last record whose commit settled successfully. Shared between the task that
 /// appends (it keeps undos only for records at or above it) and the tasks that settle commits.
 #[derive(Debug, Clone)]
@@ -73,6 +81,12 @@ impl Commit {
     /// The rollback epoch the record was appended in.
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// Waits for the record without settling it: neither the durable index nor the owner learns
+    /// the result (a crash test that must know the record is on disk before it aborts).
+    pub async fn wait(self) -> Result<Lsn, WalError> {
+        self.pending.await
     }
 }
 
@@ -220,6 +234,11 @@ impl<U> DurableLog<U> {
 
     pub fn wal(&self) -> &Arc<WalWriter> {
         &self.wal
+    }
+
+    /// The writer, for its shutdown.
+    pub fn into_wal(self) -> Arc<WalWriter> {
+        self.wal
     }
 
     /// A handle for the tasks that wait for commits.
