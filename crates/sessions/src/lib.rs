@@ -225,12 +225,12 @@ impl Appender {
                 // retrying right away cannot let a later record in before an earlier failed one.
                 Some(epoch) = self.log.next_failure() => {
                     if self.log.roll_back(epoch, Instant::now()).is_some() {
-                        self.log.recover(Instant::now()).await;
+                        let _ = self.log.recover(Instant::now()).await;
                     }
                     continue;
                 }
                 () = sleep_until(retry_at), if retry_at.is_some() => {
-                    self.log.recover(Instant::now()).await;
+                    let _ = self.log.recover(Instant::now()).await;
                     continue;
                 }
             };

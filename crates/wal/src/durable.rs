@@ -320,39 +320,52 @@ impl<U> DurableLog<U> {
     }
 
     /// Whether the log accepts appends at `now`: while degraded, asks the writer to recover at most
-    /// once per [`RETRY_INTERVAL`].
-    pub async fn accepts_appends(&mut self, now: Instant) -> bool {
+    /// once per [`RETRY_INTERVAL`]. `Some` when it does, with what [`DurableLog::recover`] returns.
+    pub async fn accepts_appends(&mut self, now: Instant) -> Option<Vec<U>> {
         if !self.health.is_degraded() {
-            return true;
+            return Some(Vec::new());
         }
         if !self.health.retry_due(now) {
-            return false;
+            return None;
         }
         self.recover(now).await
     }
 
-    /// Asks the writer to recover now (if it is failed); `true` once it accepts records again.
-    pub async fn recover(&mut self, now: Instant) -> bool {
+    /// Asks the writer to recover now. `None` while it still fails; once it accepts records again,
+    /// the undos of the records it refused while degraded (appended after the rollback, newest
+    /// first), which the owner applies like a rollback's. A new epoch begins: the failures of those
+    /// records, reported later, must not roll back what is appended from here.
+    pub async fn recover(&mut self, now: Instant) -> Option<Vec<U>> {
         match self.wal.retry().await {
             Ok(()) => {
+                // Every record appended before the retry was written or refused ahead of it.
+                let end = self.wal.reader().bounds().end;
+                let keep = self.undo.partition_point(|(lsn, _)| *lsn < end);
+                let refused = self
+                    .undo
+                    .drain(keep..)
+                    .rev()
+                    .map(|(_, undo)| undo)
+                    .collect();
+                self.next_lsn = end;
                 if self.health.degraded.take().is_some() {
+                    self.epoch += 1;
                     tracing::info!(log = self.name, "log recovered; accepting writes again");
                 }
-                // Every record appended before the retry was written or refused ahead of it.
-                self.next_lsn = self.wal.reader().bounds().end;
-                true
+                Some(refused)
             }
             Err(error) => {
                 tracing::warn!(log = self.name, %error, "log still refuses writes");
                 self.health.failed(now);
-                false
+                None
             }
         }
     }
 
-    /// Whether enough was logged since the last snapshot for the next one.
+    /// Whether enough was logged since the last snapshot for the next one (never while degraded:
+    /// the LSNs of refused records come again).
     pub fn snapshot_due(&self) -> bool {
-        self.next_lsn > 0 && self.snapshots.is_due()
+        !self.health.is_degraded() && self.next_lsn > 0 && self.snapshots.is_due()
     }
 
     /// A snapshot starts: bytes are counted towards the next one from here.
@@ -432,8 +445,9 @@ mod tests {
 
         // Degraded: no retry before the interval, whatever the disk does.
         failing.store(false, Ordering::SeqCst);
-        assert!(!log.accepts_appends(now).await);
-        assert!(log.accepts_appends(now + RETRY_INTERVAL).await);
+        assert!(log.accepts_appends(now).await.is_none());
+        let refused = log.accepts_appends(now + RETRY_INTERVAL).await.unwrap();
+        assert!(refused.is_empty(), "nothing was appended while degraded");
         assert!(!log.health().is_degraded());
         let fourth = log.append(record("d")).await.unwrap();
         assert_eq!(
@@ -441,7 +455,7 @@ mod tests {
             1,
             "the LSNs of the refused records come again"
         );
-        assert_eq!(fourth.epoch(), 1);
+        assert_eq!(fourth.epoch(), 2, "a rollback and a recovery");
         assert_eq!(settler.settle(fourth).await.unwrap(), 1);
     }
 
@@ -458,14 +472,57 @@ mod tests {
         assert_eq!(log.health().retry_at(), Some(start + RETRY_INTERVAL));
 
         let later = start + RETRY_INTERVAL;
-        assert!(!log.accepts_appends(later).await, "the disk still fails");
+        assert!(
+            log.accepts_appends(later).await.is_none(),
+            "the disk still fails"
+        );
         assert_eq!(log.health().retry_at(), Some(later + RETRY_INTERVAL));
         failing.store(false, Ordering::SeqCst);
         assert!(
-            log.recover(later).await,
+            log.recover(later).await.is_some(),
             "recover does not wait for the interval"
         );
         assert_eq!(log.next_lsn(), 0);
+    }
+
+    /// What an owner appends while degraded (the state store's expiries) is refused by the failed
+    /// writer; recovery hands back its undo, and the late report of its failure rolls back nothing
+    /// appended after the recovery.
+    #[tokio::test]
+    async fn recovery_undoes_what_the_failed_writer_refused_and_starts_an_epoch() {
+        let dir = tempfile::tempdir().unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        let mut log = open(dir.path(), &failing);
+        let settler = log.settler();
+        let durable = log.append(record("a")).await.unwrap();
+        log.push_undo("undo a");
+        settler.settle(durable).await.unwrap();
+
+        failing.store(true, Ordering::SeqCst);
+        let failed = log.append(record("b")).await.unwrap();
+        log.push_undo("undo b");
+        let failed = settler.settle(failed).await.unwrap_err();
+        let now = Instant::now();
+        assert_eq!(log.roll_back(failed.epoch, now).unwrap(), ["undo b"]);
+        assert!(!log.snapshot_due(), "no snapshot while degraded");
+
+        // Appended while degraded: the writer refuses it (it is still failed).
+        let refused = log.append(record("c")).await.unwrap();
+        log.push_undo("undo c");
+        assert_eq!((refused.lsn(), refused.epoch()), (1, 1));
+        failing.store(false, Ordering::SeqCst);
+        assert_eq!(log.recover(now).await.unwrap(), ["undo c"]);
+        assert_eq!((log.next_lsn(), log.epoch()), (1, 2));
+
+        let after = log.append(record("d")).await.unwrap();
+        log.push_undo("undo d");
+        assert_eq!(after.lsn(), 1);
+        let late = settler.settle(refused).await.unwrap_err();
+        assert!(
+            log.roll_back(late.epoch, now).is_none(),
+            "a failure of an older epoch"
+        );
+        assert_eq!(settler.settle(after).await.unwrap(), 1);
     }
 
     #[tokio::test]

@@ -16,7 +16,27 @@ impl Executor {
     /// While degraded, asks the writer to recover at most once per
     /// [`RETRY_INTERVAL`](mqstate_wal::durable::RETRY_INTERVAL).
     pub(super) async fn log_accepts_writes(&mut self) -> bool {
-        self.log.accepts_appends(Instant::now()).await
+        if !self.log.health().is_degraded() {
+            return true;
+        }
+        let Some(refused) = self.log.accepts_appends(Instant::now()).await else {
+            return false;
+        };
+        // What the failed writer refused meanwhile (stale-reservation aborts, logged without
+        // asking) is undone in memory too. No snapshot started meanwhile: none is due while
+        // degraded.
+        let undone = refused.len();
+        for undo in refused {
+            self.apply_undo(undo);
+        }
+        if undone > 0 {
+            self.report_keyspace_size();
+            tracing::warn!(
+                undone,
+                "changes the log refused while it was failed are undone"
+            );
+        }
+        true
     }
 
     /// Appends a delta; returns the future of its durability.
