@@ -11,9 +11,11 @@
 //!   ahead of the disk. A failed commit hands back, newest first, the undos of every record not
 //!   below the durable index (the writer refuses every record queued behind a failed one), and
 //!   starts a new epoch: failures reported for the old one afterwards change nothing.
-//! * **Degraded mode** ([`LogHealth`]): after a failure the log refuses appends until a retry of
-//!   the writer succeeds, tried at most once per [`RETRY_INTERVAL`]; when to retry (on the next
-//!   write or on a timer) is the owner's choice.
+//! * **Degraded mode** ([`LogHealth`]): after a failure the log does not accept appends
+//!   ([`DurableLog::accepts_appends`]) until a retry of the writer succeeds, tried at most once per
+//!   [`RETRY_INTERVAL`]; when to retry (on the next write or on a timer) is the owner's choice. A
+//!   successful retry hands back the undos of what the failed writer refused meanwhile and starts
+//!   a new epoch.
 //! * **Snapshot schedule** ([`SnapshotSchedule`]): a snapshot is due once enough bytes were logged
 //!   since the last one.
 //!
@@ -201,7 +203,7 @@ pub struct DurableLog<U> {
     failures: mpsc::UnboundedReceiver<u64>,
     /// For each appended record not known durable, in LSN order: what restores the state before it.
     undo: VecDeque<(Lsn, U)>,
-    /// Rollbacks made so far.
+    /// Rollbacks and recoveries made so far.
     epoch: u64,
     health: LogHealth,
     snapshots: SnapshotSchedule,
@@ -251,7 +253,8 @@ impl<U> DurableLog<U> {
         self.next_lsn
     }
 
-    /// Rollbacks made so far: outcomes computed on the owner's state can be tagged with it.
+    /// Rollbacks and recoveries made so far: outcomes computed on the owner's state can be tagged
+    /// with it.
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
