@@ -12,6 +12,7 @@ use std::io::{self, BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use mqstate_sessions as sessions;
 use mqstate_store::notify::QueueDelta;
 use mqstate_store::{Change, Delta, Limits, StateMachine, StoreConfig};
 use mqstate_wal::tools::{self, RecordReport, RepairReport, Report, SegmentReport};
@@ -19,7 +20,6 @@ use mqstate_wal::{read_snapshot, DataDir, Metadata, SegmentEnd, WalError};
 use serde_json::{json, Value};
 
 use crate::serve::SERVICE_NODE_ID;
-use crate::sessions;
 
 /// Bytes of a key or value `inspect` shows before truncating (`--max-bytes` overrides it).
 pub const DEFAULT_SHOW_BYTES: usize = 64;

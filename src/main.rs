@@ -14,7 +14,6 @@ mod data;
 mod manual;
 mod metrics;
 mod serve;
-mod sessions;
 mod settings;
 
 /// jemalloc, not the C library's malloc: with a million keys it holds 208 MB after a load where

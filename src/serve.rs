@@ -4,21 +4,18 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::Context;
 use mqstate_broker::tls::{ClientAuth, IdentitySource, Tls, TlsFiles};
 use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
-use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, Durability, ServiceConfig};
-use mqstate_store::{Change, Limits, StateMachine, StoreConfig};
-use mqstate_wal::{Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter};
+use mqstate_store::{Limits, StoreConfig};
+use mqstate_wal::{Failpoints, FsyncPolicy, WalOptions};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
 use crate::metrics::{self, Exporter};
-use crate::sessions;
 use crate::settings::{
     defaults, Fsync, ListenerKind, ListenerSpec, LogFormat, Persistence, Resolved, Settings,
     TlsClientAuth, TlsIdentity, TlsSettings,
@@ -59,11 +56,21 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
 
     // The node's one clock: the broker, the state store and the session journal read time from it.
     let clock = mqstate_clock::system();
-    let (machine, wal, next_lsn, metadata) = recover(&settings, clock.now_ms())?;
-    let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
+    let store_config = StoreConfig {
+        node_id: SERVICE_NODE_ID.into(),
+        limits: store_limits(&settings),
+    };
+    let (recovered, recovery) = mqstate_statestore::recovery::recover(
+        &settings.data_dir,
+        wal_options(&settings, "statestore"),
+        store_config,
+        clock.now_ms(),
+    )?;
+    metrics::record_recovery(recovery.elapsed);
+    let wal = Arc::clone(&recovered.wal);
 
     let policy = crate::auth::load(&settings)?;
-    let (restored, session_log, appender) = sessions::recover(
+    let (restored, session_log, appender) = mqstate_sessions::recover(
         &settings.data_dir,
         wal_options(&settings, "sessions"),
         settings.snapshot_threshold_bytes,
@@ -166,12 +173,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let store = tokio::spawn(service::run(
         broker.clone(),
         inbox,
-        service::Recovered {
-            machine,
-            wal: Arc::clone(&wal),
-            next_lsn,
-            metadata,
-        },
+        recovered,
         service_config,
         wait_for(shutdown_rx.clone()),
     ));
@@ -323,96 +325,6 @@ async fn reload_tls(
             }
         }
     }
-}
-
-/// Opens the data directory and rebuilds the state machine from the snapshot and the log after it,
-/// with its clock resumed at the ceiling in the metadata file (no timestamp handed out before the
-/// restart is handed out again). Returns the state, the log, the LSN the next record will get and
-/// the metadata. `now_ms` is the wall-clock time the new ceiling is set above.
-fn recover(settings: &Resolved, now_ms: u64) -> anyhow::Result<(StateMachine, Wal, u64, Metadata)> {
-    let started = Instant::now();
-    let (wal, recovered) = Wal::open(&settings.data_dir, wal_options(settings, "statestore"))
-        .with_context(|| {
-            format!(
-                "cannot open the data directory {}",
-                settings.data_dir.display()
-            )
-        })?;
-    let store_config = StoreConfig {
-        node_id: SERVICE_NODE_ID.into(),
-        limits: store_limits(settings),
-    };
-    let (mut machine, mut next_lsn) = match &recovered.snapshot {
-        Some(snapshot) => {
-            let machine = StateMachine::snapshot_decode(&snapshot.state, store_config)
-                .with_context(|| {
-                    format!(
-                        "the snapshot in {} does not decode; run `mqstate data verify {}`",
-                        settings.data_dir.display(),
-                        settings.data_dir.display()
-                    )
-                })?;
-            (machine, snapshot.last_index + 1)
-        }
-        None => (
-            StateMachine::new(store_config).context("invalid state store configuration")?,
-            0,
-        ),
-    };
-    let mut replayed_bytes = 0usize;
-    let mut replayed = 0usize;
-    for entry in recovered.records {
-        let entry = entry.with_context(|| {
-            format!(
-                "cannot read the log in {}; run `mqstate data verify {}`",
-                settings.data_dir.display(),
-                settings.data_dir.display()
-            )
-        })?;
-        let change = Change::decode(&entry.data).with_context(|| {
-            format!(
-                "log record {} in {} does not decode as a state change",
-                entry.lsn,
-                settings.data_dir.display()
-            )
-        })?;
-        machine.apply_change(&change);
-        replayed_bytes += entry.data.len();
-        replayed += 1;
-        next_lsn = entry.lsn + 1;
-    }
-    debug_assert_eq!(next_lsn.max(recovered.replay.start), recovered.replay.end);
-    let elapsed = started.elapsed();
-    metrics::record_recovery(elapsed);
-    tracing::info!(
-        keys = machine.keyspace().len(),
-        records = replayed,
-        replayed_mb_per_s = (replayed_bytes as f64 / 1e6) / elapsed.as_secs_f64().max(1e-9),
-        elapsed_ms = elapsed.as_millis() as u64,
-        "state recovered"
-    );
-    // Resume at the old ceiling (above everything handed out before) and persist a new one above
-    // it before anything is handed out. Failpoints stand for crashes of a serving process, not of
-    // this step: a crash here leaves the old file, and nothing was handed out.
-    machine.observe_clock(&Hlc::new(
-        recovered.metadata.hlc_high_water_ms,
-        0,
-        SERVICE_NODE_ID.into(),
-    ));
-    let metadata = Metadata {
-        hlc_high_water_ms: service::next_clock_ceiling(
-            machine.clock().high_water().wall_ms,
-            now_ms,
-        ),
-        ..recovered.metadata
-    };
-    wal.write_metadata(&metadata).with_context(|| {
-        format!(
-            "cannot record the clock ceiling in {}",
-            settings.data_dir.display()
-        )
-    })?;
-    Ok((machine, wal, next_lsn, metadata))
 }
 
 /// Options of both logs (state store and sessions).

@@ -22,7 +22,7 @@ use common::mqtt::Client;
 use common::state::{bulk, hlc_now, StateClient, NIL, OK, WAIT};
 use common::Server;
 
-/// The state store's refusal while the log cannot write (crates/statestore/src/service.rs).
+/// The state store's refusal while the log cannot write (crates/statestore/src/service/completer.rs).
 const NOT_DURABLE: &[u8] =
     b"-ERR the write could not be made durable on the server's disk; retry later\r\n";
 /// Larger than a page, so a write needs a new block of the full filesystem.
@@ -253,7 +253,7 @@ async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
 /// whose commit then fails is released as if the write had happened. Here a GET sent right behind a
 /// SET on the same connection runs before the SET's commit fails, reads the SET's value, and that
 /// value is sent although the SET is refused and rolled back. Fixed: the GET gets the not-durable
-/// error (the completer's `Rollbacks` in `crates/statestore/src/service.rs`).
+/// error (the completer's `Rollbacks` in `crates/statestore/src/service/completer.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_behind_a_write_that_fails_to_commit_never_sees_it() {
     use common::state::{request_properties, INVOKE_TOPIC};

@@ -8,6 +8,9 @@
 //! * [`notify`] — persistent notifications: settings, the admin RPC of topics, the queue owner
 //!   (lock walk, pushers); the executor's side is `service/notify_exec.rs`.
 //! * `rate` — requests per second per client (`-ERR the quota has been exceeded` beyond).
+//! * [`service`] — the executor and the completer over the store's
+//!   [`DurableLog`](mqstate_wal::DurableLog); [`recovery`] — snapshot, replay and clock ceiling
+//!   at start.
 //!
 //! Architecture invariant: this is the only crate that knows both the broker port and the store.
 
@@ -18,4 +21,5 @@ pub mod guard;
 pub mod metrics;
 pub mod notify;
 mod rate;
+pub mod recovery;
 pub mod service;

@@ -14,33 +14,45 @@
 //! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), then
 //! queued to the completer like any outcome, so they are written once every record they may reflect is
 //! durable, in the background.
+//!
+//! The log itself — appends, the durable index, the undo of what is not yet durable, degraded mode,
+//! the snapshot schedule — is a [`DurableLog`] (`mqstate_wal::durable`). The modules here are split by
+//! the state each owns: `request` (one request to its outcome), `log` (appends), `undo` (rollback),
+//! `clock_ceiling` (the HLC ceiling in the metadata file), `snapshot_schedule` (encoding between
+//! requests, the completer's hand-off), `completer` (release in order), `notify_exec` (persistent
+//! notifications).
 
-use std::collections::VecDeque;
-use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bytes::Bytes;
-use mqstate_broker::SharedClock;
-use mqstate_broker::{
-    service::Acker, Broker, ClientEvent, Identity, Message, Principal, ServiceInbox, ServiceRequest,
-};
-use mqstate_protocol::{parse_request, Command, ErrorKind, Hlc, Reply, RequestLimits};
-use mqstate_store::{
-    Delta, Execution, KeyNotification, Progress, RequestContext, SnapshotEncoder, StateMachine,
-};
-use mqstate_wal::{Metadata, PendingCommit, Snapshot, WalWriter};
+use mqstate_broker::{service::Acker, Broker, ClientEvent, Principal, ServiceInbox, SharedClock};
+use mqstate_protocol::RequestLimits;
+use mqstate_store::StateMachine;
+use mqstate_wal::durable::sleep_until;
+use mqstate_wal::{DurableLog, Lsn, Metadata, SnapshotSchedule, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
-use crate::dedup::{CachedReply, DedupCache, Seen, DEFAULT_MAX_ENTRIES};
-use crate::envelope::{Rejection, ReplyBuilder, ReplyTopic, Request};
+use crate::dedup::{DedupCache, DEFAULT_MAX_ENTRIES};
+use crate::envelope::{ReplyBuilder, ReplyTopic};
 use crate::metrics;
 use crate::notify::NotifyConfig;
 use crate::rate::RequestRates;
 
+mod clock_ceiling;
+mod completer;
+mod log;
 mod notify_exec;
+mod request;
+mod snapshot_schedule;
+mod undo;
+
+use clock_ceiling::ClockCeiling;
+pub use clock_ceiling::{next_clock_ceiling, CLOCK_CEILING_LEASE_MS};
+use completer::{Outcome, Queued, ReplyTo};
+pub use completer::{Rollbacks, NOT_DURABLE_REPLY};
+use snapshot_schedule::SnapshotInProgress;
+pub use snapshot_schedule::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_CHUNK_KEYS};
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
@@ -74,9 +86,6 @@ fn reply_topic(broker: &Broker, who: Principal<'_>, topic: &str) -> ReplyTopic {
         ReplyTopic::NotAuthorized
     }
 }
-
-/// `result` label of a write that could not be made durable.
-const NOT_DURABLE: &str = "not_durable";
 
 /// Which changes go to the log (spec §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,150 +133,12 @@ impl Default for ServiceConfig {
     }
 }
 
-/// One unit of work for the completer, in execution order.
-// `Reply` is the per-request variant and `Snapshot` the rare one: boxing `Reply` to shrink the enum would
-// cost an allocation per request.
-#[allow(clippy::large_enum_variant)]
-enum Outcome {
-    /// Publish `notifications` then `reply`, then ack — once `commit` (if any) is durable and no
-    /// commit queued before it in its epoch failed; otherwise the not-durable reply, without the
-    /// notifications ([`Rollbacks`]).
-    Reply {
-        commit: Option<PendingCommit>,
-        notifications: Vec<(Arc<str>, Message)>,
-        reply: Option<ReplyTo>,
-        acker: Option<Acker>,
-        /// For the request metrics; `None` for expiries and cached replies.
-        timing: Option<Timing>,
-    },
-    /// Call `done` once `commit` (if any) is durable (`true`) or failed (`false`); `false` too when
-    /// the outcome was computed on state being rolled back ([`Rollbacks`]).
-    Internal {
-        commit: Option<PendingCommit>,
-        done: Box<dyn FnOnce(bool) + Send>,
-    },
-    /// Everything before this is durable once it is reached: write the snapshot.
-    Snapshot {
-        snapshot: Snapshot,
-        /// The snapshot may reflect every record below this LSN: unless all of them became
-        /// durable, it is not written.
-        reflects_below: u64,
-    },
-}
-
-/// An outcome on its way to the completer, with the rollback epoch it was computed in.
-struct Queued {
-    /// How many rollbacks the executor had made when it computed the outcome; `None` for outcomes
-    /// that do not depend on the keyspace (a cached reply, a rejected envelope).
-    epoch: Option<u64>,
-    outcome: Outcome,
-}
-
-/// The completer's view of failed commits: which outcomes were computed on state that is being
-/// rolled back.
-///
-/// A commit that fails in epoch `e` means every change the executor made after it in epoch `e` is
-/// undone (the writer refuses every record queued behind a failed one, and the executor rolls back
-/// all undurable writes, then counts epoch `e + 1`). An outcome of epoch `e` queued behind the
-/// failed commit may have read those changes — a GET of the refused SET's value, a VDEL that found
-/// the key another refused VDEL had deleted — so it is not released: it becomes the not-durable
-/// error, like the failed write itself (decision 0012).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Rollbacks {
-    /// The newest epoch in which a commit failed.
-    failed_in: Option<u64>,
-}
-
-impl Rollbacks {
-    /// A commit computed in `epoch` failed.
-    pub fn commit_failed(&mut self, epoch: Option<u64>) {
-        debug_assert!(
-            epoch.is_some(),
-            "only outcomes computed on the state commit"
-        );
-        self.failed_in = self.failed_in.max(epoch);
-    }
-
-    /// Whether an outcome computed in `epoch`, reached after every earlier one, may have seen a
-    /// change that is rolled back. Epochs only grow along the queue, so an outcome of an epoch in
-    /// which a commit already failed was computed after that commit, before the rollback.
-    pub fn is_stale(&self, epoch: Option<u64>) -> bool {
-        matches!((epoch, self.failed_in), (Some(e), Some(f)) if e <= f)
-    }
-}
-
-/// A snapshot being encoded between requests (decision 0014).
-struct SnapshotInProgress {
-    encoder: SnapshotEncoder,
-    /// The last record logged when encoding started: replay resumes after it.
-    last_index: u64,
-    /// Executor time spent encoding, over all chunks.
-    encoding: Duration,
-    chunks: u32,
-}
-
-/// Keys encoded per executor turn. A chunk of 1,024 small keys takes a few hundred microseconds, so a
-/// request waits at most that long behind one, and a million keys need a thousand turns.
-pub const SNAPSHOT_CHUNK_KEYS: usize = 1024;
-/// Encoded bytes after which a chunk ends early, so large values do not make a chunk slow.
-pub const SNAPSHOT_CHUNK_BYTES: usize = 256 * 1024;
-
-/// What the completer needs to count a request once its outcome is known.
-struct Timing {
-    command: &'static str,
-    /// `ok`, `error` or `not_durable`; a failed commit turns it into `not_durable`.
-    result: &'static str,
-    received: Instant,
-}
-
-struct ReplyTo {
-    client_id: Arc<str>,
-    correlation: Bytes,
-    message: Message,
-    /// The `__ts` of `message`, for the duplicate-request cache.
-    version: Option<Hlc>,
-}
-
-impl ReplyTo {
-    /// The reply to `request` with `payload` and `__ts` `version`.
-    fn new(
-        replies: &ReplyBuilder,
-        request: &Request,
-        payload: Bytes,
-        version: Option<Hlc>,
-        expiry: Duration,
-    ) -> ReplyTo {
-        ReplyTo {
-            client_id: request.client_id.clone(),
-            correlation: request.correlation_data.clone(),
-            message: replies.reply(request, payload, version.as_ref(), expiry),
-            version,
-        }
-    }
-}
-
-/// Reply to a write that could not be logged (disk full, I/O error). Not one of the spec's texts: the
-/// spec has none for this, and clients surface any `-ERR` text to the application.
-pub const NOT_DURABLE_REPLY: &[u8] =
-    b"-ERR the write could not be made durable on the server's disk; retry later\r\n";
-
-/// The reply a write gets instead of `reply` when its log record did not become durable: same
-/// envelope, the error payload, and no `__ts` (no version was stored).
-fn not_durable(mut reply: Message) -> Message {
-    reply.payload = Bytes::from_static(NOT_DURABLE_REPLY);
-    reply
-        .properties
-        .user_properties
-        .retain(|(name, _)| name != crate::envelope::prop::TIMESTAMP);
-    reply
-}
-
-/// The recovered state the service starts from.
+/// The recovered state the service starts from ([`crate::recovery`]).
 pub struct Recovered {
     pub machine: StateMachine,
     pub wal: Arc<WalWriter>,
     /// The LSN the next appended record will get.
-    pub next_lsn: u64,
+    pub next_lsn: Lsn,
     /// The log's metadata file, its `hlc_high_water_ms` (the clock ceiling) already above
     /// `machine`'s clock.
     pub metadata: Metadata,
@@ -287,18 +158,21 @@ pub async fn run(
         next_lsn,
         metadata,
     } = recovered;
+    let log = DurableLog::new(
+        "statestore",
+        Arc::clone(&wal),
+        next_lsn,
+        SnapshotSchedule::new(config.snapshot_threshold_bytes, 0),
+    );
     let (tx, rx) = mpsc::channel::<Queued>(COMPLETION_QUEUE_CAPACITY);
-    let (failure_tx, failures) = mpsc::unbounded_channel();
-    let durable_lsn = Arc::new(AtomicU64::new(next_lsn));
     let dedup = Arc::new(Mutex::new(DedupCache::new(config.dedup_max_entries)));
     let replies = ReplyBuilder::new(&config.server_id);
-    let completer = tokio::spawn(complete(
+    let completer = tokio::spawn(completer::complete(
         broker.clone(),
         rx,
-        Arc::clone(&wal),
+        wal,
         Arc::clone(&dedup),
-        Arc::clone(&durable_lsn),
-        failure_tx,
+        log.settler(),
     ));
     let rates = RequestRates::new(config.requests_per_second);
     let notify = notify_exec::start(&broker, config.notify.clone());
@@ -306,24 +180,16 @@ pub async fn run(
         clock: broker.clock().clone(),
         broker: broker.clone(),
         machine,
-        wal,
-        next_lsn,
-        logged_since_snapshot: 0,
+        log,
         snapshot: None,
         config,
         dedup,
         replies,
         tx,
-        undo: VecDeque::new(),
-        durable_lsn,
-        failures,
-        degraded: None,
         rates,
-        metadata,
-        ceiling_failed_at: None,
+        ceiling: ClockCeiling::new(metadata, broker.clock().clone()),
         notify,
         pending_queue: None,
-        rollbacks: 0,
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -335,52 +201,20 @@ struct Executor {
     clock: SharedClock,
     broker: Broker,
     machine: StateMachine,
-    wal: Arc<WalWriter>,
-    next_lsn: u64,
-    logged_since_snapshot: u64,
+    /// The log of every change, in apply order, with the undo of each one not yet durable.
+    log: DurableLog<undo::Undo>,
     snapshot: Option<SnapshotInProgress>,
     config: ServiceConfig,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     replies: ReplyBuilder,
     tx: mpsc::Sender<Queued>,
-    /// For each logged but not yet durable write: its LSN and the delta that restores the key's
-    /// previous state. A failed commit rolls the keyspace back to what the disk holds.
-    undo: VecDeque<(u64, notify_exec::Undo)>,
-    /// LSNs below this are durable (written by the completer).
-    durable_lsn: Arc<AtomicU64>,
-    /// The completer reports a failed commit here, with the epoch it was computed in.
-    failures: mpsc::UnboundedReceiver<u64>,
-    /// Set while the log refuses writes; when the last attempt to recover was made.
-    degraded: Option<Instant>,
     rates: RequestRates,
-    /// The metadata on disk. Its `hlc_high_water_ms` is the clock ceiling: every timestamp that
-    /// leaves the service has a wall time below it, so a restart that resumes the clock at the
-    /// ceiling never hands out an older one, whatever was deleted or the wall clock did.
-    metadata: Metadata,
-    /// When raising the ceiling last failed (disk full); it is retried at most once per
-    /// [`LOG_RETRY_INTERVAL`].
-    ceiling_failed_at: Option<Instant>,
+    ceiling: ClockCeiling,
     /// Persistent notifications, when enabled.
     notify: Option<notify_exec::NotifySide>,
     /// The queue side of the request being handled: set by `execute`, taken by `handle`.
     pending_queue: Option<notify_exec::PendingQueue>,
-    /// Rollbacks made so far: the epoch outcomes are tagged with ([`Rollbacks`]).
-    rollbacks: u64,
 }
-
-/// How far ahead of the clock the ceiling is set: the metadata file is rewritten about once per
-/// this much clock advance (decision 0012).
-pub const CLOCK_CEILING_LEASE_MS: u64 = 10_000;
-
-/// The clock ceiling to persist when the clock's wall time reached `high_water_ms` at `now_ms`.
-pub fn next_clock_ceiling(high_water_ms: u64, now_ms: u64) -> u64 {
-    high_water_ms
-        .max(now_ms)
-        .saturating_add(CLOCK_CEILING_LEASE_MS)
-}
-
-/// How often a degraded log is asked to recover (disk space may have come back).
-pub const LOG_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// How often the duplicate-request cache forgets expired requests without waiting for new ones,
 /// so an idle server does not hold a busy period's cache.
@@ -425,12 +259,7 @@ impl Executor {
                     }
                     Err(broadcast::error::RecvError::Closed) => break,
                 },
-                // Every commit behind a failed one fails too; the first failure of an epoch rolls
-                // back all of them, and the rest (computed before that rollback) must not roll back
-                // writes made since.
-                Some(epoch) = self.failures.recv() => if epoch == self.rollbacks {
-                    self.roll_back_undurable();
-                },
+                Some(epoch) = self.log.next_failure() => self.roll_back_undurable(epoch),
                 Some(request) = recv_some(&mut internal) => self.handle_internal(request).await,
                 Some(request) = recv_some(&mut admin) => self.handle_admin(request).await,
                 () = sleep_until(stale_at) => self.abort_stale_reservations().await,
@@ -450,342 +279,9 @@ impl Executor {
         }
     }
 
-    async fn handle(&mut self, mut service_request: ServiceRequest) {
-        let acker = service_request.take_ack();
-        let who = Principal {
-            client_id: &service_request.client_id,
-            identity: &service_request.identity,
-        };
-        let request = match Request::from_message(
-            service_request.client_id.clone(),
-            &service_request.message,
-            |topic| reply_topic(&self.broker, who, topic),
-        ) {
-            Ok(request) => request,
-            Err(rejection) => {
-                return self
-                    .reject(&service_request.client_id, rejection, acker)
-                    .await
-            }
-        };
-        let seen = {
-            let mut dedup = self.dedup.lock().unwrap_or_else(|p| p.into_inner());
-            dedup.check(
-                &request.client_id,
-                &request.correlation_data,
-                request.expiry,
-                self.clock.now(),
-                acker,
-            )
-        };
-        let acker = match seen {
-            Seen::New(acker) => acker,
-            Seen::Pending => {
-                metrics::request_counted(metrics::UNPARSED, "duplicate");
-                return;
-            }
-            Seen::Done(reply, acker) => {
-                metrics::request_counted(metrics::UNPARSED, "duplicate");
-                let reply = ReplyTo::new(
-                    &self.replies,
-                    &request,
-                    reply.payload,
-                    reply.version,
-                    request.expiry,
-                );
-                // The first reply, already released: the keyspace has no say in it.
-                self.send_stateless_reply(reply, acker).await;
-                return;
-            }
-        };
-        let started = self.clock.now();
-        let (command, executed) = self.execute(&request, &service_request.identity).await;
-        let expiry_left = request
-            .expiry
-            .saturating_sub(self.clock.now().saturating_duration_since(started));
-        if let Some(notify_exec::PendingQueue::Full(topic)) = &self.pending_queue {
-            let payload = notify_exec::queue_full_reply(topic);
-            self.pending_queue = None;
-            let reply = ReplyTo::new(&self.replies, &request, payload, None, expiry_left);
-            return self
-                .send(Outcome::Reply {
-                    commit: None,
-                    notifications: Vec::new(),
-                    reply: Some(reply),
-                    acker: Some(acker),
-                    timing: Some(Timing {
-                        command,
-                        result: "error",
-                        received: started,
-                    }),
-                })
-                .await;
-        }
-        let Some((execution, persist, undo)) = executed else {
-            let reply = ReplyTo::new(
-                &self.replies,
-                &request,
-                Bytes::from_static(NOT_DURABLE_REPLY),
-                None,
-                expiry_left,
-            );
-            self.send(Outcome::Reply {
-                commit: None,
-                notifications: Vec::new(),
-                reply: Some(reply),
-                acker: Some(acker),
-                timing: Some(Timing {
-                    command,
-                    result: NOT_DURABLE,
-                    received: started,
-                }),
-            })
-            .await;
-            return;
-        };
-        let commit = match (self.pending_queue.take(), execution.delta.as_ref(), undo) {
-            (Some(pending), _, undo) => self.log_notified(pending, undo).await,
-            (None, Some(delta), Some(undo)) if persist || matches!(delta, Delta::Delete { .. }) => {
-                let logged = self.log(delta).await;
-                match &logged {
-                    Ok(_) => self.push_undo(notify_exec::Undo::Key(undo)),
-                    Err(_) => self.machine.apply_delta(&undo),
-                }
-                logged
-            }
-            _ => Ok(None),
-        };
-        let reply_to = |payload: Bytes, version| {
-            ReplyTo::new(&self.replies, &request, payload, version, expiry_left)
-        };
-        let timing = |result| {
-            Some(Timing {
-                command,
-                result,
-                received: started,
-            })
-        };
-        let outcome = match commit {
-            Ok(commit) => {
-                let reply = reply_to(execution.reply.encode(), execution.ts.clone());
-                Outcome::Reply {
-                    commit,
-                    notifications: self.notifications(&execution.notifications),
-                    reply: Some(reply),
-                    acker: Some(acker),
-                    timing: timing(match execution.reply {
-                        Reply::Error(_) => "error",
-                        _ => "ok",
-                    }),
-                }
-            }
-            Err(message) => {
-                tracing::error!(client_id = %request.client_id, "state store write refused: {message}");
-                let reply = reply_to(Bytes::from_static(NOT_DURABLE_REPLY), None);
-                Outcome::Reply {
-                    commit: None,
-                    notifications: Vec::new(),
-                    reply: Some(reply),
-                    acker: Some(acker),
-                    timing: timing(NOT_DURABLE),
-                }
-            }
-        };
-        self.send(outcome).await;
-    }
-
-    /// Executes a request; returns its metrics label and the execution, whether its change is to be
-    /// logged, and the delta that would undo it (for writes).
-    /// `None` when the command is a write and the log refuses writes.
-    async fn execute(
-        &mut self,
-        request: &Request,
-        identity: &Identity,
-    ) -> (&'static str, Option<(Execution, bool, Option<Delta>)>) {
-        if !self.rates.allow(&request.client_id, self.clock.now()) {
-            return (
-                metrics::UNPARSED,
-                Some((error_execution(ErrorKind::QuotaExceeded), false, None)),
-            );
-        }
-        let now_ms = self.clock.now_ms();
-        let parsed = parse_request(&request.payload, &self.config.request_limits)
-            .map_err(|e| e.kind())
-            .and_then(Command::parse);
-        let label = metrics::command_label(parsed.as_ref().ok());
-        let (ts, ft) = match (&request.timestamp, &request.fencing_token) {
-            (Ok(ts), Ok(ft)) => (ts.clone(), ft.clone()),
-            (Err(kind), _) | (_, Err(kind)) => {
-                return (label, Some((error_execution(*kind), false, None)))
-            }
-        };
-        let command = match parsed {
-            Ok(command) => command,
-            Err(kind) => return (label, Some((error_execution(kind), false, None))),
-        };
-        let who = Principal {
-            client_id: &request.client_id,
-            identity,
-        };
-        let keys = Arc::clone(&self.config.key_access.0);
-        let allowed = match &command {
-            Command::Get { key } | Command::KeyNotify { key } | Command::KeyNotifyStop { key } => {
-                keys.may_read(who, key)
-            }
-            Command::Set { key, .. } | Command::Del { key } | Command::VDel { key, .. } => {
-                keys.may_write(who, key)
-            }
-            // Filtered below instead: a SCAN returns what the client may read.
-            Command::Scan { .. } => true,
-        };
-        if !allowed {
-            tracing::debug!(client_id = %request.client_id, user = ?identity.user, "state store request not authorized");
-            return (
-                label,
-                Some((error_execution(ErrorKind::NotAuthorized), false, None)),
-            );
-        }
-        let is_scan = matches!(command, Command::Scan { .. });
-        let written_key = match &command {
-            Command::Set { key, .. } | Command::Del { key } | Command::VDel { key, .. } => {
-                Some(key.clone())
-            }
-            _ => None,
-        };
-        if written_key.is_some() && !self.log_accepts_writes().await {
-            return (label, None);
-        }
-        let undo = written_key.map(|key| self.undo_delta(key));
-        let context = RequestContext {
-            client_id: request.client_id.clone(),
-            ts,
-            fencing_token: ft,
-            now_ms,
-        };
-        let persist = self.config.durability == Durability::All || request.persist;
-        let event = notify_exec::event_of(&command);
-        let reserved = match self.reserve(written_key_of(&command), event, now_ms) {
-            Ok(reserved) => reserved,
-            Err(topic) => {
-                self.pending_queue = Some(notify_exec::PendingQueue::Full(topic));
-                return (
-                    label,
-                    Some((error_execution(ErrorKind::QuotaExceeded), false, None)),
-                );
-            }
-        };
-        let mut execution = self.machine.execute(command, &context);
-        if let Some(reserved) = reserved {
-            self.pending_queue = Some(self.settle(reserved, event, &execution));
-        }
-        if let (true, Reply::Keys { keys: found, .. }) = (is_scan, &mut execution.reply) {
-            found.retain(|key| keys.may_read(who, key));
-        }
-        if execution.delta.is_some() {
-            self.report_keyspace_size();
-        }
-        (label, Some((execution, persist, undo)))
-    }
-
     fn report_keyspace_size(&self) {
         let keyspace = self.machine.keyspace();
         metrics::keyspace_size(keyspace.len(), keyspace.stored_bytes());
-    }
-
-    /// The delta that puts `key` back as it is now.
-    fn undo_delta(&self, key: Bytes) -> Delta {
-        match self.machine.keyspace().get(&key) {
-            Some(entry) => Delta::Put {
-                key,
-                value: Bytes::copy_from_slice(entry.value()),
-                version: entry.version(),
-                fencing_token: entry.fencing_token(),
-                expires_at_ms: entry.expires_at_ms(),
-            },
-            None => Delta::Delete {
-                key,
-                version: self.machine.clock().high_water(),
-            },
-        }
-    }
-
-    /// A commit failed: everything after the last durable record is gone from the log (the writer cuts
-    /// it back), so take it out of memory too, newest first.
-    fn roll_back_undurable(&mut self) {
-        let durable = self.durable_lsn.load(Acquire);
-        let mut rolled_back = 0usize;
-        while let Some((lsn, undo)) = self.undo.pop_back() {
-            if lsn < durable {
-                self.undo.push_back((lsn, undo));
-                break;
-            }
-            self.apply_undo(undo);
-            rolled_back += 1;
-        }
-        // It may hold rolled-back writes, and the LSNs it was started at are handed out again.
-        if self.snapshot.take().is_some() {
-            metrics::snapshot_finished(false);
-            tracing::warn!("snapshot in progress abandoned after the log write failure");
-        }
-        self.next_lsn = durable;
-        self.rollbacks += 1;
-        self.degraded = Some(self.clock.now());
-        self.report_keyspace_size();
-        tracing::error!(rolled_back, durable_lsn = durable, "log write failed: undurable writes rolled back; writes are refused until the log recovers, reads go on");
-    }
-
-    /// While degraded, asks the writer to recover at most once per [`LOG_RETRY_INTERVAL`].
-    async fn log_accepts_writes(&mut self) -> bool {
-        let Some(last_try) = self.degraded else {
-            return true;
-        };
-        if self.clock.now().saturating_duration_since(last_try) < LOG_RETRY_INTERVAL {
-            return false;
-        }
-        match self.wal.retry().await {
-            Ok(()) => {
-                tracing::info!("log recovered; accepting writes again");
-                self.degraded = None;
-                true
-            }
-            Err(e) => {
-                tracing::warn!("log still refuses writes: {e}");
-                self.degraded = Some(self.clock.now());
-                false
-            }
-        }
-    }
-
-    fn notifications(&self, notifications: &[KeyNotification]) -> Vec<(Arc<str>, Message)> {
-        notifications
-            .iter()
-            .map(|n| {
-                (
-                    n.client_id.clone(),
-                    self.replies
-                        .notification(&n.client_id, &n.key, n.payload.encode(), &n.version),
-                )
-            })
-            .collect()
-    }
-
-    /// Appends a delta; returns the future of its durability.
-    async fn log(&mut self, delta: &Delta) -> Result<Option<PendingCommit>, String> {
-        let bytes = delta.encode().map_err(|e| e.to_string())?;
-        self.log_bytes(bytes).await
-    }
-
-    /// Appends an encoded record; returns the future of its durability.
-    async fn log_bytes(&mut self, bytes: Vec<u8>) -> Result<Option<PendingCommit>, String> {
-        let len = bytes.len() as u64;
-        let commit = self
-            .wal
-            .append(0, Bytes::from(bytes))
-            .await
-            .map_err(|e| e.to_string())?;
-        self.next_lsn += 1;
-        self.logged_since_snapshot += len;
-        Ok(Some(commit))
     }
 
     async fn expire(&mut self) {
@@ -819,186 +315,9 @@ impl Executor {
         self.report_keyspace_size();
     }
 
-    /// Starts a snapshot once enough was logged since the last one, and encodes the next chunk of
-    /// the one in progress; when it is complete, queues it behind the records it may reflect.
-    async fn advance_snapshot(&mut self) {
-        let Some(mut progress) = self.snapshot.take().or_else(|| self.start_snapshot()) else {
-            return;
-        };
-        let started = Instant::now();
-        let stepped =
-            progress
-                .encoder
-                .step(&self.machine, SNAPSHOT_CHUNK_KEYS, SNAPSHOT_CHUNK_BYTES);
-        progress.encoding += started.elapsed();
-        progress.chunks += 1;
-        let finished = match stepped {
-            Ok(Progress::Continue) => {
-                self.snapshot = Some(progress);
-                return;
-            }
-            Ok(Progress::Done) => progress.encoder.finish(&self.machine),
-            Err(e) => Err(e),
-        };
-        let state = match finished {
-            Ok(state) => state,
-            Err(e) => {
-                metrics::snapshot_finished(false);
-                return tracing::error!("snapshot not taken: {e}");
-            }
-        };
-        metrics::snapshot_phase("encode", progress.encoding);
-        tracing::debug!(
-            last_index = progress.last_index,
-            chunks = progress.chunks,
-            encoding_ms = progress.encoding.as_millis() as u64,
-            "snapshot encoded"
-        );
-        let snapshot = Snapshot {
-            last_index: progress.last_index,
-            last_term: 0,
-            state: Bytes::from(state),
-        };
-        self.send(Outcome::Snapshot {
-            snapshot,
-            reflects_below: self.next_lsn,
-        })
-        .await;
-    }
-
-    fn start_snapshot(&mut self) -> Option<SnapshotInProgress> {
-        if self.logged_since_snapshot < self.config.snapshot_threshold_bytes || self.next_lsn == 0 {
-            return None;
-        }
-        self.logged_since_snapshot = 0;
-        match SnapshotEncoder::new(&self.machine) {
-            Ok(encoder) => Some(SnapshotInProgress {
-                encoder,
-                last_index: self.next_lsn - 1,
-                encoding: Duration::ZERO,
-                chunks: 0,
-            }),
-            Err(e) => {
-                metrics::snapshot_finished(false);
-                tracing::error!("snapshot not taken: {e}");
-                None
-            }
-        }
-    }
-
-    async fn reject(&mut self, client_id: &Arc<str>, rejection: Rejection, acker: Acker) {
-        match rejection {
-            Rejection::NoResponseTopic => {
-                metrics::request_counted(metrics::UNPARSED, "dropped");
-                tracing::debug!(%client_id, "state store request without a response topic dropped");
-                acker.ack(0x00);
-            }
-            Rejection::ForbiddenResponseTopic(topic) => {
-                metrics::request_counted(metrics::UNPARSED, "forbidden");
-                tracing::info!(%client_id, %topic, "disconnecting client: state store response topic is reserved");
-                self.broker.disconnect(
-                    client_id,
-                    FORBIDDEN_RESPONSE_TOPIC_REASON,
-                    Some(&format!(
-                        "response topic {topic} is reserved for the state store"
-                    )),
-                );
-            }
-            Rejection::ResponseTopicRefused {
-                response_topic,
-                why,
-            } => {
-                let (result, code, reason) = match why {
-                    ReplyTopic::NotAuthorized => (
-                        "response_topic_not_authorized",
-                        PUBACK_NOT_AUTHORIZED,
-                        "the client may not publish on it itself",
-                    ),
-                    _ => (
-                        "response_topic_invalid",
-                        PUBACK_TOPIC_NAME_INVALID,
-                        "it is not a valid topic name",
-                    ),
-                };
-                metrics::request_counted(metrics::UNPARSED, result);
-                tracing::info!(%client_id, topic = %response_topic, "state store request refused: the reply cannot go to its Response Topic: {reason}");
-                acker.ack(code);
-            }
-            Rejection::UnsupportedVersion {
-                response_topic,
-                correlation_data,
-                requested,
-            } => {
-                metrics::request_counted(metrics::UNPARSED, "unsupported_version");
-                tracing::debug!(%client_id, %requested, "state store request with an unsupported __protVer");
-                let reply = ReplyTo {
-                    client_id: client_id.clone(),
-                    correlation: correlation_data.clone(),
-                    message: self.replies.unsupported_version(
-                        response_topic,
-                        correlation_data,
-                        requested,
-                    ),
-                    version: None,
-                };
-                self.send_stateless_reply(reply, acker).await;
-            }
-            Rejection::BadRequest {
-                response_topic,
-                correlation_data,
-                message,
-            } => {
-                metrics::request_counted(metrics::UNPARSED, "bad_request");
-                let reply =
-                    self.replies
-                        .bad_request(response_topic, correlation_data.clone(), message);
-                // Not cached: without correlation data there is nothing to match a retry by.
-                let reply = ReplyTo {
-                    client_id: client_id.clone(),
-                    correlation: correlation_data.unwrap_or_default(),
-                    message: reply,
-                    version: None,
-                };
-                self.send_stateless_reply(reply, acker).await;
-            }
-        }
-    }
-
-    /// Keeps the clock ceiling above the clock: called before any outcome (which may carry a
-    /// timestamp) leaves the executor.
-    async fn raise_clock_ceiling(&mut self) {
-        let high_water_ms = self.machine.clock().high_water().wall_ms;
-        if high_water_ms < self.metadata.hlc_high_water_ms {
-            return;
-        }
-        if self
-            .ceiling_failed_at
-            .is_some_and(|at| self.clock.now().saturating_duration_since(at) < LOG_RETRY_INTERVAL)
-        {
-            return;
-        }
-        let raised = Metadata {
-            hlc_high_water_ms: next_clock_ceiling(high_water_ms, self.clock.now_ms()),
-            ..self.metadata.clone()
-        };
-        match self.wal.write_metadata(raised.clone()).await {
-            Ok(()) => {
-                self.metadata = raised;
-                self.ceiling_failed_at = None;
-            }
-            Err(e) => {
-                // Replies go on (reads must survive a full disk); only a crash before the disk
-                // recovers, followed by a wall clock stepping back, could then reissue a timestamp.
-                tracing::error!("cannot raise the HLC ceiling in the metadata file: {e}");
-                self.ceiling_failed_at = Some(self.clock.now());
-            }
-        }
-    }
-
-    /// Queues an outcome computed on the current state: it is not released if a commit queued
     /// before it fails ([`Rollbacks`]).
     async fn send(&mut self, outcome: Outcome) {
-        self.queue(Some(self.rollbacks), outcome).await;
+        self.queue(Some(self.log.epoch()), outcome).await;
     }
 
     /// Queues an outcome that does not depend on the state (a cached reply, a rejection).
@@ -1019,27 +338,11 @@ impl Executor {
     }
 
     async fn queue(&mut self, epoch: Option<u64>, outcome: Outcome) {
-        self.raise_clock_ceiling().await;
+        let high_water_ms = self.machine.clock().high_water().wall_ms;
+        self.ceiling.raise(self.log.wal(), high_water_ms).await;
         if self.tx.send(Queued { epoch, outcome }).await.is_err() {
             tracing::error!("state store completer stopped; outcome dropped");
         }
-    }
-}
-
-fn error_execution(kind: ErrorKind) -> Execution {
-    Execution {
-        reply: Reply::Error(kind),
-        ts: None,
-        delta: None,
-        notifications: Vec::new(),
-    }
-}
-
-/// The key a command writes, if it writes one.
-fn written_key_of(command: &Command) -> Option<&Bytes> {
-    match command {
-        Command::Set { key, .. } | Command::Del { key } | Command::VDel { key, .. } => Some(key),
-        _ => None,
     }
 }
 
@@ -1048,160 +351,5 @@ async fn recv_some<T>(inbox: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     match inbox {
         Some(inbox) => inbox.recv().await,
         None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Awaits a commit. On failure reports it to the executor, which rolls back, and returns the epoch
-/// the failed write was computed in.
-async fn settle(
-    commit: Option<PendingCommit>,
-    epoch: Option<u64>,
-    durable_lsn: &AtomicU64,
-    failures: &mpsc::UnboundedSender<u64>,
-) -> Result<(), Option<u64>> {
-    let Some(commit) = commit else {
-        return Ok(());
-    };
-    match commit.await {
-        Ok(lsn) => {
-            debug_assert!(
-                lsn >= durable_lsn.load(Acquire),
-                "commits complete in LSN order"
-            );
-            durable_lsn.store(lsn + 1, Release);
-            Ok(())
-        }
-        Err(e) => {
-            tracing::error!("state store write not durable: {e}");
-            if let Some(epoch) = epoch {
-                let _ = failures.send(epoch);
-            }
-            Err(epoch)
-        }
-    }
-}
-
-async fn complete(
-    broker: Broker,
-    mut rx: mpsc::Receiver<Queued>,
-    wal: Arc<WalWriter>,
-    dedup: Arc<Mutex<DedupCache<Acker>>>,
-    durable_lsn: Arc<AtomicU64>,
-    failures: mpsc::UnboundedSender<u64>,
-) {
-    let mut rollbacks = Rollbacks::default();
-    while let Some(Queued { epoch, outcome }) = rx.recv().await {
-        match outcome {
-            Outcome::Snapshot {
-                snapshot,
-                reflects_below,
-            } => {
-                if durable_lsn.load(Acquire) < reflects_below {
-                    metrics::snapshot_finished(false);
-                    tracing::warn!(
-                        last_index = snapshot.last_index,
-                        "snapshot not written: it may hold writes whose log records did not become durable"
-                    );
-                    continue;
-                }
-                let wal = Arc::clone(&wal);
-                // In the background: appends and completions go on while the snapshot is written.
-                tokio::spawn(async move {
-                    let last_index = snapshot.last_index;
-                    let started = Instant::now();
-                    let written = wal.install_snapshot(snapshot).await;
-                    metrics::snapshot_phase("write", started.elapsed());
-                    metrics::snapshot_finished(written.is_ok());
-                    match written {
-                        Ok(()) => tracing::info!(last_index, "snapshot written"),
-                        Err(e) => tracing::error!(last_index, "snapshot failed: {e}"),
-                    }
-                });
-            }
-            Outcome::Internal { commit, done } => {
-                let settled = settle(commit, epoch, &durable_lsn, &failures).await;
-                if let Err(failed_in) = settled {
-                    rollbacks.commit_failed(failed_in);
-                }
-                done(settled.is_ok() && !rollbacks.is_stale(epoch));
-            }
-            Outcome::Reply {
-                commit,
-                notifications,
-                reply,
-                acker,
-                timing,
-            } => {
-                let settled = settle(commit, epoch, &durable_lsn, &failures).await;
-                if let Err(failed_in) = settled {
-                    rollbacks.commit_failed(failed_in);
-                }
-                // A failed write, or anything computed on its rolled-back state: the error reply.
-                let released = settled.is_ok() && !rollbacks.is_stale(epoch);
-                let (reply, reason) = if released {
-                    for (client_id, message) in notifications {
-                        broker.deliver_to(&client_id, message);
-                    }
-                    let sent = reply.map(|r| (r.client_id, r.correlation, r.message, r.version));
-                    (sent, 0x00)
-                } else {
-                    match reply.map(|r| (r.client_id, r.correlation, not_durable(r.message), None))
-                    {
-                        Some(failed) => (Some(failed), 0x00),
-                        None => (None, PUBACK_UNSPECIFIED_ERROR),
-                    }
-                };
-                if let Some((client_id, correlation, message, version)) = reply {
-                    let cached = CachedReply {
-                        payload: message.payload.clone(),
-                        version,
-                    };
-                    let waiting = dedup.lock().unwrap_or_else(|p| p.into_inner()).complete(
-                        &client_id,
-                        &correlation,
-                        cached,
-                    );
-                    broker.publish(message);
-                    for retry in waiting {
-                        retry.ack(reason);
-                    }
-                }
-                if let Some(acker) = acker {
-                    acker.ack(reason);
-                }
-                if let Some(timing) = timing {
-                    let result = if released { timing.result } else { NOT_DURABLE };
-                    metrics::request_completed(timing.command, result, timing.received.elapsed());
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Rollbacks;
-
-    #[test]
-    fn outcomes_of_an_epoch_with_a_failed_commit_are_stale() {
-        let mut rollbacks = Rollbacks::default();
-        assert!(!rollbacks.is_stale(Some(0)), "nothing failed yet");
-        rollbacks.commit_failed(Some(0));
-        assert!(rollbacks.is_stale(Some(0)), "computed before the rollback");
-        assert!(!rollbacks.is_stale(Some(1)), "computed after the rollback");
-        assert!(!rollbacks.is_stale(None), "independent of the state");
-        // Later failures of the same epoch (every commit behind the first fails) change nothing.
-        rollbacks.commit_failed(Some(0));
-        assert!(!rollbacks.is_stale(Some(1)));
-        rollbacks.commit_failed(Some(1));
-        assert!(rollbacks.is_stale(Some(1)));
-        assert!(!rollbacks.is_stale(Some(2)));
     }
 }

@@ -22,7 +22,7 @@ use crate::change::Change;
 use crate::codec::MAX_BUFFER_BYTES;
 use crate::delta::Delta;
 use crate::error::StoreError;
-use crate::keyspace::{entry_bytes, Keyspace, NewEntry};
+use crate::keyspace::{entry_bytes, Entry, Keyspace, NewEntry};
 use crate::limits::Limits;
 use crate::notify::{
     lock_key, Event, Notifications, QueueDelta, QueueUndo, RemoveError, NO_RESERVATION,
@@ -69,6 +69,10 @@ pub struct Execution {
     pub ts: Option<Hlc>,
     /// The change to make durable (already applied in memory); `None` for reads and no-ops.
     pub delta: Option<Delta>,
+    /// The change that puts the key back as it was before `delta` (the stored entry, expired or
+    /// not, or its absence): what the caller applies if `delta` does not become durable. `Some`
+    /// exactly when `delta` is.
+    pub undo: Option<Delta>,
     /// Notifications caused by the change, in publishing order (before the reply).
     pub notifications: Vec<KeyNotification>,
 }
@@ -79,8 +83,14 @@ impl Execution {
             reply,
             ts: None,
             delta: None,
+            undo: None,
             notifications: Vec::new(),
         }
+    }
+
+    /// An execution with no effect but its reply.
+    pub fn error(kind: ErrorKind) -> Execution {
+        Execution::reply(Reply::Error(kind))
     }
 }
 
@@ -203,7 +213,8 @@ impl StateMachine {
         expiry_ms: Option<u64>,
         ctx: &RequestContext,
     ) -> Result<Execution, ErrorKind> {
-        let current = self.keyspace.get_live(&key, ctx.now_ms);
+        let stored = self.keyspace.get(&key);
+        let current = stored.filter(|e| e.is_live(ctx.now_ms));
         let fencing_token = fence(
             current.and_then(|e| e.fencing_token()).as_ref(),
             ctx.fencing_token.as_ref(),
@@ -225,6 +236,8 @@ impl StateMachine {
         let version = self.clock.now(ctx.now_ms);
         debug_assert!(ctx.ts.as_ref().is_none_or(|ts| version > *ts));
         debug_assert!(previous_version.is_none_or(|prev| version > prev));
+        // The stored entry, expired or not: a rollback puts back exactly what was there.
+        let undo = undo_of(&key, stored, &self.clock);
         let delta = Delta::Put {
             key: key.clone(),
             value: value.clone(),
@@ -232,7 +245,13 @@ impl StateMachine {
             fencing_token,
             expires_at_ms: expiry_ms.map(|ms| ctx.now_ms.saturating_add(ms).min(MAX_WALL_MS)),
         };
-        Ok(self.commit(delta, NotifyPayload::Set(value), Reply::Ok, Some(version)))
+        Ok(self.commit(
+            delta,
+            undo,
+            NotifyPayload::Set(value),
+            Reply::Ok,
+            Some(version),
+        ))
     }
 
     /// DEL (`expected` = `None`) and VDEL.
@@ -251,8 +270,9 @@ impl StateMachine {
         }
         let version = self.clock.now(ctx.now_ms);
         debug_assert!(version > current.version());
+        let undo = undo_of(&key, Some(current), &self.clock);
         let delta = Delta::Delete { key, version };
-        Ok(self.commit(delta, NotifyPayload::Delete, Reply::Integer(1), None))
+        Ok(self.commit(delta, undo, NotifyPayload::Delete, Reply::Integer(1), None))
     }
 
     fn check_quota(&self, key: &[u8], value: &[u8]) -> Result<(), ErrorKind> {
@@ -276,10 +296,12 @@ impl StateMachine {
         }
     }
 
-    /// Applies `delta` and collects the notifications for the key's observers.
+    /// Applies `delta` and collects the notifications for the key's observers; `undo` restores
+    /// the key as it was.
     fn commit(
         &mut self,
         delta: Delta,
+        undo: Delta,
         payload: NotifyPayload,
         reply: Reply,
         ts: Option<Hlc>,
@@ -290,6 +312,7 @@ impl StateMachine {
             reply,
             ts,
             delta: Some(delta),
+            undo: Some(undo),
             notifications,
         }
     }
@@ -566,6 +589,24 @@ impl StateMachine {
             }
         }
         self.clock.observe(delta.version());
+    }
+}
+
+/// The delta that puts `key` back as `stored` has it. A key that is absent comes back deleted at
+/// the clock's high-water mark, which applying it leaves where it is.
+fn undo_of(key: &Bytes, stored: Option<Entry<'_>>, clock: &HybridClock) -> Delta {
+    match stored {
+        Some(entry) => Delta::Put {
+            key: key.clone(),
+            value: Bytes::copy_from_slice(entry.value()),
+            version: entry.version(),
+            fencing_token: entry.fencing_token(),
+            expires_at_ms: entry.expires_at_ms(),
+        },
+        None => Delta::Delete {
+            key: key.clone(),
+            version: clock.high_water(),
+        },
     }
 }
 

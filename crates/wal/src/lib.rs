@@ -25,12 +25,16 @@
 //!   completes every waiting future. A write or fsync error fails the batch and stops the
 //!   writer until [`WalWriter::retry`] succeeds; nothing unacknowledged stays in the file. Records
 //!   the durable end in the metadata file once a second.
+//! * [`durable`] — the log as a service uses it ([`DurableLog`]): appends with their LSN and
+//!   rollback epoch, the durable index commits are settled into, the undo of what is not yet
+//!   durable, degraded mode and its retries, the snapshot schedule.
 //! * [`SnapshotWriter`] — a snapshot streamed to its file chunk by chunk.
 //! * [`WalStats`] — batch and fsync counters for metrics. [`Failpoints`] — crash-test hooks.
 //! * [`tools`] — `inspect`, `verify`, `repair` for the `mqstate data` commands.
 
 pub mod checksum;
 mod codec;
+pub mod durable;
 mod error;
 pub mod failpoint;
 mod index;
@@ -52,6 +56,7 @@ pub type Lsn = u64;
 /// Raft term a record was written in (0 on a single node).
 pub type Term = u64;
 
+pub use durable::{Commit, DurableIndex, DurableLog, Settler, SnapshotSchedule};
 pub use error::{Damage, FormatError, WalError};
 pub use failpoint::{FailAction, Failpoints};
 pub use layout::{DataDir, DirLock};

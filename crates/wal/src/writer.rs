@@ -451,6 +451,7 @@ fn commit(wal: &mut Wal, batch: Vec<Append>, last_sync: &mut Instant) {
     if valid.is_empty() {
         return;
     }
+    let first_lsn = wal.next_lsn();
     let result = wal
         .write_batch(valid.iter().map(|a| (a.term, &a.data[..])))
         .and_then(|lsns| {
@@ -467,7 +468,12 @@ fn commit(wal: &mut Wal, batch: Vec<Append>, last_sync: &mut Instant) {
         });
     match result {
         Ok(lsns) => {
-            debug_assert_eq!((lsns.end - lsns.start) as usize, valid.len());
+            debug_assert_eq!(lsns.start, first_lsn, "a batch continues the log");
+            debug_assert_eq!(
+                (lsns.end - lsns.start) as usize,
+                valid.len(),
+                "a batch gets contiguous LSNs, one per record"
+            );
             for (append, lsn) in valid.into_iter().zip(lsns) {
                 let _ = append.done.send(Ok(lsn));
             }

@@ -10,12 +10,14 @@ use mqstate_broker::{
 };
 use mqstate_protocol::{Command, SetCondition};
 use mqstate_store::notify::{lock_key, Event, QueueDelta, QueueUndo, RemoveError, Topic};
-use mqstate_store::{Change, Delta, Execution, RequestContext};
-use mqstate_wal::PendingCommit;
+use mqstate_store::{Delta, Execution, RequestContext};
+use mqstate_wal::Commit;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Notify};
 
-use super::{Executor, Outcome, ReplyTo};
+use super::completer::{Outcome, ReplyTo};
+use super::undo::Undo;
+use super::Executor;
 use crate::envelope::ReplyTopic;
 use crate::metrics;
 use crate::notify::admin::{def_json, error_json, AdminRequest};
@@ -86,14 +88,6 @@ pub(super) struct Settled {
     record: (QueueDelta, QueueUndo),
 }
 
-/// What restores the state before one logged record.
-pub(super) enum Undo {
-    Key(Delta),
-    Queue(QueueUndo),
-    /// A commit: its key change and its queue entries.
-    Both(Option<Delta>, QueueUndo),
-}
-
 /// The event of a write command.
 pub(super) fn event_of(command: &Command) -> Option<Event> {
     match command {
@@ -161,44 +155,13 @@ impl Executor {
         PendingQueue::Settled(Box::new(Settled { reserve, record }))
     }
 
-    pub(super) fn push_undo(&mut self, undo: Undo) {
-        let durable = self.durable_lsn.load(std::sync::atomic::Ordering::Acquire);
-        while self.undo.front().is_some_and(|(lsn, _)| *lsn < durable) {
-            self.undo.pop_front();
-        }
-        self.undo.push_back((self.next_lsn - 1, undo));
-    }
-
-    pub(super) fn apply_undo(&mut self, undo: Undo) {
-        match undo {
-            Undo::Key(delta) => self.machine.apply_delta(&delta),
-            Undo::Queue(queue) => self.machine.undo_queue(queue),
-            Undo::Both(key, queue) => {
-                self.machine.undo_queue(queue);
-                if let Some(delta) = key {
-                    self.machine.apply_delta(&delta);
-                }
-            }
-        }
-    }
-
-    pub(super) async fn log_queue(
-        &mut self,
-        delta: &QueueDelta,
-    ) -> Result<Option<PendingCommit>, String> {
-        let bytes = Change::Queue(delta.clone())
-            .encode()
-            .map_err(|e| e.to_string())?;
-        self.log_bytes(bytes).await
-    }
-
     /// Logs the reserve record, then the commit or abort record. What is not logged is undone in
     /// memory; a reservation logged without its commit stays until it is stale.
     pub(super) async fn log_notified(
         &mut self,
         pending: PendingQueue,
         key_undo: Option<Delta>,
-    ) -> Result<Option<PendingCommit>, String> {
+    ) -> Result<Option<Commit>, String> {
         let PendingQueue::Settled(settled) = pending else {
             return Ok(None);
         };
@@ -216,16 +179,16 @@ impl Executor {
                 return Err(e);
             }
         };
-        self.push_undo(Undo::Queue(reserve_undo));
+        self.log.push_undo(Undo::Queue(reserve_undo));
         if self.config.failpoints.is_armed() {
             if let Some(reserved) = reserved {
-                let _ = reserved.await;
+                let _ = reserved.wait().await;
             }
             self.config.failpoints.hit(NOTIFY_AFTER_RESERVE);
         }
         match self.log_queue(&record).await {
             Ok(commit) => {
-                self.push_undo(Undo::Both(key_undo, record_undo));
+                self.log.push_undo(Undo::Both(key_undo, record_undo));
                 self.notify_queued();
                 Ok(commit)
             }
@@ -259,7 +222,7 @@ impl Executor {
         tracing::warn!(?abort, "stale notification reservations aborted");
         match self.log_queue(&abort).await {
             Ok(commit) => {
-                self.push_undo(Undo::Queue(undo));
+                self.log.push_undo(Undo::Queue(undo));
                 self.send(Outcome::Internal {
                     commit,
                     done: Box::new(|_| {}),
@@ -283,7 +246,7 @@ impl Executor {
         let (delta, undo) = change;
         match self.log_queue(&delta).await {
             Ok(commit) => {
-                self.push_undo(Undo::Queue(undo));
+                self.log.push_undo(Undo::Queue(undo));
                 self.send(Outcome::Internal {
                     commit,
                     done: Box::new(done),
@@ -305,18 +268,17 @@ impl Executor {
         holder: Bytes,
         condition: SetCondition,
         expiry_ms: u64,
-    ) -> Option<(Execution, Option<PendingCommit>)> {
+    ) -> Option<(Execution, Option<Commit>)> {
         if !self.log_accepts_writes().await {
             return None;
         }
-        let undo = self.undo_delta(key.clone());
         let context = RequestContext {
             client_id: Arc::from(OWNER_CLIENT_ID),
             ts: Some(self.machine.clock().high_water()),
             fencing_token: None,
             now_ms: self.clock.now_ms(),
         };
-        let execution = self.machine.execute(
+        let mut execution = self.machine.execute(
             Command::Set {
                 key,
                 value: holder,
@@ -325,10 +287,10 @@ impl Executor {
             },
             &context,
         );
-        let commit = match &execution.delta {
-            Some(delta) => match self.log(delta).await {
+        let commit = match (&execution.delta, execution.undo.take()) {
+            (Some(delta), Some(undo)) => match self.log(delta).await {
                 Ok(commit) => {
-                    self.push_undo(Undo::Key(undo));
+                    self.log.push_undo(Undo::Key(undo));
                     commit
                 }
                 Err(e) => {
@@ -337,7 +299,7 @@ impl Executor {
                     return None;
                 }
             },
-            None => None,
+            _ => None,
         };
         Some((execution, commit))
     }
@@ -531,7 +493,7 @@ impl Executor {
         .await;
     }
 
-    async fn admin(&mut self, request: AdminRequest) -> (Option<PendingCommit>, Value) {
+    async fn admin(&mut self, request: AdminRequest) -> (Option<Commit>, Value) {
         let not_found = |name: &str| error_json(&format!("no topic named {name:?}"));
         match request {
             AdminRequest::List => {
@@ -559,7 +521,7 @@ impl Executor {
                 let (delta, undo) = self.machine.define_topic(def);
                 match self.log_queue(&delta).await {
                     Ok(commit) => {
-                        self.push_undo(Undo::Queue(undo));
+                        self.log.push_undo(Undo::Queue(undo));
                         if let Some(notify) = &self.notify {
                             // A new topic gets its owner at once, not at the next walk.
                             notify.wake_owner.notify_one();
@@ -581,7 +543,7 @@ impl Executor {
                 };
                 match self.log_queue(&delta).await {
                     Ok(commit) => {
-                        self.push_undo(Undo::Queue(undo));
+                        self.log.push_undo(Undo::Queue(undo));
                         if let Some(notify) = &self.notify {
                             notify.wake_owner.notify_one();
                         }

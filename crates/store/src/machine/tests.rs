@@ -737,6 +737,44 @@ proptest! {
         prop_assert_eq!(restored.keyspace(), live.keyspace());
     }
 
+    /// What a failed commit does: every write after the last durable one is undone, newest first,
+    /// which leaves the keyspace as it was at that point, expired-but-unreaped keys included.
+    #[test]
+    fn undoing_writes_newest_first_restores_the_keyspace(
+        ops in prop::collection::vec(op(), 1..60),
+        durable in 0..60usize,
+    ) {
+        let mut m = machine();
+        let mut undos = Vec::new();
+        let mut at_durable = None;
+        let mut now = T0;
+        for (i, (kind, key, value, step)) in ops.into_iter().enumerate() {
+            if i == durable {
+                at_durable = Some(m.keyspace().clone());
+            }
+            now += u64::from(step);
+            let c = ctx("c", now);
+            let (key, value) = (b(&format!("k{key}")), b(&format!("v{value}")));
+            let command = match kind {
+                0 | 5 => Command::Set { key, value, condition: SetCondition::Always, expiry_ms: None },
+                1 => Command::Set { key, value, condition: SetCondition::NotExistsOrEqual, expiry_ms: Some(100) },
+                2 => Command::Set { key, value, condition: SetCondition::NotExists, expiry_ms: None },
+                3 => Command::Del { key },
+                _ => Command::VDel { key, value },
+            };
+            let execution = m.execute(command, &c);
+            prop_assert_eq!(execution.delta.is_some(), execution.undo.is_some());
+            if i >= durable {
+                undos.extend(execution.undo);
+            }
+        }
+        let Some(expected) = at_durable else { return Ok(()) };
+        for undo in undos.iter().rev() {
+            m.apply_delta(undo);
+        }
+        prop_assert_eq!(m.keyspace(), &expected);
+    }
+
     #[test]
     fn snapshot_decode_never_panics(data in prop::collection::vec(any::<u8>(), 0..128)) {
         let _ = StateMachine::snapshot_decode(&data, config(Limits::default()));

@@ -1,0 +1,250 @@
+//! The state store at start: open the log, decode the snapshot, replay the records after it, and
+//! resume the clock at the ceiling in the metadata file (decision 0012), with a new ceiling above it
+//! on disk before anything is handed out.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mqstate_protocol::Hlc;
+use mqstate_store::{Change, StateMachine, StoreConfig, StoreError};
+use mqstate_wal::{Lsn, Metadata, Wal, WalError, WalOptions, WalWriter};
+
+use crate::service::{next_clock_ceiling, Recovered};
+
+/// Why the data directory could not be recovered; each names the directory and the way out.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    #[error("cannot open the data directory {}", dir.display())]
+    Open {
+        dir: PathBuf,
+        #[source]
+        source: WalError,
+    },
+    #[error("invalid state store configuration")]
+    Config(#[source] StoreError),
+    #[error("the snapshot in {} does not decode; run `mqstate data verify {}`", dir.display(), dir.display())]
+    Snapshot {
+        dir: PathBuf,
+        #[source]
+        source: StoreError,
+    },
+    #[error("cannot read the log in {}; run `mqstate data verify {}`", dir.display(), dir.display())]
+    Read {
+        dir: PathBuf,
+        #[source]
+        source: WalError,
+    },
+    #[error("log record {lsn} in {} does not decode as a state change", dir.display())]
+    Record {
+        lsn: Lsn,
+        dir: PathBuf,
+        #[source]
+        source: StoreError,
+    },
+    #[error("cannot record the clock ceiling in {}", dir.display())]
+    Ceiling {
+        dir: PathBuf,
+        #[source]
+        source: WalError,
+    },
+    #[error("cannot start the log writer")]
+    Writer(#[source] WalError),
+}
+
+/// What recovery did, for the log line and the metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct RecoveryReport {
+    /// Records replayed after the snapshot.
+    pub records: usize,
+    pub replayed_bytes: usize,
+    pub elapsed: Duration,
+}
+
+/// Opens the data directory `dir` and rebuilds the state machine from the snapshot and the log
+/// after it, with its clock resumed at the ceiling in the metadata file (no timestamp handed out
+/// before the restart is handed out again) and a new ceiling above it and `now_ms` persisted.
+/// Returns the state with its log writer started.
+pub fn recover(
+    dir: &Path,
+    options: WalOptions,
+    store: StoreConfig,
+    now_ms: u64,
+) -> Result<(Recovered, RecoveryReport), RecoveryError> {
+    let started = Instant::now();
+    let at = || dir.to_path_buf();
+    let (wal, recovered) =
+        Wal::open(dir, options).map_err(|source| RecoveryError::Open { dir: at(), source })?;
+    let node_id = Arc::clone(&store.node_id);
+    let (mut machine, mut next_lsn) = match &recovered.snapshot {
+        Some(snapshot) => {
+            let machine = StateMachine::snapshot_decode(&snapshot.state, store)
+                .map_err(|source| RecoveryError::Snapshot { dir: at(), source })?;
+            (machine, snapshot.last_index + 1)
+        }
+        None => (StateMachine::new(store).map_err(RecoveryError::Config)?, 0),
+    };
+    let mut replayed_bytes = 0usize;
+    let mut records = 0usize;
+    for entry in recovered.records {
+        let entry = entry.map_err(|source| RecoveryError::Read { dir: at(), source })?;
+        let change = Change::decode(&entry.data).map_err(|source| RecoveryError::Record {
+            lsn: entry.lsn,
+            dir: at(),
+            source,
+        })?;
+        machine.apply_change(&change);
+        replayed_bytes += entry.data.len();
+        records += 1;
+        next_lsn = entry.lsn + 1;
+    }
+    debug_assert_eq!(next_lsn.max(recovered.replay.start), recovered.replay.end);
+    // Resume at the old ceiling (above everything handed out before) and persist a new one above
+    // it before anything is handed out. Failpoints stand for crashes of a serving process, not of
+    // this step: a crash here leaves the old file, and nothing was handed out.
+    machine.observe_clock(&Hlc::new(recovered.metadata.hlc_high_water_ms, 0, node_id));
+    let metadata = Metadata {
+        hlc_high_water_ms: next_clock_ceiling(machine.clock().high_water().wall_ms, now_ms),
+        ..recovered.metadata
+    };
+    wal.write_metadata(&metadata)
+        .map_err(|source| RecoveryError::Ceiling { dir: at(), source })?;
+    let report = RecoveryReport {
+        records,
+        replayed_bytes,
+        elapsed: started.elapsed(),
+    };
+    tracing::info!(
+        keys = machine.keyspace().len(),
+        records,
+        replayed_mb_per_s = (replayed_bytes as f64 / 1e6) / report.elapsed.as_secs_f64().max(1e-9),
+        elapsed_ms = report.elapsed.as_millis() as u64,
+        "state recovered"
+    );
+    let wal = WalWriter::spawn(wal).map_err(RecoveryError::Writer)?;
+    let recovered = Recovered {
+        machine,
+        wal: Arc::new(wal),
+        next_lsn,
+        metadata,
+    };
+    Ok((recovered, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use mqstate_store::{Delta, Limits};
+    use mqstate_wal::{read_metadata, DataDir, Snapshot};
+
+    use super::*;
+    use crate::service::CLOCK_CEILING_LEASE_MS;
+
+    const NOW_MS: u64 = 1_700_000_000_000;
+
+    fn config() -> StoreConfig {
+        StoreConfig {
+            node_id: "mqstate".into(),
+            limits: Limits::default(),
+        }
+    }
+
+    fn put(key: &str, wall_ms: u64) -> Delta {
+        Delta::Put {
+            key: Bytes::copy_from_slice(key.as_bytes()),
+            value: Bytes::from_static(b"v"),
+            version: Hlc::new(wall_ms, 0, "mqstate".into()),
+            fencing_token: None,
+            expires_at_ms: None,
+        }
+    }
+
+    /// Writes `records` to the log in `dir` (and a snapshot of the first `snapshot_after` of them).
+    fn write_log(dir: &Path, records: &[Vec<u8>], snapshot_after: Option<usize>) {
+        let (mut wal, _) = Wal::open(dir, WalOptions::default()).unwrap();
+        let mut machine = StateMachine::new(config()).unwrap();
+        for (i, record) in records.iter().enumerate() {
+            wal.write_batch([(0, &record[..])]).unwrap();
+            wal.sync().unwrap();
+            if let Ok(change) = Change::decode(record) {
+                machine.apply_change(&change);
+            }
+            if snapshot_after == Some(i + 1) {
+                let state = Bytes::from(machine.snapshot_encode().unwrap());
+                wal.install_snapshot(&Snapshot {
+                    last_index: i as u64,
+                    last_term: 0,
+                    state,
+                })
+                .unwrap();
+            }
+        }
+    }
+
+    async fn stop(recovered: Recovered) {
+        Arc::try_unwrap(recovered.wal)
+            .unwrap()
+            .shutdown()
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_new_directory_starts_empty_with_a_ceiling_ahead_of_the_wall_clock() {
+        let dir = tempfile::tempdir().unwrap();
+        let (recovered, report) =
+            recover(dir.path(), WalOptions::default(), config(), NOW_MS).unwrap();
+        assert_eq!(recovered.machine.keyspace().len(), 0);
+        assert_eq!((recovered.next_lsn, report.records), (0, 0));
+        let ceiling = NOW_MS + CLOCK_CEILING_LEASE_MS;
+        assert_eq!(recovered.metadata.hlc_high_water_ms, ceiling);
+        let on_disk = read_metadata(&DataDir::new(dir.path())).unwrap().unwrap();
+        assert_eq!(on_disk.hlc_high_water_ms, ceiling);
+        stop(recovered).await;
+    }
+
+    #[tokio::test]
+    async fn replays_the_records_after_the_snapshot_and_resumes_at_the_old_ceiling() {
+        let dir = tempfile::tempdir().unwrap();
+        let records: Vec<Vec<u8>> = ["a", "b", "c"]
+            .iter()
+            .enumerate()
+            .map(|(i, key)| put(key, NOW_MS + i as u64).encode().unwrap())
+            .collect();
+        write_log(dir.path(), &records, Some(2));
+        // A ceiling far ahead of every version and of the wall clock: the clock resumes there.
+        let (recovered, _) = recover(dir.path(), WalOptions::default(), config(), NOW_MS).unwrap();
+        let old_ceiling = recovered.metadata.hlc_high_water_ms;
+        stop(recovered).await;
+
+        let (recovered, report) =
+            recover(dir.path(), WalOptions::default(), config(), NOW_MS).unwrap();
+        assert_eq!(recovered.machine.keyspace().len(), 3);
+        assert_eq!(
+            report.records, 1,
+            "only the record after the snapshot is replayed"
+        );
+        assert_eq!(recovered.next_lsn, 3);
+        assert!(recovered.machine.clock().high_water().wall_ms >= old_ceiling);
+        assert_eq!(
+            recovered.metadata.hlc_high_water_ms,
+            old_ceiling + CLOCK_CEILING_LEASE_MS
+        );
+        stop(recovered).await;
+    }
+
+    #[test]
+    fn a_record_that_does_not_decode_is_named_by_its_lsn() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = put("a", NOW_MS).encode().unwrap();
+        write_log(dir.path(), &[good, b"not a change".to_vec()], None);
+        let error = recover(dir.path(), WalOptions::default(), config(), NOW_MS)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(error, RecoveryError::Record { lsn: 1, .. }),
+            "{error}"
+        );
+        assert!(error.to_string().starts_with("log record 1 in "), "{error}");
+    }
+}

@@ -1,0 +1,61 @@
+//! The executor's appends: each change is encoded and handed to its [`DurableLog`], in apply
+//! order; while the log is degraded, writes are refused before they execute.
+//!
+//! [`DurableLog`]: mqstate_wal::DurableLog
+
+use bytes::Bytes;
+use mqstate_store::notify::QueueDelta;
+use mqstate_store::{Change, Delta};
+use mqstate_wal::Commit;
+
+use super::Executor;
+
+impl Executor {
+    /// While degraded, asks the writer to recover at most once per
+    /// [`RETRY_INTERVAL`](mqstate_wal::durable::RETRY_INTERVAL).
+    pub(super) async fn log_accepts_writes(&mut self) -> bool {
+        if !self.log.health().is_degraded() {
+            return true;
+        }
+        let Some(refused) = self.log.accepts_appends(self.clock.now()).await else {
+            return false;
+        };
+        // What the failed writer refused meanwhile (stale-reservation aborts, logged without
+        // asking) is undone in memory too. No snapshot started meanwhile: none is due while
+        // degraded.
+        let undone = refused.len();
+        for undo in refused {
+            self.apply_undo(undo);
+        }
+        if undone > 0 {
+            self.report_keyspace_size();
+            tracing::warn!(
+                undone,
+                "changes the log refused while it was failed are undone"
+            );
+        }
+        true
+    }
+
+    /// Appends a delta; returns the future of its durability.
+    pub(super) async fn log(&mut self, delta: &Delta) -> Result<Option<Commit>, String> {
+        let bytes = delta.encode().map_err(|e| e.to_string())?;
+        self.log_bytes(bytes).await
+    }
+
+    /// Appends a queue change; returns the future of its durability.
+    pub(super) async fn log_queue(&mut self, delta: &QueueDelta) -> Result<Option<Commit>, String> {
+        let bytes = Change::Queue(delta.clone())
+            .encode()
+            .map_err(|e| e.to_string())?;
+        self.log_bytes(bytes).await
+    }
+
+    /// Appends an encoded record; returns the future of its durability.
+    async fn log_bytes(&mut self, bytes: Vec<u8>) -> Result<Option<Commit>, String> {
+        match self.log.append(Bytes::from(bytes)).await {
+            Ok(commit) => Ok(Some(commit)),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
