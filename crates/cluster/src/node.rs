@@ -48,7 +48,7 @@ pub struct NodeConfig {
     pub peers: BTreeMap<NodeId, String>,
     /// Wait to be added (`cluster add-node`) instead of forming the cluster.
     pub join: bool,
-    /// Where the Raft journal and snapshot live.
+    /// Where the Raft log (a `mqstate-wal` log), its metadata and the snapshot live.
     pub dir: PathBuf,
     /// Proposed when this node creates the partition map.
     pub map: MapConfig,
@@ -116,6 +116,15 @@ impl ClusterNode {
     ) -> Result<ClusterNode, ClusterError> {
         if config.id == 0 {
             return Err(ClusterError::Config("node ids start at 1".into()));
+        }
+        if let Some(id) = std::iter::once(config.id)
+            .chain(config.peers.keys().copied())
+            .find(|&id| id > crate::log_store::MAX_NODE_ID)
+        {
+            return Err(ClusterError::Config(format!(
+                "node id {id} is too large: node ids go up to {} (the Raft metadata file's voted-for field)",
+                crate::log_store::MAX_NODE_ID
+            )));
         }
         if !config.join && !config.peers.is_empty() && !config.peers.contains_key(&config.id) {
             return Err(ClusterError::Config(format!(

@@ -122,7 +122,11 @@ impl Wal {
         // Before anything is cleared or cut: those files may be another process's live ones.
         let lock = dir.lock()?;
         dir.clear_temp()?;
-        let snapshot = read_snapshot(&dir)?;
+        let snapshot = if options.snapshot_elsewhere {
+            None
+        } else {
+            read_snapshot(&dir)?
+        };
         let segments = load_segments(&dir)?;
         let metadata = match read_metadata(&dir)? {
             Some(metadata) => metadata,
@@ -140,7 +144,11 @@ impl Wal {
                 fresh
             }
         };
-        let keep_from = snapshot.as_ref().map_or(0, |s| s.last_index + 1);
+        let keep_from = if options.snapshot_elsewhere {
+            metadata.last_purged.map_or(0, |p| p.index + 1)
+        } else {
+            snapshot.as_ref().map_or(0, |s| s.last_index + 1)
+        };
         if let Some(purged) = metadata.last_purged.filter(|p| p.index >= keep_from) {
             return Err(WalError::PurgedPastSnapshot {
                 path: dir.snapshot_path(),
