@@ -40,6 +40,18 @@ fn options() -> WalOptions {
     }
 }
 
+/// The file earlier builds kept the Raft log and vote in (decision 0021).
+const OLD_JOURNAL: &str = "raft.journal";
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    /// Starting over an empty log would forget the vote and the membership: refused.
+    #[error("{path} is the Raft log of an earlier mqstate build, which this one does not read; stop the node, move its cluster directory away and add it to the cluster again as a new node (a new id)")]
+    OldJournal { path: std::path::PathBuf },
+}
+
 #[derive(Debug)]
 struct Inner {
     wal: Wal,
@@ -58,7 +70,11 @@ pub struct LogStore {
 
 impl LogStore {
     /// Opens (or creates) the log in `dir` (`log/`, `mqstate.metadata`, `temp/`, `LOCK`).
-    pub fn open(dir: &Path) -> Result<LogStore, WalError> {
+    pub fn open(dir: &Path) -> Result<LogStore, OpenError> {
+        let old = dir.join(OLD_JOURNAL);
+        if old.exists() {
+            return Err(OpenError::OldJournal { path: old });
+        }
         let (wal, recovered) = Wal::open(dir, options())?;
         let committed = recovered.metadata.committed.map(to_raft);
         Ok(LogStore {
@@ -415,6 +431,14 @@ mod tests {
             ids(&store.try_get_log_entries(..).await.unwrap()),
             [(4, 31)]
         );
+    }
+
+    #[test]
+    fn a_journal_of_an_earlier_build_is_refused_not_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(OLD_JOURNAL), b"old").unwrap();
+        let err = LogStore::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("raft.journal") && err.contains("earlier"), "{err}");
     }
 
     #[tokio::test]
