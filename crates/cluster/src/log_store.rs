@@ -438,7 +438,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(OLD_JOURNAL), b"old").unwrap();
         let err = LogStore::open(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("raft.journal") && err.contains("earlier"), "{err}");
+        assert!(
+            err.contains("raft.journal") && err.contains("earlier"),
+            "{err}"
+        );
     }
 
     #[tokio::test]
