@@ -604,7 +604,7 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
     while pause(&mut stopped, period).await {
         let (seen_epoch, catching_up) = {
             let applied = inner.state.read();
-            let catching_up: Vec<PartitionId> = applied
+            let catching_up: Vec<(PartitionId, u64)> = applied
                 .state
                 .partitions
                 .iter()
@@ -613,7 +613,7 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                         && p.chain.contains(&inner.id())
                         && !p.read_view.contains(&inner.id())
                 })
-                .map(|p| p.id)
+                .map(|p| (p.id, p.view))
                 .collect();
             (applied.state.epoch, catching_up)
         };
