@@ -289,8 +289,9 @@ impl Wal {
 
     /// Replaces the metadata file with the application's fields of `metadata` (term, vote, node
     /// id, HLC high-water); the log's own fields (`durable_end`, `last_purged`) are kept as the
-    /// log knows them, the durable end raised to what is fsynced now. Meant for start-up, before
-    /// anything is served: the failpoints do not apply (a serving process writes through
+    /// log knows them, the durable end raised to what is fsynced now. For start-up, before
+    /// anything is served, and for an owner that drives the log synchronously (the cluster's Raft
+    /// log writes its vote here): the failpoints do not apply (the server's logs write through
     /// [`crate::WalWriter::write_metadata`]).
     pub fn write_metadata(&self, metadata: &Metadata) -> Result<(), WalError> {
         self.metadata.write_application_fields(metadata, false)
