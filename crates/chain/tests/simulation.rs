@@ -405,11 +405,12 @@ impl Sim {
     fn after_step(&mut self) {
         for (node, view) in std::mem::take(&mut self.c.caught_up) {
             if let Some(raft) = self.raft.as_mut() {
-                // The command carries no view: report only while the view is the one caught up in.
+                // The control plane ignores a report from a replaced view; counted only when it
+                // can take effect.
                 if view == raft.state.partitions[0].view && !raft.pending() {
                     raft.state.apply(&Command::CaughtUp {
                         node,
-                        partitions: vec![0],
+                        partitions: vec![(0, view)],
                     });
                     self.totals.joins_caught_up += 1;
                 }

@@ -123,10 +123,12 @@ pub enum Command {
         seen_epoch: u64,
         now_ms: u64,
     },
-    /// `node` holds these partitions' data: it may enter their read views.
+    /// `node` holds these partitions' data, each as of the view id given with it: it may enter
+    /// their read views. A partition whose published view has changed since is left alone (the
+    /// node may have been moved, or have to copy again; it reports again under the new view).
     CaughtUp {
         node: NodeId,
-        partitions: Vec<PartitionId>,
+        partitions: Vec<(PartitionId, u64)>,
     },
     /// The leader's periodic step: failure detection and publication of pending views.
     Tick { now_ms: u64 },
@@ -184,8 +186,8 @@ impl ControlState {
                 node,
                 ref partitions,
             } => {
-                for &partition in partitions {
-                    self.caught_up(node, partition);
+                for &(partition, view) in partitions {
+                    self.caught_up(node, partition, view);
                 }
                 Outcome::Done
             }
@@ -286,10 +288,13 @@ impl ControlState {
         }
     }
 
-    fn caught_up(&mut self, node: NodeId, partition: PartitionId) {
+    fn caught_up(&mut self, node: NodeId, partition: PartitionId, view: u64) {
         let Some(p) = self.partitions.get(partition as usize) else {
             return;
         };
+        if p.view != view {
+            return;
+        }
         let (chain, read) = match &p.pending {
             Some(pending) => (&pending.chain, &pending.read_view),
             None => (&p.chain, &p.read_view),
@@ -379,12 +384,19 @@ impl ControlState {
                 config.replication_factor,
             );
             // Survivors keep their order (a lost head's successor leads, a lost tail's predecessor
-            // ends the chain); newcomers enter at the tail.
+            // ends the chain); newcomers enter at the tail. When a member leaves, the readable
+            // survivors go first: a replica still catching up must never become head (it would
+            // answer reads and take writes without holding every committed row; docs/chain.md).
             let mut chain: Vec<NodeId> = current
                 .iter()
                 .copied()
                 .filter(|n| target.contains(n))
                 .collect();
+            if chain.len() < current.len() {
+                let (readable, catching_up): (Vec<NodeId>, Vec<NodeId>) =
+                    chain.iter().partition(|n| current_read.contains(n));
+                chain = readable.into_iter().chain(catching_up).collect();
+            }
             for n in &target {
                 if !chain.contains(n) {
                     chain.push(*n);
@@ -608,15 +620,43 @@ mod tests {
         assert_eq!(p0.chain, [2, 3, 1], "re-enters at the tail");
         assert_eq!(p0.read_view, [2, 3], "not readable before it caught up");
         assert_eq!(p0.view, 3);
+        // A report from an earlier view is ignored.
         state.apply(&Command::CaughtUp {
             node: 1,
-            partitions: vec![0],
+            partitions: vec![(0, 2)],
+        });
+        assert!(state.partitions[0].pending.is_none());
+        state.apply(&Command::CaughtUp {
+            node: 1,
+            partitions: vec![(0, 3)],
         });
         renew_all(&mut state, &[1, 2, 3], 5_200);
         state.apply(&Command::Tick { now_ms: 5_300 });
         let p0 = &state.partitions[0];
         assert_eq!(p0.read_view, [2, 3, 1]);
         assert_eq!(p0.view, 4);
+    }
+
+    #[test]
+    fn a_replica_still_catching_up_never_becomes_head_when_the_head_is_lost() {
+        let mut state = cluster(&[1, 2, 3], 1);
+        state.partitions[0].chain = vec![3, 2, 1];
+        state.partitions[0].read_view = vec![3, 1];
+        renew_all(&mut state, &[1, 2, 3], 1_000);
+        state.apply(&Command::Tick { now_ms: 1_100 });
+        assert!(state.partitions[0].pending.is_none(), "nothing to change");
+        // 3, the head, stops renewing.
+        renew_all(&mut state, &[1, 2], 1_000 + LEASE);
+        let lapsed = 1_000 + LEASE + CF;
+        state.apply(&Command::Tick { now_ms: lapsed });
+        renew_all(&mut state, &[1, 2], lapsed + 100);
+        state.apply(&Command::Tick {
+            now_ms: lapsed + 200,
+        });
+        let p0 = &state.partitions[0];
+        assert!(p0.pending.is_none());
+        assert_eq!(p0.chain, [1, 2], "the readable survivor leads");
+        assert_eq!(p0.read_view, [1]);
     }
 
     #[test]

@@ -5,15 +5,14 @@
 //! * [`partition`] — the stable key hash and the chain layout (pure).
 //! * [`control`] — the control-plane state machine: members, partition map, views, leases,
 //!   failure detection (pure, deterministic; time comes in the commands).
-//! * [`journal`], [`log_store`], [`state_machine`] — openraft storage: the Raft log and vote in a
-//!   CRC-framed journal, the applied [`control::ControlState`] with snapshots.
+//! * [`log_store`], [`state_machine`] — openraft storage: the Raft log and vote in our
+//!   write-ahead log (`mqstate-wal`), the applied [`control::ControlState`] with snapshots.
 //! * [`transport`] — node-to-node frames (length-prefixed, postcard) over TCP, or in memory for tests.
 //! * [`node`] — a running member: Raft, bootstrap, lease renewal, the leader's ticks, admin
 //!   operations and [`status::Status`].
 
 pub mod admin;
 pub mod control;
-pub mod journal;
 pub mod log_store;
 pub mod network;
 pub mod node;

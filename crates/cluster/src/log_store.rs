@@ -1,32 +1,239 @@
-//! openraft's log storage over the [`Journal`].
+//! openraft's log storage over our write-ahead log (`mqstate-wal`, TaskFlux layout; decision 0029).
+//!
+//! * An entry is one record: its term in the record header, its index the record's LSN (a log id
+//!   is (term, index) with openraft's `single-term-leader`), its payload postcard-encoded as the
+//!   record's data.
+//! * The vote is the metadata file's term, voted-for and vote-committed fields; the last purged
+//!   log id and the committed log id are its v3 fields. No file of our own.
+//! * The state machine keeps its snapshot apart (`state_machine`), so the log is opened with
+//!   [`WalOptions::snapshot_elsewhere`]: a purge is openraft's promise that the snapshot covers it.
 
 use std::fmt::Debug;
-use std::ops::RangeBounds;
+use std::ops::{Bound, Range, RangeBounds};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use mqstate_wal::{Wal, WalError, WalOptions, WalReader};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
-use openraft::{OptionalSend, RaftLogReader};
+use openraft::{CommittedLeaderId, EntryPayload, LeaderId, OptionalSend, RaftLogReader};
 
-use crate::journal::{Journal, JournalError};
 use crate::types::{storage_error, Entry, LogId, StorageError, TypeConfig, Vote};
+use crate::NodeId;
 
-/// The Raft log of this node. Clones share the journal (the reader openraft asks for is a clone).
+/// The largest node id the metadata file's voted-for field holds (`Int32`).
+pub const MAX_NODE_ID: NodeId = i32::MAX as NodeId;
+
+/// The committed log id is a hint (it lets a restart apply without waiting for a leader), so it is
+/// written to the metadata file only every this many entries, and with every vote.
+const COMMITTED_WRITE_EVERY: u64 = 64;
+
+/// The control plane's log is small and its rate low: small segments, so that a purge frees
+/// space soon, and none prepared ahead.
+fn options() -> WalOptions {
+    WalOptions {
+        name: "raft",
+        segment_soft_limit_bytes: 1 << 20,
+        segment_hard_limit_bytes: 4 << 20,
+        preallocate_segments: false,
+        snapshot_elsewhere: true,
+        ..WalOptions::default()
+    }
+}
+
+/// The file earlier builds kept the Raft log and vote in (decision 0021).
+const OLD_JOURNAL: &str = "raft.journal";
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    /// Starting over an empty log would forget the vote and the membership: refused.
+    #[error("{path} is the Raft log of an earlier mqstate build, which this one does not read; stop the node, move its cluster directory away and add it to the cluster again as a new node (a new id)")]
+    OldJournal { path: std::path::PathBuf },
+}
+
+#[derive(Debug)]
+struct Inner {
+    wal: Wal,
+    committed: Option<LogId>,
+    /// The committed log id as the metadata file has it.
+    written_committed: Option<LogId>,
+}
+
+/// The Raft log of this node. Clones share the log (the reader openraft asks for is a clone).
 #[derive(Debug, Clone)]
 pub struct LogStore {
-    journal: Arc<Mutex<Journal>>,
+    inner: Arc<Mutex<Inner>>,
+    /// Reads records without waiting for a write in progress.
+    reader: WalReader,
 }
 
 impl LogStore {
-    pub fn open(dir: &std::path::Path) -> Result<LogStore, JournalError> {
+    /// Opens (or creates) the log in `dir` (`log/`, `mqstate.metadata`, `temp/`, `LOCK`).
+    pub fn open(dir: &Path) -> Result<LogStore, OpenError> {
+        let old = dir.join(OLD_JOURNAL);
+        if old.exists() {
+            return Err(OpenError::OldJournal { path: old });
+        }
+        let (wal, recovered) = Wal::open(dir, options())?;
+        let committed = recovered.metadata.committed.map(to_raft);
         Ok(LogStore {
-            journal: Arc::new(Mutex::new(Journal::open(dir)?)),
+            reader: wal.reader(),
+            inner: Arc::new(Mutex::new(Inner {
+                wal,
+                committed,
+                written_committed: committed,
+            })),
         })
     }
 
-    fn journal(&self) -> MutexGuard<'_, Journal> {
-        // A panic while holding the lock cannot leave the journal half-applied (memory is changed
-        // only after the write succeeded), so a poisoned lock is still usable.
-        self.journal.lock().unwrap_or_else(|e| e.into_inner())
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        // Memory changes only after the disk did, so a lock poisoned by a panic is still usable.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn last_purged(&self) -> Option<LogId> {
+        self.reader.last_purged().map(to_raft)
+    }
+
+    #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
+    fn read(&self, range: Range<u64>) -> Result<Vec<Entry>, StorageError> {
+        let bounds = self.reader.bounds();
+        let range = range.start.max(bounds.start)..range.end.min(bounds.end);
+        if range.is_empty() {
+            return Ok(Vec::new());
+        }
+        let records = self.reader.read(range).map_err(storage_error::read_logs)?;
+        records
+            .into_iter()
+            .map(|record| {
+                let payload: EntryPayload<TypeConfig> = postcard::from_bytes(&record.data)
+                    .map_err(|e| {
+                        storage_error::read_logs(format!(
+                            "the Raft log record at index {} does not decode: {e}",
+                            record.lsn
+                        ))
+                    })?;
+                Ok(Entry {
+                    log_id: log_id(record.term, record.lsn),
+                    payload,
+                })
+            })
+            .collect()
+    }
+}
+
+fn log_id(term: u64, index: u64) -> LogId {
+    LogId::new(CommittedLeaderId::new(term, 0), index)
+}
+
+fn to_raft(id: mqstate_wal::LogId) -> LogId {
+    log_id(id.term, id.index)
+}
+
+fn to_wal(id: LogId) -> mqstate_wal::LogId {
+    mqstate_wal::LogId {
+        term: id.leader_id.term,
+        index: id.index,
+    }
+}
+
+fn to_range(range: impl RangeBounds<u64>) -> Range<u64> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => u64::MAX,
+    };
+    start..end
+}
+
+impl Inner {
+    /// Writes the vote fields and the committed log id to the metadata file (replaced atomically,
+    /// fsynced). The log's own fields (durable end, last purged) are kept as the log knows them.
+    #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
+    fn write_metadata(&mut self, vote: Option<Vote>) -> Result<(), StorageError> {
+        let mut metadata = self.wal.metadata();
+        if let Some(vote) = vote {
+            metadata.term = vote.leader_id.term;
+            metadata.voted_for = match vote.leader_id.voted_for {
+                None => None,
+                Some(id) => Some(
+                    u32::try_from(id)
+                        .ok()
+                        .filter(|&id| NodeId::from(id) <= MAX_NODE_ID)
+                        .ok_or_else(|| {
+                            storage_error::write_vote(format!(
+                                "cannot record a vote for node {id}: the metadata file's voted-for field holds node ids up to {MAX_NODE_ID}"
+                            ))
+                        })?,
+                ),
+            };
+            metadata.vote_committed = vote.committed;
+        }
+        metadata.committed = self.committed.map(to_wal);
+        self.wal.write_metadata(&metadata).map_err(|e| {
+            if vote.is_some() {
+                storage_error::write_vote(e)
+            } else {
+                storage_error::write_logs(e)
+            }
+        })?;
+        self.written_committed = self.committed;
+        Ok(())
+    }
+
+    #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
+    fn append(&mut self, entries: &[Entry]) -> Result<(), StorageError> {
+        debug_assert!(entries
+            .windows(2)
+            .all(|w| w[0].log_id.index + 1 == w[1].log_id.index));
+        // Entries at or below the last purged one are covered by the snapshot (committed, so
+        // the same everywhere): nothing to write.
+        let purged = self.wal.metadata().last_purged;
+        let skip = purged.map_or(0, |p| {
+            entries
+                .iter()
+                .take_while(|e| e.log_id.index <= p.index)
+                .count()
+        });
+        let entries = &entries[skip..];
+        let Some(first) = entries.first().map(|e| e.log_id.index) else {
+            return Ok(());
+        };
+        let encoded = entries
+            .iter()
+            .map(|e| Ok((e.log_id.leader_id.term, postcard::to_allocvec(&e.payload)?)))
+            .collect::<Result<Vec<_>, postcard::Error>>()
+            .map_err(storage_error::write_logs)?;
+        let next = self.wal.next_lsn();
+        if first > next && next == 0 && purged.is_none() {
+            // A log that never held an entry begins where its first entry is (openraft's storage
+            // suite starts logs at 1 or 2). What comes before it is not here, as if purged; in a
+            // running cluster the first entry is 0, or follows a snapshot's purge.
+            let before = mqstate_wal::LogId {
+                term: entries[0].log_id.leader_id.term,
+                index: first - 1,
+            };
+            self.wal
+                .compact(before)
+                .map_err(storage_error::write_logs)?;
+        }
+        // An append over entries already present replaces them from there on.
+        if first < self.wal.next_lsn() {
+            self.wal
+                .truncate_from(first)
+                .map_err(storage_error::write_logs)?;
+        }
+        self.wal
+            .write_batch_at(first, encoded.iter().map(|(term, data)| (*term, &data[..])))
+            .and_then(|_| self.wal.sync())
+            .and_then(|()| self.wal.rotate_if_needed())
+            .map_err(storage_error::write_logs)
     }
 }
 
@@ -35,7 +242,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry>, StorageError> {
-        Ok(self.journal().entries(range))
+        self.read(to_range(range))
     }
 }
 
@@ -43,10 +250,20 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     type LogReader = LogStore;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
-        let journal = self.journal();
+        let last_purged_log_id = self.last_purged();
+        let bounds = self.reader.bounds();
+        let last_log_id = match bounds.end.checked_sub(1).filter(|_| !bounds.is_empty()) {
+            Some(last) => {
+                let term = self.reader.term_at(last).ok_or_else(|| {
+                    storage_error::read_logs(format!("no term for the Raft log index {last}"))
+                })?;
+                Some(log_id(term, last))
+            }
+            None => last_purged_log_id,
+        };
         Ok(LogState {
-            last_purged_log_id: journal.last_purged(),
-            last_log_id: journal.last_log_id(),
+            last_purged_log_id,
+            last_log_id,
         })
     }
 
@@ -55,23 +272,40 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError> {
-        self.journal()
-            .save_vote(*vote)
-            .map_err(storage_error::write_vote)
+        self.inner().write_metadata(Some(*vote))
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError> {
-        Ok(self.journal().vote())
+        let m = self.reader.metadata();
+        if m.term == 0 && m.voted_for.is_none() && !m.vote_committed {
+            return Ok(None);
+        }
+        let leader_id = LeaderId {
+            term: m.term,
+            voted_for: m.voted_for.map(NodeId::from),
+        };
+        Ok(Some(Vote {
+            leader_id,
+            committed: m.vote_committed,
+        }))
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
-        self.journal()
-            .save_committed(committed)
-            .map_err(storage_error::write_logs)
+        let mut inner = self.inner();
+        inner.committed = committed;
+        let due = match (inner.written_committed, committed) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(written), Some(now)) => now.index >= written.index + COMMITTED_WRITE_EVERY,
+        };
+        if due {
+            inner.write_metadata(None)?;
+        }
+        Ok(())
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
-        Ok(self.journal().committed())
+        Ok(self.inner().committed)
     }
 
     async fn append<I>(
@@ -84,33 +318,145 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: OptionalSend,
     {
         let entries: Vec<Entry> = entries.into_iter().collect();
-        if entries.is_empty() {
-            callback.log_io_completed(Ok(()));
-            return Ok(());
-        }
         // Synchronous: the control plane appends rarely and small, and the fsync is done when
         // `append` returns, which is what the callback reports.
-        match self.journal().append(entries) {
+        match self.inner().append(&entries) {
             Ok(()) => {
                 callback.log_io_completed(Ok(()));
                 Ok(())
             }
             Err(e) => {
                 callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
-                Err(storage_error::write_logs(e))
+                Err(e)
             }
         }
     }
 
     async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        self.journal()
+        self.inner()
+            .wal
             .truncate_from(log_id.index)
             .map_err(storage_error::write_logs)
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        self.journal()
-            .purge_up_to(log_id)
+        let mut inner = self.inner();
+        let obsolete = inner
+            .wal
+            .compact(to_wal(log_id))
+            .map_err(storage_error::write_logs)?;
+        mqstate_wal::delete_segments(inner.wal.data_dir(), &obsolete)
             .map_err(storage_error::write_logs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::EntryPayload;
+
+    use super::*;
+    use crate::control::Command;
+
+    fn entry(term: u64, index: u64) -> Entry {
+        Entry {
+            log_id: log_id(term, index),
+            payload: EntryPayload::Normal(Command::Tick { now_ms: index }),
+        }
+    }
+
+    fn ids(entries: &[Entry]) -> Vec<(u64, u64)> {
+        entries
+            .iter()
+            .map(|e| (e.log_id.leader_id.term, e.log_id.index))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn log_vote_purge_and_committed_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut store = LogStore::open(dir.path()).unwrap();
+            {
+                let mut inner = store.inner();
+                inner
+                    .append(&(0..=5).map(|i| entry(1, i)).collect::<Vec<_>>())
+                    .unwrap();
+                inner.wal.truncate_from(4).unwrap();
+                inner.append(&[entry(2, 4)]).unwrap();
+                // An append over existing entries replaces the suffix.
+                inner.append(&[entry(2, 5), entry(2, 6)]).unwrap();
+                inner.append(&[entry(3, 6)]).unwrap();
+            }
+            store.purge(log_id(1, 1)).await.unwrap();
+            store.save_committed(Some(log_id(1, 2))).await.unwrap();
+            store.save_vote(&Vote::new_committed(3, 2)).await.unwrap();
+        }
+        let mut store = LogStore::open(dir.path()).unwrap();
+        let all = store.try_get_log_entries(..).await.unwrap();
+        assert_eq!(ids(&all), [(1, 2), (1, 3), (2, 4), (2, 5), (3, 6)]);
+        assert_eq!(
+            all[3].payload,
+            EntryPayload::Normal(Command::Tick { now_ms: 5 })
+        );
+        assert_eq!(
+            store.read_vote().await.unwrap(),
+            Some(Vote::new_committed(3, 2))
+        );
+        assert_eq!(store.read_committed().await.unwrap(), Some(log_id(1, 2)));
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(log_id(1, 1)));
+        assert_eq!(state.last_log_id, Some(log_id(3, 6)));
+        // The header carries the term and the LSN is the index: what `mqstate data inspect` shows.
+        let records = store.reader.read(2..7).unwrap();
+        let headers: Vec<(u64, u64)> = records.iter().map(|r| (r.term, r.lsn)).collect();
+        assert_eq!(headers, ids(&all));
+    }
+
+    #[tokio::test]
+    async fn a_purge_past_the_end_leaves_an_empty_log_that_continues_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut store = LogStore::open(dir.path()).unwrap();
+            store.inner().append(&[entry(1, 0), entry(1, 1)]).unwrap();
+            store.purge(log_id(4, 30)).await.unwrap();
+        }
+        let mut store = LogStore::open(dir.path()).unwrap();
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(log_id(4, 30)));
+        assert_eq!(state.last_log_id, Some(log_id(4, 30)));
+        assert!(store.try_get_log_entries(..).await.unwrap().is_empty());
+        // An entry the purge covers is not written again.
+        store.inner().append(&[entry(4, 30), entry(4, 31)]).unwrap();
+        assert_eq!(
+            ids(&store.try_get_log_entries(..).await.unwrap()),
+            [(4, 31)]
+        );
+    }
+
+    #[test]
+    fn a_journal_of_an_earlier_build_is_refused_not_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(OLD_JOURNAL), b"old").unwrap();
+        let err = LogStore::open(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("raft.journal") && err.contains("earlier"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_vote_for_a_node_id_the_file_cannot_hold_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = LogStore::open(dir.path()).unwrap();
+        let err = store
+            .save_vote(&Vote::new(1, MAX_NODE_ID + 1))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("voted-for field"), "{err}");
+        store.save_vote(&Vote::new(1, MAX_NODE_ID)).await.unwrap();
+        assert_eq!(
+            store.read_vote().await.unwrap(),
+            Some(Vote::new(1, MAX_NODE_ID))
+        );
     }
 }

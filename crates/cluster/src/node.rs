@@ -48,7 +48,7 @@ pub struct NodeConfig {
     pub peers: BTreeMap<NodeId, String>,
     /// Wait to be added (`cluster add-node`) instead of forming the cluster.
     pub join: bool,
-    /// Where the Raft journal and snapshot live.
+    /// Where the Raft log (a `mqstate-wal` log), its metadata and the snapshot live.
     pub dir: PathBuf,
     /// Proposed when this node creates the partition map.
     pub map: MapConfig,
@@ -116,6 +116,15 @@ impl ClusterNode {
     ) -> Result<ClusterNode, ClusterError> {
         if config.id == 0 {
             return Err(ClusterError::Config("node ids start at 1".into()));
+        }
+        if let Some(id) = std::iter::once(config.id)
+            .chain(config.peers.keys().copied())
+            .find(|&id| id > crate::log_store::MAX_NODE_ID)
+        {
+            return Err(ClusterError::Config(format!(
+                "node id {id} is too large: node ids go up to {} (the Raft metadata file's voted-for field)",
+                crate::log_store::MAX_NODE_ID
+            )));
         }
         if !config.join && !config.peers.is_empty() && !config.peers.contains_key(&config.id) {
             return Err(ClusterError::Config(format!(
@@ -595,7 +604,7 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
     while pause(&mut stopped, period).await {
         let (seen_epoch, catching_up) = {
             let applied = inner.state.read();
-            let catching_up: Vec<PartitionId> = applied
+            let catching_up: Vec<(PartitionId, u64)> = applied
                 .state
                 .partitions
                 .iter()
@@ -604,7 +613,7 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                         && p.chain.contains(&inner.id())
                         && !p.read_view.contains(&inner.id())
                 })
-                .map(|p| p.id)
+                .map(|p| (p.id, p.view))
                 .collect();
             (applied.state.epoch, catching_up)
         };

@@ -36,6 +36,9 @@ pub mod storage_error {
     pub fn write_logs(e: impl Display) -> StorageError {
         StorageIOError::write_logs(AnyError::error(e.to_string())).into()
     }
+    pub fn read_logs(e: impl Display) -> StorageError {
+        StorageIOError::read_logs(AnyError::error(e.to_string())).into()
+    }
     pub fn write_vote(e: impl Display) -> StorageError {
         StorageIOError::write_vote(AnyError::error(e.to_string())).into()
     }

@@ -12,7 +12,7 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, tempfile::TempDir> fo
         &self,
     ) -> Result<(tempfile::TempDir, LogStore, StateMachineStore), StorageError> {
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let log = LogStore::open(dir.path()).expect("a fresh journal opens");
+        let log = LogStore::open(dir.path()).expect("a fresh Raft log opens");
         let sm = StateMachineStore::open(dir.path())?;
         Ok((dir, log, sm))
     }

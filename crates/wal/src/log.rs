@@ -122,7 +122,11 @@ impl Wal {
         // Before anything is cleared or cut: those files may be another process's live ones.
         let lock = dir.lock()?;
         dir.clear_temp()?;
-        let snapshot = read_snapshot(&dir)?;
+        let snapshot = if options.snapshot_elsewhere {
+            None
+        } else {
+            read_snapshot(&dir)?
+        };
         let segments = load_segments(&dir)?;
         let metadata = match read_metadata(&dir)? {
             Some(metadata) => metadata,
@@ -140,7 +144,11 @@ impl Wal {
                 fresh
             }
         };
-        let keep_from = snapshot.as_ref().map_or(0, |s| s.last_index + 1);
+        let keep_from = if options.snapshot_elsewhere {
+            metadata.last_purged.map_or(0, |p| p.index + 1)
+        } else {
+            snapshot.as_ref().map_or(0, |s| s.last_index + 1)
+        };
         if let Some(purged) = metadata.last_purged.filter(|p| p.index >= keep_from) {
             return Err(WalError::PurgedPastSnapshot {
                 path: dir.snapshot_path(),
@@ -281,8 +289,9 @@ impl Wal {
 
     /// Replaces the metadata file with the application's fields of `metadata` (term, vote, node
     /// id, HLC high-water); the log's own fields (`durable_end`, `last_purged`) are kept as the
-    /// log knows them, the durable end raised to what is fsynced now. Meant for start-up, before
-    /// anything is served: the failpoints do not apply (a serving process writes through
+    /// log knows them, the durable end raised to what is fsynced now. For start-up, before
+    /// anything is served, and for an owner that drives the log synchronously (the cluster's Raft
+    /// log writes its vote here): the failpoints do not apply (the server's logs write through
     /// [`crate::WalWriter::write_metadata`]).
     pub fn write_metadata(&self, metadata: &Metadata) -> Result<(), WalError> {
         self.metadata.write_application_fields(metadata, false)

@@ -47,6 +47,11 @@ pub struct WalOptions {
     /// Prepare each next segment full of zeros in the background, so that commits into it
     /// fdatasync data only (see `prealloc`). Default on.
     pub preallocate_segments: bool,
+    /// The application keeps its snapshot outside this log (openraft's state machine keeps its
+    /// own): `mqstate.snapshot` is neither read nor required, and the last purged id in the
+    /// metadata alone says where the log starts. A purge ([`crate::Wal::compact`]) is then the
+    /// application's promise that its snapshot covers the purged records. Default off.
+    pub snapshot_elsewhere: bool,
 }
 
 impl Default for WalOptions {
@@ -62,6 +67,7 @@ impl Default for WalOptions {
             batch_bytes_max: DEFAULT_BATCH_BYTES_MAX,
             failpoints: Failpoints::default(),
             preallocate_segments: true,
+            snapshot_elsewhere: false,
         }
     }
 }

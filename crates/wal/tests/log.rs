@@ -761,3 +761,50 @@ fn reads_by_range_see_every_segment_and_the_purge_is_remembered() {
         "{err}"
     );
 }
+
+fn snapshot_elsewhere() -> WalOptions {
+    WalOptions {
+        snapshot_elsewhere: true,
+        ..small_segments()
+    }
+}
+
+/// openraft's log: the state machine keeps its own snapshot, so a purge stands without
+/// `mqstate.snapshot` and the last purged id alone says where the log starts after a restart.
+#[test]
+fn with_the_snapshot_elsewhere_a_purge_alone_moves_the_start_of_the_log() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut wal, _) = Wal::open(tmp.path(), snapshot_elsewhere()).unwrap();
+    for i in 0..6u8 {
+        wal.write_batch_at(u64::from(i), [(1, &[b'a' + i; 8][..])])
+            .unwrap();
+        wal.sync().unwrap();
+        wal.rotate_if_needed().unwrap();
+    }
+    let purged = mqstate_wal::LogId { term: 1, index: 2 };
+    let obsolete = wal.compact(purged).unwrap();
+    mqstate_wal::delete_segments(wal.data_dir(), &obsolete).unwrap();
+    drop(wal);
+    // The default options look for the snapshot that would cover the purge, and refuse.
+    let err = Wal::open(tmp.path(), small_segments()).unwrap_err();
+    assert!(matches!(err, WalError::PurgedPastSnapshot { .. }), "{err}");
+    let (mut wal, recovered) = Wal::open(tmp.path(), snapshot_elsewhere()).unwrap();
+    assert!(recovered.snapshot.is_none());
+    assert_eq!(recovered.metadata.last_purged, Some(purged));
+    assert_eq!(recovered.replay, 3..6);
+    assert_eq!(wal.reader().bounds(), 3..6);
+    assert_eq!(wal.write_batch_at(6, [(2, &b"g"[..])]).unwrap(), 6..7);
+    wal.sync().unwrap();
+
+    // A purge past the end of the log (a snapshot installed from the leader): the log restarts
+    // after it, and stays so across a restart.
+    let ahead = mqstate_wal::LogId { term: 3, index: 20 };
+    let obsolete = wal.compact(ahead).unwrap();
+    mqstate_wal::delete_segments(wal.data_dir(), &obsolete).unwrap();
+    assert_eq!(wal.next_lsn(), 21);
+    drop(wal);
+    let (wal, recovered) = Wal::open(tmp.path(), snapshot_elsewhere()).unwrap();
+    assert_eq!(recovered.metadata.last_purged, Some(ahead));
+    assert_eq!(wal.next_lsn(), 21);
+    assert_eq!(wal.reader().bounds(), 21..21);
+}
