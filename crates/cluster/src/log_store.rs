@@ -1,4 +1,4 @@
-//! openraft's log storage over our write-ahead log (`mqstate-wal`, TaskFlux layout; decision 0029).
+//! openraft's log storage over our write-ahead log (`mqstate-wal`, TaskFlux layout; decision 0031).
 //!
 //! * An entry is one record: its term in the record header, its index the record's LSN (a log id
 //!   is (term, index) with openraft's `single-term-leader`), its payload postcard-encoded as the
