@@ -10,7 +10,7 @@ use mqstate_broker::{
 };
 use mqstate_protocol::{Command, SetCondition};
 use mqstate_store::notify::{lock_key, Event, QueueDelta, QueueUndo, RemoveError, Topic};
-use mqstate_store::{Change, Delta, Execution, RequestContext};
+use mqstate_store::{Delta, Execution, RequestContext};
 use mqstate_wal::PendingCommit;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Notify};
@@ -184,9 +184,8 @@ impl Executor {
         &mut self,
         delta: &QueueDelta,
     ) -> Result<Option<PendingCommit>, String> {
-        let bytes = Change::Queue(delta.clone())
-            .encode()
-            .map_err(|e| e.to_string())?;
+        // The record of `Change::Queue(delta)`, without cloning the delta into one.
+        let bytes = delta.encode().map_err(|e| e.to_string())?;
         self.log_bytes(bytes).await
     }
 
@@ -247,6 +246,24 @@ impl Executor {
     pub(super) fn notify_queued(&self) {
         if let Some(notify) = &self.notify {
             notify.queued.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Sets every topic's gauges (queue depth, reserved, bytes, oldest entry age): called once a
+    /// second, so the metrics endpoint shows queues nobody asked `topic stats` about.
+    pub(super) fn report_queues(&self) {
+        if self.notify.is_none() {
+            return;
+        }
+        let now_ms = unix_now_ms();
+        for topic in self.machine.topics().iter() {
+            metrics::notification_queue(
+                &topic.def.name,
+                topic.entries().len(),
+                topic.reserved(),
+                topic.bytes(),
+                age_ms(topic, now_ms),
+            );
         }
     }
 
@@ -583,6 +600,8 @@ impl Executor {
                         if let Some(notify) = &self.notify {
                             notify.wake_owner.notify_one();
                         }
+                        // The gauges of a deleted queue would otherwise keep its last depth.
+                        metrics::notification_queue(&name, 0, 0, 0, 0);
                         (commit, json!({ "deleted": name }))
                     }
                     Err(e) => {
