@@ -169,12 +169,14 @@ notify() {
 median() { sort -n | awk '{v[NR] = $1} END {print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
 json_field() { python3 -c 'import json, sys; print(round(json.load(open(sys.argv[1]))[sys.argv[2]]))' "$1" "$2"; }
 
-# Prints the durable SET rate of one run (ops/s) with `none` or `one` topic; the rest goes to $OUT.
+# Prints the durable SET rate of one run (ops/s) with `none` or `one` topic, then the server's CPU
+# time per SET (µs; on a shared machine steadier than the rate) and the HTTP sink's; the rest goes to
+# $OUT. No warm-up: CPU is divided by the requests counted, so every request must be counted.
 notify_set_rate() { # run, none|one
-  local name="notify-set-$2-$1" sink_port
+  local name="notify-set-$2-$1" sink_port sink_pid="" WARMUP=0
   if [ "$2" = one ]; then
     sink_port=$(free_port)
-    python3 scripts/notify-sink.py "$sink_port" "$OUT/$name.count" & PIDS+=("$!")
+    python3 scripts/notify-sink.py "$sink_port" "$OUT/$name.count" & sink_pid=$!; PIDS+=("$sink_pid")
     wait_port "$sink_port"
   fi
   start_mqstate "$name" --fsync always
@@ -182,22 +184,36 @@ notify_set_rate() { # run, none|one
     "$MQSTATE" topic create bench --port "$PORT" --endpoint "http://127.0.0.1:$sink_port/hook" \
       --keys 'bench:*' --max-queue 10000000 --json >/dev/null
   fi
+  local server_before sink_before=0 sink_after=0
+  server_before=$(cpu_us "$SERVER_PID")
+  [ -n "$sink_pid" ] && sink_before=$(cpu_us "$sink_pid")
   bench "$name" --connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64 \
     >"$OUT/$name.txt"
-  if [ "$2" = one ]; then
+  local server=$(( $(cpu_us "$SERVER_PID") - server_before ))
+  if [ -n "$sink_pid" ]; then
     "$MQSTATE" topic stats bench --port "$PORT" --json >"$OUT/$name.stats.json"
+    sink_after=$(cpu_us "$sink_pid")
   fi
   stop_all
-  json_field "$OUT/$name.json" ops_per_sec
+  local ops; ops=$(awk '$1 == "ops" {print $2}' "$OUT/$name.txt")
+  echo "$(json_field "$OUT/$name.json" ops_per_sec) $(echo "scale=1; $server / $ops" | bc) $(echo "scale=1; ($sink_after - $sink_before) / $ops" | bc)"
 }
 
-notify_set_summary() { # file of "run none one" lines
+stat_line() { # label, column, file
+  local values; values=$(awk -v c="$2" '{print $c}' "$3")
+  echo "$1: median $(echo "$values" | median), min $(echo "$values" | sort -n | head -n 1), max $(echo "$values" | sort -n | tail -n 1)"
+}
+
+notify_set_summary() { # file of "run none-rate none-cpu none-sink one-rate one-cpu one-sink" lines
   echo "== durable SET/s, 50 x 1, fsync always: no topic vs one matching topic (endpoint up)"
-  awk '{printf "run %d: %d vs %d SET/s (%+.1f %%)\n", $1, $2, $3, ($3 / $2 - 1) * 100}' "$1"
-  echo "no topic:  median $(awk '{print $2}' "$1" | median), min $(awk '{print $2}' "$1" | sort -n | head -n 1), max $(awk '{print $2}' "$1" | sort -n | tail -n 1)"
-  echo "one topic: median $(awk '{print $3}' "$1" | median), min $(awk '{print $3}' "$1" | sort -n | head -n 1), max $(awk '{print $3}' "$1" | sort -n | tail -n 1)"
-  local ratios; ratios=$(awk '{printf "%.1f\n", ($3 / $2 - 1) * 100}' "$1")
-  echo "change per pair: median $(echo "$ratios" | median) %, from $(echo "$ratios" | sort -n | head -n 1) % to $(echo "$ratios" | sort -n | tail -n 1) % (target: no lower than -20 %)"
+  awk '{printf "run %d: %d vs %d SET/s (%+.1f %%); server CPU per SET %.1f vs %.1f µs (+ sink %.1f µs)\n", $1, $2, $5, ($5 / $2 - 1) * 100, $3, $6, $7}' "$1"
+  stat_line "no topic SET/s" 2 "$1"
+  stat_line "one topic SET/s" 5 "$1"
+  stat_line "no topic, server CPU µs per SET" 3 "$1"
+  stat_line "one topic, server CPU µs per SET" 6 "$1"
+  stat_line "one topic, HTTP sink CPU µs per SET" 7 "$1"
+  local ratios; ratios=$(awk '{printf "%.1f\n", ($5 / $2 - 1) * 100}' "$1")
+  echo "SET/s change per pair: median $(echo "$ratios" | median) %, from $(echo "$ratios" | sort -n | head -n 1) % to $(echo "$ratios" | sort -n | tail -n 1) % (target: no lower than -20 %)"
 }
 
 # Prints notifications delivered per second: 100,000 queued while the endpoint is down, then the time

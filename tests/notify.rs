@@ -614,7 +614,10 @@ impl TestCerts {
         let ca_key = KeyPair::generate().unwrap();
         let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
         let ca_cert = ca.self_signed(&ca_key).unwrap();
         let issuer = Issuer::new(ca, ca_key);
         let key = KeyPair::generate().unwrap();
@@ -667,7 +670,12 @@ async fn https_endpoints_are_verified_against_the_ca_file() {
     let ca = trusted.path("ca.pem");
     args.extend(["--notify-tls-ca-file", &ca]);
     let server = Server::start_with(&args);
-    create(&server, "orders", &format!("https://{}/hook", hook.addr), &[]);
+    create(
+        &server,
+        "orders",
+        &format!("https://{}/hook", hook.addr),
+        &[],
+    );
     let mut client = StateClient::connect(server.addr, "writer").await;
     for i in 1..=3 {
         assert_eq!(

@@ -14,7 +14,9 @@ use crate::record::Record;
 /// Why an endpoint did not acknowledge (everything).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EndpointError {
-    #[error("invalid endpoint {0:?}: expected http(s)://host:port/path or mqtt(s)://host:port/topic")]
+    #[error(
+        "invalid endpoint {0:?}: expected http(s)://host:port/path or mqtt(s)://host:port/topic"
+    )]
     InvalidUrl(String),
     #[error("cannot connect to {addr}: {reason}")]
     Connect { addr: String, reason: String },
@@ -158,7 +160,9 @@ impl Endpoint {
         };
         let dialer = Dialer::new(target.authority, target.host, tls);
         Ok(match target.protocol {
-            Protocol::Http => Endpoint::Http(HttpEndpoint::new(dialer, target.path, options.timeout)),
+            Protocol::Http => {
+                Endpoint::Http(HttpEndpoint::new(dialer, target.path, options.timeout))
+            }
             Protocol::Mqtt => Endpoint::Mqtt(MqttEndpoint::new(
                 dialer,
                 target.path,
@@ -208,8 +212,20 @@ mod tests {
     fn default_ports_and_hosts() {
         let t = Target::parse("https://example.org/hook?x=1").unwrap();
         assert_eq!(
-            (t.protocol, t.tls, t.authority.as_str(), t.host.as_str(), t.path.as_str()),
-            (Protocol::Http, true, "example.org:443", "example.org", "/hook?x=1")
+            (
+                t.protocol,
+                t.tls,
+                t.authority.as_str(),
+                t.host.as_str(),
+                t.path.as_str()
+            ),
+            (
+                Protocol::Http,
+                true,
+                "example.org:443",
+                "example.org",
+                "/hook?x=1"
+            )
         );
         let t = Target::parse("mqtts://[::1]/a/b").unwrap();
         assert_eq!(

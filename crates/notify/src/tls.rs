@@ -22,9 +22,9 @@ pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, String
                 return Err(format!("{}: no PEM CERTIFICATE in it", path.display()));
             }
             for cert in certs {
-                roots.add(cert).map_err(|e| {
-                    format!("{}: not a usable CA certificate: {e}", path.display())
-                })?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("{}: not a usable CA certificate: {e}", path.display()))?;
             }
         }
         None => {
@@ -59,9 +59,14 @@ mod tests {
         let empty = dir.join("empty.pem");
         std::fs::write(&empty, "not a certificate\n").unwrap();
         let error = client_config(Some(&empty)).unwrap_err();
-        assert!(error.contains("empty.pem") && error.contains("no PEM CERTIFICATE"), "{error}");
+        assert!(
+            error.contains("empty.pem") && error.contains("no PEM CERTIFICATE"),
+            "{error}"
+        );
         let missing = dir.join("missing.pem");
-        assert!(client_config(Some(&missing)).unwrap_err().contains("missing.pem"));
+        assert!(client_config(Some(&missing))
+            .unwrap_err()
+            .contains("missing.pem"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -10,10 +10,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use mqstate_notify::endpoint::uses_tls;
+use mqstate_notify::tls::ClientConfig;
 use mqstate_notify::{Endpoint, EndpointError, Options, Record};
 use mqstate_protocol::Hlc;
 use mqstate_store::notify::{QueueEntry, RemoveError, TopicDef};
-use mqstate_notify::tls::ClientConfig;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
