@@ -752,9 +752,13 @@ fn topic_commands_are_admin_only_under_an_acl() {
         "--keys",
         "order:*",
     ];
-    // The broker refuses bob's request (PUBACK 0x87, logged as "PUBLISH not authorized").
     let refused = topic("bob", "builder", &create);
     assert!(!refused.status.success(), "{refused:?}");
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        text.contains("refused the request (reason code 0x87)"),
+        "the broker's PUBACK 0x87 is reported at once, not as a timeout: {text}"
+    );
     let listed = topic("alice", "wonderland", &["list", "--json"]);
     assert!(listed.status.success(), "{listed:?}");
     let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
