@@ -14,14 +14,14 @@ WHAT="${1:-all}"
 OUT="${OUT:-target/bench-results}"
 DURATION="${DURATION:-10}"
 WARMUP="${WARMUP:-2}"
-MQSTATE="$PWD/target/release/mqstate"
+MQSTATE="${CARGO_TARGET_DIR:-$PWD/target}/release/mqstate"
 mkdir -p "$OUT"
 cargo build --release --quiet
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; return 1; }
 PIDS=()
-stop_all() { local pid; for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; done; PIDS=(); }
+stop_all() { local pid; for pid in "${PIDS[@]:-}"; do if [ -n "$pid" ] && kill "$pid" 2>/dev/null; then wait "$pid" 2>/dev/null || true; fi; done; PIDS=(); }
 trap stop_all EXIT
 
 start_mqstate() { # name, extra serve flags...
@@ -142,35 +142,104 @@ restart() {
   stop_all
 }
 
-# Persistent notifications: durable SET rate with no topic vs one topic matching every key (its
-# endpoint up, delivering while the load runs), then notifications delivered per second to a local
-# HTTP endpoint (a queue of 100,000 filled while the endpoint is down, drained once it is up).
+# Persistent notifications (docs/benchmarks.md). The durable SET rate with no topic and with one
+# topic matching every key (its HTTP endpoint up and delivering while the load runs), NOTIFY_RUNS
+# pairs (default 3) interleaved (alternating which goes first) so that both see the same background
+# load, then the median and spread
+# of each and of their ratio; then notifications delivered per second to a local HTTP endpoint
+# (100,000 queued while it is down, drained once it is up), NOTIFY_RUNS times.
 notify() {
-  local common=(--connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64)
-  local sink_port; sink_port=$(free_port)
-  start_mqstate "notify-none" --fsync always
-  bench "notify-durable-set-no-topic" "${common[@]}"; stop_all
-  python3 scripts/notify-sink.py "$sink_port" "$OUT/notify-sink.count" & PIDS+=("$!")
-  start_mqstate "notify-one" --fsync always
-  "$MQSTATE" topic create bench --port "$PORT" --endpoint "http://127.0.0.1:$sink_port/hook" \
-    --keys 'bench:*' --max-queue 10000000 --json >/dev/null
-  bench "notify-durable-set-one-topic" "${common[@]}"
-  "$MQSTATE" topic stats bench --port "$PORT" --json | tee "$OUT/notify-one.stats.json"; echo
+  local runs="${NOTIFY_RUNS:-3}" run none one
+  local rates="$OUT/notify-set.rates"; : >"$rates"
+  for run in $(seq "$runs"); do
+    # Which goes first alternates, so that neither always follows the other.
+    if [ $((run % 2)) = 1 ]; then
+      none=$(notify_set_rate "$run" none); one=$(notify_set_rate "$run" one)
+    else
+      one=$(notify_set_rate "$run" one); none=$(notify_set_rate "$run" none)
+    fi
+    echo "$run $none $one" >>"$rates"
+  done
+  notify_set_summary "$rates"
+  local drains="$OUT/notify-drain.rates"; : >"$drains"
+  for run in $(seq "$runs"); do notify_drain_rate "$run" | tee -a "$drains"; done
+  echo "notifications delivered per second: median $(median <"$drains"), min $(sort -n "$drains" | head -n 1), max $(sort -n "$drains" | tail -n 1)"
+}
+
+median() { sort -n | awk '{v[NR] = $1} END {print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
+json_field() { python3 -c 'import json, sys; print(round(json.load(open(sys.argv[1]))[sys.argv[2]]))' "$1" "$2"; }
+
+# Prints the durable SET rate of one run (ops/s) with `none` or `one` topic, then the server's CPU
+# time per SET (µs; on a shared machine steadier than the rate) and the HTTP sink's; the rest goes to
+# $OUT. No warm-up: CPU is divided by the requests counted, so every request must be counted.
+notify_set_rate() { # run, none|one
+  local name="notify-set-$2-$1" sink_port sink_pid="" WARMUP=0
+  if [ "$2" = one ]; then
+    sink_port=$(free_port)
+    python3 scripts/notify-sink.py "$sink_port" "$OUT/$name.count" & sink_pid=$!; PIDS+=("$sink_pid")
+    wait_port "$sink_port"
+  fi
+  start_mqstate "$name" --fsync always
+  if [ "$2" = one ]; then
+    "$MQSTATE" topic create bench --port "$PORT" --endpoint "http://127.0.0.1:$sink_port/hook" \
+      --keys 'bench:*' --max-queue 10000000 --json >/dev/null
+  fi
+  local server_before sink_before=0 sink_after=0
+  server_before=$(cpu_us "$SERVER_PID")
+  [ -n "$sink_pid" ] && sink_before=$(cpu_us "$sink_pid")
+  bench "$name" --connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64 \
+    >"$OUT/$name.txt"
+  local server=$(( $(cpu_us "$SERVER_PID") - server_before ))
+  if [ -n "$sink_pid" ]; then
+    "$MQSTATE" topic stats bench --port "$PORT" --json >"$OUT/$name.stats.json"
+    sink_after=$(cpu_us "$sink_pid")
+  fi
   stop_all
-  start_mqstate "notify-drain" --fsync always --notify-retry-min-ms 100 --notify-retry-max-ms 100
+  local ops; ops=$(awk '$1 == "ops" {print $2}' "$OUT/$name.txt")
+  echo "$(json_field "$OUT/$name.json" ops_per_sec) $(echo "scale=1; $server / $ops" | bc) $(echo "scale=1; ($sink_after - $sink_before) / $ops" | bc)"
+}
+
+stat_line() { # label, column, file
+  local values; values=$(awk -v c="$2" '{print $c}' "$3")
+  echo "$1: median $(echo "$values" | median), min $(echo "$values" | sort -n | head -n 1), max $(echo "$values" | sort -n | tail -n 1)"
+}
+
+notify_set_summary() { # file of "run none-rate none-cpu none-sink one-rate one-cpu one-sink" lines
+  echo "== durable SET/s, 50 x 1, fsync always: no topic vs one matching topic (endpoint up)"
+  awk '{printf "run %d: %d vs %d SET/s (%+.1f %%); server CPU per SET %.1f vs %.1f µs (+ sink %.1f µs)\n", $1, $2, $5, ($5 / $2 - 1) * 100, $3, $6, $7}' "$1"
+  stat_line "no topic SET/s" 2 "$1"
+  stat_line "one topic SET/s" 5 "$1"
+  stat_line "no topic, server CPU µs per SET" 3 "$1"
+  stat_line "one topic, server CPU µs per SET" 6 "$1"
+  stat_line "one topic, HTTP sink CPU µs per SET" 7 "$1"
+  local ratios; ratios=$(awk '{printf "%.1f\n", ($5 / $2 - 1) * 100}' "$1")
+  echo "SET/s change per pair: median $(echo "$ratios" | median) %, from $(echo "$ratios" | sort -n | head -n 1) % to $(echo "$ratios" | sort -n | tail -n 1) % (target: no lower than -20 %)"
+}
+
+# Prints notifications delivered per second: 100,000 queued while the endpoint is down, then the time
+# until the queue is empty once it is up.
+notify_drain_rate() { # run
+  local name="notify-drain-$1" sink_port; sink_port=$(free_port)
+  # The sink listens from the start (no other connection can take its port) but answers 503 until
+  # the gate file exists: the endpoint is down while the queue fills.
+  local gate="$OUT/$name.up"; rm -f "$gate"
+  python3 scripts/notify-sink.py "$sink_port" "$OUT/$name.count" "$gate" & PIDS+=("$!")
+  wait_port "$sink_port"
+  start_mqstate "$name" --fsync always --notify-retry-min-ms 100 --notify-retry-max-ms 100
   "$MQSTATE" topic create drain --port "$PORT" --endpoint "http://127.0.0.1:$sink_port/hook" \
     --keys 'bench:*' --max-queue 200000 --json >/dev/null
   "$MQSTATE" bench --port "$PORT" --connections 16 --inflight 16 --mix set=100 --keys 100000 \
-    --distribution sequential --value-size 64 --requests 100000 | tail -n 3
-  echo "== notifications delivered per second (100,000 queued, HTTP endpoint on loopback)"
+    --distribution sequential --value-size 64 --requests 100000 >"$OUT/$name.load.txt"
   local t0; t0=$(date +%s.%N)
-  python3 scripts/notify-sink.py "$sink_port" "$OUT/notify-drain.count" & PIDS+=("$!")
-  while [ "$("$MQSTATE" topic stats drain --port "$PORT" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["entries"])')" != 0 ]; do
-    sleep 0.2
+  touch "$gate"
+  local left=1
+  while [ "$left" != 0 ]; do
+    sleep 0.1
+    left=$("$MQSTATE" topic stats drain --port "$PORT" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["entries"])') || left=1
   done
   local took; took=$(echo "$(date +%s.%N) - $t0" | bc)
-  echo "drained 100000 in $took s: $(echo "100000 / $took" | bc) notifications/s"
   stop_all
+  echo "100000 / $took" | bc
 }
 
 case "$WHAT" in

@@ -494,6 +494,10 @@ pub struct Settings {
     /// Notifications listed and pushed at a time (one HTTP POST). Default 100.
     #[arg(long, env = "MQSTATE_NOTIFY_BATCH", value_name = "N")]
     pub notify_batch: Option<usize>,
+
+    /// CA certificates (PEM) that `https://` and `mqtts://` notification endpoints are verified against. Default none: the system's CA certificates.
+    #[arg(long, env = "MQSTATE_NOTIFY_TLS_CA_FILE", value_name = "FILE")]
+    pub notify_tls_ca_file: Option<PathBuf>,
     /// This node's id in a cluster: a positive number, never reused. Default: none (a single node).
     #[arg(long, env = "MQSTATE_NODE_ID", value_name = "N")]
     pub node_id: Option<u64>,
@@ -700,6 +704,7 @@ fn notify_config(
     node_id: Option<String>,
     [reservation, walk, lock, retry_min, retry_max]: [Option<u64>; 5],
     batch: Option<usize>,
+    tls_ca_file: Option<PathBuf>,
 ) -> anyhow::Result<mqstate_statestore::notify::NotifyConfig> {
     let d = mqstate_statestore::notify::NotifyConfig::default();
     let ms = |value: Option<u64>, default: Duration, name: &str| match value {
@@ -728,7 +733,13 @@ fn notify_config(
             None => d.batch_max,
         },
         push_timeout: d.push_timeout,
+        tls_ca_file,
     };
+    if let Some(path) = &config.tls_ca_file {
+        // Refused at start, not at the first push to a TLS endpoint.
+        mqstate_statestore::notify::tls_client_config(Some(path))
+            .map_err(|e| anyhow::anyhow!("notify_tls_ca_file: {e}"))?;
+    }
     if config.lock_expiry <= config.walk_interval {
         tracing::warn!("notify_lock_expiry_ms is not longer than notify_walk_interval_ms: queue locks lapse between renewals");
     }
@@ -815,6 +826,7 @@ impl Settings {
             notify_retry_min_ms: self.notify_retry_min_ms.or(lower.notify_retry_min_ms),
             notify_retry_max_ms: self.notify_retry_max_ms.or(lower.notify_retry_max_ms),
             notify_batch: self.notify_batch.or(lower.notify_batch),
+            notify_tls_ca_file: self.notify_tls_ca_file.or(lower.notify_tls_ca_file),
             node_id: self.node_id.or(lower.node_id),
             cluster_listen: self.cluster_listen.or(lower.cluster_listen),
             peers: if self.peers.is_empty() {
@@ -945,6 +957,7 @@ impl Settings {
                     self.notify_retry_max_ms,
                 ],
                 self.notify_batch,
+                self.notify_tls_ca_file,
             )?,
             cluster,
         })

@@ -717,3 +717,62 @@ fn anonymous_listener_beyond_loopback_is_refused_unless_asked_for() {
     assert!(status.is_none(), "exited: {status:?} {stderr}");
     assert!(stderr.contains("mqstate ready"), "{stderr}");
 }
+
+/// `mqstate topic …` is admin-only under an ACL: only a user granted `write` on the admin topic can
+/// create, read or delete notification topics; the others are refused and change nothing.
+#[test]
+fn topic_commands_are_admin_only_under_an_acl() {
+    let dir = tempfile::tempdir().unwrap();
+    let acl = "pattern readwrite clients/%c/#\nuser alice\ntopic write mqstate/admin/v1/notify\n";
+    let server = start_with_passwords_and_acl(dir.path(), acl);
+    let topic = |user: &str, password: &str, args: &[&str]| {
+        let file = dir.path().join(format!("{user}.pw"));
+        std::fs::write(&file, format!("{password}\n")).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_mqstate"))
+            .arg("topic")
+            .args(args)
+            .args(["--port", &server.port().to_string(), "--timeout", "5"])
+            .args([
+                "--username",
+                user,
+                "--password-file",
+                file.to_str().unwrap(),
+            ])
+            .env_remove("AIO_BROKER_HOSTNAME")
+            .env_remove("AIO_BROKER_TCP_PORT")
+            .env_remove("AIO_MQTT_CLIENT_ID")
+            .output()
+            .unwrap()
+    };
+    let create = [
+        "create",
+        "orders",
+        "--endpoint",
+        "http://127.0.0.1:9/hook",
+        "--keys",
+        "order:*",
+    ];
+    let refused = topic("bob", "builder", &create);
+    assert!(!refused.status.success(), "{refused:?}");
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        text.contains("refused the request (reason code 0x87)"),
+        "the broker's PUBACK 0x87 is reported at once, not as a timeout: {text}"
+    );
+    let listed = topic("alice", "wonderland", &["list", "--json"]);
+    assert!(listed.status.success(), "{listed:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(
+        listed["topics"],
+        serde_json::json!([]),
+        "bob created nothing"
+    );
+    assert!(topic("alice", "wonderland", &create).status.success());
+    assert!(!topic("bob", "builder", &["stats", "orders"])
+        .status
+        .success());
+    assert!(!topic("bob", "builder", &["rm", "orders"]).status.success());
+    assert!(topic("alice", "wonderland", &["get", "orders"])
+        .status
+        .success());
+}

@@ -46,7 +46,7 @@ pub struct NameArgs {
 #[derive(clap::Args)]
 pub struct CreateArgs {
     pub name: String,
-    /// http://host:port/path (a JSON batch per POST) or mqtt://host:port/topic (QoS 1 per record).
+    /// http(s)://host:port/path (a JSON batch per POST) or mqtt(s)://host:port/topic (QoS 1 per record).
     #[arg(long)]
     pub endpoint: String,
     /// Key pattern (SCAN glob) of the keys whose changes are notified.

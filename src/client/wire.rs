@@ -26,8 +26,8 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
     check, ConnAck, Connect, ConnectProperties, ConnectReturnCode, Disconnect,
-    DisconnectReasonCode, Filter, Login, Packet, PingReq, PubAck, Publish, PublishProperties,
-    Subscribe, SubscribeReasonCode,
+    DisconnectReasonCode, Filter, Login, Packet, PingReq, PubAck, PubAckReason, Publish,
+    PublishProperties, Subscribe, SubscribeReasonCode,
 };
 use rumqttc::v5::mqttbytes::{Error as CodecError, QoS};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -93,6 +93,22 @@ pub enum Turn {
     Input,
     /// A [`TICK`] passed without input.
     Tick,
+}
+
+/// The MQTT 5 reason code of a PUBACK. rumqttc's enum has no discriminants, so `as u8` would give
+/// its position (NotAuthorized = 4), and no refusal would ever reach 0x80.
+fn puback_code(reason: PubAckReason) -> u8 {
+    match reason {
+        PubAckReason::Success => 0x00,
+        PubAckReason::NoMatchingSubscribers => 0x10,
+        PubAckReason::UnspecifiedError => 0x80,
+        PubAckReason::ImplementationSpecificError => 0x83,
+        PubAckReason::NotAuthorized => 0x87,
+        PubAckReason::TopicNameInvalid => 0x90,
+        PubAckReason::PacketIdentifierInUse => 0x91,
+        PubAckReason::QuotaExceeded => 0x97,
+        PubAckReason::PayloadFormatInvalid => 0x99,
+    }
 }
 
 /// Packet ids of our QoS 1 publishes: a free list, and which ids await their PUBACK.
@@ -252,7 +268,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                 Some(Packet::Publish(publish)) => return Ok(Some(publish)),
                 Some(Packet::PubAck(ack)) => {
                     self.ids.release(ack.pkid)?;
-                    let code = ack.reason as u8;
+                    let code = puback_code(ack.reason);
                     if code >= 0x80 {
                         self.refused = Some(code);
                     }

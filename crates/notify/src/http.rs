@@ -1,5 +1,5 @@
 //! HTTP push: one POST per batch with `{"records": [...]}`; any 2xx acknowledges the whole batch.
-//! One kept-alive HTTP/1.1 connection per endpoint, reopened after any failure.
+//! One kept-alive HTTP/1.1 connection per endpoint (TLS for `https`), reopened after any failure.
 
 use std::time::Duration;
 
@@ -7,22 +7,22 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 
+use crate::dial::Dialer;
 use crate::endpoint::{EndpointError, Pushed};
 use crate::record::{batch_json, Record};
 
 pub struct HttpEndpoint {
-    authority: String,
+    dialer: Dialer,
     path: String,
     timeout: Duration,
     connection: Option<SendRequest<Full<Bytes>>>,
 }
 
 impl HttpEndpoint {
-    pub(crate) fn new(authority: String, path: String, timeout: Duration) -> HttpEndpoint {
+    pub(crate) fn new(dialer: Dialer, path: String, timeout: Duration) -> HttpEndpoint {
         HttpEndpoint {
-            authority,
+            dialer,
             path,
             timeout,
             connection: None,
@@ -50,17 +50,13 @@ impl HttpEndpoint {
     }
 
     async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, EndpointError> {
-        let connect_error = |reason: String| EndpointError::Connect {
-            addr: self.authority.clone(),
-            reason,
-        };
-        let stream = TcpStream::connect(&self.authority)
-            .await
-            .map_err(|e| connect_error(e.to_string()))?;
-        let _ = stream.set_nodelay(true);
+        let stream = self.dialer.connect().await?;
         let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| connect_error(e.to_string()))?;
+            .map_err(|e| EndpointError::Connect {
+                addr: self.dialer.authority.clone(),
+                reason: e.to_string(),
+            })?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!("notification HTTP connection ended: {e}");
@@ -97,7 +93,7 @@ impl HttpEndpoint {
             .await
             .map_err(|e| EndpointError::Io(e.to_string()))?;
         let request = hyper::Request::post(&self.path)
-            .header(hyper::header::HOST, &self.authority)
+            .header(hyper::header::HOST, &self.dialer.authority)
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(|e| EndpointError::Io(e.to_string()))?;

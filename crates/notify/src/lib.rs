@@ -5,10 +5,12 @@
 //! Architecture invariant: this crate knows nothing of the state store or the broker: it turns records
 //! into bytes and sockets into acknowledgements. The queue, its owner and its retries are elsewhere.
 
+mod dial;
 pub mod endpoint;
 mod http;
 mod mqtt;
 pub mod record;
+pub mod tls;
 
-pub use endpoint::{Endpoint, EndpointError, Pushed};
+pub use endpoint::{Endpoint, EndpointError, Options, Pushed};
 pub use record::Record;

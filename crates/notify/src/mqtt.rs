@@ -1,4 +1,4 @@
-//! MQTT push: a small MQTT 3.1.1 client (CONNECT, PUBLISH at QoS 1, PUBACK) — all a push needs, and
+//! MQTT push (`mqtt://`, or `mqtts://` over TLS): a small MQTT 3.1.1 client (CONNECT, PUBLISH at QoS 1, PUBACK) — all a push needs, and
 //! any broker speaks it. Each record is one PUBLISH of its JSON; records are acknowledged in order up
 //! to the first one without a PUBACK. One connection per endpoint, reopened after any failure, with
 //! a clean session: unacknowledged records stay in the queue and are published again.
@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpStream;
 
+use crate::dial::{Dialer, Stream};
 use crate::endpoint::{EndpointError, Pushed};
 use crate::record::Record;
 
@@ -17,11 +17,11 @@ const MAX_INBOUND_PACKET: usize = 64 * 1024;
 const KEEP_ALIVE_S: u16 = 60;
 
 pub struct MqttEndpoint {
-    authority: String,
+    dialer: Dialer,
     topic: String,
     client_id: String,
     timeout: Duration,
-    connection: Option<BufReader<TcpStream>>,
+    connection: Option<BufReader<Stream>>,
     next_packet_id: u16,
 }
 
@@ -49,8 +49,14 @@ fn packet(first: u8, body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Writes and flushes: a TLS stream may hold written bytes until it is flushed.
+async fn send(stream: &mut Stream, bytes: &[u8]) -> std::io::Result<()> {
+    stream.write_all(bytes).await?;
+    stream.flush().await
+}
+
 /// Reads one packet: (first byte, body).
-async fn read_packet(stream: &mut BufReader<TcpStream>) -> Result<(u8, Vec<u8>), EndpointError> {
+async fn read_packet(stream: &mut BufReader<Stream>) -> Result<(u8, Vec<u8>), EndpointError> {
     let io = |e: std::io::Error| EndpointError::Io(e.to_string());
     let first = stream.read_u8().await.map_err(io)?;
     let mut len = 0usize;
@@ -74,13 +80,13 @@ async fn read_packet(stream: &mut BufReader<TcpStream>) -> Result<(u8, Vec<u8>),
 
 impl MqttEndpoint {
     pub(crate) fn new(
-        authority: String,
+        dialer: Dialer,
         topic: String,
         client_id: String,
         timeout: Duration,
     ) -> MqttEndpoint {
         MqttEndpoint {
-            authority,
+            dialer,
             topic,
             client_id,
             timeout,
@@ -107,25 +113,19 @@ impl MqttEndpoint {
         }
     }
 
-    async fn connect(&self) -> Result<BufReader<TcpStream>, EndpointError> {
+    async fn connect(&self) -> Result<BufReader<Stream>, EndpointError> {
         let connect_error = |reason: String| EndpointError::Connect {
-            addr: self.authority.clone(),
+            addr: self.dialer.authority.clone(),
             reason,
         };
-        let stream = TcpStream::connect(&self.authority)
-            .await
-            .map_err(|e| connect_error(e.to_string()))?;
-        let _ = stream.set_nodelay(true);
-        let mut stream = BufReader::new(stream);
+        let mut stream = BufReader::new(self.dialer.connect().await?);
         let mut body = Vec::new();
         put_str(&mut body, b"MQTT");
         body.push(4); // 3.1.1
         body.push(0x02); // clean session
         body.extend_from_slice(&KEEP_ALIVE_S.to_be_bytes());
         put_str(&mut body, self.client_id.as_bytes());
-        stream
-            .get_mut()
-            .write_all(&packet(0x10, &body))
+        send(stream.get_mut(), &packet(0x10, &body))
             .await
             .map_err(|e| connect_error(e.to_string()))?;
         match read_packet(&mut stream).await? {
@@ -164,12 +164,10 @@ impl MqttEndpoint {
             let mut body = Vec::new();
             put_str(&mut body, self.topic.as_bytes());
             body.extend_from_slice(&id.to_be_bytes());
-            body.extend_from_slice(record.to_json().to_string().as_bytes());
+            body.extend_from_slice(&record.to_json());
             out.extend_from_slice(&packet(0x32, &body));
         }
-        stream
-            .get_mut()
-            .write_all(&out)
+        send(stream.get_mut(), &out)
             .await
             .map_err(|e| EndpointError::Io(e.to_string()))?;
         let mut acked = vec![false; records.len()];

@@ -8,7 +8,7 @@
 
 use base64::Engine;
 use bytes::Bytes;
-use serde_json::{Map, Value};
+use serde::Serialize;
 
 /// A notification to deliver.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,40 +24,77 @@ pub struct Record {
     pub value: Option<Bytes>,
 }
 
-impl Record {
-    pub fn to_json(&self) -> Value {
-        let mut object = Map::new();
-        object.insert("topic".into(), Value::from(self.topic.as_str()));
-        object.insert("seq".into(), Value::from(self.seq));
-        put_bytes(&mut object, "key", &self.key);
-        object.insert("event".into(), Value::from(self.event));
-        object.insert("version".into(), Value::from(self.version.as_str()));
-        if let Some(value) = &self.value {
-            put_bytes(&mut object, "value", value);
-        }
-        Value::Object(object)
+/// A record as serialized: borrowed, so that a batch is written straight into its buffer (no JSON
+/// tree, no copies of keys and values that are UTF-8).
+#[derive(Serialize)]
+struct Wire<'a> {
+    topic: &'a str,
+    seq: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key_base64: Option<String>,
+    event: &'a str,
+    version: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value_base64: Option<String>,
+}
+
+/// Text if UTF-8, else base64 (standard alphabet, padded).
+fn text_or_base64(bytes: &[u8]) -> (Option<&str>, Option<String>) {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => (Some(text), None),
+        Err(_) => (
+            None,
+            Some(base64::engine::general_purpose::STANDARD.encode(bytes)),
+        ),
     }
 }
 
-fn put_bytes(object: &mut Map<String, Value>, name: &str, bytes: &[u8]) {
-    match std::str::from_utf8(bytes) {
-        Ok(text) => object.insert(name.to_owned(), Value::from(text)),
-        Err(_) => object.insert(
-            format!("{name}_base64"),
-            Value::from(base64::engine::general_purpose::STANDARD.encode(bytes)),
-        ),
-    };
+impl Record {
+    fn wire(&self) -> Wire<'_> {
+        let (key, key_base64) = text_or_base64(&self.key);
+        let (value, value_base64) = match &self.value {
+            Some(value) => text_or_base64(value),
+            None => (None, None),
+        };
+        Wire {
+            topic: &self.topic,
+            seq: self.seq,
+            key,
+            key_base64,
+            event: self.event,
+            version: &self.version,
+            value,
+            value_base64,
+        }
+    }
+
+    /// The record's JSON (an MQTT push's payload).
+    pub fn to_json(&self) -> Vec<u8> {
+        // Cannot fail: every field is a string or a number.
+        serde_json::to_vec(&self.wire()).unwrap_or_default()
+    }
 }
 
 /// The body of an HTTP push: `{"records": [...]}`.
 pub fn batch_json(records: &[Record]) -> Vec<u8> {
-    let records: Vec<Value> = records.iter().map(Record::to_json).collect();
-    serde_json::to_vec(&serde_json::json!({ "records": records })).unwrap_or_default()
+    #[derive(Serialize)]
+    struct Batch<'a> {
+        records: Vec<Wire<'a>>,
+    }
+    let batch = Batch {
+        records: records.iter().map(Record::wire).collect(),
+    };
+    serde_json::to_vec(&batch).unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn record(value: Option<&'static [u8]>) -> Record {
         Record {
@@ -70,22 +107,40 @@ mod tests {
         }
     }
 
+    fn json(record: &Record) -> Value {
+        serde_json::from_slice(&record.to_json()).unwrap()
+    }
+
     #[test]
     fn golden_record() {
         assert_eq!(
-            record(Some(b"hi")).to_json(),
-            serde_json::json!({"topic": "orders", "seq": 7, "key": "order:1", "event": "set",
-                               "version": "5:0:mqstate", "value": "hi"})
+            String::from_utf8(record(Some(b"hi")).to_json()).unwrap(),
+            r#"{"topic":"orders","seq":7,"key":"order:1","event":"set","version":"5:0:mqstate","value":"hi"}"#
         );
-        let binary = record(Some(&[0xff, 0x00])).to_json();
+        let binary = json(&record(Some(&[0xff, 0x00])));
         assert_eq!(binary["value_base64"], "/wA=");
         assert!(binary.get("value").is_none());
-        assert!(record(None).to_json().get("value").is_none());
+        assert!(json(&record(None)).get("value").is_none());
+        let mut binary_key = record(None);
+        binary_key.key = Bytes::from_static(&[0x80]);
+        let binary_key = json(&binary_key);
+        assert_eq!(binary_key["key_base64"], "gA==");
+        assert!(binary_key.get("key").is_none());
     }
 
     #[test]
     fn a_batch_wraps_records() {
         let body: Value = serde_json::from_slice(&batch_json(&[record(None)])).unwrap();
         assert_eq!(body["records"][0]["seq"], 7);
+        assert_eq!(body["records"][0], json(&record(None)));
+    }
+
+    #[test]
+    fn escapes_are_json() {
+        let mut tricky = record(Some(b"a\"b\\c\n\x01"));
+        tricky.key = Bytes::from_static("k\u{2028}é".as_bytes());
+        let back = json(&tricky);
+        assert_eq!(back["value"], "a\"b\\c\n\u{1}");
+        assert_eq!(back["key"], "k\u{2028}é");
     }
 }

@@ -264,11 +264,13 @@ impl Executor {
                 Some(request) = recv_some(&mut admin) => self.handle_admin(request).await,
                 () = sleep_until(stale_at) => self.abort_stale_reservations().await,
                 () = sleep_until(deadline) => self.expire().await,
-                _ = sweep.tick() => self
-                    .dedup
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .sweep(self.clock.now()),
+                _ = sweep.tick() => {
+                    self.dedup
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .sweep(self.clock.now());
+                    self.report_queues();
+                }
                 // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
                 // after each request or event (below). Yielding, not `ready()`: a task that is never
                 // pending keeps its worker thread, and the tasks queued behind it (connections, the

@@ -8,6 +8,7 @@
 //! with a request the lock key fences. See `docs/notifications.md` and decision `0019-notify-queues`.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -18,6 +19,8 @@ use tokio::sync::oneshot;
 
 pub mod admin;
 pub mod owner;
+
+pub use mqstate_notify::tls::client_config as tls_client_config;
 
 /// The topic the admin RPC is claimed on (JSON requests; MQTT 5 request/response).
 pub const ADMIN_TOPIC: &str = "mqstate/admin/v1/notify";
@@ -39,6 +42,9 @@ pub struct NotifyConfig {
     pub batch_max: usize,
     /// How long an endpoint may take to acknowledge a push.
     pub push_timeout: Duration,
+    /// CA certificates (PEM) that `https`/`mqtts` endpoints are verified against; `None`: the
+    /// system's.
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 impl Default for NotifyConfig {
@@ -52,6 +58,7 @@ impl Default for NotifyConfig {
             retry_max: Duration::from_secs(30),
             batch_max: 100,
             push_timeout: Duration::from_secs(10),
+            tls_ca_file: None,
         }
     }
 }

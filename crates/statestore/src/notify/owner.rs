@@ -7,10 +7,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use mqstate_broker::SharedClock;
-use mqstate_notify::{Endpoint, Record};
+use mqstate_notify::endpoint::uses_tls;
+use mqstate_notify::tls::ClientConfig;
+use mqstate_notify::{Endpoint, EndpointError, Options, Record};
 use mqstate_protocol::Hlc;
 use mqstate_store::notify::{QueueEntry, RemoveError, TopicDef};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -66,12 +69,13 @@ fn fresh_holder(node_id: &str, port: &OwnerPort) -> Bytes {
 /// Runs until the service stops.
 pub(crate) async fn run(config: NotifyConfig, port: OwnerPort) {
     let mut pushers: HashMap<String, Pusher> = HashMap::new();
+    let mut tls = TlsCache::default();
     let mut closed = port.queued.clone();
     loop {
         let Some(topics) = call(&port.requests, |reply| Internal::Topics { reply }).await else {
             break;
         };
-        walk(&config, &port, &mut pushers, topics).await;
+        walk(&config, &port, &mut pushers, &mut tls, topics).await;
         tokio::select! {
             () = tokio::time::sleep(config.walk_interval) => {}
             () = port.wake.notified() => {}
@@ -83,10 +87,34 @@ pub(crate) async fn run(config: NotifyConfig, port: OwnerPort) {
     }
 }
 
+/// The TLS configuration of `https`/`mqtts` endpoints, made when the first one is used (reading the
+/// system's roots costs a few milliseconds no node without TLS endpoints should pay).
+#[derive(Default)]
+struct TlsCache(Option<Result<Arc<ClientConfig>, String>>);
+
+impl TlsCache {
+    fn for_endpoint(
+        &mut self,
+        config: &NotifyConfig,
+        url: &str,
+    ) -> Result<Option<Arc<ClientConfig>>, String> {
+        if !uses_tls(url) {
+            return Ok(None);
+        }
+        self.0
+            .get_or_insert_with(|| {
+                mqstate_notify::tls::client_config(config.tls_ca_file.as_deref())
+            })
+            .clone()
+            .map(Some)
+    }
+}
+
 async fn walk(
     config: &NotifyConfig,
     port: &OwnerPort,
     pushers: &mut HashMap<String, Pusher>,
+    tls: &mut TlsCache,
     topics: Vec<TopicDef>,
 ) {
     let names: Vec<&str> = topics.iter().map(|t| t.name.as_str()).collect();
@@ -140,9 +168,11 @@ async fn walk(
                 }
                 tracing::info!(topic = %def.name, holder = %String::from_utf8_lossy(&lease.holder), "owning notification queue");
                 let lease = Arc::new(Mutex::new(lease));
+                let tls = tls.for_endpoint(config, &def.endpoint);
                 let task = tokio::spawn(push_loop(
                     config.clone(),
                     def.clone(),
+                    tls,
                     Arc::clone(&lease),
                     port.requests.clone(),
                     port.queued.clone(),
@@ -172,9 +202,15 @@ fn record(topic: &str, entry: QueueEntry) -> Record {
     }
 }
 
+/// The wait after a failed push that waited `backoff`: doubling from `retry_min` up to `retry_max`.
+fn next_backoff(backoff: Duration, config: &NotifyConfig) -> Duration {
+    (backoff * 2).min(config.retry_max.max(config.retry_min))
+}
+
 async fn push_loop(
     config: NotifyConfig,
     def: TopicDef,
+    tls: Result<Option<Arc<ClientConfig>>, String>,
     lease: Arc<Mutex<Lease>>,
     requests: mpsc::Sender<Internal>,
     mut queued: watch::Receiver<u64>,
@@ -182,7 +218,20 @@ async fn push_loop(
 ) {
     let topic = def.name.clone();
     let client_id = format!("mqstate-notify-{}-{topic}", config.node_id);
-    let mut endpoint = match Endpoint::new(&def.endpoint, &client_id, config.push_timeout) {
+    let endpoint = tls
+        .map_err(|reason| EndpointError::Tls {
+            url: def.endpoint.clone(),
+            reason,
+        })
+        .and_then(|tls| {
+            let options = Options {
+                client_id,
+                timeout: config.push_timeout,
+                tls,
+            };
+            Endpoint::new(&def.endpoint, &options)
+        });
+    let mut endpoint = match endpoint {
         Ok(endpoint) => endpoint,
         Err(e) => {
             stats.update(&topic, |d| d.last_error = Some(e.to_string()));
@@ -251,8 +300,35 @@ async fn push_loop(
                 metrics::notification_push_failed(&topic, retried);
                 tracing::debug!(%topic, "notification push failed, retrying in {backoff:?}: {e}");
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(config.retry_max.max(config.retry_min));
+                backoff = next_backoff(backoff, &config);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_back_off_from_one_second_to_thirty_by_default() {
+        let config = NotifyConfig::default();
+        let mut backoff = config.retry_min;
+        let mut waits = vec![backoff];
+        for _ in 0..6 {
+            backoff = next_backoff(backoff, &config);
+            waits.push(backoff);
+        }
+        let secs: Vec<u64> = waits.iter().map(Duration::as_secs).collect();
+        assert_eq!(secs, vec![1, 2, 4, 8, 16, 30, 30]);
+        let custom = NotifyConfig {
+            retry_min: Duration::from_millis(50),
+            retry_max: Duration::from_millis(120),
+            ..NotifyConfig::default()
+        };
+        assert_eq!(
+            next_backoff(Duration::from_millis(100), &custom),
+            Duration::from_millis(120)
+        );
     }
 }

@@ -5,7 +5,7 @@
 
 use bytes::Bytes;
 use mqstate_store::notify::QueueDelta;
-use mqstate_store::{Change, Delta};
+use mqstate_store::Delta;
 use mqstate_wal::Commit;
 
 use super::Executor;
@@ -45,9 +45,8 @@ impl Executor {
 
     /// Appends a queue change; returns the future of its durability.
     pub(super) async fn log_queue(&mut self, delta: &QueueDelta) -> Result<Option<Commit>, String> {
-        let bytes = Change::Queue(delta.clone())
-            .encode()
-            .map_err(|e| e.to_string())?;
+        // The record of `Change::Queue(delta)` (`mqstate_store::Change`), without cloning the delta into one.
+        let bytes = delta.encode().map_err(|e| e.to_string())?;
         self.log_bytes(bytes).await
     }
 

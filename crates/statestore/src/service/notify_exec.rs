@@ -215,6 +215,24 @@ impl Executor {
         }
     }
 
+    /// Sets every topic's gauges (queue depth, reserved, bytes, oldest entry age): called once a
+    /// second, so the metrics endpoint shows queues nobody asked `topic stats` about.
+    pub(super) fn report_queues(&self) {
+        if self.notify.is_none() {
+            return;
+        }
+        let now_ms = self.clock.now_ms();
+        for topic in self.machine.topics().iter() {
+            metrics::notification_queue(
+                &topic.def.name,
+                topic.entries().len(),
+                topic.reserved(),
+                topic.bytes(),
+                age_ms(topic, now_ms),
+            );
+        }
+    }
+
     pub(super) async fn abort_stale_reservations(&mut self) {
         let Some((abort, undo)) = self.machine.abort_stale_reservations(self.clock.now_ms()) else {
             return;
@@ -547,6 +565,8 @@ impl Executor {
                         if let Some(notify) = &self.notify {
                             notify.wake_owner.notify_one();
                         }
+                        // The gauges of a deleted queue would otherwise keep its last depth.
+                        metrics::notification_queue(&name, 0, 0, 0, 0);
                         (commit, json!({ "deleted": name }))
                     }
                     Err(e) => {
