@@ -20,7 +20,7 @@ pub mod admin;
 pub mod owner;
 
 /// The topic the admin RPC is claimed on (JSON requests; MQTT 5 request/response).
-pub const ADMIN_TOPIC: &str = "mqstate/admin/v1/notify";
+pub use mqstate_protocol::topic::NOTIFY_ADMIN_TOPIC as ADMIN_TOPIC;
 
 /// Settings of persistent notifications.
 #[derive(Debug, Clone)]

@@ -19,10 +19,10 @@ use tokio::task::JoinSet;
 use super::stats::{classify, Outcome};
 use super::workload::{key_name, value_of_size, KeyChooser, Mix, Op};
 use super::{BenchArgs, Shared};
-use crate::client::dial::{Connection, Dialer};
-use crate::client::error::CliError;
-use crate::client::rpc;
-use crate::client::wire::{self, Turn};
+use mqstate_cli::dial::{Connection, Dialer};
+use mqstate_cli::error::CliError;
+use mqstate_cli::rpc;
+use mqstate_cli::wire::{self, Turn};
 
 /// One connection, connected and subscribed.
 struct Opened {

@@ -12,9 +12,9 @@ use tokio::task::JoinSet;
 
 use super::stats::Outcome;
 use super::{BenchArgs, Shared};
-use crate::client::dial::{Connection, Dialer};
-use crate::client::error::CliError;
-use crate::client::wire::{self, Turn};
+use mqstate_cli::dial::{Connection, Dialer};
+use mqstate_cli::error::CliError;
+use mqstate_cli::wire::{self, Turn};
 
 pub struct Prepared {
     topic_root: String,

@@ -34,7 +34,7 @@ pub fn classify(stat: Option<&str>, payload: &Bytes) -> Outcome {
         label,
         is_error: true,
     };
-    if stat != Some(crate::client::rpc::STATUS_OK) {
+    if stat != Some(mqstate_cli::rpc::STATUS_OK) {
         return error(format!("__stat {}", stat.unwrap_or("missing")));
     }
     match Reply::parse(payload) {

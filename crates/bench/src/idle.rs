@@ -16,7 +16,7 @@ use tokio::net::{TcpSocket, TcpStream};
 use tokio::task::JoinSet;
 
 use super::BenchArgs;
-use crate::client::error::CliError;
+use mqstate_cli::error::CliError;
 
 /// Connections opened concurrently while ramping up; keeps the accept backlog from overflowing.
 const RAMP_CONCURRENCY: usize = 256;

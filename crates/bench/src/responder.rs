@@ -12,10 +12,10 @@ use rumqttc::v5::mqttbytes::QoS;
 use tokio::task::JoinSet;
 
 use super::BenchArgs;
-use crate::client::dial::{Connection, Dialer};
-use crate::client::error::CliError;
-use crate::client::rpc;
-use crate::client::wire;
+use mqstate_cli::dial::{Connection, Dialer};
+use mqstate_cli::error::CliError;
+use mqstate_cli::rpc;
+use mqstate_cli::wire;
 
 pub async fn run(args: &BenchArgs) -> Result<(), CliError> {
     let prefix = args.conn.client_id("mqstate-responder");

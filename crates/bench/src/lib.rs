@@ -9,8 +9,8 @@
 //! * `--responder`: answers every request with `+OK` without storing anything — the cost of MQTT
 //!   request/response alone, as a baseline and as a stand-in store for tests ([`responder`]).
 //!
-//! Connections are our own thin MQTT 5 client ([`wire`]) over TCP with TCP_NODELAY, TLS with `--tls`
-//! ([`link`]), each owned by one task: the load generator shares the server's cores and must add neither
+//! Connections are our own thin MQTT 5 client ([`mqstate_cli::wire`]) over TCP with TCP_NODELAY, TLS with `--tls`
+//! ([`mqstate_cli::dial`]), each owned by one task: the load generator shares the server's cores and must add neither
 //! Nagle delays nor its own CPU to what it measures.
 //!
 //! Latencies go into one HDR histogram ([`stats`]); a sampler keeps per-second throughput for the plot
@@ -32,8 +32,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::client::connection::ConnectionArgs;
-use crate::client::error::{CliError, EXIT_FAILED, EXIT_OK};
+use mqstate_cli::connection::ConnectionArgs;
+use mqstate_cli::error::{CliError, EXIT_FAILED, EXIT_OK};
 use stats::{Recorder, Report};
 use workload::{Distribution, Mix};
 

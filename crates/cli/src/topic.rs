@@ -2,6 +2,7 @@
 //! any mqstate node (a JSON request on `mqstate/admin/v1/notify`, the reply on our response topic).
 
 use bytes::Bytes;
+use mqstate_protocol::topic::NOTIFY_ADMIN_TOPIC as ADMIN_TOPIC;
 use serde_json::{json, Value};
 
 use super::connection::ConnectionArgs;
@@ -10,9 +11,6 @@ use super::output::{self, Outcome};
 use super::rpc::RawClient;
 use super::value::OutputArgs;
 use std::process::ExitCode;
-
-/// The admin topic (`mqstate_statestore::notify::ADMIN_TOPIC`).
-const ADMIN_TOPIC: &str = mqstate_statestore::notify::ADMIN_TOPIC;
 
 #[derive(clap::Subcommand)]
 pub enum TopicCommand {

@@ -5,7 +5,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::stats::Report;
-use crate::client::error::CliError;
+use mqstate_cli::error::CliError;
 
 /// Size of the drawing in pixels.
 pub const PLOT_SIZE: (u32, u32) = (900, 700);
