@@ -240,6 +240,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
 
     /// The next PUBLISH among the bytes read so far, handling PUBACKs and PINGRESPs on the way;
     /// `None` once only part of a packet (or nothing) is left.
+    // Not `Iterator::next`: a step over the bytes read so far that can fail, and `None` means "read
+    // more", not "finished".
+    #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Result<Option<Publish>, String> {
         if let Some(early) = self.early.pop_front() {
             return Ok(Some(early));
