@@ -1,5 +1,5 @@
 //! The state-store protocol byte for byte: hand-built RESP requests over raw MQTT 5 (rumqttc), asserting the
-//! exact reply payloads and properties of every row and error text of `state-store-protocol.md` §3, the RPC
+//! exact reply payloads and properties of every row and error text of `docs/protocol.md` §3, the RPC
 //! envelope of §1, KEYNOTIFY topics and payloads of §6 and SCAN paging of §2. Every test runs its own server.
 
 mod common;
