@@ -1,6 +1,6 @@
 //! The state-store request path over our own MQTT 5 client: the AIO RPC envelope on top of plain
 //! PUBLISHes, used by every CLI command ([`RawClient`]), by `bench` (pipelined, for throughput) and by
-//! `bench --responder`. The official AIO SDK speaks the same envelope; `tests/statestore_sdk.rs` proves
+//! `bench --responder`. The official AIO SDK speaks the same envelope; `tests/statestore/statestore_sdk.rs` proves
 //! our server against it.
 //!
 //! A request is a QoS 1 PUBLISH of a RESP payload to the invoke topic, carrying a response topic,

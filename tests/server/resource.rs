@@ -2,7 +2,7 @@
 //! CONNECT, a client that never reads, a flood of maximum-size packets. The server closes what it must,
 //! its memory (VmRSS) stays bounded, and a well-behaved client keeps being served throughout.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

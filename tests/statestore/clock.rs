@@ -2,7 +2,7 @@
 //! carries the latest timestamp it handed out (here: a key not persisted under `--persistence
 //! opt-in`, stamped by a client clock ahead of ours, as a wall clock that later steps back would be).
 
-mod common;
+use crate::common;
 
 use common::state::{hlc_in, hlc_now, hlc_order, StateClient, NIL, OK};
 use common::Server;

@@ -6,7 +6,7 @@
 //! empty topic with alias 1 ends the connection (DISCONNECT 0x82). Raw bytes, so nothing in a
 //! client library hides what the server sends.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

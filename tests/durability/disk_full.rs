@@ -7,7 +7,7 @@
 //! everywhere (`MQSTATE_FAILPOINT=enospc:<marker>`: every write fails with "no space left on
 //! device" while the marker exists).
 
-mod common;
+use crate::common;
 
 use std::fs::{self, File};
 use std::io::Write;

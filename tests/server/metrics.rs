@@ -1,7 +1,7 @@
 //! `--metrics-listen`: health and readiness answer, and `/metrics` counters move with real MQTT and
 //! state-store traffic.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::process::Command;

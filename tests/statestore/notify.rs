@@ -1,7 +1,7 @@
 //! Persistent notifications against a real `mqstate serve` and real endpoints: an HTTP server in the
 //! test (which can acknowledge, refuse or hold pushes) and Mosquitto for the MQTT endpoint.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

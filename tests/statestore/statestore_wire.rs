@@ -2,7 +2,7 @@
 //! exact reply payloads and properties of every row and error text of `docs/protocol.md` §3, the RPC
 //! envelope of §1, KEYNOTIFY topics and payloads of §6 and SCAN paging of §2. Every test runs its own server.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};

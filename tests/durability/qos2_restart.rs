@@ -5,7 +5,7 @@
 //! The client is raw MQTT 5 (rumqttc's packet encoder over a socket): rumqttc's client would send
 //! PUBREL by itself and never re-send a PUBLISH with DUP on demand.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

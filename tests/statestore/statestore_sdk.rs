@@ -3,7 +3,7 @@
 //! leased-lock client, and a server restart that must keep the MQTT session (the SDK treats Session
 //! Present = 0 as fatal). Each test has its own server, unique client ids and a time bound.
 
-mod common;
+use crate::common;
 
 use std::future::Future;
 use std::time::{Duration, SystemTime};

@@ -2,7 +2,7 @@
 //! path, skipped when mosquitto is not installed) and against a real `mqstate serve`. No speed
 //! thresholds: the runs must complete, count every request, and report ordered percentiles.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

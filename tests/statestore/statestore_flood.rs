@@ -2,7 +2,7 @@
 //! requests. The server must stay up, answer every well-formed request correctly during the flood, and
 //! still answer afterwards. Random payloads are biased towards almost-valid RESP to reach deep parser paths.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -3,7 +3,7 @@
 //! came before the damage, and that a torn tail is cut by the server on its own — for the state
 //! store's log and for the session log in `<data-dir>/sessions/`.
 
-mod common;
+use crate::common;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};

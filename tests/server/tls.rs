@@ -4,7 +4,7 @@
 //! (the AIO SDK's TLS) and `bench` (its own client over tokio-rustls) against a TLS listener. Every
 //! certificate is made here with rcgen.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

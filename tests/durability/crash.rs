@@ -10,7 +10,7 @@
 //!
 //! Reproduce a failing random run with `MQSTATE_CRASH_SEED=<seed printed by the test>`.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};

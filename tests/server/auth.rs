@@ -3,7 +3,7 @@
 //! (with %c/%u) and for state-store keys (through the official SDK), and the state store's built-in
 //! topic rules, which hold with no configuration at all.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! The state-store CLI against a real `mqstate serve`: exit codes, JSON output, binary values, scan,
 //! watch, and lock renewals with fencing.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Output, Stdio};
