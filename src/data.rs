@@ -807,7 +807,9 @@ fn rebuilt_clock_ceiling(log: Log, log_dir: &Path) -> u64 {
         let wall_ms = machine.borrow().clock().high_water().wall_ms;
         wall_ms
     });
-    mqstate_statestore::service::next_clock_ceiling(high_water, crate::serve::unix_now_ms())
+    // An offline tool: the system clock, as the server that opens the directory next will read.
+    let now_ms = mqstate_clock::Clock::now_ms(&mqstate_clock::SystemClock);
+    mqstate_statestore::service::next_clock_ceiling(high_water, now_ms)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::Context;
 use mqstate_broker::tls::{ClientAuth, IdentitySource, Tls, TlsFiles};
@@ -57,7 +57,9 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         None => None,
     };
 
-    let (machine, wal, next_lsn, metadata) = recover(&settings)?;
+    // The node's one clock: the broker, the state store and the session journal read time from it.
+    let clock = mqstate_clock::system();
+    let (machine, wal, next_lsn, metadata) = recover(&settings, clock.now_ms())?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
     let policy = crate::auth::load(&settings)?;
@@ -70,8 +72,9 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let broker = Broker::builder(broker_config(&settings))
         .security(policy.security)
         .journal(session_log.clone())
+        .clock(clock)
         .build();
-    let report = broker.restore(restored, unix_now_ms());
+    let report = broker.restore(restored);
     tracing::info!(
         sessions = report.sessions,
         messages = report.messages,
@@ -325,8 +328,8 @@ async fn reload_tls(
 /// Opens the data directory and rebuilds the state machine from the snapshot and the log after it,
 /// with its clock resumed at the ceiling in the metadata file (no timestamp handed out before the
 /// restart is handed out again). Returns the state, the log, the LSN the next record will get and
-/// the metadata.
-fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metadata)> {
+/// the metadata. `now_ms` is the wall-clock time the new ceiling is set above.
+fn recover(settings: &Resolved, now_ms: u64) -> anyhow::Result<(StateMachine, Wal, u64, Metadata)> {
     let started = Instant::now();
     let (wal, recovered) = Wal::open(&settings.data_dir, wal_options(settings, "statestore"))
         .with_context(|| {
@@ -399,7 +402,7 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
     let metadata = Metadata {
         hlc_high_water_ms: service::next_clock_ceiling(
             machine.clock().high_water().wall_ms,
-            unix_now_ms(),
+            now_ms,
         ),
         ..recovered.metadata
     };
@@ -524,10 +527,4 @@ fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
         LogFormat::Json => builder.json().try_init(),
     };
     result.map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
-}
-
-pub(crate) fn unix_now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -172,7 +172,7 @@ impl Appender {
             let command = tokio::select! {
                 command = self.rx.recv() => command,
                 () = sleep_until(retry_at), if retry_at.is_some() => {
-                    retry_at = retry(&wal).await;
+                    retry_at = retry(&wal, &**broker.clock()).await;
                     continue;
                 }
             };
@@ -189,7 +189,9 @@ impl Appender {
                 }
                 // Records queued behind the failed one are refused by the log in order, so
                 // retrying right away cannot let a later record in before an earlier failed one.
-                Command::Failed if retry_at.is_none() => retry_at = retry(&wal).await,
+                Command::Failed if retry_at.is_none() => {
+                    retry_at = retry(&wal, &**broker.clock()).await
+                }
                 Command::Failed => {}
                 Command::Close { done } => {
                     if let Some(running) = snapshot.take() {
@@ -212,12 +214,12 @@ impl Appender {
 }
 
 /// Asks the failed log to recover; returns when to try again if it cannot yet.
-async fn retry(wal: &WalWriter) -> Option<tokio::time::Instant> {
+async fn retry(wal: &WalWriter, clock: &dyn mqstate_broker::Clock) -> Option<tokio::time::Instant> {
     match wal.retry().await {
         Ok(()) => None,
         Err(error) => {
             tracing::error!(%error, "the session log refuses records until the disk works again");
-            Some(tokio::time::Instant::now() + RETRY_INTERVAL)
+            Some(clock.tokio_now() + RETRY_INTERVAL)
         }
     }
 }

@@ -14,7 +14,6 @@ use bytestring::ByteString;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{ConnectAttempt, Identity, Principal, Refusal};
@@ -39,8 +38,6 @@ use crate::will::Will;
 /// Control requests a connection can have queued (takeover requests from racing reconnects,
 /// service disconnects); more are refused and the sender falls back (forced takeover).
 const CONTROL_CHANNEL_CAPACITY: usize = 4;
-/// Prefix of identifiers assigned to clients that connect with an empty one.
-const ASSIGNED_ID_PREFIX: &str = "mqs-";
 /// Largest CONNECT read from a socket refused by the connection limits (to learn its version).
 const REFUSED_CONNECT_MAX_BYTES: u32 = 64 * 1024;
 
@@ -396,7 +393,7 @@ async fn authenticate(
     peer: &Peer,
 ) -> Result<Identity, u8> {
     let ip = peer.addr.ip();
-    if let Verdict::Limited { first } = inner.auth_failures.check(ip, std::time::Instant::now()) {
+    if let Verdict::Limited { first } = inner.auth_failures.check(ip, inner.clock.now()) {
         if first {
             tracing::warn!(address = %ip, "too many failed authentications from this address; refusing its CONNECTs until the limit refills");
         } else {
@@ -424,9 +421,7 @@ async fn authenticate(
     match tokio::task::spawn_blocking(authenticate).await {
         Ok(Ok(identity)) => Ok(identity),
         Ok(Err(refusal)) => {
-            inner
-                .auth_failures
-                .record_failure(ip, std::time::Instant::now());
+            inner.auth_failures.record_failure(ip, inner.clock.now());
             let code = refusal.reason_code();
             tracing::info!(%peer, %client_id, reason_code = format_args!("{code:#04x}"), "CONNECT refused: authentication failed");
             Err(code)
@@ -566,10 +561,7 @@ impl Connection {
         // An imposed id that differs from the requested one is announced like an assigned one.
         let (client_id, assigned_id): (Arc<str>, bool) = match imposed_id {
             Ok(Some(id)) => (id.clone(), **id != *connect.client_id),
-            _ if connect.client_id.is_empty() => (
-                format!("{ASSIGNED_ID_PREFIX}{:016x}", rand::random::<u64>()).into(),
-                true,
-            ),
+            _ if connect.client_id.is_empty() => (inner.client_ids.next(), true),
             _ => (Arc::from(&*connect.client_id), false),
         };
         // Authentication failures get no reason string: nothing that helps guessing.
@@ -666,13 +658,13 @@ impl Connection {
     /// Attaches to the session (taking it over if needed), sends CONNACK and re-sends what was in
     /// flight. Returns `false` if the connection must close.
     async fn attach(&mut self, control: mailbox::Sender<Control>) -> bool {
-        let deadline = Instant::now() + self.inner.config.takeover_timeout;
+        let deadline = self.inner.clock.tokio_now() + self.inner.config.takeover_timeout;
         let (handle, session_present, effects, durable) = loop {
             let owner = Owner {
                 conn_id: self.conn_id,
                 control: control.clone(),
             };
-            let force = Instant::now() >= deadline;
+            let force = self.inner.clock.tokio_now() >= deadline;
             match self.inner.registry.attach(
                 &self.client_id,
                 self.connect.clean_start,
@@ -736,7 +728,7 @@ impl Connection {
     fn resend_inflight(&mut self) {
         let session = self.session().clone();
         let mut state = session.lock();
-        let now = std::time::Instant::now();
+        let now = self.inner.clock.now();
         let mut too_large = Vec::new();
         for (&packet_id, inflight) in &state.inflight {
             match inflight.phase {
@@ -790,11 +782,9 @@ impl Connection {
         let mut full = false;
         let mut sent = metrics::SentByQos::default();
         let before_seq = self.delivery_holds.keys().next().copied();
-        session.lock().pump(
-            std::time::Instant::now(),
-            self.send_window,
-            before_seq,
-            |p| {
+        session
+            .lock()
+            .pump(self.inner.clock.now(), self.send_window, before_seq, |p| {
                 if out.len() >= budget {
                     full = true;
                     return None;
@@ -805,8 +795,7 @@ impl Connection {
                 } else {
                     Emit::TooLarge
                 })
-            },
-        );
+            });
         sent.report();
         if full {
             // Continue after this batch is flushed.
@@ -822,7 +811,7 @@ impl Connection {
         shutdown: &CancellationToken,
     ) -> End {
         let session = self.session().clone();
-        let mut keep_alive_at = self.keep_alive.map(|d| Instant::now() + d);
+        let mut keep_alive_at = self.keep_alive.map(|d| self.inner.clock.tokio_now() + d);
         // Packets that arrived together with CONNECT.
         if let Err(end) = self.handle_buffered() {
             return end;
@@ -888,7 +877,7 @@ impl Connection {
                     Ok(0) | Err(_) => return End::Closed,
                     Ok(_) => {
                         if let Some(d) = self.keep_alive {
-                            keep_alive_at = Some(Instant::now() + d);
+                            keep_alive_at = Some(self.inner.clock.tokio_now() + d);
                         }
                         if let Err(end) = self.handle_buffered() {
                             return end;
@@ -987,7 +976,9 @@ impl Connection {
                     }
                     self.session_expiry_secs =
                         expiry.min(self.inner.config.session_expiry_max_secs);
-                    self.session().lock().set_expiry(self.session_expiry_secs);
+                    self.session()
+                        .lock()
+                        .set_expiry(self.session_expiry_secs, &*self.inner.clock);
                 }
                 return Err(End::ClientDisconnect {
                     publish_will: code == reason::DISCONNECT_WITH_WILL,
@@ -1295,7 +1286,7 @@ impl Connection {
         filters: Vec<(ByteString, SubRequest)>,
     ) -> Result<(), End> {
         let session = self.session().clone();
-        let now = std::time::Instant::now();
+        let now = self.inner.clock.now();
         let mut codes = Vec::with_capacity(filters.len());
         let mut retained = Vec::new();
         let mut durable = Vec::new();
@@ -1501,12 +1492,10 @@ impl Connection {
         } else {
             None
         };
-        let effects = self.inner.registry.detach(
-            &self.client_id,
-            self.conn_id,
-            will,
-            std::time::Instant::now(),
-        );
+        let effects = self
+            .inner
+            .registry
+            .detach(&self.client_id, self.conn_id, will);
         self.inner.emit(ClientEvent::Disconnected {
             client_id: self.client_id.clone(),
         });

@@ -14,4 +14,10 @@ pub enum BrokerError {
         path: std::path::PathBuf,
         reason: String,
     },
+    #[error("no session of client {client_id:?} to hand over")]
+    NoSuchSession { client_id: String },
+    #[error("the session of client {client_id:?} has a connection; disconnect it before handing the session over")]
+    SessionConnected { client_id: String },
+    #[error("client {client_id:?} already has a session here; it cannot adopt another one (export or let it end first)")]
+    SessionExists { client_id: String },
 }

@@ -31,6 +31,7 @@
 
 pub mod auth;
 mod auth_failures;
+pub mod client_ids;
 mod codec;
 pub mod config;
 mod connection;
@@ -56,13 +57,17 @@ mod websocket;
 pub mod will;
 
 pub use auth::{Authenticator, Authorizer, Identity, Principal, Security};
+pub use client_ids::ClientIds;
 pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
+pub use mqstate_clock::{Clock, SharedClock};
+pub use persist::StoredSession;
 pub use persist::{Durable, JournalError, Restored, SessionChange, SessionJournal};
 pub use server::{serve, Listener};
 pub use service::{
-    Acker, Broker, BrokerBuilder, ClientEvent, RestoreReport, ServiceInbox, ServiceRequest,
+    Acker, Adoption, Broker, BrokerBuilder, ClientEvent, RestoreReport, ServiceInbox,
+    ServiceRequest,
 };
 pub use transport::{Acceptor, Peer, Transport};
 

@@ -130,16 +130,10 @@ pub enum SessionChange {
     RetainedCleared { topic: ByteString },
 }
 
-/// Wall-clock helpers: the journal stores wall-clock ms, the broker computes with `Instant`s.
-pub(crate) mod clock {
-    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-    /// Milliseconds since the Unix epoch (0 if the clock is before it).
-    pub(crate) fn now_ms() -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
+/// Conversions between the wall-clock ms the journal stores and the `Instant`s the broker computes
+/// with, given one reading of both clocks (`now`, `now_ms`).
+pub(crate) mod wall {
+    use std::time::{Duration, Instant};
 
     /// The wall-clock time of `at`, given that `now` is `now_ms`.
     pub(crate) fn to_ms(at: Instant, now: Instant, now_ms: u64) -> u64 {

@@ -14,11 +14,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use mqstate_clock::SharedClock;
 use tokio::sync::oneshot;
 
 use crate::mailbox;
 
-use crate::persist::{clock, Durable, SessionChange, SessionJournal};
+use crate::persist::{Durable, SessionChange, SessionJournal};
 use crate::session::SessionHandle;
 use crate::will::Will;
 
@@ -62,10 +63,11 @@ impl Sessions {
     }
 }
 
-#[derive(Default)]
 pub(crate) struct Registry {
     sessions: Mutex<Sessions>,
     journal: Option<Arc<dyn SessionJournal>>,
+    /// When connections end, and the wall time of it the journal records.
+    clock: SharedClock,
 }
 
 /// Side effects of a registry change, to carry out after the lock is released.
@@ -85,6 +87,20 @@ pub(crate) struct Timer {
     pub expire_at: Option<Instant>,
 }
 
+/// A session removed from the registry to be handed over.
+pub(crate) struct Taken {
+    pub handle: Arc<SessionHandle>,
+    /// Its delayed will and when it is due (wall-clock ms).
+    pub will: Option<(Will, u64)>,
+}
+
+/// Why a session could not be taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Untaken {
+    Missing,
+    Connected,
+}
+
 pub(crate) enum Attach {
     Attached {
         handle: Arc<SessionHandle>,
@@ -98,10 +114,11 @@ pub(crate) enum Attach {
 }
 
 impl Registry {
-    pub(crate) fn new(journal: Option<Arc<dyn SessionJournal>>) -> Self {
+    pub(crate) fn new(journal: Option<Arc<dyn SessionJournal>>, clock: SharedClock) -> Self {
         Self {
             sessions: Mutex::default(),
             journal,
+            clock,
         }
     }
 
@@ -110,6 +127,7 @@ impl Registry {
             client_id.clone(),
             expiry_secs,
             self.journal.clone(),
+            self.clock.clone(),
         ))
     }
 
@@ -160,7 +178,7 @@ impl Registry {
                     (self.new_session(client_id, expiry_secs), false)
                 } else {
                     // Reconnecting cancels a delayed will.
-                    old.handle.lock().attached(expiry_secs);
+                    old.handle.lock().attached(expiry_secs, &*self.clock);
                     (old.handle, true)
                 }
             }
@@ -187,13 +205,7 @@ impl Registry {
 
     /// Detaches connection `conn_id`. `will` is the will to publish (already filtered by how the
     /// connection ended). Returns what to do next: publish now, arm a timer, or end the session.
-    pub(crate) fn detach(
-        &self,
-        client_id: &Arc<str>,
-        conn_id: u64,
-        will: Option<Will>,
-        now: Instant,
-    ) -> Effects {
+    pub(crate) fn detach(&self, client_id: &Arc<str>, conn_id: u64, will: Option<Will>) -> Effects {
         let mut effects = Effects::default();
         let mut sessions = self.lock();
         let epoch = sessions.bump();
@@ -219,9 +231,9 @@ impl Registry {
             effects.wills.extend(will);
             return effects;
         }
+        let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
         let expire_at =
             (expiry_secs != u32::MAX).then(|| now + Duration::from_secs(u64::from(expiry_secs)));
-        let now_ms = clock::now_ms();
         let mut state = entry.handle.lock();
         state.detached(now_ms);
         let mut will_at = None;
@@ -283,10 +295,18 @@ impl Registry {
         effects
     }
 
-    /// Adds a session read back from the journal, not connected, with its delayed will. Returns
-    /// the epoch its timers must be armed with.
-    pub(crate) fn restore(&self, handle: Arc<SessionHandle>, will: Option<(Will, u64)>) -> u64 {
+    /// Adds a session read back from a journal or handed over by another node, not connected,
+    /// with its delayed will. Returns the epoch its timers must be armed with, or `None` (and adds
+    /// nothing) if the client has a session already.
+    pub(crate) fn restore(
+        &self,
+        handle: Arc<SessionHandle>,
+        will: Option<(Will, u64)>,
+    ) -> Option<u64> {
         let mut sessions = self.lock();
+        if sessions.by_client.contains_key(&handle.client_id) {
+            return None;
+        }
         let epoch = sessions.bump();
         sessions.by_client.insert(
             handle.client_id.clone(),
@@ -297,14 +317,37 @@ impl Registry {
                 pending_will: will.map(Box::new),
             },
         );
-        epoch
+        Some(epoch)
     }
 
-    /// The changes that recreate every journalled session (with its delayed will) from nothing.
+    /// Removes the session of `client_id` if no connection owns it, with its pending delayed
+    /// will: the session is handed over to another node. Its timers, armed for the epoch it had,
+    /// find no entry of that epoch and do nothing.
+    pub(crate) fn take(&self, client_id: &str) -> Result<Taken, Untaken> {
+        let mut sessions = self.lock();
+        match sessions.by_client.get(client_id) {
+            None => return Err(Untaken::Missing),
+            Some(entry) if entry.owner.is_some() => return Err(Untaken::Connected),
+            Some(_) => {}
+        }
+        let mut entry = sessions
+            .by_client
+            .remove(client_id)
+            .ok_or(Untaken::Missing)?;
+        Ok(Taken {
+            will: entry.pending_will.take().map(|p| *p),
+            handle: entry.handle,
+        })
+    }
+
+    /// The changes that recreate every journalled session (with its delayed will) from nothing, by
+    /// client id (the order does not depend on the map's hash).
     pub(crate) fn image(&self, now: Instant, now_ms: u64) -> Vec<SessionChange> {
         let sessions = self.lock();
+        let mut entries: Vec<&Entry> = sessions.by_client.values().collect();
+        entries.sort_unstable_by(|a, b| a.handle.client_id.cmp(&b.handle.client_id));
         let mut image = Vec::new();
-        for entry in sessions.by_client.values() {
+        for entry in entries {
             let state = entry.handle.lock();
             if !state.in_journal {
                 continue;
@@ -349,6 +392,11 @@ mod tests {
     use super::*;
     use crate::message::{Message, QoS};
     use bytes::Bytes;
+    use mqstate_clock::ManualClock;
+
+    fn registry() -> Registry {
+        Registry::new(None, Arc::new(ManualClock::starting_at(1_000_000)))
+    }
 
     fn owner(conn_id: u64) -> (Owner, mailbox::Receiver<Control>) {
         let (tx, rx) = mailbox::channel(4);
@@ -388,7 +436,7 @@ mod tests {
 
     #[test]
     fn takeover_asks_the_owner_then_inherits() {
-        let reg = Registry::default();
+        let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, mut rx1) = owner(1);
         let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false));
@@ -398,7 +446,7 @@ mod tests {
             panic!("must wait")
         };
         assert!(matches!(rx1.try_recv(), Some(Control::TakeOver { .. })));
-        let fx = reg.detach(&id, 1, None, Instant::now());
+        let fx = reg.detach(&id, 1, None);
         assert!(fx.ended.is_empty());
         let (o2, _rx2) = owner(2);
         let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false));
@@ -408,7 +456,7 @@ mod tests {
 
     #[test]
     fn forced_takeover_and_stale_detach() {
-        let reg = Registry::default();
+        let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx1) = owner(1);
         attached(reg.attach(&id, false, 60, o1, false));
@@ -416,7 +464,7 @@ mod tests {
         let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true));
         assert!(present);
         // The displaced connection's detach changes nothing.
-        let fx = reg.detach(&id, 1, Some(will(10)), Instant::now());
+        let fx = reg.detach(&id, 1, Some(will(10)));
         assert!(fx.timer.is_none() && fx.ended.is_empty() && fx.wills.is_empty());
         assert!(reg.send_control(
             &id,
@@ -429,11 +477,11 @@ mod tests {
 
     #[test]
     fn expiry_zero_ends_at_disconnect_and_publishes_will() {
-        let reg = Registry::default();
+        let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
         attached(reg.attach(&id, true, 0, o1, false));
-        let fx = reg.detach(&id, 1, Some(will(30)), Instant::now());
+        let fx = reg.detach(&id, 1, Some(will(30)));
         assert_eq!(fx.ended.len(), 1);
         assert_eq!(
             fx.wills.len(),
@@ -443,14 +491,14 @@ mod tests {
         assert_eq!(reg.len(), 0);
     }
 
-    #[test]
-    fn delayed_will_cancelled_by_reconnect_and_expiry_epochs() {
-        let reg = Registry::default();
+    #[tokio::test(start_paused = true)]
+    async fn delayed_will_cancelled_by_reconnect_and_expiry_epochs() {
+        let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
         attached(reg.attach(&id, false, 100, o1, false));
-        let now = Instant::now();
-        let fx = reg.detach(&id, 1, Some(will(10)), now);
+        let now = reg.clock.now();
+        let fx = reg.detach(&id, 1, Some(will(10)));
         let timer = fx.timer.unwrap();
         assert_eq!(timer.will_at, Some(now + Duration::from_secs(10)));
         assert_eq!(timer.expire_at, Some(now + Duration::from_secs(100)));
@@ -459,7 +507,7 @@ mod tests {
         assert!(reg.take_due_will(&id, timer.epoch).is_none());
         assert!(reg.expire(&id, timer.epoch).ended.is_empty());
 
-        let fx = reg.detach(&id, 2, Some(will(10)), now);
+        let fx = reg.detach(&id, 2, Some(will(10)));
         let timer = fx.timer.unwrap();
         assert!(reg.take_due_will(&id, timer.epoch).is_some());
         assert_eq!(reg.expire(&id, timer.epoch).ended.len(), 1);
@@ -467,16 +515,44 @@ mod tests {
 
     #[test]
     fn clean_start_discards_the_old_session() {
-        let reg = Registry::default();
+        let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
         let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false));
-        reg.detach(&id, 1, Some(will(50)), Instant::now());
+        reg.detach(&id, 1, Some(will(50)));
         let (o2, _rx2) = owner(2);
         let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false));
         assert!(!present);
         assert!(!Arc::ptr_eq(&h1, &h2));
         assert_eq!(fx.ended.len(), 1);
         assert_eq!(fx.wills.len(), 1);
+    }
+
+    #[test]
+    fn only_a_session_without_connection_is_taken_and_a_taken_one_is_gone() {
+        let reg = registry();
+        let id: Arc<str> = "c".into();
+        assert!(matches!(reg.take(&id), Err(Untaken::Missing)));
+        let (o1, _rx) = owner(1);
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false));
+        assert!(matches!(reg.take(&id), Err(Untaken::Connected)));
+        let timer = reg.detach(&id, 1, Some(will(30))).timer.unwrap();
+        let Ok(Taken { handle, will }) = reg.take(&id) else {
+            panic!("a session without connection is taken")
+        };
+        assert!(Arc::ptr_eq(&h1, &handle));
+        assert_eq!(
+            will.map(|(w, at_ms)| (w.delay_secs, at_ms)),
+            Some((30, 1_030_000))
+        );
+        assert_eq!(reg.len(), 0);
+        // Its timers find nothing; a session put back gets a new epoch.
+        assert!(reg.take_due_will(&id, timer.epoch).is_none());
+        let epoch = reg.restore(handle.clone(), None).unwrap();
+        assert_ne!(epoch, timer.epoch);
+        assert!(
+            reg.restore(handle, None).is_none(),
+            "one session per client"
+        );
     }
 }

@@ -38,23 +38,29 @@ impl RetainedStore {
         }
     }
 
-    /// Retained messages whose topic matches `filter`, dropping expired ones.
+    /// Retained messages whose topic matches `filter`, dropping expired ones, by topic (they go to
+    /// the subscriber, and into its session's journal, in this order).
     ///
     /// This scans all retained topics: subscribing is rare next to publishing, and the retained set
     /// is usually small. A trie over retained topics is the upgrade if that stops being true.
     pub(crate) fn matching(&mut self, filter: &str, now: Instant) -> Vec<Retained> {
         self.drop_expired(now);
-        self.by_topic
+        let mut found: Vec<Retained> = self
+            .by_topic
             .values()
             .filter(|r| topic::matches(filter, &r.message.topic))
             .cloned()
-            .collect()
+            .collect();
+        by_topic(&mut found);
+        found
     }
 
-    /// Every retained message that has not expired.
+    /// Every retained message that has not expired, by topic.
     pub(crate) fn all(&mut self, now: Instant) -> Vec<Retained> {
         self.drop_expired(now);
-        self.by_topic.values().cloned().collect()
+        let mut all: Vec<Retained> = self.by_topic.values().cloned().collect();
+        by_topic(&mut all);
+        all
     }
 
     fn drop_expired(&mut self, now: Instant) {
@@ -67,6 +73,10 @@ impl RetainedStore {
                 })
         });
     }
+}
+
+fn by_topic(retained: &mut [Retained]) {
+    retained.sort_unstable_by(|a, b| a.message.topic.cmp(&b.message.topic));
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use crate::message::{Message, QoS};
-use crate::persist::{clock, Durable, SessionChange, SessionJournal};
+use mqstate_clock::SharedClock;
+
+use crate::persist::{wall, Durable, SessionChange, SessionJournal};
 use crate::queue::QueueLimit;
 use crate::retained::{Retained, RetainedStore};
 use crate::session::{Delivery, SessionHandle, SubscriptionOptions};
@@ -34,6 +36,8 @@ pub(crate) struct Router {
     /// Queue limit for messages published by services (see [`Router::new`]).
     service_limit: QueueLimit,
     journal: Option<Arc<dyn SessionJournal>>,
+    /// When a message was received (its expiry counts from then).
+    clock: SharedClock,
 }
 
 /// What routing one message did.
@@ -54,6 +58,7 @@ impl Router {
         limit: QueueLimit,
         service_headroom: usize,
         journal: Option<Arc<dyn SessionJournal>>,
+        clock: SharedClock,
     ) -> Self {
         Self {
             trie: RwLock::default(),
@@ -61,6 +66,7 @@ impl Router {
             limit,
             service_limit: QueueLimit::messages(limit.messages.saturating_add(service_headroom)),
             journal,
+            clock,
         }
     }
 
@@ -106,6 +112,20 @@ impl Router {
         }
     }
 
+    /// Removes the subscriptions of a session handed over to another node, but none that a new
+    /// session of the same client made meanwhile.
+    pub(crate) fn remove_handed_over(&self, session: &Arc<SessionHandle>) {
+        let filters: Vec<_> = session.lock().subscriptions.keys().cloned().collect();
+        let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
+        for raw in &filters {
+            if let Some(f) = crate::topic::parse_filter(raw) {
+                trie.remove_if(f.filter, f.group, &session.client_id, |sub| {
+                    Arc::ptr_eq(&sub.session, session)
+                });
+            }
+        }
+    }
+
     pub(crate) fn retained_matching(&self, filter: &str, now: Instant) -> Vec<Retained> {
         self.retained
             .lock()
@@ -117,7 +137,7 @@ impl Router {
     /// retained). `publisher` is the sending client, for No Local. Never blocks on a subscriber:
     /// it only enqueues.
     pub(crate) fn route(&self, message: Message, publisher: Option<&str>) -> Routed {
-        let now = Instant::now();
+        let now = self.clock.now();
         let limit = self.queue_limit(publisher);
         let message = Arc::new(message);
         let mut durable = Vec::new();
@@ -133,7 +153,7 @@ impl Router {
                 } else {
                     SessionChange::RetainedSet {
                         message: message.clone(),
-                        received_at_ms: clock::now_ms(),
+                        received_at_ms: self.clock.now_ms(),
                     }
                 };
                 durable.push(journal.record(vec![change]));
@@ -156,8 +176,16 @@ impl Router {
             });
         }
         // A client with several matching (non-shared) subscriptions gets the message once, at
-        // the highest granted QoS, with every subscription id.
-        targets.sort_unstable_by_key(|t| (Arc::as_ptr(&t.session) as usize, t.shared));
+        // the highest granted QoS, with every subscription id. Sessions get it in client id order
+        // (stable: the trie's walk orders one client's subscriptions), so the order of the
+        // journal records it causes is a function of the subscriptions, not of addresses. (The
+        // address only separates an ended session from its successor while a clean start
+        // replaces it, so that each one's subscriptions stay together to be merged.)
+        targets.sort_by(|a, b| {
+            let at = Arc::as_ptr(&a.session) as usize;
+            let bt = Arc::as_ptr(&b.session) as usize;
+            (&*a.session.client_id, at, a.shared).cmp(&(&*b.session.client_id, bt, b.shared))
+        });
         let mut offered = 0;
         let mut iter = targets.into_iter().peekable();
         while let Some(mut t) = iter.next() {
@@ -191,7 +219,7 @@ impl Router {
             .into_iter()
             .map(|r| SessionChange::RetainedSet {
                 message: r.message,
-                received_at_ms: clock::to_ms(r.received_at, now, now_ms),
+                received_at_ms: wall::to_ms(r.received_at, now, now_ms),
             })
             .collect()
     }
@@ -202,5 +230,92 @@ impl Router {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .apply(&message, received_at);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::QoS;
+    use crate::topic::parse_filter;
+    use bytes::Bytes;
+    use mqstate_clock::ManualClock;
+
+    /// Keeps what it is told, in order.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<SessionChange>>);
+
+    impl SessionJournal for Recorder {
+        fn record(&self, changes: Vec<SessionChange>) -> Durable {
+            self.0.lock().unwrap().extend(changes);
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn options(qos: QoS) -> SubscriptionOptions {
+        SubscriptionOptions {
+            qos,
+            no_local: false,
+            retain_as_published: false,
+            retain_handling: 0,
+            subscription_id: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fan_out_reaches_the_journal_in_client_id_order() {
+        let recorder = Arc::new(Recorder::default());
+        let journal: Arc<dyn SessionJournal> = recorder.clone();
+        let clock: SharedClock = Arc::new(ManualClock::starting_at(1_000));
+        let router = Router::new(
+            QueueLimit::messages(10),
+            0,
+            Some(journal.clone()),
+            clock.clone(),
+        );
+        // Created in an order that is neither sorted nor the order of their addresses.
+        for id in ["m", "b", "z", "a", "q"] {
+            let session = Arc::new(SessionHandle::new(
+                id.into(),
+                60,
+                Some(journal.clone()),
+                clock.clone(),
+            ));
+            drop(session.lock()); // hands its Created to the journal
+            let filter = if id == "q" { "$share/g/t/#" } else { "t/+" };
+            router.subscribe(
+                &session,
+                parse_filter(filter).unwrap(),
+                options(QoS::AtLeastOnce),
+            );
+        }
+        recorder.0.lock().unwrap().clear();
+        let routed = router.route(
+            Message {
+                topic: "t/1".into(),
+                payload: Bytes::from_static(b"x"),
+                qos: QoS::AtLeastOnce,
+                retain: false,
+                properties: Default::default(),
+            },
+            None,
+        );
+        assert_eq!(routed.offered, 5);
+        let order: Vec<String> = recorder
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| match c {
+                SessionChange::Appended {
+                    client_id, message, ..
+                } => {
+                    assert_eq!(message.received_at_ms, 1_000, "dated by the router's clock");
+                    client_id.to_string()
+                }
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(order, ["a", "b", "m", "q", "z"]);
     }
 }

@@ -25,6 +25,14 @@
 //! [`SessionJournal`] that records persistent sessions, retained messages and delayed wills;
 //! [`Broker::restore`] puts back what a journal held (before listeners start), and
 //! [`Broker::journal_image`] dumps the current state as changes (for a snapshot).
+//!
+//! HAND-OVER (for fail-over): [`Broker::export_session`] takes a persistent session that no
+//! connection owns out of the broker as a [`StoredSession`]; [`Broker::adopt_session`] puts one in
+//! while the broker runs, and its client resumes it with Session Present.
+//!
+//! TIME AND IDS: the broker reads time only from the [`Clock`] it is built with
+//! ([`BrokerBuilder::clock`]; services use the same one, [`Broker::clock`]) and assigns client ids
+//! from its [`ClientIds`] ([`BrokerBuilder::client_ids`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,20 +40,23 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytestring::ByteString;
+use mqstate_clock::SharedClock;
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::auth::{Identity, Principal, Security};
 use crate::auth_failures::AuthFailures;
+use crate::client_ids::ClientIds;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
 use crate::limits::{Connections, MAX_REFUSALS_IN_PROGRESS};
 use crate::message::{Message, QoS};
-use crate::persist::{clock, Restored, SessionChange, SessionJournal};
+use crate::persist::{wall, Durable, Restored, SessionChange, SessionJournal, StoredSession};
 use crate::queue::QueueLimit;
-use crate::registry::{Control, Effects, Registry, Timer};
+use crate::registry::{Control, Effects, Registry, Taken, Timer, Untaken};
 use crate::router::Router;
 use crate::session::{Delivery, Inflight, Phase, SessionHandle, SessionState};
 use crate::topic;
+use crate::will::Will;
 
 /// Capacity of the lifecycle event channel; slow listeners miss events (and are told so by
 /// `broadcast::error::RecvError::Lagged`) rather than slow the broker down.
@@ -130,6 +141,8 @@ pub struct BrokerBuilder {
     config: BrokerConfig,
     security: Security,
     journal: Option<Arc<dyn SessionJournal>>,
+    clock: SharedClock,
+    client_ids: ClientIds,
 }
 
 impl BrokerBuilder {
@@ -146,8 +159,20 @@ impl BrokerBuilder {
         self
     }
 
+    /// Read wall and monotonic time from `clock` (default: the system's).
+    pub fn clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Assign ids to clients that connect with an empty one from `ids` (default: random).
+    pub fn client_ids(mut self, ids: ClientIds) -> Self {
+        self.client_ids = ids;
+        self
+    }
+
     pub fn build(self) -> Broker {
-        Broker::build(self.config, self.security, self.journal)
+        Broker::build(self)
     }
 }
 
@@ -174,6 +199,8 @@ pub(crate) struct Inner {
     events: broadcast::Sender<ClientEvent>,
     next_conn_id: AtomicU64,
     journal: Option<Arc<dyn SessionJournal>>,
+    pub clock: SharedClock,
+    pub client_ids: ClientIds,
 }
 
 impl Broker {
@@ -189,14 +216,19 @@ impl Broker {
             config,
             security: Security::default(),
             journal: None,
+            clock: mqstate_clock::system(),
+            client_ids: ClientIds::random(),
         }
     }
 
-    fn build(
-        config: BrokerConfig,
-        security: Security,
-        journal: Option<Arc<dyn SessionJournal>>,
-    ) -> Self {
+    fn build(builder: BrokerBuilder) -> Self {
+        let BrokerBuilder {
+            config,
+            security,
+            journal,
+            clock,
+            client_ids,
+        } = builder;
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let inner = Inner {
             auth_failures: AuthFailures::new(
@@ -220,13 +252,16 @@ impl Broker {
                 },
                 usize::from(config.receive_maximum),
                 journal.clone(),
+                clock.clone(),
             ),
             config,
-            registry: Registry::new(journal.clone()),
+            registry: Registry::new(journal.clone(), clock.clone()),
             claims: RwLock::default(),
             events,
             next_conn_id: AtomicU64::new(1),
             journal,
+            clock,
+            client_ids,
         };
         Self {
             inner: Arc::new(inner),
@@ -235,6 +270,11 @@ impl Broker {
 
     pub fn config(&self) -> &BrokerConfig {
         &self.inner.config
+    }
+
+    /// The clock of this node: services attached to the broker read time from it too.
+    pub fn clock(&self) -> &SharedClock {
+        &self.inner.clock
     }
 
     /// Claims `topic`: publishes to it go to the returned inbox instead of subscribers. A topic can
@@ -306,7 +346,7 @@ impl Broker {
             qos,
             retain,
             subscription_ids,
-            received_at: Instant::now(),
+            received_at: self.inner.clock.now(),
             seq: 0,
         };
         session.deliver(delivery, self.inner.router.queue_limit(None));
@@ -338,123 +378,143 @@ impl Broker {
         self.inner.registry.len()
     }
 
-    /// Puts back what the journal held, as of wall-clock `now_ms`: call once, before listeners
+    /// Puts back what the journal held, as of the clock's time now: call once, before listeners
     /// start, inside the runtime (it arms timers). Sessions whose expiry passed while the server
     /// was down end (with their will); sessions that were connected when the server stopped count
     /// as disconnected now; delayed wills that came due are published.
-    pub fn restore(&self, restored: Restored, now_ms: u64) -> RestoreReport {
+    pub fn restore(&self, restored: Restored) -> RestoreReport {
         let inner = &self.inner;
-        let now = Instant::now();
+        let (now, now_ms) = (inner.clock.now(), inner.clock.now_ms());
         let mut report = RestoreReport::default();
         for (topic, (message, received_at_ms)) in restored.retained {
             debug_assert_eq!(topic, message.topic);
-            let at = clock::to_instant(received_at_ms, now, now_ms);
+            let at = wall::to_instant(received_at_ms, now, now_ms);
             inner.router.restore_retained(message, at);
             report.retained += 1;
         }
         let mut due_wills = Vec::new();
         let mut timers = Vec::new();
         for (client_id, stored) in restored.sessions {
-            let detached_at_ms = stored.detached_at_ms.unwrap_or(now_ms);
-            let expire_at_ms = (stored.expiry_secs != u32::MAX)
-                .then(|| detached_at_ms.saturating_add(u64::from(stored.expiry_secs) * 1000));
-            if expire_at_ms.is_some_and(|at| at <= now_ms) {
-                // Expired while the server was down: its will goes now, at the latest.
-                due_wills.extend(stored.will.map(|(w, _)| w));
-                if let Some(journal) = &inner.journal {
-                    drop(journal.record(vec![SessionChange::Deleted { client_id }]));
-                }
-                report.expired += 1;
-                continue;
-            }
-            let mut state = SessionState::new(client_id.clone(), stored.expiry_secs);
-            state.journalled = inner.journal.is_some();
-            state.in_journal = state.journalled && stored.expiry_secs > 0;
-            state.inbound_qos2 = stored.inbound_qos2;
-            for (seq, entry) in stored.messages {
-                let d = Delivery {
-                    message: entry.message.message,
-                    qos: entry.message.qos,
-                    retain: entry.message.retain,
-                    subscription_ids: entry.message.subscription_ids,
-                    received_at: clock::to_instant(entry.message.received_at_ms, now, now_ms),
-                    seq,
-                };
-                state.next_seq = state.next_seq.max(seq + 1);
-                match entry.packet_id {
-                    Some(packet_id) => {
-                        let phase = match (d.qos, entry.released) {
-                            (_, true) => Phase::AwaitPubComp,
-                            (QoS::ExactlyOnce, false) => Phase::AwaitPubRec,
-                            _ => Phase::AwaitPubAck,
-                        };
-                        state
-                            .inflight
-                            .insert(packet_id, Inflight { delivery: d, phase });
-                    }
-                    None => state.queue.push_back(d),
-                }
-                report.messages += 1;
-            }
-            if stored.detached_at_ms.is_none() {
-                // It was connected when the server stopped: its expiry counts from now.
-                state.detached(now_ms);
-            } else {
-                state.detached_at_ms = stored.detached_at_ms;
-            }
-            let handle = Arc::new(SessionHandle::restored(state, inner.journal.clone()));
-            let subscriptions = stored.subscriptions;
-            for (raw, options) in &subscriptions {
-                if let Some(filter) = topic::parse_filter(raw) {
-                    inner.router.subscribe(&handle, filter, *options);
-                }
-            }
-            handle.lock().subscriptions = subscriptions.into_iter().collect();
-            let (will, will_at) = match stored.will {
-                Some((will, at_ms)) if at_ms <= now_ms => {
-                    handle
-                        .lock()
-                        .note(|client_id| SessionChange::WillCancelled { client_id });
-                    due_wills.push(will);
-                    (None, None)
-                }
-                Some((will, at_ms)) => (
-                    Some((will, at_ms)),
-                    Some(clock::to_instant(at_ms, now, now_ms)),
-                ),
-                None => (None, None),
-            };
-            let epoch = inner.registry.restore(handle, will);
-            timers.push(Timer {
+            let put = PutBack {
                 client_id,
-                epoch,
-                will_at,
-                expire_at: expire_at_ms.map(|at| now + Duration::from_millis(at - now_ms)),
-            });
-            report.sessions += 1;
+                stored,
+                now,
+                now_ms,
+                origin: Origin::Journal,
+            };
+            if let Ok((timer, _)) = inner.put_back(put, &mut report, &mut due_wills) {
+                timers.extend(timer);
+            }
         }
         report.wills_published = due_wills.len();
-        for will in due_wills {
-            inner.router.route(will.message, None);
+        inner.start(due_wills, timers);
+        report
+    }
+
+    /// Takes the persistent session of `client_id` out of this broker to hand it to another node:
+    /// its subscriptions, its QoS 1/2 messages (queued and in flight), its inbound QoS 2 packet ids
+    /// and its pending delayed will, as [`Broker::adopt_session`] takes them. The session must
+    /// have no connection (disconnect the client first, [`Broker::disconnect`]); queued QoS 0
+    /// messages are not handed over, as a restart would not keep them either. The journal records
+    /// the session as deleted here. A message routed to the session at this very moment may
+    /// miss both nodes: hand sessions over while the node takes no publishes.
+    pub fn export_session(&self, client_id: &str) -> Result<StoredSession, BrokerError> {
+        let inner = &self.inner;
+        let Taken { handle, will } = inner.registry.take(client_id).map_err(|why| match why {
+            Untaken::Missing => BrokerError::NoSuchSession {
+                client_id: client_id.to_owned(),
+            },
+            Untaken::Connected => BrokerError::SessionConnected {
+                client_id: client_id.to_owned(),
+            },
+        })?;
+        inner.router.remove_handed_over(&handle);
+        let (now, now_ms) = (inner.clock.now(), inner.clock.now_ms());
+        let mut state = handle.lock();
+        let mut restored = Restored::default();
+        for change in state.image(now, now_ms) {
+            restored.apply(change);
         }
-        for timer in timers {
-            inner.apply(Effects {
-                timer: Some(timer),
-                ..Effects::default()
+        if let Some((will, at_ms)) = will {
+            restored.apply(SessionChange::WillScheduled {
+                client_id: handle.client_id.clone(),
+                will,
+                at_ms,
             });
         }
-        report
+        state.end();
+        drop(state);
+        tracing::debug!(client_id, "session handed over");
+        let exported = restored.sessions.remove(client_id);
+        debug_assert!(exported.is_some(), "an image starts with Created");
+        Ok(exported.unwrap_or_default())
+    }
+
+    /// Puts a session handed over by another node ([`Broker::export_session`]) into this running
+    /// broker: its client resumes it with Session Present, and messages routed from now on reach
+    /// it. As with [`Broker::restore`], a session whose expiry passed ends at once (its will is
+    /// published) and a delayed will that came due is published. With a journal, the session is
+    /// recorded; the returned [`Adoption::durable`] resolves once it is durable.
+    pub fn adopt_session(
+        &self,
+        client_id: Arc<str>,
+        session: StoredSession,
+    ) -> Result<Adoption, BrokerError> {
+        let inner = &self.inner;
+        let mut report = RestoreReport::default();
+        let mut due_wills = Vec::new();
+        let put = PutBack {
+            client_id: client_id.clone(),
+            stored: session,
+            now: inner.clock.now(),
+            now_ms: inner.clock.now_ms(),
+            origin: Origin::HandedOver,
+        };
+        let (timer, durable) = inner
+            .put_back(put, &mut report, &mut due_wills)
+            .map_err(|()| BrokerError::SessionExists {
+                client_id: client_id.to_string(),
+            })?;
+        report.wills_published = due_wills.len();
+        inner.start(due_wills, timer.into_iter().collect());
+        Ok(Adoption { report, durable })
     }
 
     /// Every persistent session (with its delayed will) and retained message as changes that
     /// recreate them from nothing: the state of a journal snapshot. Consistent per session and for
     /// the retained store; changes made meanwhile are recorded after and replay harmlessly.
     pub fn journal_image(&self) -> Vec<SessionChange> {
-        let (now, now_ms) = (Instant::now(), clock::now_ms());
+        let (now, now_ms) = (self.inner.clock.now(), self.inner.clock.now_ms());
         let mut image = self.inner.router.retained_image(now, now_ms);
         image.extend(self.inner.registry.image(now, now_ms));
         image
     }
+}
+
+/// What [`Broker::adopt_session`] did.
+pub struct Adoption {
+    /// One session put back (`sessions` 1), or one that had expired meanwhile (`expired` 1).
+    pub report: RestoreReport,
+    /// With a journal: resolves when the adopted session is durable here.
+    pub durable: Option<Durable>,
+}
+
+/// Where a session put back into the broker comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// This broker's own journal: already recorded there.
+    Journal,
+    /// Another node: new to this broker's journal.
+    HandedOver,
+}
+
+/// One stored session to put back, as of `now` (`now_ms` on the wall clock).
+struct PutBack {
+    client_id: Arc<str>,
+    stored: StoredSession,
+    now: Instant,
+    now_ms: u64,
+    origin: Origin,
 }
 
 /// What [`Broker::restore`] put back.
@@ -470,6 +530,140 @@ pub struct RestoreReport {
 }
 
 impl Inner {
+    /// Puts one stored session back, or ends it if its expiry passed (its will then goes into
+    /// `due_wills`). Returns the timer to arm and, for a session new to the journal, when it is
+    /// recorded; `Err` (and changes nothing) if the client has a session already.
+    fn put_back(
+        &self,
+        put: PutBack,
+        report: &mut RestoreReport,
+        due_wills: &mut Vec<Will>,
+    ) -> Result<(Option<Timer>, Option<Durable>), ()> {
+        let PutBack {
+            client_id,
+            stored,
+            now,
+            now_ms,
+            origin,
+        } = put;
+        let detached_at_ms = stored.detached_at_ms.unwrap_or(now_ms);
+        let expire_at_ms = (stored.expiry_secs != u32::MAX)
+            .then(|| detached_at_ms.saturating_add(u64::from(stored.expiry_secs) * 1000));
+        if expire_at_ms.is_some_and(|at| at <= now_ms) {
+            // Expired while the server was down (or the session in transit): its will goes now,
+            // at the latest.
+            due_wills.extend(stored.will.map(|(w, _)| w));
+            if let (Some(journal), Origin::Journal) = (&self.journal, origin) {
+                drop(journal.record(vec![SessionChange::Deleted { client_id }]));
+            }
+            report.expired += 1;
+            return Ok((None, None));
+        }
+        let mut state = SessionState::new(client_id.clone(), stored.expiry_secs);
+        state.journalled = self.journal.is_some();
+        state.in_journal = state.journalled && stored.expiry_secs > 0;
+        state.inbound_qos2 = stored.inbound_qos2;
+        let messages = stored.messages.len();
+        for (seq, entry) in stored.messages {
+            let d = Delivery {
+                message: entry.message.message,
+                qos: entry.message.qos,
+                retain: entry.message.retain,
+                subscription_ids: entry.message.subscription_ids,
+                received_at: wall::to_instant(entry.message.received_at_ms, now, now_ms),
+                seq,
+            };
+            state.next_seq = state.next_seq.max(seq + 1);
+            match entry.packet_id {
+                Some(packet_id) => {
+                    let phase = match (d.qos, entry.released) {
+                        (_, true) => Phase::AwaitPubComp,
+                        (QoS::ExactlyOnce, false) => Phase::AwaitPubRec,
+                        _ => Phase::AwaitPubAck,
+                    };
+                    state
+                        .inflight
+                        .insert(packet_id, Inflight { delivery: d, phase });
+                }
+                None => state.queue.push_back(d),
+            }
+        }
+        if stored.detached_at_ms.is_none() {
+            // It was connected when the server stopped: its expiry counts from now.
+            state.detached(now_ms);
+        } else {
+            state.detached_at_ms = stored.detached_at_ms;
+        }
+        state.subscriptions = stored.subscriptions;
+        let (will, will_at, will_due) = match stored.will {
+            Some((will, at_ms)) if at_ms <= now_ms => (None, None, Some(will)),
+            Some((will, at_ms)) => {
+                let at = wall::to_instant(at_ms, now, now_ms);
+                (Some((will, at_ms)), Some(at), None)
+            }
+            None => (None, None, None),
+        };
+        match origin {
+            Origin::Journal if will_due.is_some() => {
+                state.note(|client_id| SessionChange::WillCancelled { client_id });
+            }
+            Origin::Journal => {}
+            Origin::HandedOver if state.in_journal => {
+                // New to this journal: recorded whole, as a snapshot would hold it.
+                state.changes = state.image(now, now_ms);
+                if let Some((will, at_ms)) = &will {
+                    state.changes.push(SessionChange::WillScheduled {
+                        client_id: client_id.clone(),
+                        will: will.clone(),
+                        at_ms: *at_ms,
+                    });
+                }
+            }
+            Origin::HandedOver => {}
+        }
+        let subscriptions: Vec<_> = state
+            .subscriptions
+            .iter()
+            .map(|(raw, options)| (raw.clone(), *options))
+            .collect();
+        let handle = Arc::new(SessionHandle::restored(
+            state,
+            self.journal.clone(),
+            self.clock.clone(),
+        ));
+        // Nothing noted above reaches the journal unless the registry takes the session.
+        let epoch = self.registry.restore(handle.clone(), will).ok_or(())?;
+        for (raw, options) in &subscriptions {
+            if let Some(filter) = topic::parse_filter(raw) {
+                self.router.subscribe(&handle, filter, *options);
+            }
+        }
+        let durable = handle.lock().commit();
+        due_wills.extend(will_due);
+        report.sessions += 1;
+        report.messages += messages;
+        let timer = Timer {
+            client_id,
+            epoch,
+            will_at,
+            expire_at: expire_at_ms.map(|at| now + Duration::from_millis(at - now_ms)),
+        };
+        Ok((Some(timer), durable))
+    }
+
+    /// Publishes the wills that came due and arms the timers of sessions put back.
+    fn start(self: &Arc<Self>, due_wills: Vec<Will>, timers: Vec<Timer>) {
+        for will in due_wills {
+            self.router.route(will.message, None);
+        }
+        for timer in timers {
+            self.apply(Effects {
+                timer: Some(timer),
+                ..Effects::default()
+            });
+        }
+    }
+
     pub(crate) fn next_conn_id(&self) -> u64 {
         self.next_conn_id.fetch_add(1, Ordering::Relaxed)
     }

@@ -8,17 +8,18 @@
 //! buffer to the journal before the lock is released, so the journal sees the changes of a session
 //! in the order they were made. Only QoS 1/2 messages are journalled.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use bytestring::ByteString;
+use mqstate_clock::{Clock, SharedClock};
 use tokio::sync::Notify;
 
 use crate::codec::OutPublish;
 use crate::message::{Message, QoS};
-use crate::persist::{clock, Durable, SessionChange, SessionJournal, StoredMessage};
+use crate::persist::{wall, Durable, SessionChange, SessionJournal, StoredMessage};
 use crate::queue::{queued_bytes, MessageQueue, QueueLimit};
 
 /// Options of one subscription, as granted.
@@ -107,8 +108,9 @@ pub enum Emit {
 pub struct SessionState {
     pub client_id: Arc<str>,
     pub expiry_interval_secs: u32,
-    /// By the filter exactly as subscribed (including any `$share/group/` prefix).
-    pub subscriptions: HashMap<ByteString, SubscriptionOptions>,
+    /// By the filter exactly as subscribed (including any `$share/group/` prefix). Ordered, so
+    /// that what is derived from it (a journal image, subscription ids) does not depend on a hash.
+    pub subscriptions: BTreeMap<ByteString, SubscriptionOptions>,
     pub queue: MessageQueue,
     pub inflight: BTreeMap<u16, Inflight>,
     /// Inbound QoS 2 packet ids received (and routed) but not yet released by PUBREL.
@@ -135,7 +137,7 @@ impl SessionState {
         Self {
             client_id,
             expiry_interval_secs,
-            subscriptions: HashMap::new(),
+            subscriptions: BTreeMap::new(),
             queue: MessageQueue::default(),
             inflight: BTreeMap::new(),
             inbound_qos2: BTreeSet::new(),
@@ -167,14 +169,15 @@ impl SessionState {
         }
     }
 
-    /// Sets the Session Expiry Interval. The session enters the journal (as a full image) when it
-    /// becomes persistent, and leaves it (deleted) when it stops being persistent.
-    pub(crate) fn set_expiry(&mut self, secs: u32) {
+    /// Sets the Session Expiry Interval. The session enters the journal (as a full image, its
+    /// times read from `clock`) when it becomes persistent, and leaves it (deleted) when it stops
+    /// being persistent.
+    pub(crate) fn set_expiry(&mut self, secs: u32, clock: &dyn Clock) {
         self.expiry_interval_secs = secs;
         let persistent = self.journalled && secs > 0;
         if persistent && !self.in_journal {
             self.in_journal = true;
-            let image = self.image(std::time::Instant::now(), clock::now_ms());
+            let image = self.image(clock.now(), clock.now_ms());
             self.changes.extend(image);
         } else if !persistent && self.in_journal {
             self.note(|client_id| SessionChange::Deleted { client_id });
@@ -183,10 +186,10 @@ impl SessionState {
     }
 
     /// A connection resumed the session with `expiry_secs`.
-    pub(crate) fn attached(&mut self, expiry_secs: u32) {
+    pub(crate) fn attached(&mut self, expiry_secs: u32, clock: &dyn Clock) {
         self.detached_at_ms = None;
         let was_journalled = self.in_journal;
-        self.set_expiry(expiry_secs);
+        self.set_expiry(expiry_secs, clock);
         if was_journalled {
             self.note(|client_id| SessionChange::Attached {
                 client_id,
@@ -309,8 +312,9 @@ impl SessionState {
     }
 
     /// Queues `d`, applying the overflow policy at `limit`: QoS 0 goes first (the new one, or
-    /// the oldest queued ones), then the newest QoS 1/2 message is dropped.
-    pub fn enqueue(&mut self, mut d: Delivery, limit: QueueLimit) -> Enqueued {
+    /// the oldest queued ones), then the newest QoS 1/2 message is dropped. `clock` dates the
+    /// journal record of a persistent session's message.
+    pub fn enqueue(&mut self, mut d: Delivery, limit: QueueLimit, clock: &dyn Clock) -> Enqueued {
         let outcome = if self.queue.fits(&d, limit) {
             Enqueued::Queued
         } else if d.qos == QoS::AtMostOnce {
@@ -325,7 +329,7 @@ impl SessionState {
         d.seq = self.next_seq;
         self.next_seq += 1;
         if self.in_journal && d.qos != QoS::AtMostOnce {
-            let change = appended(&self.client_id, &d, Instant::now(), clock::now_ms());
+            let change = appended(&self.client_id, &d, clock.now(), clock.now_ms());
             self.changes.push(change);
         }
         self.queue.push_back(d);
@@ -511,7 +515,7 @@ fn appended(client_id: &Arc<str>, d: &Delivery, now: Instant, now_ms: u64) -> Se
             qos: d.qos,
             retain: d.retain,
             subscription_ids: d.subscription_ids.clone(),
-            received_at_ms: clock::to_ms(d.received_at, now, now_ms),
+            received_at_ms: wall::to_ms(d.received_at, now, now_ms),
         },
     }
 }
@@ -521,6 +525,8 @@ pub(crate) struct SessionHandle {
     pub client_id: Arc<str>,
     state: Mutex<SessionState>,
     journal: Option<Arc<dyn SessionJournal>>,
+    /// Dates what the journal records (a journal stores wall-clock ms).
+    clock: SharedClock,
     /// Wakes the owning connection when messages were queued.
     pub wake: Notify,
     /// Whether a connection owns the session; offline sessions do not queue QoS 0.
@@ -571,13 +577,15 @@ impl SessionHandle {
         client_id: Arc<str>,
         expiry_interval_secs: u32,
         journal: Option<Arc<dyn SessionJournal>>,
+        clock: SharedClock,
     ) -> Self {
         let mut state = SessionState::new(client_id.clone(), 0);
         state.journalled = journal.is_some();
-        state.set_expiry(expiry_interval_secs);
+        state.set_expiry(expiry_interval_secs, &*clock);
         Self {
             state: Mutex::new(state),
             journal,
+            clock,
             client_id,
             wake: Notify::new(),
             online: AtomicBool::new(false),
@@ -585,11 +593,16 @@ impl SessionHandle {
     }
 
     /// A session read back from the journal (already in it: nothing is recorded).
-    pub(crate) fn restored(state: SessionState, journal: Option<Arc<dyn SessionJournal>>) -> Self {
+    pub(crate) fn restored(
+        state: SessionState,
+        journal: Option<Arc<dyn SessionJournal>>,
+        clock: SharedClock,
+    ) -> Self {
         Self {
             client_id: state.client_id.clone(),
             state: Mutex::new(state),
             journal,
+            clock,
             wake: Notify::new(),
             online: AtomicBool::new(false),
         }
@@ -617,7 +630,7 @@ impl SessionHandle {
         }
         let (outcome, durable) = {
             let mut state = self.lock();
-            let outcome = state.enqueue(d, limit);
+            let outcome = state.enqueue(d, limit, &*self.clock);
             (outcome, state.commit())
         };
         if outcome != Enqueued::DroppedQos0 && outcome != Enqueued::DroppedNewest {
@@ -631,6 +644,7 @@ impl SessionHandle {
 mod tests {
     use super::*;
     use bytes::Bytes;
+    use mqstate_clock::SystemClock;
     use std::time::Duration;
 
     fn delivery(qos: QoS, n: u8) -> Delivery {
@@ -654,23 +668,43 @@ mod tests {
     fn overflow_drops_qos0_first_then_newest() {
         let mut s = SessionState::new("c".into(), 0);
         assert_eq!(
-            s.enqueue(delivery(QoS::AtMostOnce, 0), QueueLimit::messages(2)),
+            s.enqueue(
+                delivery(QoS::AtMostOnce, 0),
+                QueueLimit::messages(2),
+                &SystemClock
+            ),
             Enqueued::Queued
         );
         assert_eq!(
-            s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(2)),
+            s.enqueue(
+                delivery(QoS::AtLeastOnce, 1),
+                QueueLimit::messages(2),
+                &SystemClock
+            ),
             Enqueued::Queued
         );
         assert_eq!(
-            s.enqueue(delivery(QoS::AtMostOnce, 2), QueueLimit::messages(2)),
+            s.enqueue(
+                delivery(QoS::AtMostOnce, 2),
+                QueueLimit::messages(2),
+                &SystemClock
+            ),
             Enqueued::DroppedQos0
         );
         assert_eq!(
-            s.enqueue(delivery(QoS::AtLeastOnce, 3), QueueLimit::messages(2)),
+            s.enqueue(
+                delivery(QoS::AtLeastOnce, 3),
+                QueueLimit::messages(2),
+                &SystemClock
+            ),
             Enqueued::EvictedQos0
         );
         assert_eq!(
-            s.enqueue(delivery(QoS::ExactlyOnce, 4), QueueLimit::messages(2)),
+            s.enqueue(
+                delivery(QoS::ExactlyOnce, 4),
+                QueueLimit::messages(2),
+                &SystemClock
+            ),
             Enqueued::DroppedNewest
         );
         let payloads: Vec<u8> = s.queue.iter().map(|d| d.message.payload[0]).collect();
@@ -700,22 +734,25 @@ mod tests {
             (QoS::AtMostOnce, 1),
             (QoS::AtLeastOnce, 2),
         ] {
-            assert_eq!(s.enqueue(sized(qos, n, 9), limit), Enqueued::Queued);
+            assert_eq!(
+                s.enqueue(sized(qos, n, 9), limit, &SystemClock),
+                Enqueued::Queued
+            );
         }
         assert_eq!(s.queue.bytes(), 30);
         assert_eq!(
-            s.enqueue(sized(QoS::AtMostOnce, 3, 9), limit),
+            s.enqueue(sized(QoS::AtMostOnce, 3, 9), limit, &SystemClock),
             Enqueued::DroppedQos0
         );
         // 20 bytes do not fit beside 30: both queued QoS 0 messages make room.
         assert_eq!(
-            s.enqueue(sized(QoS::AtLeastOnce, 4, 19), limit),
+            s.enqueue(sized(QoS::AtLeastOnce, 4, 19), limit, &SystemClock),
             Enqueued::EvictedQos0
         );
         assert_eq!(s.queue.bytes(), 30);
         // Nothing left to evict: the newest QoS 1/2 message is dropped, the queue kept.
         assert_eq!(
-            s.enqueue(sized(QoS::ExactlyOnce, 5, 1), limit),
+            s.enqueue(sized(QoS::ExactlyOnce, 5, 1), limit, &SystemClock),
             Enqueued::DroppedNewest
         );
         let queued: Vec<u8> = s.queue.iter().map(|d| d.message.payload[0]).collect();
@@ -728,15 +765,15 @@ mod tests {
         let limit = THIRTY_BYTES;
         let mut s = SessionState::new("c".into(), 0);
         assert_eq!(
-            s.enqueue(sized(QoS::AtMostOnce, 0, 9), limit),
+            s.enqueue(sized(QoS::AtMostOnce, 0, 9), limit, &SystemClock),
             Enqueued::Queued
         );
         assert_eq!(
-            s.enqueue(sized(QoS::AtLeastOnce, 1, 19), limit),
+            s.enqueue(sized(QoS::AtLeastOnce, 1, 19), limit, &SystemClock),
             Enqueued::Queued
         );
         assert_eq!(
-            s.enqueue(sized(QoS::AtLeastOnce, 2, 19), limit),
+            s.enqueue(sized(QoS::AtLeastOnce, 2, 19), limit, &SystemClock),
             Enqueued::DroppedNewest
         );
         assert_eq!(
@@ -751,11 +788,11 @@ mod tests {
         let limit = THIRTY_BYTES;
         let mut s = SessionState::new("c".into(), 0);
         assert_eq!(
-            s.enqueue(sized(QoS::AtLeastOnce, 0, 100), limit),
+            s.enqueue(sized(QoS::AtLeastOnce, 0, 100), limit, &SystemClock),
             Enqueued::Queued
         );
         assert_eq!(
-            s.enqueue(sized(QoS::AtLeastOnce, 1, 1), limit),
+            s.enqueue(sized(QoS::AtLeastOnce, 1, 1), limit, &SystemClock),
             Enqueued::DroppedNewest
         );
         let mut sent = 0;
@@ -770,7 +807,11 @@ mod tests {
     fn pump_respects_receive_maximum_and_acks_open_the_window() {
         let mut s = SessionState::new("c".into(), 0);
         for n in 0..4 {
-            s.enqueue(delivery(QoS::AtLeastOnce, n), QueueLimit::messages(10));
+            s.enqueue(
+                delivery(QoS::AtLeastOnce, n),
+                QueueLimit::messages(10),
+                &SystemClock,
+            );
         }
         let mut sent = Vec::new();
         s.pump(Instant::now(), 2, None, |p| {
@@ -791,14 +832,22 @@ mod tests {
     #[test]
     fn qos2_flow_and_too_large_and_expiry() {
         let mut s = SessionState::new("c".into(), 0);
-        s.enqueue(delivery(QoS::ExactlyOnce, 0), QueueLimit::messages(10));
+        s.enqueue(
+            delivery(QoS::ExactlyOnce, 0),
+            QueueLimit::messages(10),
+            &SystemClock,
+        );
         s.pump(Instant::now(), 10, None, |_| Some(Emit::Sent));
         assert_eq!(s.on_pubrec(1, 0), Some(true));
         assert!(!s.on_puback(1));
         assert!(s.on_pubcomp(1));
         assert!(s.inflight.is_empty());
 
-        s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(10));
+        s.enqueue(
+            delivery(QoS::AtLeastOnce, 1),
+            QueueLimit::messages(10),
+            &SystemClock,
+        );
         s.pump(Instant::now(), 10, None, |_| Some(Emit::TooLarge));
         assert!(s.inflight.is_empty());
         assert_eq!(s.dropped_too_large, 1);
@@ -809,7 +858,7 @@ mod tests {
         old.message = Arc::new(msg);
         let now = Instant::now();
         old.received_at = now.checked_sub(Duration::from_secs(6)).unwrap();
-        s.enqueue(old, QueueLimit::messages(10));
+        s.enqueue(old, QueueLimit::messages(10), &SystemClock);
         s.pump(now, 10, None, |_| {
             panic!("expired message must not be sent")
         });
@@ -834,14 +883,14 @@ mod tests {
     fn inbound_qos2_ids_are_journalled_only_for_persistent_sessions() {
         let mut clean = SessionState::new("c".into(), 0);
         clean.journalled = true;
-        clean.set_expiry(0);
+        clean.set_expiry(0, &SystemClock);
         clean.receive_qos2(5);
         assert!(clean.release_qos2(5));
         assert!(clean.changes.is_empty(), "{:?}", clean.changes);
 
         let mut s = SessionState::new("p".into(), 0);
         s.journalled = true;
-        s.set_expiry(60);
+        s.set_expiry(60, &SystemClock);
         s.changes.clear();
         s.receive_qos2(5);
         s.receive_qos2(5);
@@ -865,7 +914,7 @@ mod tests {
             })
             .collect();
         assert_eq!(noted, vec![('Q', id(5)), ('Q', id(6)), ('q', id(5))]);
-        let image = s.image(Instant::now(), clock::now_ms());
+        let image = s.image(SystemClock.now(), SystemClock.now_ms());
         assert!(image.contains(&SessionChange::Qos2Received {
             client_id: "p".into(),
             packet_id: 6
@@ -885,8 +934,16 @@ mod tests {
     fn packet_ids_skip_those_in_flight_and_wrap() {
         let mut s = SessionState::new("c".into(), 0);
         s.next_packet_id = u16::MAX;
-        s.enqueue(delivery(QoS::AtLeastOnce, 0), QueueLimit::messages(10));
-        s.enqueue(delivery(QoS::AtLeastOnce, 1), QueueLimit::messages(10));
+        s.enqueue(
+            delivery(QoS::AtLeastOnce, 0),
+            QueueLimit::messages(10),
+            &SystemClock,
+        );
+        s.enqueue(
+            delivery(QoS::AtLeastOnce, 1),
+            QueueLimit::messages(10),
+            &SystemClock,
+        );
         let mut ids = Vec::new();
         s.pump(Instant::now(), 10, None, |p| {
             ids.push(p.packet_id);

@@ -1,7 +1,7 @@
 //! The subscription trie: topic filters split on `/`, one node per level, so routing a publish costs
 //! the topic's depth (times the wildcard branches), not the number of subscriptions.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -14,8 +14,9 @@ struct Node<T> {
     children: HashMap<Box<str>, Node<T>>,
     /// Non-shared subscribers at this filter, by client id.
     subscribers: HashMap<Arc<str>, T>,
-    /// Shared subscription groups at this filter, by group name.
-    shared: HashMap<Box<str>, SharedGroup<T>>,
+    /// Shared subscription groups at this filter, by group name (ordered: a message matching
+    /// several groups reaches them in the same order every time).
+    shared: BTreeMap<Box<str>, SharedGroup<T>>,
 }
 
 struct SharedGroup<T> {
@@ -29,7 +30,7 @@ impl<T> Default for Node<T> {
         Self {
             children: HashMap::new(),
             subscribers: HashMap::new(),
-            shared: HashMap::new(),
+            shared: BTreeMap::new(),
         }
     }
 }
@@ -85,20 +86,42 @@ impl<T> Trie<T> {
 
     /// Removes `client`'s subscription; returns whether one existed. Empty nodes are pruned.
     pub(crate) fn remove(&mut self, filter: &str, group: Option<&str>, client: &str) -> bool {
-        let levels: Vec<&str> = filter.split('/').collect();
-        Self::remove_at(&mut self.root, &levels, group, client)
+        self.remove_if(filter, group, client, |_| true)
     }
 
-    fn remove_at(node: &mut Node<T>, levels: &[&str], group: Option<&str>, client: &str) -> bool {
+    /// [`Trie::remove`], only if `client`'s value there satisfies `pred`.
+    pub(crate) fn remove_if(
+        &mut self,
+        filter: &str,
+        group: Option<&str>,
+        client: &str,
+        pred: impl Fn(&T) -> bool,
+    ) -> bool {
+        let levels: Vec<&str> = filter.split('/').collect();
+        Self::remove_at(&mut self.root, &levels, group, client, &pred)
+    }
+
+    fn remove_at(
+        node: &mut Node<T>,
+        levels: &[&str],
+        group: Option<&str>,
+        client: &str,
+        pred: &impl Fn(&T) -> bool,
+    ) -> bool {
         let Some((first, rest)) = levels.split_first() else {
             return match group {
-                None => node.subscribers.remove(client).is_some(),
+                None => {
+                    if !node.subscribers.get(client).is_some_and(pred) {
+                        return false;
+                    }
+                    node.subscribers.remove(client).is_some()
+                }
                 Some(group) => {
                     let Some(g) = node.shared.get_mut(group) else {
                         return false;
                     };
                     let before = g.members.len();
-                    g.members.retain(|(c, _)| &**c != client);
+                    g.members.retain(|(c, v)| &**c != client || !pred(v));
                     let removed = g.members.len() != before;
                     if g.members.is_empty() {
                         node.shared.remove(group);
@@ -110,7 +133,7 @@ impl<T> Trie<T> {
         let Some(child) = node.children.get_mut(*first) else {
             return false;
         };
-        let removed = Self::remove_at(child, rest, group, client);
+        let removed = Self::remove_at(child, rest, group, client, pred);
         if child.is_empty() {
             node.children.remove(*first);
         }

@@ -4,13 +4,14 @@
 mod common;
 
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::*;
 use mqstate_broker::persist::{decode_changes, encode_changes};
 use mqstate_broker::{
-    Broker, BrokerConfig, Durable, JournalError, Restored, SessionChange, SessionJournal,
+    Broker, BrokerConfig, BrokerError, Durable, JournalError, Restored, SessionChange,
+    SessionJournal,
 };
+use mqstate_clock::OffsetClock;
 use rmqtt_codec::v5::{self, Packet};
 use tokio::sync::watch;
 
@@ -54,13 +55,6 @@ impl SessionJournal for MemoryJournal {
                 .map_err(|_| JournalError("journal dropped".into()))
         })
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
 }
 
 async fn journalled(journal: &Arc<MemoryJournal>) -> Server {
@@ -137,7 +131,7 @@ async fn a_broker_restored_from_the_journal_resumes_sessions_messages_and_retain
     let restored = journal.replay();
     assert_eq!(restored.sessions.len(), 1, "{restored:?}");
     let broker = Broker::new(BrokerConfig::default());
-    let report = broker.restore(restored, now_ms());
+    let report = broker.restore(restored);
     assert_eq!(
         (report.sessions, report.messages, report.retained),
         (1, 2, 1)
@@ -198,8 +192,11 @@ async fn restore_drops_sessions_that_expired_while_down_and_publishes_due_wills(
     // Two minutes later: "short" expired (and its will is due), "long" lives on with its will pending.
     let restored = journal.replay();
     assert!(restored.sessions["long"].will.is_some());
-    let broker = Broker::new(BrokerConfig::default());
-    let report = broker.restore(restored, now_ms() + 120_000);
+    let two_minutes_later = OffsetClock::new(mqstate_clock::system(), 120_000);
+    let broker = Broker::builder(BrokerConfig::default())
+        .clock(Arc::new(two_minutes_later))
+        .build();
+    let report = broker.restore(restored);
     assert_eq!(
         (report.sessions, report.expired, report.wills_published),
         (1, 1, 1)
@@ -320,7 +317,7 @@ async fn inbound_qos2_ids_survive_a_restore_so_pubrel_completes_and_a_retry_is_n
     let broker = Broker::builder(BrokerConfig::default())
         .journal(journal.clone())
         .build();
-    broker.restore(restored, now_ms());
+    broker.restore(restored);
     let s2 = Server::serve(broker).await;
     let (mut publisher, ack) = Raw::connect(s2.addr, "pub", false, 600).await;
     assert!(ack.session_present);
@@ -476,4 +473,117 @@ async fn topic_alias_publishes_in_a_durable_session_are_always_acknowledged() {
         c.disconnect(v5::DisconnectReasonCode::NormalDisconnection)
             .await;
     }
+}
+
+#[tokio::test]
+async fn a_session_handed_over_to_a_running_broker_keeps_its_subscriptions_and_messages() {
+    let (journal_a, journal_b) = (MemoryJournal::new(), MemoryJournal::new());
+    let a = journalled(&journal_a).await;
+    let b = journalled(&journal_b).await;
+    let (mut mover, _) = Raw::connect(a.addr, "mover", false, 600).await;
+    mover.subscribe("h/#", 1).await;
+    mover
+        .disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    let (mut publisher, _) = Raw::connect(a.addr, "pub", true, 0).await;
+    assert_eq!(publisher.publish_acked("h/1", b"one", 1).await, 0);
+    assert_eq!(publisher.publish_acked("h/2", b"two", 2).await, 0);
+
+    let stored = a.broker.export_session("mover").expect("exported");
+    assert_eq!(stored.messages.len(), 2);
+    assert_eq!(stored.subscriptions.len(), 1);
+    assert_eq!(a.broker.session_count(), 1, "only the publisher's is left");
+    assert!(
+        !journal_a.replay().sessions.contains_key("mover"),
+        "the old node's journal no longer restores it"
+    );
+    // The old node has nothing of it any more.
+    let (_, ack) = Raw::connect(a.addr, "mover", false, 600).await;
+    assert!(!ack.session_present);
+
+    let adoption = b
+        .broker
+        .adopt_session("mover".into(), stored)
+        .expect("adopted");
+    assert_eq!((adoption.report.sessions, adoption.report.messages), (1, 2));
+    adoption.durable.expect("journalled").await.unwrap();
+    let recorded = journal_b.replay();
+    assert_eq!(recorded.sessions["mover"].messages.len(), 2, "{recorded:?}");
+    assert_eq!(recorded.sessions["mover"].subscriptions.len(), 1);
+
+    let (mut mover, ack) = Raw::connect(b.addr, "mover", false, 600).await;
+    assert!(ack.session_present, "the adopted session is resumed");
+    let one = mover.expect_publish().await;
+    let two = mover.expect_publish().await;
+    assert_eq!(
+        (&one.payload[..], &two.payload[..]),
+        (&b"one"[..], &b"two"[..])
+    );
+    mover.puback(one.packet_id.unwrap()).await;
+    mover.puback(two.packet_id.unwrap()).await;
+    let (mut publisher, _) = Raw::connect(b.addr, "pub", true, 0).await;
+    assert_eq!(publisher.publish_acked("h/3", b"three", 1).await, 0);
+    assert_eq!(&mover.expect_publish().await.payload[..], b"three");
+}
+
+#[tokio::test]
+async fn a_connected_session_is_not_exported_and_an_existing_one_is_not_replaced() {
+    let journal = MemoryJournal::new();
+    let s = journalled(&journal).await;
+    assert!(matches!(
+        s.broker.export_session("nobody"),
+        Err(BrokerError::NoSuchSession { .. })
+    ));
+    let (mut c, _) = Raw::connect(s.addr, "c", false, 600).await;
+    c.subscribe("mine/#", 1).await;
+    assert!(matches!(
+        s.broker.export_session("c"),
+        Err(BrokerError::SessionConnected { .. })
+    ));
+    let stranger = mqstate_broker::StoredSession {
+        expiry_secs: 600,
+        ..Default::default()
+    };
+    assert!(matches!(
+        s.broker.adopt_session("c".into(), stranger),
+        Err(BrokerError::SessionExists { .. })
+    ));
+    // The refused adoption left the live session alone.
+    let (mut publisher, _) = Raw::connect(s.addr, "pub", true, 0).await;
+    assert_eq!(publisher.publish_acked("mine/1", b"still", 1).await, 0);
+    assert_eq!(&c.expect_publish().await.payload[..], b"still");
+}
+
+// Paused time: the delayed will comes due on the broker's clock.
+#[tokio::test(start_paused = true)]
+async fn a_handed_over_delayed_will_is_published_by_the_node_that_adopted_it() {
+    let a = journalled(&MemoryJournal::new()).await;
+    let b = journalled(&MemoryJournal::new()).await;
+    let mut events = a.broker.events();
+    let mut c = connect_packet("leaver", false, 600);
+    c.last_will = Some(will("will/leaver", b"gone", 1, false, Some(5)));
+    let (leaver, _) = Raw::connect_with(a.addr, c).await;
+    drop(leaver);
+    wait_event(&mut events, |e| {
+        matches!(e, mqstate_broker::ClientEvent::Disconnected { .. })
+    })
+    .await;
+    let stored = a.broker.export_session("leaver").expect("exported");
+    assert!(
+        stored.will.is_some(),
+        "the pending will goes with the session"
+    );
+    let (mut watcher_a, _) = Raw::connect(a.addr, "watcher", true, 0).await;
+    watcher_a.subscribe("will/#", 1).await;
+    let (mut watcher_b, _) = Raw::connect(b.addr, "watcher", true, 0).await;
+    watcher_b.subscribe("will/#", 1).await;
+    b.broker
+        .adopt_session("leaver".into(), stored)
+        .expect("adopted");
+    let will = watcher_b.expect_publish().await;
+    assert_eq!(&will.topic[..], "will/leaver");
+    assert!(
+        watcher_a.ping().await.is_empty(),
+        "the old node's timer found no session and published nothing"
+    );
 }

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use mqstate_broker::{BrokerConfig, ClientEvent};
+use mqstate_broker::{Broker, BrokerConfig, ClientEvent, ClientIds};
 use rmqtt_codec::v5::{self, DisconnectReasonCode, Packet, RetainHandling, SubscriptionOptions};
 
 #[tokio::test]
@@ -21,6 +21,23 @@ async fn empty_client_id_gets_an_assigned_one() {
         ack.receive_max.get(),
         BrokerConfig::default().receive_maximum
     );
+}
+
+#[tokio::test]
+async fn assigned_ids_come_from_the_seeded_source() {
+    let mut ids = Vec::new();
+    for seed in [42, 42, 43] {
+        let broker = Broker::builder(BrokerConfig::default())
+            .client_ids(ClientIds::seeded(seed))
+            .build();
+        let s = Server::serve(broker).await;
+        let (_c, first) = Raw::connect(s.addr, "", true, 0).await;
+        let (_d, second) = Raw::connect(s.addr, "", true, 0).await;
+        ids.push((first.assigned_client_id, second.assigned_client_id));
+    }
+    assert_eq!(ids[0], ids[1], "the same seed assigns the same ids");
+    assert_ne!(ids[0].0, ids[0].1);
+    assert_ne!(ids[0], ids[2]);
 }
 
 #[tokio::test]
@@ -304,7 +321,8 @@ async fn will_on_abnormal_close_and_0x04_not_on_normal() {
     assert_eq!(&watcher.expect_publish().await.topic[..], "will/asked");
 }
 
-#[tokio::test]
+// Paused time: the will's delay passes on the broker's clock, not on the wall.
+#[tokio::test(start_paused = true)]
 async fn delayed_will_fires_later_or_is_cancelled_by_reconnect() {
     let s = Server::default().await;
     let (mut watcher, _) = Raw::connect(s.addr, "watcher", true, 0).await;
@@ -557,7 +575,8 @@ async fn session_expiry_above_the_maximum_is_clamped_in_connack() {
     assert_eq!(ack.session_expiry_interval_secs, Some(100));
 }
 
-#[tokio::test]
+// Paused time: the broker reads tokio's clock, so the wait past the expiry takes no real time.
+#[tokio::test(start_paused = true)]
 async fn expired_messages_are_not_delivered() {
     let s = Server::default().await;
     let (mut sub, _) = Raw::connect(s.addr, "late", true, 60).await;

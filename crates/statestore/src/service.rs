@@ -19,9 +19,10 @@ use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use mqstate_broker::SharedClock;
 use mqstate_broker::{
     service::Acker, Broker, ClientEvent, Identity, Message, Principal, ServiceInbox, ServiceRequest,
 };
@@ -302,6 +303,7 @@ pub async fn run(
     let rates = RequestRates::new(config.requests_per_second);
     let notify = notify_exec::start(&broker, config.notify.clone());
     let mut executor = Executor {
+        clock: broker.clock().clone(),
         broker: broker.clone(),
         machine,
         wal,
@@ -329,6 +331,8 @@ pub async fn run(
 }
 
 struct Executor {
+    /// The node's clock (the broker's): wall time for the state machine, instants for the caches.
+    clock: SharedClock,
     broker: Broker,
     machine: StateMachine,
     wal: Arc<WalWriter>,
@@ -382,13 +386,6 @@ pub const LOG_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 /// so an idle server does not hold a busy period's cache.
 pub const DEDUP_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
-fn unix_now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
 impl Executor {
     async fn run(
         &mut self,
@@ -405,8 +402,8 @@ impl Executor {
         loop {
             let stale_at = self.stale_reservation_deadline();
             let deadline = self.machine.next_deadline().map(|ms| {
-                let wait = Duration::from_millis(ms.saturating_sub(unix_now_ms()));
-                tokio::time::Instant::now() + wait
+                let wait = Duration::from_millis(ms.saturating_sub(self.clock.now_ms()));
+                self.clock.tokio_now() + wait
             });
             tokio::select! {
                 biased;
@@ -442,7 +439,7 @@ impl Executor {
                     .dedup
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .sweep(Instant::now()),
+                    .sweep(self.clock.now()),
                 // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
                 // after each request or event (below). Yielding, not `ready()`: a task that is never
                 // pending keeps its worker thread, and the tasks queued behind it (connections, the
@@ -477,7 +474,7 @@ impl Executor {
                 &request.client_id,
                 &request.correlation_data,
                 request.expiry,
-                Instant::now(),
+                self.clock.now(),
                 acker,
             )
         };
@@ -501,9 +498,11 @@ impl Executor {
                 return;
             }
         };
-        let started = Instant::now();
+        let started = self.clock.now();
         let (command, executed) = self.execute(&request, &service_request.identity).await;
-        let expiry_left = request.expiry.saturating_sub(started.elapsed());
+        let expiry_left = request
+            .expiry
+            .saturating_sub(self.clock.now().saturating_duration_since(started));
         if let Some(notify_exec::PendingQueue::Full(topic)) = &self.pending_queue {
             let payload = notify_exec::queue_full_reply(topic);
             self.pending_queue = None;
@@ -603,13 +602,13 @@ impl Executor {
         request: &Request,
         identity: &Identity,
     ) -> (&'static str, Option<(Execution, bool, Option<Delta>)>) {
-        if !self.rates.allow(&request.client_id, Instant::now()) {
+        if !self.rates.allow(&request.client_id, self.clock.now()) {
             return (
                 metrics::UNPARSED,
                 Some((error_execution(ErrorKind::QuotaExceeded), false, None)),
             );
         }
-        let now_ms = unix_now_ms();
+        let now_ms = self.clock.now_ms();
         let parsed = parse_request(&request.payload, &self.config.request_limits)
             .map_err(|e| e.kind())
             .and_then(Command::parse);
@@ -730,7 +729,7 @@ impl Executor {
         }
         self.next_lsn = durable;
         self.rollbacks += 1;
-        self.degraded = Some(Instant::now());
+        self.degraded = Some(self.clock.now());
         self.report_keyspace_size();
         tracing::error!(rolled_back, durable_lsn = durable, "log write failed: undurable writes rolled back; writes are refused until the log recovers, reads go on");
     }
@@ -740,7 +739,7 @@ impl Executor {
         let Some(last_try) = self.degraded else {
             return true;
         };
-        if last_try.elapsed() < LOG_RETRY_INTERVAL {
+        if self.clock.now().saturating_duration_since(last_try) < LOG_RETRY_INTERVAL {
             return false;
         }
         match self.wal.retry().await {
@@ -751,7 +750,7 @@ impl Executor {
             }
             Err(e) => {
                 tracing::warn!("log still refuses writes: {e}");
-                self.degraded = Some(Instant::now());
+                self.degraded = Some(self.clock.now());
                 false
             }
         }
@@ -790,7 +789,7 @@ impl Executor {
     }
 
     async fn expire(&mut self) {
-        for expiration in self.machine.expire_due(unix_now_ms()) {
+        for expiration in self.machine.expire_due(self.clock.now_ms()) {
             self.count_dropped(&expiration.dropped);
             let logged = match &expiration.commit {
                 Some(commit) => {
@@ -974,12 +973,12 @@ impl Executor {
         }
         if self
             .ceiling_failed_at
-            .is_some_and(|at| at.elapsed() < LOG_RETRY_INTERVAL)
+            .is_some_and(|at| self.clock.now().saturating_duration_since(at) < LOG_RETRY_INTERVAL)
         {
             return;
         }
         let raised = Metadata {
-            hlc_high_water_ms: next_clock_ceiling(high_water_ms, unix_now_ms()),
+            hlc_high_water_ms: next_clock_ceiling(high_water_ms, self.clock.now_ms()),
             ..self.metadata.clone()
         };
         match self.wal.write_metadata(raised.clone()).await {
@@ -991,7 +990,7 @@ impl Executor {
                 // Replies go on (reads must survive a full disk); only a crash before the disk
                 // recovers, followed by a wall clock stepping back, could then reissue a timestamp.
                 tracing::error!("cannot raise the HLC ceiling in the metadata file: {e}");
-                self.ceiling_failed_at = Some(Instant::now());
+                self.ceiling_failed_at = Some(self.clock.now());
             }
         }
     }

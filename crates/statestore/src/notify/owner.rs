@@ -5,10 +5,11 @@
 //! backoff. Each pusher is its own task, so one endpoint being down never delays another queue.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use mqstate_broker::SharedClock;
 use mqstate_notify::{Endpoint, Record};
 use mqstate_protocol::Hlc;
 use mqstate_store::notify::{QueueEntry, RemoveError, TopicDef};
@@ -39,6 +40,10 @@ pub(crate) struct OwnerPort {
     /// Bumped when entries were queued; closed when the service stops.
     pub(crate) queued: watch::Receiver<u64>,
     pub(crate) stats: Arc<DeliveryStats>,
+    /// The node's clock: holder cookies carry its wall time.
+    pub(crate) clock: SharedClock,
+    /// Acquisitions so far, so that two in one millisecond get different cookies.
+    pub(crate) acquisitions: AtomicU64,
 }
 
 async fn call<T>(
@@ -50,12 +55,12 @@ async fn call<T>(
     rx.await.ok()
 }
 
-/// A holder string for a new acquisition: `<node id>/<cookie>` (the cookie of RGW's `lock info`).
-fn fresh_holder(node_id: &str) -> Bytes {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    Bytes::from(format!("{node_id}/{nanos:x}"))
+/// A holder string for a new acquisition: `<node id>/<cookie>` (the cookie of RGW's `lock info`),
+/// the cookie unique to this run of the node: its wall time and a count of acquisitions.
+fn fresh_holder(node_id: &str, port: &OwnerPort) -> Bytes {
+    let n = port.acquisitions.fetch_add(1, Ordering::Relaxed);
+    let cookie = (u128::from(port.clock.now_ms()) << 20) | u128::from(n & 0xF_FFFF);
+    Bytes::from(format!("{node_id}/{cookie:x}"))
 }
 
 /// Runs until the service stops.
@@ -101,7 +106,7 @@ async fn walk(
                 .holder
                 .clone()
         });
-        let fresh = fresh_holder(&config.node_id);
+        let fresh = fresh_holder(&config.node_id, port);
         let Some(state) = call(&port.requests, |reply| Internal::Lock {
             topic: def.name.clone(),
             current,

@@ -15,7 +15,7 @@ use mqstate_wal::PendingCommit;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Notify};
 
-use super::{unix_now_ms, Executor, Outcome, ReplyTo};
+use super::{Executor, Outcome, ReplyTo};
 use crate::envelope::ReplyTopic;
 use crate::metrics;
 use crate::notify::admin::{def_json, error_json, AdminRequest};
@@ -60,6 +60,8 @@ pub(super) fn start(broker: &Broker, config: Option<NotifyConfig>) -> Option<Not
             wake: Arc::clone(&wake_owner),
             queued: queued_rx,
             stats: Arc::clone(&stats),
+            clock: broker.clock().clone(),
+            acquisitions: std::sync::atomic::AtomicU64::new(0),
         },
     ));
     Some(NotifySide {
@@ -125,8 +127,8 @@ impl Executor {
 
     pub(super) fn stale_reservation_deadline(&self) -> Option<tokio::time::Instant> {
         let ms = self.machine.topics().next_reservation_deadline()?;
-        let wait = std::time::Duration::from_millis(ms.saturating_sub(unix_now_ms()));
-        Some(tokio::time::Instant::now() + wait)
+        let wait = std::time::Duration::from_millis(ms.saturating_sub(self.clock.now_ms()));
+        Some(self.clock.tokio_now() + wait)
     }
 
     /// Reserves a slot in each matching queue before the write executes.
@@ -251,7 +253,7 @@ impl Executor {
     }
 
     pub(super) async fn abort_stale_reservations(&mut self) {
-        let Some((abort, undo)) = self.machine.abort_stale_reservations(unix_now_ms()) else {
+        let Some((abort, undo)) = self.machine.abort_stale_reservations(self.clock.now_ms()) else {
             return;
         };
         tracing::warn!(?abort, "stale notification reservations aborted");
@@ -312,7 +314,7 @@ impl Executor {
             client_id: Arc::from(OWNER_CLIENT_ID),
             ts: Some(self.machine.clock().high_water()),
             fencing_token: None,
-            now_ms: unix_now_ms(),
+            now_ms: self.clock.now_ms(),
         };
         let execution = self.machine.execute(
             Command::Set {
@@ -341,7 +343,7 @@ impl Executor {
     }
 
     pub(super) async fn handle_internal(&mut self, request: Internal) {
-        let now_ms = unix_now_ms();
+        let now_ms = self.clock.now_ms();
         match request {
             Internal::Topics { reply } => {
                 let topics = self
@@ -596,7 +598,7 @@ impl Executor {
 
     fn topic_stats(&self, name: &str) -> Option<Value> {
         let topic = self.machine.topics().get(name)?;
-        let now_ms = unix_now_ms();
+        let now_ms = self.clock.now_ms();
         let lock = self.machine.keyspace().get_live(&lock_key(name), now_ms);
         let delivery = self
             .notify

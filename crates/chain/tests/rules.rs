@@ -1,0 +1,545 @@
+//! One test per rule of the seed (RTable, seed 002), each driven step by step.
+
+mod harness;
+
+use harness::{version, view, Cluster};
+use mqstate_chain::{Answer, Config, Expect, Item, Message, Write};
+
+fn put(key: &str, value: &str, at: u64) -> Write {
+    Write {
+        key: key.as_bytes().to_vec(),
+        value: Some(value.as_bytes().to_vec()),
+        version: version(at),
+        expect: Expect::Any,
+    }
+}
+
+fn written(cluster: &mut Cluster, request: u64) -> mqstate_chain::Version {
+    match cluster.answer(request) {
+        Some(Answer::Written { version }) => version,
+        other => panic!("request {request}: {other:?}"),
+    }
+}
+
+fn value(cluster: &mut Cluster, request: u64) -> Option<Vec<u8>> {
+    match cluster.answer(request) {
+        Some(Answer::Value { value, .. }) => value,
+        other => panic!("request {request}: {other:?}"),
+    }
+}
+
+#[test]
+fn a_write_goes_head_to_tail_and_back_before_it_is_answered() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    c.with(1, |r| r.write(10, put("k", "v", 5)));
+    assert!(c.replica(1).row(b"k").is_some_and(|r| r.locked));
+    // Nothing is forwarded before the head's fsync.
+    assert!(c.net.is_empty());
+    c.sync(1, None);
+    c.deliver_all(10);
+    assert!(c.replica(2).row(b"k").is_some_and(|r| r.locked));
+    c.sync(2, None);
+    c.deliver_all(10);
+    let tail = c.replica(3).row(b"k").cloned().unwrap();
+    assert!(!tail.locked, "the tail commits at once");
+    // The tail answers only once its own copy is durable.
+    assert!(c.net.is_empty());
+    c.sync(3, None);
+    c.deliver_all(1);
+    assert!(
+        c.answer(10).is_none(),
+        "not before phase 2 reached the head"
+    );
+    assert!(!c.replica(2).row(b"k").unwrap().locked);
+    c.deliver_all(10);
+    assert_eq!(written(&mut c, 10), version(5));
+    assert!(!c.replica(1).row(b"k").unwrap().locked);
+    // Not the head: forward.
+    c.with(2, |r| r.read(11, b"k".to_vec()));
+    assert_eq!(c.answer(11), Some(Answer::NotHead { head: Some(1) }));
+}
+
+#[test]
+fn versions_never_go_backwards_and_conditions_are_checked_at_the_head() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(1, &[1, 2], &[1, 2]));
+    c.with(1, |r| r.write(1, put("k", "a", 10)));
+    c.settle(10);
+    written(&mut c, 1);
+    c.with(1, |r| r.write(2, put("k", "b", 10)));
+    assert_eq!(
+        c.answer(2),
+        Some(Answer::StaleVersion {
+            current: version(10)
+        })
+    );
+    let mut nx = put("k", "c", 11);
+    nx.expect = Expect::Absent;
+    c.with(1, |r| r.write(3, nx));
+    assert_eq!(
+        c.answer(3),
+        Some(Answer::ConditionFailed {
+            current: Some(version(10))
+        })
+    );
+    let mut cas = put("k", "d", 12);
+    cas.expect = Expect::Version(version(10));
+    c.with(1, |r| r.write(4, cas));
+    c.settle(10);
+    assert_eq!(written(&mut c, 4), version(12));
+}
+
+/// Seed 002: "1) at T1 only R1 is in view v1, head and tail; 2) C1 inserts K1 on R1; 3) the view
+/// changes to v2 and brings in R2; 4) the recovery agent finds K1 absent on R1 and declares R2 in sync
+/// with R1; 5) the view changes to v3; 6) the insert completes on R1" — the tail would be ahead of
+/// the chain. The insert's locked row (the locked tombstone) is in the head's state before anything
+/// else happens, so the recovery scan sees the key as in flight instead of absent, and R2 is not
+/// declared caught up until the insert reached it through the chain.
+#[test]
+fn the_insert_tombstone_race_cannot_declare_a_joining_replica_caught_up_early() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(1, &[1], &[1]));
+    c.set_view(2, None);
+    // 2) the insert is started on R1 and is not durable yet.
+    c.with(1, |r| r.write(7, put("K1", "x", 3)));
+    assert!(
+        c.replica(1).row(b"K1").is_some(),
+        "the key exists at the head from the start of the insert"
+    );
+    // 3) v2 brings R2 in at the tail, write view only.
+    c.pause();
+    c.publish(&view(2, &[1, 2], &[1]));
+    // 4) the recovery agent's scan runs, chunk by chunk, while the insert is still not durable.
+    for _ in 0..5 {
+        c.deliver_all(100);
+        c.with(2, |r| r.tick());
+        c.with(1, |r| r.tick());
+        c.sync(2, None);
+    }
+    assert!(
+        c.caught_up.is_empty(),
+        "R2 is not declared in sync while K1 is in flight at the head"
+    );
+    assert!(c.answer(7).is_none());
+    // 6) the insert completes — through R2, under v2.
+    c.settle(20);
+    assert_eq!(written(&mut c, 7), version(3));
+    assert_eq!(c.replica(2).row(b"K1").unwrap().value, Some(b"x".to_vec()));
+    assert_eq!(c.caught_up, vec![(2, 2)]);
+}
+
+/// Seed 002 figure 17: a read at the head of a locked row first completes the interrupted write
+/// (Flush2pc), then answers with it.
+#[test]
+fn a_read_of_a_locked_row_flushes_the_interrupted_write_first() {
+    let config = Config {
+        // No background repair: only the read can complete the write.
+        repair_batch: 0,
+        resend_ticks: u64::MAX,
+        ..Config::default()
+    };
+    let mut c = Cluster::new(&[1, 2, 3], config);
+    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    c.with(1, |r| r.write(1, put("k", "old", 1)));
+    c.settle(10);
+    written(&mut c, 1);
+    // The next write reaches the middle; the tail dies before it gets it.
+    c.with(1, |r| r.write(2, put("k", "new", 2)));
+    c.sync(1, None);
+    c.deliver_all(10);
+    c.sync(2, None);
+    c.crash(3);
+    c.net.clear();
+    c.pause();
+    c.publish(&view(2, &[1, 2], &[1, 2]));
+    c.settle(3);
+    assert!(
+        c.replica(1).row(b"k").unwrap().locked,
+        "interrupted at the head"
+    );
+    assert!(
+        c.replica(2).row(b"k").unwrap().locked,
+        "and at the new tail"
+    );
+    assert!(c.answer(2).is_none());
+    c.with(1, |r| r.read(3, b"k".to_vec()));
+    assert!(c.answer(3).is_none(), "the read waits for the flush");
+    c.settle(10);
+    assert_eq!(value(&mut c, 3), Some(b"new".to_vec()));
+    assert_eq!(c.replica(1).stats().flushes, 1);
+    assert_eq!(written(&mut c, 2), version(2), "the writer gets its answer");
+    assert!(!c.replica(2).row(b"k").unwrap().locked);
+}
+
+/// Seed 002 figure 20: a write interrupted by a failure in the middle of the chain goes onto the
+/// repair queue and is completed, roll-forward, under the new view.
+#[test]
+fn a_write_interrupted_by_a_mid_chain_crash_is_repaired_forward() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    c.with(1, |r| r.write(1, put("k", "v", 1)));
+    c.sync(1, None);
+    c.deliver_all(10);
+    c.sync(2, None);
+    // The middle dies after its fsync, before forwarding reached the tail.
+    c.crash(2);
+    c.net.clear();
+    assert!(c.replica(3).row(b"k").is_none());
+    c.pause();
+    c.publish(&view(2, &[1, 3], &[1, 3]));
+    assert_eq!(c.replica(1).stats().repaired, 1);
+    c.settle(10);
+    assert_eq!(written(&mut c, 1), version(1));
+    assert_eq!(c.replica(3).row(b"k").unwrap().value, Some(b"v".to_vec()));
+    assert!(!c.replica(1).row(b"k").unwrap().locked);
+    // The middle comes back with its locked row on disk: it re-enters at the tail, drops what it
+    // held and is copied.
+    c.restart(2);
+    assert!(
+        c.nodes[&2]
+            .replica
+            .as_ref()
+            .unwrap()
+            .row(b"k")
+            .unwrap()
+            .locked
+    );
+    c.pause();
+    c.publish(&view(3, &[1, 3, 2], &[1, 3]));
+    c.settle(20);
+    assert_eq!(c.caught_up, vec![(2, 3)]);
+    let row = c.replica(2).row(b"k").unwrap();
+    assert!(!row.locked);
+    assert_eq!(row.version, version(1));
+}
+
+/// Seed 002 "introducing a new replica": it joins at the tail, in the write view and not the read
+/// view, while the head copies the rows; writes keep flowing through it; it reports caught up only
+/// after the copy, and drops whatever stale rows it held before.
+#[test]
+fn a_replica_joins_at_the_tail_and_catches_up_while_writes_continue() {
+    let config = Config {
+        copy_batch: 7,
+        ..Config::default()
+    };
+    let mut c = Cluster::new(&[1, 2, 3], config);
+    c.publish(&view(1, &[1, 2], &[1, 2]));
+    c.set_view(3, None);
+    for i in 0..40u64 {
+        c.with(1, |r| r.write(i, put(&format!("k{i:02}"), "a", 10 + i)));
+    }
+    c.with(1, |r| r.write(100, put("gone", "a", 5)));
+    c.settle(20);
+    let mut delete = put("gone", "", 6);
+    delete.value = None;
+    c.with(1, |r| r.write(101, delete));
+    c.settle(20);
+    // Node 3 comes with a stale row the head no longer has as a value.
+    c.crash(3);
+    c.nodes
+        .get_mut(&3)
+        .unwrap()
+        .disk
+        .durable
+        .push(mqstate_chain::Record::Row {
+            key: b"stale".to_vec(),
+            row: mqstate_chain::Row {
+                value: Some(b"old".to_vec()),
+                version: version(1),
+                view: 0,
+                locked: true,
+            },
+        });
+    c.restart(3);
+    c.pause();
+    c.publish(&view(2, &[1, 2, 3], &[1, 2]));
+    assert!(c.replica(3).joining());
+    // Writes during the copy, some to keys not yet copied.
+    for i in 0..10u64 {
+        c.with(1, |r| {
+            r.write(200 + i, put(&format!("k{:02}", 39 - i), "b", 100 + i))
+        });
+        c.deliver_all(3);
+        c.sync_all();
+        c.with(1, |r| r.tick());
+    }
+    c.settle(50);
+    assert_eq!(c.caught_up, vec![(3, 2)]);
+    for i in 0..10u64 {
+        written(&mut c, 200 + i);
+    }
+    let head: Vec<_> = c
+        .replica(1)
+        .rows()
+        .iter()
+        .map(|(k, r)| (k.clone(), r.value.clone(), r.version))
+        .collect();
+    let new: Vec<_> = c
+        .replica(3)
+        .rows()
+        .iter()
+        .map(|(k, r)| (k.clone(), r.value.clone(), r.version))
+        .collect();
+    assert_eq!(head, new, "the new tail holds exactly the head's rows");
+    assert!(c.replica(3).row(b"stale").is_none());
+    assert_eq!(c.replica(3).row(b"gone").unwrap().value, None);
+    // Then the read view takes it in.
+    c.pause();
+    c.publish(&view(3, &[1, 2, 3], &[1, 2, 3]));
+    assert!(!c.replica(3).joining());
+    c.with(1, |r| r.write(300, put("k00", "c", 500)));
+    c.settle(10);
+    written(&mut c, 300);
+}
+
+#[test]
+fn messages_of_another_view_are_rejected() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(2, &[1, 2], &[1, 2]));
+    let stale = Message {
+        view: 1,
+        from: 1,
+        items: vec![Item::Prepare {
+            key: b"k".to_vec(),
+            value: Some(b"v".to_vec()),
+            version: version(1),
+        }],
+    };
+    c.with(2, |r| r.receive(stale));
+    assert!(c.replica(2).row(b"k").is_none());
+    assert_eq!(c.replica(2).stats().rejected_messages, 1);
+    // Without a view (no lease), nothing is acted on either.
+    c.set_view(2, None);
+    let current = Message {
+        view: 2,
+        from: 1,
+        items: vec![Item::Prepare {
+            key: b"k".to_vec(),
+            value: Some(b"v".to_vec()),
+            version: version(1),
+        }],
+    };
+    c.with(2, |r| r.receive(current));
+    assert!(c.replica(2).row(b"k").is_none());
+    c.with(1, |r| r.set_view(None));
+    c.with(1, |r| r.write(5, put("k", "v", 1)));
+    assert_eq!(c.answer(5), Some(Answer::Unavailable));
+}
+
+#[test]
+fn a_failed_head_is_replaced_by_its_successor_which_keeps_every_acknowledged_write() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    c.with(1, |r| r.write(1, put("a", "1", 1)));
+    c.settle(10);
+    written(&mut c, 1);
+    // A second write reaches the tail and is committed there, but phase 2 never reaches the head.
+    c.with(1, |r| r.write(2, put("a", "2", 2)));
+    c.sync(1, None);
+    c.deliver_all(1);
+    c.sync(2, None);
+    c.deliver_all(1);
+    c.sync(3, None);
+    c.crash(1);
+    c.net.clear();
+    c.pause();
+    c.publish(&view(2, &[2, 3], &[2, 3]));
+    c.with(2, |r| r.read(3, b"a".to_vec()));
+    c.settle(10);
+    assert_eq!(
+        value(&mut c, 3),
+        Some(b"2".to_vec()),
+        "the committed value, never an older one"
+    );
+}
+
+/// A replica that re-enters after having been readable starts over, even when the record saying it
+/// became readable was lost in its crash: only a restart under the very view its copy began in
+/// keeps the rows copied so far.
+#[test]
+fn a_returning_replica_starts_over_unless_it_restarts_within_its_own_copy() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(1, &[1], &[1]));
+    c.set_view(2, None);
+    c.with(1, |r| r.write(1, put("a", "1", 1)));
+    c.settle(10);
+    c.pause();
+    c.publish(&view(2, &[1, 2], &[1]));
+    c.settle(20);
+    assert_eq!(c.caught_up, vec![(2, 2)]);
+    // A restart under the same view keeps the copy.
+    c.crash(2);
+    c.restart(2);
+    c.set_view(2, Some(view(2, &[1, 2], &[1])));
+    assert!(c.replica(2).row(b"a").is_some());
+    // Readable, but that record is never fsynced: the node dies at once.
+    c.pause();
+    c.publish(&view(3, &[1, 2], &[1, 2]));
+    c.crash(2);
+    c.pause();
+    c.publish(&view(4, &[1], &[1]));
+    c.restart(2);
+    c.pause();
+    c.publish(&view(5, &[1, 2], &[1]));
+    assert!(
+        c.replica(2).rows().is_empty(),
+        "a new episode: what it held may be stale"
+    );
+    c.settle(20);
+    assert_eq!(c.replica(2).row(b"a").unwrap().value, Some(b"1".to_vec()));
+}
+
+/// Many writes in flight per chain: one batch to persist, one message per hop, one fsync each.
+#[test]
+fn writes_to_different_keys_travel_together_one_batch_and_one_message_per_hop() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    let replica = c.nodes.get_mut(&1).unwrap().replica.as_mut().unwrap();
+    for i in 0..100u64 {
+        replica.write(i, put(&format!("k{i}"), "v", 1));
+    }
+    let outputs = replica.take_outputs();
+    assert!(
+        matches!(&outputs[..], [mqstate_chain::Output::Persist { index: 1, records }] if records.len() == 100),
+        "{outputs:?}"
+    );
+    replica.durable(1);
+    let outputs = replica.take_outputs();
+    assert!(
+        matches!(&outputs[..], [mqstate_chain::Output::Send { to: 2, message }] if message.items.len() == 100),
+        "{outputs:?}"
+    );
+    c.net.push((
+        2,
+        match outputs.into_iter().next() {
+            Some(mqstate_chain::Output::Send { message, .. }) => message,
+            _ => unreachable!(),
+        },
+    ));
+    c.deliver_all(1);
+    assert_eq!(c.nodes[&2].disk.pending.len(), 1, "one batch at the middle");
+    c.settle(10);
+    for i in 0..100u64 {
+        written(&mut c, i);
+    }
+}
+
+/// The control plane keeps survivors in place, so a replica still catching up can end up first in
+/// its chain (`[3, 2, 1]`, read view `[3, 1]`, head 3 fails → `[2, 1]`, read view `[1]`). The head
+/// must hold every committed row: replicas order the chain readable-first, so 1 leads and 2 is
+/// copied again.
+#[test]
+fn a_replica_still_catching_up_never_becomes_head() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    c.publish(&view(1, &[3, 1], &[3, 1]));
+    c.set_view(2, None);
+    c.with(3, |r| r.write(1, put("k", "v", 1)));
+    c.settle(10);
+    written(&mut c, 1);
+    c.pause();
+    c.publish(&view(2, &[3, 2, 1], &[3, 1]));
+    c.crash(3);
+    c.net.clear();
+    c.pause();
+    c.publish(&view(3, &[2, 1], &[1]));
+    c.with(2, |r| r.read(2, b"k".to_vec()));
+    assert_eq!(c.answer(2), Some(Answer::NotHead { head: Some(1) }));
+    c.with(1, |r| r.read(3, b"k".to_vec()));
+    assert_eq!(value(&mut c, 3), Some(b"v".to_vec()));
+    c.settle(20);
+    assert_eq!(c.caught_up, vec![(2, 3)]);
+    assert_eq!(c.replica(2).row(b"k").unwrap().value, Some(b"v".to_vec()));
+}
+
+/// Messages are input from the network: any item, from anyone, under any view, never panics a
+/// replica and never moves a row's version backwards (the harness checks every persisted record).
+#[test]
+fn arbitrary_messages_never_panic_or_move_a_version_backwards() {
+    use harness::Rng;
+    use mqstate_chain::CopiedRow;
+    for seed in 0..200 {
+        let mut rng = Rng::new(seed);
+        let mut c = Cluster::new(&[1, 2, 3], Config::default());
+        let v = view(5, &[1, 2, 3], &[1, 2]);
+        c.publish(&v);
+        for step in 0..300u64 {
+            let key = format!("k{}", rng.below(4)).into_bytes();
+            let version = version(rng.below(20) as u64);
+            let item = match rng.below(7) {
+                0 => Item::Prepare {
+                    key,
+                    value: Some(vec![1]),
+                    version,
+                },
+                1 => Item::Commit { key, version },
+                2 => Item::Copy {
+                    seq: rng.below(5) as u64,
+                    rows: vec![CopiedRow {
+                        key,
+                        value: None,
+                        version,
+                    }],
+                },
+                3 => Item::CopyAck {
+                    seq: rng.below(5) as u64,
+                },
+                4 => Item::CopyDone,
+                5 => Item::CopyDoneAck,
+                _ => {
+                    c.with(1, |r| r.write(step, put("k0", "w", 100 + step)));
+                    continue;
+                }
+            };
+            let message = Message {
+                view: 4 + rng.below(3) as u64,
+                from: 1 + rng.below(4) as u64,
+                items: vec![item],
+            };
+            let to = 1 + rng.below(3) as u64;
+            c.with(to, |r| r.receive(message));
+            if rng.chance(1, 3) {
+                c.sync_all();
+            }
+            if rng.chance(1, 5) {
+                c.tick_all();
+            }
+            if rng.chance(1, 4) && !c.net.is_empty() {
+                let i = rng.below(c.net.len());
+                c.deliver(i);
+            }
+        }
+        c.settle(20);
+    }
+}
+
+/// An old head cut off and removed: requests still waiting there are sent to the new head (they
+/// were not executed); the write it had started gets no answer from it (its outcome is the chain's).
+#[test]
+fn a_removed_head_sends_its_waiting_requests_to_the_new_head() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(1, &[1, 2], &[1, 2]));
+    c.with(1, |r| r.write(1, put("k", "a", 1)));
+    c.with(1, |r| r.read(2, b"k".to_vec()));
+    c.with(1, |r| r.write(3, put("k", "b", 2)));
+    c.pause();
+    c.publish(&view(2, &[2], &[2]));
+    assert_eq!(c.answer(2), Some(Answer::NotHead { head: Some(2) }));
+    assert_eq!(c.answer(3), Some(Answer::NotHead { head: Some(2) }));
+    assert_eq!(c.answer(1), None);
+}
+
+/// A request whose message expired is forgotten while it waits; the write before it completes.
+#[test]
+fn a_cancelled_request_is_forgotten() {
+    let mut c = Cluster::new(&[1, 2], Config::default());
+    c.publish(&view(1, &[1, 2], &[1, 2]));
+    c.with(1, |r| r.write(1, put("k", "a", 1)));
+    c.with(1, |r| r.read(2, b"k".to_vec()));
+    c.with(1, |r| r.read(3, b"k".to_vec()));
+    c.with(1, |r| r.cancel(2));
+    c.settle(10);
+    written(&mut c, 1);
+    assert_eq!(c.answer(2), None);
+    assert_eq!(value(&mut c, 3), Some(b"a".to_vec()));
+}
