@@ -1,14 +1,15 @@
 //! `mqstate`: one binary for the broker (`serve`), the state-store CLI (`get`, `set`, ...), the load
-//! generator (`bench`) and the data tools (`data inspect|verify|repair`).
+//! generator (`bench`) and the data tools (`data inspect|verify|repair`). The CLI and `bench` are crates of
+//! their own (`crates/cli`, `crates/bench`); this file dispatches to them.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use mqstate_bench as bench;
+use mqstate_cli as client;
 
 mod auth;
-mod bench;
-mod client;
 mod cluster;
 mod data;
 mod manual;

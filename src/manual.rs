@@ -98,3 +98,67 @@ fn write_tree(dir: &Path, command: &clap::Command, name: &str) -> anyhow::Result
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The commands users run, whichever crate implements them (`crates/cli`, `crates/bench`, `src/`):
+    /// each has its man page and its completion.
+    const COMMANDS: &[&str] = &[
+        "serve",
+        "get",
+        "set",
+        "del",
+        "vdel",
+        "scan",
+        "watch",
+        "lock",
+        "topic",
+        "cluster",
+        "bench",
+        "data",
+        "passwd",
+        "completions",
+        "man",
+    ];
+
+    #[test]
+    fn every_subcommand_has_a_man_page_and_a_completion() {
+        let dir = tempfile::tempdir().unwrap();
+        write_pages(dir.path()).unwrap();
+        let mut command = Cli::command();
+        command.build();
+        let names: Vec<&str> = command
+            .get_subcommands()
+            .map(|sub| sub.get_name())
+            .filter(|name| *name != "help")
+            .collect();
+        assert_eq!(names, COMMANDS, "the top-level commands changed");
+        let mut bash = Vec::new();
+        clap_complete::generate(
+            clap_complete::Shell::Bash,
+            &mut Cli::command(),
+            "mqstate",
+            &mut bash,
+        );
+        let bash = String::from_utf8(bash).unwrap();
+        for name in COMMANDS {
+            assert!(
+                dir.path().join(format!("mqstate-{name}.1")).is_file(),
+                "no man page for {name}"
+            );
+            assert!(
+                bash.contains(&format!("cmd=\"mqstate__subcmd__{name}\"")),
+                "no completion for {name}"
+            );
+        }
+        for nested in [
+            "mqstate-topic-create.1",
+            "mqstate-cluster-status.1",
+            "mqstate-data-verify.1",
+        ] {
+            assert!(dir.path().join(nested).is_file(), "no man page {nested}");
+        }
+    }
+}

@@ -342,7 +342,7 @@ fn wal_options(settings: &Resolved, name: &'static str) -> WalOptions {
     }
 }
 
-fn store_limits(settings: &Resolved) -> Limits {
+pub(crate) fn store_limits(settings: &Resolved) -> Limits {
     let defaults = Limits::default();
     Limits {
         max_keys: settings.max_keys.unwrap_or(defaults.max_keys),
@@ -353,7 +353,7 @@ fn store_limits(settings: &Resolved) -> Limits {
     }
 }
 
-fn broker_config(settings: &Resolved) -> BrokerConfig {
+pub(crate) fn broker_config(settings: &Resolved) -> BrokerConfig {
     let defaults = BrokerConfig::default();
     BrokerConfig {
         max_packet_size: settings.max_packet_size,

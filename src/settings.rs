@@ -11,22 +11,19 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use mqstate_broker::BrokerConfig;
+use mqstate_statestore::service::ServiceConfig;
 use serde::Deserialize;
 
-/// Defaults, named so docs and code agree.
+/// Defaults of the settings that only the binary uses. A setting passed on to a component defaults to
+/// that component's own `Default` (`BrokerConfig`, `ServiceConfig`, `Limits`, `NotifyConfig`): one home
+/// per default, and a test (`settings/reference.rs`) checks that every help text names the value the
+/// code uses.
 pub mod defaults {
     pub const LISTEN: &str = "127.0.0.1:1883";
     pub const DATA_DIR: &str = "./data";
-    pub const MAX_PACKET_SIZE_BYTES: u32 = 1024 * 1024;
-    /// Snapshot once the log has grown by this much since the last one.
-    pub const SNAPSHOT_THRESHOLD_BYTES: u64 = 64 * 1024 * 1024;
-    /// Failed authentications allowed from one address before it is refused without checking: enough
-    /// that a site behind one NAT address survives a few mistyped passwords and a misconfigured client
-    /// (docs/security.md, "Failed logins").
-    pub const AUTH_FAILURE_LIMIT: u32 = 30;
-    /// A rate-limited address gets one more attempt per this many seconds (≈ 1,800 guesses an hour at
-    /// most, each against an argon2id hash).
-    pub const AUTH_FAILURE_REFILL_SECS: u64 = 2;
+    /// The log filter (RUST_LOG syntax).
+    pub const LOG: &str = "info";
     /// How often the TLS certificate, key and client CA files are checked for changes.
     pub const TLS_RELOAD_POLL: std::time::Duration = std::time::Duration::from_secs(2);
     /// Partitions of the key space, fixed when a cluster is created.
@@ -846,6 +843,8 @@ impl Settings {
     }
 
     pub fn resolve(self) -> anyhow::Result<Resolved> {
+        let broker = BrokerConfig::default();
+        let service = ServiceConfig::default();
         let cluster = ClusterSettings::resolve(&self)?;
         let listen_text = if self.listen.is_empty() {
             vec![defaults::LISTEN.to_owned()]
@@ -879,9 +878,7 @@ impl Settings {
             None => Fsync::Always,
             Some(text) => text.parse().map_err(anyhow::Error::msg)?,
         };
-        let max_packet_size = self
-            .max_packet_size
-            .unwrap_or(defaults::MAX_PACKET_SIZE_BYTES);
+        let max_packet_size = self.max_packet_size.unwrap_or(broker.max_packet_size);
         if max_packet_size < 64 {
             bail!("max_packet_size {max_packet_size} is too small: at least 64 bytes");
         }
@@ -913,7 +910,7 @@ impl Settings {
             fsync,
             persistence: self.persistence.unwrap_or(Persistence::All),
             log_format: self.log_format.unwrap_or(LogFormat::Text),
-            log: self.log.unwrap_or_else(|| "info".to_owned()),
+            log: self.log.unwrap_or_else(|| defaults::LOG.to_owned()),
             max_packet_size,
             receive_maximum: self.receive_maximum,
             max_queued_messages: self.max_queued_messages,
@@ -925,19 +922,16 @@ impl Settings {
             max_value_bytes: self.max_value_bytes.unwrap_or(u64::from(max_packet_size)),
             snapshot_threshold_bytes: self
                 .snapshot_threshold_bytes
-                .unwrap_or(defaults::SNAPSHOT_THRESHOLD_BYTES),
+                .unwrap_or(service.snapshot_threshold_bytes),
             password_file: self.password_file,
             jwt_public_key: self.jwt_public_key,
             jwt_audience: self.jwt_audience,
             allow_anonymous: self.allow_anonymous,
             acl_file: self.acl_file,
-            auth_failure_limit: self
-                .auth_failure_limit
-                .unwrap_or(defaults::AUTH_FAILURE_LIMIT),
-            auth_failure_refill: Duration::from_secs(
-                self.auth_failure_refill
-                    .unwrap_or(defaults::AUTH_FAILURE_REFILL_SECS),
-            ),
+            auth_failure_limit: self.auth_failure_limit.unwrap_or(broker.auth_failure_burst),
+            auth_failure_refill: self
+                .auth_failure_refill
+                .map_or(broker.auth_failure_refill, Duration::from_secs),
             max_connections: self.max_connections,
             max_connections_per_address: self.max_connections_per_address,
             connect_timeout: self.connect_timeout.map(Duration::from_secs),
@@ -946,7 +940,9 @@ impl Settings {
             max_topic_levels: self.max_topic_levels,
             slow_consumer_timeout: self.slow_consumer_timeout.map(Duration::from_secs),
             server_keep_alive: self.server_keep_alive,
-            statestore_requests_per_second: self.statestore_requests_per_second.unwrap_or(0),
+            statestore_requests_per_second: self
+                .statestore_requests_per_second
+                .unwrap_or(service.requests_per_second),
             notify: notify_config(
                 self.notify_node_id,
                 [
@@ -982,7 +978,7 @@ mod tests {
         assert_eq!(r.metrics_listen, None);
         assert_eq!(
             r.max_value_bytes,
-            u64::from(defaults::MAX_PACKET_SIZE_BYTES)
+            u64::from(BrokerConfig::default().max_packet_size)
         );
     }
 

@@ -53,9 +53,12 @@ pub struct BrokerConfig {
     /// Whether `$share/group/filter` subscriptions are accepted (else SUBACK 0x9E). Default true.
     pub shared_subscriptions: bool,
     /// Failed authentications allowed from one source address before its CONNECTs are refused
-    /// (0x87) without being checked; 0 disables the limit. Default 10.
+    /// (0x87) without being checked; 0 disables the limit. Default 30: enough that a site behind one
+    /// NAT address survives a few mistyped passwords and a misconfigured client (docs/security.md,
+    /// "Failed logins").
     pub auth_failure_burst: u32,
-    /// A rate-limited address gets one more attempt per this interval. Default 6 s (10 a minute).
+    /// A rate-limited address gets one more attempt per this interval. Default 2 s (≈ 1,800 guesses
+    /// an hour at most, each against an argon2id hash).
     pub auth_failure_refill: Duration,
     /// Source addresses whose failures are remembered at once; bounds the limiter's memory.
     /// Default 65,536.
@@ -100,8 +103,8 @@ impl Default for BrokerConfig {
             write_batch_bytes: 64 * 1024,
             idle_buffer_bytes: 1024,
             shared_subscriptions: true,
-            auth_failure_burst: 10,
-            auth_failure_refill: Duration::from_secs(6),
+            auth_failure_burst: 30,
+            auth_failure_refill: Duration::from_secs(2),
             auth_failure_tracked_max: 65_536,
             max_connections: 100_000,
             max_connections_per_address: 0,

@@ -431,7 +431,7 @@ fn aliased(topic: &str, packet_id: u16, payload: &'static [u8]) -> Packet {
 /// topic (QoS 2) in a session that outlives its connection publishes QoS 1 with a topic alias, then
 /// with an empty topic and the alias. Each PUBACK waits for the journal; it must still reach the
 /// client before the client's own copy of the message, every time (the full story, with the real
-/// session log: `tests/topic_alias_durable.rs`).
+/// session log: `tests/durability/topic_alias_durable.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn topic_alias_publishes_in_a_durable_session_are_always_acknowledged() {
     let journal = ThreadJournal::new();

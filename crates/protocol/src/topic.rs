@@ -9,6 +9,10 @@ pub const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0F
 /// Prefix of every notification topic; clients may not use it (or the invoke topic) as a response topic.
 pub const NOTIFY_TOPIC_PREFIX: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8";
 
+/// The topic of the persistent-notification admin RPC (JSON requests, MQTT 5 request/response): the
+/// server claims it, `mqstate topic …` publishes to it.
+pub const NOTIFY_ADMIN_TOPIC: &str = "mqstate/admin/v1/notify";
+
 /// `{prefix}/{HEX(client_id)}/command/notify/{HEX(key)}` with upper-case base16 (RFC 4648).
 ///
 /// The topic is twice as long as client id and key together; the caller must check it against the

@@ -23,7 +23,7 @@ pub mod owner;
 pub use mqstate_notify::tls::client_config as tls_client_config;
 
 /// The topic the admin RPC is claimed on (JSON requests; MQTT 5 request/response).
-pub const ADMIN_TOPIC: &str = "mqstate/admin/v1/notify";
+pub use mqstate_protocol::topic::NOTIFY_ADMIN_TOPIC as ADMIN_TOPIC;
 
 /// Settings of persistent notifications.
 #[derive(Debug, Clone)]

@@ -1,0 +1,300 @@
+//! State-store load: one task per connection keeps `--inflight` requests outstanding, matches replies
+//! to them by correlation data, recording latency and reply kind, and sends the PUBACKs it owes together
+//! with the next requests (one write per turn, [`wire`](super::wire)).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use mqstate_protocol::topic::{INVOKE_TOPIC, NOTIFY_TOPIC_PREFIX};
+use mqstate_protocol::{encode_request, Hlc, HybridClock};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rumqttc::v5::mqttbytes::v5::{Filter, Publish};
+use rumqttc::v5::mqttbytes::QoS;
+use tokio::task::JoinSet;
+
+use super::stats::{classify, Outcome};
+use super::workload::{key_name, value_of_size, KeyChooser, Mix, Op};
+use super::{BenchArgs, Shared};
+use mqstate_cli::dial::{Connection, Dialer};
+use mqstate_cli::error::CliError;
+use mqstate_cli::rpc;
+use mqstate_cli::wire::{self, Turn};
+
+/// One connection, connected and subscribed.
+struct Opened {
+    client_id: String,
+    response_topic: String,
+    notify_prefix: String,
+    link: Connection,
+}
+
+pub struct Prepared {
+    connections: Vec<Opened>,
+    mix: Mix,
+    chooser: Arc<KeyChooser>,
+    value_size: usize,
+    inflight: usize,
+    timeout: Duration,
+}
+
+/// Opens every connection (before the clock starts, so connecting is not measured).
+pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
+    let chooser =
+        KeyChooser::new(args.distribution, args.keys).map_err(|e| CliError::usage("--keys", e))?;
+    let inflight = usize::from(args.inflight);
+    let prefix = args.conn.client_id("mqstate-bench");
+    let dialer = Arc::new(Dialer::new(&args.conn)?);
+    let mut opening = JoinSet::new();
+    for i in 0..args.connections {
+        let client_id = format!("{prefix}-{i}");
+        let response_topic = rpc::response_topic(&client_id);
+        let notify_prefix = format!(
+            "{NOTIFY_TOPIC_PREFIX}/{}/command/notify/",
+            hex_upper(client_id.as_bytes())
+        );
+        let mut filters = vec![Filter::new(response_topic.as_str(), QoS::AtLeastOnce)];
+        if args.mix.contains(Op::KeyNotify) {
+            filters.push(Filter::new(format!("{notify_prefix}+"), QoS::AtLeastOnce));
+        }
+        let dialer = Arc::clone(&dialer);
+        let window = args.inflight;
+        opening.spawn(async move {
+            let link = dialer.open(&client_id, filters, window).await?;
+            Ok::<_, CliError>(Opened {
+                client_id,
+                response_topic,
+                notify_prefix,
+                link,
+            })
+        });
+    }
+    let mut connections = Vec::with_capacity(args.connections as usize);
+    while let Some(joined) = opening.join_next().await {
+        connections.push(joined.map_err(|e| CliError::usage("bench", e.to_string()))??);
+    }
+    Ok(super::Prepared::Statestore(Prepared {
+        connections,
+        mix: args.mix.clone(),
+        chooser: Arc::new(chooser),
+        value_size: args.value_size,
+        inflight,
+        timeout: args.conn.timeout(),
+    }))
+}
+
+/// Requests sent and not yet answered: correlation sequence → (send time, operation).
+type Pending = HashMap<u64, (Instant, Op)>;
+
+impl Prepared {
+    pub async fn run(self, shared: Arc<Shared>) -> Result<(), CliError> {
+        let mut workers = JoinSet::new();
+        for (i, opened) in self.connections.into_iter().enumerate() {
+            let worker = Worker {
+                shared: Arc::clone(&shared),
+                mix: self.mix.clone(),
+                chooser: Arc::clone(&self.chooser),
+                value_size: self.value_size,
+                inflight: self.inflight,
+                timeout: self.timeout,
+                seed: i as u64,
+                client_id: opened.client_id,
+                response_topic: opened.response_topic,
+                notify_prefix: opened.notify_prefix,
+            };
+            workers.spawn(worker.run(opened.link));
+        }
+        while workers.join_next().await.is_some() {}
+        Ok(())
+    }
+}
+
+/// The task that owns one connection.
+struct Worker {
+    shared: Arc<Shared>,
+    mix: Mix,
+    chooser: Arc<KeyChooser>,
+    value_size: usize,
+    inflight: usize,
+    timeout: Duration,
+    seed: u64,
+    client_id: String,
+    response_topic: String,
+    notify_prefix: String,
+}
+
+impl Worker {
+    async fn run(self, mut link: Connection) {
+        let mut pending = Pending::new();
+        let driven = self.drive(&mut link, &mut pending).await;
+        if let Err(reason) = &driven {
+            self.shared
+                .recorder
+                .count(&format!("connection: {reason}"), true, 1);
+        }
+        // Unanswered when the run's wait for replies ran out, or when the connection failed.
+        if !pending.is_empty() {
+            self.shared
+                .recorder
+                .count("timeout", true, pending.len() as u64);
+        }
+        if driven.is_ok() {
+            let _ = tokio::time::timeout(self.timeout, link.disconnect()).await;
+        }
+    }
+
+    /// Turns until the run is over and the outstanding replies are in (or one reply timeout passed):
+    /// take in what arrived, top the window up, send it all in one write, wait for more.
+    async fn drive(&self, link: &mut Connection, pending: &mut Pending) -> Result<(), String> {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ rand::random::<u64>());
+        let value: Bytes = value_of_size(self.value_size, &mut rng);
+        let mut clock: HybridClock = rpc::client_clock(&self.client_id);
+        // One PUBLISH for every request: only payload, correlation data and timestamp change.
+        let properties = rpc::request_properties(
+            &self.client_id,
+            &self.response_topic,
+            Bytes::new(),
+            &clock.now(rpc::now_ms()),
+            None,
+            self.timeout,
+        );
+        let invoke = Bytes::from_static(INVOKE_TOPIC.as_bytes());
+        let mut request = wire::publish(&invoke, QoS::AtLeastOnce, Bytes::new(), Some(properties));
+        let mut seq = 0u64;
+        // Set once the run is over: the last moment to wait for outstanding replies.
+        let mut deadline: Option<Instant> = None;
+        loop {
+            while let Some(publish) = link.next()? {
+                link.acknowledge(&publish)?;
+                if publish.topic.as_ref() == self.response_topic.as_bytes() {
+                    self.on_reply(pending, &publish);
+                } else if publish.topic.starts_with(self.notify_prefix.as_bytes()) {
+                    self.shared.recorder.count("notification", false, 1);
+                }
+            }
+            while deadline.is_none() && pending.len() < self.inflight && link.window_open() {
+                if !self.shared.take_ticket() {
+                    deadline = Some(Instant::now() + self.timeout);
+                    break;
+                }
+                let op = self.mix.pick(&mut rng);
+                let key = key_name(self.chooser.pick(&mut rng));
+                seq += 1;
+                request.payload = encode_request(&op.request(&key, &value));
+                restamp(
+                    &mut request,
+                    rpc::correlation(seq),
+                    &clock.now(rpc::now_ms()),
+                );
+                link.publish(&mut request)?;
+                pending.insert(seq, (Instant::now(), op));
+            }
+            link.flush().await?;
+            if let Some(deadline) = deadline {
+                if pending.is_empty() || Instant::now() >= deadline {
+                    return Ok(());
+                }
+            }
+            let turn = link.read().await?;
+            if turn == Turn::Tick && deadline.is_none() && self.shared.is_stopped() {
+                deadline = Some(Instant::now() + self.timeout);
+            }
+        }
+    }
+
+    fn on_reply(&self, pending: &mut Pending, publish: &Publish) {
+        let now = Instant::now();
+        let properties = publish.properties.as_ref();
+        let Some(seq) = properties
+            .and_then(|p| p.correlation_data.as_deref())
+            .and_then(rpc::correlation_seq)
+        else {
+            self.shared
+                .recorder
+                .count("reply without our correlation data", true, 1);
+            return;
+        };
+        let Some((sent, _op)) = pending.remove(&seq) else {
+            // A duplicate (a retried PUBLISH answered twice) or a reply after its timeout.
+            self.shared
+                .recorder
+                .count("duplicate or late reply", true, 1);
+            return;
+        };
+        let outcome: Outcome = classify(
+            rpc::user_property(properties, rpc::STATUS),
+            &publish.payload,
+        );
+        if self.shared.measuring(sent) {
+            self.shared.recorder.record(now - sent, &outcome);
+            self.shared.completed_at(now);
+        }
+    }
+}
+
+/// Gives a request from [`rpc::request_properties`] new correlation data and a new `__ts`, reusing
+/// the rest: allocating every property afresh per request would be CPU taken from the server.
+fn restamp(request: &mut Publish, correlation: Bytes, ts: &Hlc) {
+    let Some(properties) = request.properties.as_mut() else {
+        return;
+    };
+    properties.correlation_data = Some(correlation);
+    if let Some((_, value)) = properties
+        .user_properties
+        .iter_mut()
+        .find(|(name, _)| name == rpc::TIMESTAMP)
+    {
+        value.clear();
+        // Writing into a String cannot fail.
+        let _ = write!(value, "{ts}");
+    }
+}
+
+/// Upper-case base16, as notification topics spell client ids (spec §6).
+fn hex_upper(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02X}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restamping_changes_only_correlation_and_timestamp() {
+        let mut clock = rpc::client_clock("c");
+        let (first, second) = (clock.now(1), clock.now(2));
+        let properties = rpc::request_properties(
+            "c",
+            "clients/c/resp",
+            rpc::correlation(1),
+            &first,
+            None,
+            std::time::Duration::from_secs(5),
+        );
+        let topic = Bytes::from_static(INVOKE_TOPIC.as_bytes());
+        let mut request = wire::publish(&topic, QoS::AtLeastOnce, Bytes::new(), Some(properties));
+        restamp(&mut request, rpc::correlation(2), &second);
+        let expected = rpc::request_properties(
+            "c",
+            "clients/c/resp",
+            rpc::correlation(2),
+            &second,
+            None,
+            std::time::Duration::from_secs(5),
+        );
+        assert_eq!(request.properties, Some(expected));
+    }
+
+    #[test]
+    fn notification_topics_use_upper_case_hex() {
+        assert_eq!(hex_upper(b"client-id1"), "636C69656E742D696431");
+        let topic = mqstate_protocol::topic::notify_topic(b"client-id1", b"SOMEKEY");
+        assert!(topic.starts_with(&format!(
+            "{NOTIFY_TOPIC_PREFIX}/{}/command/notify/",
+            hex_upper(b"client-id1")
+        )));
+    }
+}
