@@ -11,6 +11,7 @@ use mqstate_broker::tls::{ClientAuth, IdentitySource, Tls, TlsFiles};
 use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::Hlc;
+use mqstate_statestore::dedup::{self, RecoveredRequests};
 use mqstate_statestore::service::{self, Durability, ServiceConfig};
 use mqstate_store::{Change, Limits, StateMachine, StoreConfig};
 use mqstate_wal::{Failpoints, FsyncPolicy, Metadata, Wal, WalOptions, WalWriter};
@@ -57,7 +58,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         None => None,
     };
 
-    let (machine, wal, next_lsn, metadata) = recover(&settings)?;
+    let (machine, wal, next_lsn, metadata, requests) = recover(&settings)?;
     let wal = Arc::new(WalWriter::spawn(wal).context("cannot start the log writer")?);
 
     let policy = crate::auth::load(&settings)?;
@@ -168,6 +169,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
             wal: Arc::clone(&wal),
             next_lsn,
             metadata,
+            requests,
         },
         service_config,
         wait_for(shutdown_rx.clone()),
@@ -326,7 +328,9 @@ async fn reload_tls(
 /// with its clock resumed at the ceiling in the metadata file (no timestamp handed out before the
 /// restart is handed out again). Returns the state, the log, the LSN the next record will get and
 /// the metadata.
-fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metadata)> {
+fn recover(
+    settings: &Resolved,
+) -> anyhow::Result<(StateMachine, Wal, u64, Metadata, RecoveredRequests)> {
     let started = Instant::now();
     let (wal, recovered) = Wal::open(&settings.data_dir, wal_options(settings, "statestore"))
         .with_context(|| {
@@ -339,16 +343,19 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
         node_id: SERVICE_NODE_ID.into(),
         limits: store_limits(settings),
     };
+    let mut requests = RecoveredRequests::new(dedup::DEFAULT_MAX_ENTRIES, unix_now_ms());
     let (mut machine, mut next_lsn) = match &recovered.snapshot {
         Some(snapshot) => {
-            let machine = StateMachine::snapshot_decode(&snapshot.state, store_config)
-                .with_context(|| {
-                    format!(
-                        "the snapshot in {} does not decode; run `mqstate data verify {}`",
-                        settings.data_dir.display(),
-                        settings.data_dir.display()
-                    )
-                })?;
+            let (machine, in_snapshot) =
+                StateMachine::snapshot_decode_with_requests(&snapshot.state, store_config)
+                    .with_context(|| {
+                        format!(
+                            "the snapshot in {} does not decode; run `mqstate data verify {}`",
+                            settings.data_dir.display(),
+                            settings.data_dir.display()
+                        )
+                    })?;
+            in_snapshot.into_iter().for_each(|r| requests.add(r));
             (machine, snapshot.last_index + 1)
         }
         None => (
@@ -374,6 +381,7 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
             )
         })?;
         machine.apply_change(&change);
+        requests.replayed(&change);
         replayed_bytes += entry.data.len();
         replayed += 1;
         next_lsn = entry.lsn + 1;
@@ -409,7 +417,7 @@ fn recover(settings: &Resolved) -> anyhow::Result<(StateMachine, Wal, u64, Metad
             settings.data_dir.display()
         )
     })?;
-    Ok((machine, wal, next_lsn, metadata))
+    Ok((machine, wal, next_lsn, metadata, requests))
 }
 
 /// Options of both logs (state store and sessions).

@@ -66,6 +66,9 @@ struct Reply {
     ts: Option<String>,
 }
 
+/// Connections made so far by this test process.
+static CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 struct Mqtt {
     client: AsyncClient,
     inbound: mpsc::UnboundedReceiver<Inbound>,
@@ -127,7 +130,9 @@ impl Mqtt {
             client,
             inbound,
             response_topic: format!("clients/{id}/statestore/response"),
-            next_correlation: 0,
+            // Correlation data identifies a request across connections and restarts (a retry
+            // carries the same), so no two connections of this test use the same.
+            next_correlation: CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32,
             node: id.to_owned(),
         };
         Some((mqtt, session_present))

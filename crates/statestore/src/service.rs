@@ -11,9 +11,10 @@
 //!   commit fails, the outcomes computed behind it before the executor rolled back are not released
 //!   either ([`Rollbacks`]).
 //!
-//! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), then
-//! queued to the completer like any outcome, so they are written once every record they may reflect is
-//! durable, in the background.
+//! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), each
+//! chunk streamed to the snapshot's temporary file as it is encoded ([`snapshot_stream`]); its seal is
+//! then queued to the completer like any outcome, so the file is completed and renamed into place
+//! once every record it may reflect is durable, in the background.
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
@@ -27,19 +28,23 @@ use mqstate_broker::{
 };
 use mqstate_protocol::{parse_request, Command, ErrorKind, Hlc, Reply, RequestLimits};
 use mqstate_store::{
-    Delta, Execution, KeyNotification, Progress, RequestContext, SnapshotEncoder, StateMachine,
+    Change, Delta, Execution, KeyNotification, Progress, RequestContext, RequestRecord,
+    SnapshotEncoder, StateMachine, StatePatch,
 };
-use mqstate_wal::{Metadata, PendingCommit, Snapshot, WalWriter};
+use mqstate_wal::{Metadata, PendingCommit, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
-use crate::dedup::{CachedReply, DedupCache, Seen, DEFAULT_MAX_ENTRIES};
+use crate::dedup::{CachedReply, DedupCache, RecoveredRequests, Seen, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{Rejection, ReplyBuilder, ReplyTopic, Request};
 use crate::metrics;
 use crate::notify::NotifyConfig;
 use crate::rate::RequestRates;
 
 mod notify_exec;
+mod snapshot_stream;
+
+pub use snapshot_stream::SNAPSHOT_CHUNKS_QUEUED;
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
@@ -145,11 +150,14 @@ enum Outcome {
         commit: Option<PendingCommit>,
         done: Box<dyn FnOnce(bool) + Send>,
     },
-    /// Everything before this is durable once it is reached: write the snapshot.
+    /// Everything before this is durable once it is reached: complete the snapshot's file.
     Snapshot {
-        snapshot: Snapshot,
+        seal: snapshot_stream::SnapshotSeal,
+        /// The fields of the state known only at its end.
+        patches: Vec<StatePatch>,
+        last_index: u64,
         /// The snapshot may reflect every record below this LSN: unless all of them became
-        /// durable, it is not written.
+        /// durable, it is abandoned.
         reflects_below: u64,
     },
 }
@@ -198,6 +206,8 @@ impl Rollbacks {
 /// A snapshot being encoded between requests (decision 0014).
 struct SnapshotInProgress {
     encoder: SnapshotEncoder,
+    /// Where the encoded chunks go.
+    stream: snapshot_stream::SnapshotStream,
     /// The last record logged when encoding started: replay resumes after it.
     last_index: u64,
     /// Executor time spent encoding, over all chunks.
@@ -225,6 +235,9 @@ struct ReplyTo {
     message: Message,
     /// The `__ts` of `message`, for the duplicate-request cache.
     version: Option<Hlc>,
+    /// The request's change was logged with its identity ([`mqstate_store::RequestRecord`]): once
+    /// durable, a snapshot keeps the identity for the duplicate cache of a restarted node.
+    logged: bool,
 }
 
 impl ReplyTo {
@@ -241,6 +254,7 @@ impl ReplyTo {
             correlation: request.correlation_data.clone(),
             message: replies.reply(request, payload, version.as_ref(), expiry),
             version,
+            logged: false,
         }
     }
 }
@@ -270,6 +284,8 @@ pub struct Recovered {
     /// The log's metadata file, its `hlc_high_water_ms` (the clock ceiling) already above
     /// `machine`'s clock.
     pub metadata: Metadata,
+    /// The requests of the snapshot and the replayed records, for the duplicate cache.
+    pub requests: RecoveredRequests,
 }
 
 /// Runs the service until `shutdown` resolves.
@@ -285,16 +301,24 @@ pub async fn run(
         wal,
         next_lsn,
         metadata,
+        requests,
     } = recovered;
     let (tx, rx) = mpsc::channel::<Queued>(COMPLETION_QUEUE_CAPACITY);
     let (failure_tx, failures) = mpsc::unbounded_channel();
     let durable_lsn = Arc::new(AtomicU64::new(next_lsn));
-    let dedup = Arc::new(Mutex::new(DedupCache::new(config.dedup_max_entries)));
+    let mut dedup = DedupCache::new(config.dedup_max_entries);
+    if !requests.is_empty() {
+        tracing::info!(
+            requests = requests.len(),
+            "duplicate-request cache rebuilt from the log"
+        );
+        dedup.restore(requests, Instant::now());
+    }
+    let dedup = Arc::new(Mutex::new(dedup));
     let replies = ReplyBuilder::new(&config.server_id);
     let completer = tokio::spawn(complete(
         broker.clone(),
         rx,
-        Arc::clone(&wal),
         Arc::clone(&dedup),
         Arc::clone(&durable_lsn),
         failure_tx,
@@ -446,8 +470,8 @@ impl Executor {
                 // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
                 // after each request or event (below). Yielding, not `ready()`: a task that is never
                 // pending keeps its worker thread, and the tasks queued behind it (connections, the
-                // completer) would wait for the whole snapshot.
-                () = tokio::task::yield_now(), if self.snapshot.is_some() => {}
+                // completer) would wait for the whole snapshot. While the file is behind, it waits.
+                () = snapshot_turn(self.snapshot.as_ref()), if self.snapshot.is_some() => {}
             }
             self.advance_snapshot().await;
         }
@@ -544,10 +568,21 @@ impl Executor {
             .await;
             return;
         };
+        let payload = execution.reply.encode();
+        let identity = || RequestRecord {
+            client_id: request.client_id.clone(),
+            correlation: request.correlation_data.clone(),
+            expires_at_ms: unix_now_ms()
+                .saturating_add(u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX)),
+            reply: payload.clone(),
+            reply_ts: execution.ts.clone(),
+        };
         let commit = match (self.pending_queue.take(), execution.delta.as_ref(), undo) {
-            (Some(pending), _, undo) => self.log_notified(pending, undo).await,
+            (Some(pending), _, undo) => self.log_notified(pending, undo, &identity()).await,
             (None, Some(delta), Some(undo)) if persist || matches!(delta, Delta::Delete { .. }) => {
-                let logged = self.log(delta).await;
+                let logged = self
+                    .log_requested(&Change::Key(delta.clone()), &identity())
+                    .await;
                 match &logged {
                     Ok(_) => self.push_undo(notify_exec::Undo::Key(undo)),
                     Err(_) => self.machine.apply_delta(&undo),
@@ -566,9 +601,12 @@ impl Executor {
                 received: started,
             })
         };
+        // A change was logged, hence with the request's identity.
+        let logged = matches!(commit, Ok(Some(_))) && execution.delta.is_some();
         let outcome = match commit {
             Ok(commit) => {
-                let reply = reply_to(execution.reply.encode(), execution.ts.clone());
+                let mut reply = reply_to(payload, execution.ts.clone());
+                reply.logged = logged;
                 Outcome::Reply {
                     commit,
                     notifications: self.notifications(&execution.notifications),
@@ -776,6 +814,21 @@ impl Executor {
         self.log_bytes(bytes).await
     }
 
+    /// Appends `change` made by `request`, with the request's identity (so a retry is answered,
+    /// not executed, by a node that learns the change from the log); returns the future of its
+    /// durability.
+    async fn log_requested(
+        &mut self,
+        change: &Change,
+        request: &RequestRecord,
+    ) -> Result<Option<PendingCommit>, String> {
+        let bytes = change
+            .encode()
+            .and_then(|change| request.encode_with(&change))
+            .map_err(|e| e.to_string())?;
+        self.log_bytes(bytes).await
+    }
+
     /// Appends an encoded record; returns the future of its durability.
     async fn log_bytes(&mut self, bytes: Vec<u8>) -> Result<Option<PendingCommit>, String> {
         let len = bytes.len() as u64;
@@ -821,33 +874,46 @@ impl Executor {
     }
 
     /// Starts a snapshot once enough was logged since the last one, and encodes the next chunk of
-    /// the one in progress; when it is complete, queues it behind the records it may reflect.
+    /// the one in progress into its file (unless the file is behind); when it is complete, queues
+    /// its seal behind the records it may reflect.
     async fn advance_snapshot(&mut self) {
         let Some(mut progress) = self.snapshot.take().or_else(|| self.start_snapshot()) else {
             return;
         };
+        if !progress.stream.has_room() {
+            self.snapshot = Some(progress);
+            return;
+        }
         let started = Instant::now();
         let stepped =
             progress
                 .encoder
                 .step(&self.machine, SNAPSHOT_CHUNK_KEYS, SNAPSHOT_CHUNK_BYTES);
+        let chunk = progress.encoder.take_encoded();
         progress.encoding += started.elapsed();
         progress.chunks += 1;
+        if progress.stream.push(chunk).is_err() {
+            // The file failed; its task reported it.
+            return;
+        }
         let finished = match stepped {
             Ok(Progress::Continue) => {
                 self.snapshot = Some(progress);
                 return;
             }
-            Ok(Progress::Done) => progress.encoder.finish(&self.machine),
+            Ok(Progress::Done) => progress.encoder.finish_streamed(&self.machine),
             Err(e) => Err(e),
         };
-        let state = match finished {
-            Ok(state) => state,
+        let end = match finished {
+            Ok(end) => end,
             Err(e) => {
                 metrics::snapshot_finished(false);
                 return tracing::error!("snapshot not taken: {e}");
             }
         };
+        if progress.stream.push_waiting(end.rest).await.is_err() {
+            return;
+        }
         metrics::snapshot_phase("encode", progress.encoding);
         tracing::debug!(
             last_index = progress.last_index,
@@ -855,13 +921,10 @@ impl Executor {
             encoding_ms = progress.encoding.as_millis() as u64,
             "snapshot encoded"
         );
-        let snapshot = Snapshot {
-            last_index: progress.last_index,
-            last_term: 0,
-            state: Bytes::from(state),
-        };
         self.send(Outcome::Snapshot {
-            snapshot,
+            seal: progress.stream.end(),
+            patches: end.patches,
+            last_index: progress.last_index,
             reflects_below: self.next_lsn,
         })
         .await;
@@ -872,10 +935,12 @@ impl Executor {
             return None;
         }
         self.logged_since_snapshot = 0;
+        let last_index = self.next_lsn - 1;
         match SnapshotEncoder::new(&self.machine) {
             Ok(encoder) => Some(SnapshotInProgress {
                 encoder,
-                last_index: self.next_lsn - 1,
+                stream: snapshot_stream::start(&self.wal, last_index),
+                last_index,
                 encoding: Duration::ZERO,
                 chunks: 0,
             }),
@@ -941,6 +1006,7 @@ impl Executor {
                         requested,
                     ),
                     version: None,
+                    logged: false,
                 };
                 self.send_stateless_reply(reply, acker).await;
             }
@@ -959,6 +1025,7 @@ impl Executor {
                     correlation: correlation_data.unwrap_or_default(),
                     message: reply,
                     version: None,
+                    logged: false,
                 };
                 self.send_stateless_reply(reply, acker).await;
             }
@@ -1052,6 +1119,15 @@ async fn recv_some<T>(inbox: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     }
 }
 
+/// An executor turn for the snapshot in progress: at once (after yielding) if its file can take a
+/// chunk, else once it can.
+async fn snapshot_turn(snapshot: Option<&SnapshotInProgress>) {
+    match snapshot {
+        Some(progress) if !progress.stream.has_room() => progress.stream.room().await,
+        _ => tokio::task::yield_now().await,
+    }
+}
+
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
@@ -1092,7 +1168,6 @@ async fn settle(
 async fn complete(
     broker: Broker,
     mut rx: mpsc::Receiver<Queued>,
-    wal: Arc<WalWriter>,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     durable_lsn: Arc<AtomicU64>,
     failures: mpsc::UnboundedSender<u64>,
@@ -1101,30 +1176,33 @@ async fn complete(
     while let Some(Queued { epoch, outcome }) = rx.recv().await {
         match outcome {
             Outcome::Snapshot {
-                snapshot,
+                seal,
+                patches,
+                last_index,
                 reflects_below,
             } => {
                 if durable_lsn.load(Acquire) < reflects_below {
                     metrics::snapshot_finished(false);
                     tracing::warn!(
-                        last_index = snapshot.last_index,
+                        last_index,
                         "snapshot not written: it may hold writes whose log records did not become durable"
                     );
                     continue;
                 }
-                let wal = Arc::clone(&wal);
-                // In the background: appends and completions go on while the snapshot is written.
-                tokio::spawn(async move {
-                    let last_index = snapshot.last_index;
-                    let started = Instant::now();
-                    let written = wal.install_snapshot(snapshot).await;
-                    metrics::snapshot_phase("write", started.elapsed());
-                    metrics::snapshot_finished(written.is_ok());
-                    match written {
-                        Ok(()) => tracing::info!(last_index, "snapshot written"),
-                        Err(e) => tracing::error!(last_index, "snapshot failed: {e}"),
+                // Every request logged below `reflects_below` has completed by now (the completer
+                // goes in order): the snapshot keeps their identities.
+                let requests = dedup
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .logged_requests(Instant::now(), unix_now_ms());
+                match mqstate_store::snapshot::encode_requests(&requests) {
+                    // In the background: appends and completions go on while the file is completed.
+                    Ok(tail) => seal.commit(tail, patches),
+                    Err(e) => {
+                        metrics::snapshot_finished(false);
+                        tracing::error!(last_index, "snapshot not written: {e}");
                     }
-                });
+                }
             }
             Outcome::Internal { commit, done } => {
                 let settled = settle(commit, epoch, &durable_lsn, &failures).await;
@@ -1150,16 +1228,24 @@ async fn complete(
                     for (client_id, message) in notifications {
                         broker.deliver_to(&client_id, message);
                     }
-                    let sent = reply.map(|r| (r.client_id, r.correlation, r.message, r.version));
+                    let sent =
+                        reply.map(|r| (r.client_id, r.correlation, r.message, r.version, r.logged));
                     (sent, 0x00)
                 } else {
-                    match reply.map(|r| (r.client_id, r.correlation, not_durable(r.message), None))
-                    {
+                    match reply.map(|r| {
+                        (
+                            r.client_id,
+                            r.correlation,
+                            not_durable(r.message),
+                            None,
+                            false,
+                        )
+                    }) {
                         Some(failed) => (Some(failed), 0x00),
                         None => (None, PUBACK_UNSPECIFIED_ERROR),
                     }
                 };
-                if let Some((client_id, correlation, message, version)) = reply {
+                if let Some((client_id, correlation, message, version, logged)) = reply {
                     let cached = CachedReply {
                         payload: message.payload.clone(),
                         version,
@@ -1168,6 +1254,7 @@ async fn complete(
                         &client_id,
                         &correlation,
                         cached,
+                        logged,
                     );
                     broker.publish(message);
                     for retry in waiting {

@@ -10,7 +10,7 @@ use mqstate_broker::{
 };
 use mqstate_protocol::{Command, SetCondition};
 use mqstate_store::notify::{lock_key, Event, QueueDelta, QueueUndo, RemoveError, Topic};
-use mqstate_store::{Change, Delta, Execution, RequestContext};
+use mqstate_store::{Change, Delta, Execution, RequestContext, RequestRecord};
 use mqstate_wal::PendingCommit;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Notify};
@@ -190,12 +190,14 @@ impl Executor {
         self.log_bytes(bytes).await
     }
 
-    /// Logs the reserve record, then the commit or abort record. What is not logged is undone in
-    /// memory; a reservation logged without its commit stays until it is stale.
+    /// Logs the reserve record, then the commit (with the identity of the request that made it)
+    /// or abort record. What is not logged is undone in memory; a reservation logged without its
+    /// commit stays until it is stale.
     pub(super) async fn log_notified(
         &mut self,
         pending: PendingQueue,
         key_undo: Option<Delta>,
+        request: &RequestRecord,
     ) -> Result<Option<PendingCommit>, String> {
         let PendingQueue::Settled(settled) = pending else {
             return Ok(None);
@@ -221,7 +223,12 @@ impl Executor {
             }
             self.config.failpoints.hit(NOTIFY_AFTER_RESERVE);
         }
-        match self.log_queue(&record).await {
+        let logged = if committed {
+            self.log_requested(&Change::Queue(record), request).await
+        } else {
+            self.log_queue(&record).await
+        };
+        match logged {
             Ok(commit) => {
                 self.push_undo(Undo::Both(key_undo, record_undo));
                 self.notify_queued();
@@ -513,6 +520,7 @@ impl Executor {
                 },
             },
             version: None,
+            logged: false,
         };
         let parsed = AdminRequest::parse(&request.message.payload);
         let (commit, value) = match parsed {

@@ -1,0 +1,135 @@
+//! A snapshot streamed to its file while the executor encodes it (decision 0014): each chunk goes
+//! to a background task that appends it to `temp/mqstate.snapshot` ([`SnapshotWriter`]), so the
+//! encoded state is never whole in memory. The file is completed and renamed into place only when
+//! the completer seals it ([`SnapshotSeal::commit`]) — once every record the snapshot may reflect is
+//! durable; dropping the stream or the seal abandons it and the previous snapshot stays.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use mqstate_store::StatePatch;
+use mqstate_wal::{LogId, SnapshotWriter, WalError, WalWriter};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::metrics;
+
+/// Chunks on their way to the file: with chunks of at most [`super::SNAPSHOT_CHUNK_BYTES`] (plus one
+/// key), a few megabytes at most. A slow disk pauses encoding, not requests.
+pub const SNAPSHOT_CHUNKS_QUEUED: usize = 8;
+
+const WHAT: &str = "the snapshot being written";
+
+/// The executor's end: where the chunks go.
+pub(super) struct SnapshotStream {
+    chunks: mpsc::Sender<Vec<u8>>,
+    seal: oneshot::Sender<Sealed>,
+}
+
+/// The end of the state, known once its records are durable.
+struct Sealed {
+    /// The last bytes of the state (the requests).
+    tail: Vec<u8>,
+    /// The fields of bytes already written known only at the end.
+    patches: Vec<StatePatch>,
+}
+
+/// The completer's end: completes the file once the records it may reflect are durable.
+pub(super) struct SnapshotSeal(oneshot::Sender<Sealed>);
+
+impl SnapshotSeal {
+    /// Appends `tail`, patches the fields known only at the end, then completes the file (fsync,
+    /// rename, purge) in the background.
+    pub(super) fn commit(self, tail: Vec<u8>, patches: Vec<StatePatch>) {
+        // The task is gone only if the file already failed; it said so.
+        let _ = self.0.send(Sealed { tail, patches });
+    }
+}
+
+/// Starts the file of a snapshot of the state with every record up to `last_index` applied.
+pub(super) fn start(wal: &Arc<WalWriter>, last_index: u64) -> SnapshotStream {
+    let (chunks, rx) = mpsc::channel(SNAPSHOT_CHUNKS_QUEUED);
+    let (seal, sealed) = oneshot::channel();
+    let wal = Arc::clone(wal);
+    let upto = LogId {
+        index: last_index,
+        term: 0,
+    };
+    tokio::spawn(async move {
+        let started = Instant::now();
+        let written = wal
+            .install_streamed_snapshot(upto, move |file| feed(file, rx, sealed))
+            .await;
+        match written {
+            Ok(()) => {
+                metrics::snapshot_phase("write", started.elapsed());
+                metrics::snapshot_finished(true);
+                tracing::info!(last_index, "snapshot written");
+            }
+            // Counted and logged where it was abandoned.
+            Err(WalError::Abandoned { .. }) => {}
+            Err(e) => {
+                metrics::snapshot_finished(false);
+                tracing::error!(last_index, "snapshot failed: {e}");
+            }
+        }
+    });
+    SnapshotStream { chunks, seal }
+}
+
+/// Writes the chunks to `file` as they come, then the seal's tail and patches; `Abandoned` if the
+/// stream or the seal was dropped first (the file is then left unfinished under `temp/`).
+fn feed(
+    file: &mut SnapshotWriter,
+    mut chunks: mpsc::Receiver<Vec<u8>>,
+    sealed: oneshot::Receiver<Sealed>,
+) -> Result<(), WalError> {
+    while let Some(chunk) = chunks.blocking_recv() {
+        file.write(&chunk)?;
+    }
+    let Sealed { tail, patches } = sealed
+        .blocking_recv()
+        .map_err(|_| WalError::Abandoned { what: WHAT })?;
+    file.write(&tail)?;
+    for patch in patches {
+        file.patch(patch.offset, &patch.bytes)?;
+    }
+    Ok(())
+}
+
+impl SnapshotStream {
+    /// Whether a chunk can be queued now.
+    pub(super) fn has_room(&self) -> bool {
+        self.chunks.capacity() > 0
+    }
+
+    /// Resolves when a chunk can be queued (at once if it can), or the writing task stopped.
+    pub(super) async fn room(&self) {
+        if !self.has_room() {
+            // The permit is released at once: the executor is the only sender, so the room stays.
+            let _ = self.chunks.reserve().await;
+        }
+    }
+
+    /// Queues the next chunk. Call only when [`SnapshotStream::has_room`]; `Err` when the writing
+    /// task stopped (the file failed, already reported).
+    pub(super) fn push(&self, chunk: Vec<u8>) -> Result<(), ()> {
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        debug_assert!(self.has_room(), "a chunk is pushed only when it fits");
+        self.chunks.try_send(chunk).map_err(|_| ())
+    }
+
+    /// Queues a chunk, waiting for room: for the last one, after which there is nothing to encode.
+    pub(super) async fn push_waiting(&self, chunk: Vec<u8>) -> Result<(), ()> {
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        self.chunks.send(chunk).await.map_err(|_| ())
+    }
+
+    /// Every chunk has been pushed: what is left is to seal the file.
+    pub(super) fn end(self) -> SnapshotSeal {
+        SnapshotSeal(self.seal)
+    }
+}
