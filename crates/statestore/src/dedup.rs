@@ -103,6 +103,11 @@ impl<W> DedupCache<W> {
         self.order.push_back((key.clone(), deadline));
         self.entries
             .insert(key, (Entry::InFlight(Vec::new()), deadline));
+        debug_assert!(self.entries.len() <= self.max_entries);
+        debug_assert!(
+            self.order.len() >= self.entries.len(),
+            "every entry is in the order"
+        );
         Seen::New(waiter)
     }
 
