@@ -13,7 +13,7 @@
 //!
 //! A write's log record carries its request's identity and first reply ([`RequestRecord`]), and a
 //! snapshot the identities of the logged requests the cache holds when it is sealed
-//! ([`DedupCache::logged_requests`]); so a restarted node (or one that learned the writes from a
+//! ([`DedupCache::for_each_logged_request`]); so a restarted node (or one that learned the writes from a
 //! replica's log) rebuilds the cache from them ([`RecoveredRequests`], [`DedupCache::restore`]) and
 //! answers a retry of a write executed before the crash with its first reply, as the running node
 //! would have. Reads and refused writes leave no record: after a restart their retry executes
@@ -132,25 +132,30 @@ impl<W> DedupCache<W> {
         }
     }
 
-    /// The completed requests whose changes are in the log, oldest first, their deadlines as Unix
-    /// ms (`now` is `now_ms`): what a snapshot keeps of the cache.
-    pub fn logged_requests(&self, now: Instant, now_ms: u64) -> Vec<RequestRecord> {
-        self.order
-            .iter()
-            .filter_map(|(key, deadline)| match self.entries.get(key) {
-                Some((Entry::Done(reply, true), d)) if d == deadline && *d > now => {
-                    let left = u64::try_from(d.duration_since(now).as_millis()).unwrap_or(u64::MAX);
-                    Some(RequestRecord {
-                        client_id: key.0.clone(),
-                        correlation: Bytes::copy_from_slice(&key.1),
-                        expires_at_ms: now_ms.saturating_add(left),
-                        reply: reply.payload.clone(),
-                        reply_ts: reply.version.clone(),
-                    })
-                }
-                _ => None,
-            })
-            .collect()
+    /// Calls `f` with each completed request whose change is in the log, oldest first, its
+    /// deadline as Unix ms (`now` is `now_ms`): what a snapshot keeps of the cache.
+    pub fn for_each_logged_request(
+        &self,
+        now: Instant,
+        now_ms: u64,
+        mut f: impl FnMut(RequestRecord),
+    ) {
+        for (key, deadline) in &self.order {
+            let Some((Entry::Done(reply, true), d)) = self.entries.get(key) else {
+                continue;
+            };
+            if d != deadline || *d <= now {
+                continue;
+            }
+            let left = u64::try_from(d.duration_since(now).as_millis()).unwrap_or(u64::MAX);
+            f(RequestRecord {
+                client_id: key.0.clone(),
+                correlation: Bytes::copy_from_slice(&key.1),
+                expires_at_ms: now_ms.saturating_add(left),
+                reply: reply.payload.clone(),
+                reply_ts: reply.version.clone(),
+            });
+        }
     }
 
     /// Fills the cache with the requests recovered from a snapshot and the log (oldest first) at a
@@ -393,7 +398,8 @@ mod tests {
             cache.complete(&c, corr, reply(":1"), logged);
         }
         cache.check(&c, b"in flight", expiry, t0, 0);
-        let requests = cache.logged_requests(t0 + Duration::from_secs(4), ms0);
+        let mut requests = Vec::new();
+        cache.for_each_logged_request(t0 + Duration::from_secs(4), ms0, |r| requests.push(r));
         assert_eq!(requests.len(), 1, "only the completed write: {requests:?}");
         assert_eq!(
             (&requests[0].correlation[..], requests[0].expires_at_ms),

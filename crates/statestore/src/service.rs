@@ -1135,6 +1135,27 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
+/// The end of a snapshot's state: the requests of the duplicate cache whose changes are logged,
+/// encoded one by one (not gathered: the cache holds up to [`DEFAULT_MAX_ENTRIES`] of them).
+fn encode_logged_requests(
+    dedup: &Mutex<DedupCache<Acker>>,
+) -> Result<Vec<u8>, mqstate_store::StoreError> {
+    let mut encoder = mqstate_store::snapshot::RequestsEncoder::default();
+    let mut failed = None;
+    dedup
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .for_each_logged_request(Instant::now(), unix_now_ms(), |request| {
+            if let Err(e) = encoder.push(&request) {
+                failed.get_or_insert(e);
+            }
+        });
+    match failed {
+        Some(e) => Err(e),
+        None => encoder.finish(),
+    }
+}
+
 /// Awaits a commit. On failure reports it to the executor, which rolls back, and returns the epoch
 /// the failed write was computed in.
 async fn settle(
@@ -1191,11 +1212,7 @@ async fn complete(
                 }
                 // Every request logged below `reflects_below` has completed by now (the completer
                 // goes in order): the snapshot keeps their identities.
-                let requests = dedup
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .logged_requests(Instant::now(), unix_now_ms());
-                match mqstate_store::snapshot::encode_requests(&requests) {
+                match encode_logged_requests(&dedup) {
                     // In the background: appends and completions go on while the file is completed.
                     Ok(tail) => seal.commit(tail, patches),
                     Err(e) => {

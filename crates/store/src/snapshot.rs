@@ -223,12 +223,42 @@ impl SnapshotEncoder {
 
 /// The last bytes of a snapshot's state: the requests whose changes it may hold.
 pub fn encode_requests(requests: &[RequestRecord]) -> Result<Vec<u8>, StoreError> {
-    let mut w = Writer::default();
-    w.count("snapshot request list", requests.len())?;
+    let mut encoder = RequestsEncoder::default();
     for request in requests {
-        request.encode_fields(&mut w)?;
+        encoder.push(request)?;
     }
-    Ok(w.buf)
+    encoder.finish()
+}
+
+/// [`encode_requests`] one request at a time, so they need not be gathered first.
+pub struct RequestsEncoder {
+    w: Writer,
+    count: usize,
+}
+
+impl Default for RequestsEncoder {
+    fn default() -> Self {
+        let mut w = Writer::default();
+        w.i32(0);
+        RequestsEncoder { w, count: 0 }
+    }
+}
+
+impl RequestsEncoder {
+    pub fn push(&mut self, request: &RequestRecord) -> Result<(), StoreError> {
+        self.count += 1;
+        request.encode_fields(&mut self.w)
+    }
+
+    pub fn finish(mut self) -> Result<Vec<u8>, StoreError> {
+        let count = i32::try_from(self.count).map_err(|_| StoreError::BufferTooLarge {
+            what: "snapshot request list",
+            len: self.count,
+            max: i32::MAX as usize,
+        })?;
+        self.w.patch_i32(0, count);
+        Ok(self.w.buf)
+    }
 }
 
 fn encode_entry(w: &mut Writer, entry: &Entry<'_>) -> Result<(), StoreError> {
