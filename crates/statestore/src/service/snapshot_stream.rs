@@ -97,9 +97,10 @@ fn feed(
 }
 
 impl SnapshotStream {
-    /// Whether a chunk can be queued now.
+    /// Whether a chunk can be queued now, or the writing task stopped (then [`SnapshotStream::push`]
+    /// says so, and the snapshot is dropped rather than waited on).
     pub(super) fn has_room(&self) -> bool {
-        self.chunks.capacity() > 0
+        self.chunks.capacity() > 0 || self.chunks.is_closed()
     }
 
     /// Resolves when a chunk can be queued (at once if it can), or the writing task stopped.
@@ -117,6 +118,7 @@ impl SnapshotStream {
             return Ok(());
         }
         debug_assert!(self.has_room(), "a chunk is pushed only when it fits");
+        // Full cannot happen: the executor is the only sender and checked for room.
         self.chunks.try_send(chunk).map_err(|_| ())
     }
 
@@ -131,5 +133,109 @@ impl SnapshotStream {
     /// Every chunk has been pushed: what is left is to seal the file.
     pub(super) fn end(self) -> SnapshotSeal {
         SnapshotSeal(self.seal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use mqstate_wal::{read_snapshot, DataDir, Wal, WalOptions};
+
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(30);
+
+    /// A log with records 0 and 1.
+    async fn log(dir: &std::path::Path) -> Arc<WalWriter> {
+        let (wal, _) = Wal::open(dir, WalOptions::default()).unwrap();
+        let writer = WalWriter::spawn(wal).unwrap();
+        for data in [&b"a"[..], b"b"] {
+            writer
+                .append(0, Bytes::from_static(data))
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+        Arc::new(writer)
+    }
+
+    async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+        tokio::time::timeout(WAIT, async {
+            while !done() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not in time"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chunks_become_the_snapshot_only_once_sealed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let wal = log(tmp.path()).await;
+        let dir = DataDir::new(tmp.path());
+        let stream = start(&wal, 0);
+        for chunk in [&b"xx--"[..], b"ab", b""] {
+            stream.room().await;
+            stream.push(chunk.to_vec()).unwrap();
+        }
+        stream.push_waiting(b"cd".to_vec()).await.unwrap();
+        let seal = stream.end();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(read_snapshot(&dir).unwrap(), None, "not before the seal");
+        let patches = vec![StatePatch {
+            offset: 0,
+            bytes: b"st".to_vec(),
+        }];
+        seal.commit(b"!".to_vec(), patches);
+        eventually("the snapshot", || wal.reader().last_purged().is_some()).await;
+        let snapshot = read_snapshot(&dir).unwrap().unwrap();
+        assert_eq!(
+            (snapshot.last_index, &snapshot.state[..]),
+            (0, &b"st--abcd!"[..])
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_seal_abandons_the_file_and_keeps_the_old_snapshot() {
+        let tmp = tempfile::tempdir().unwrap();
+        let wal = log(tmp.path()).await;
+        let stream = start(&wal, 1);
+        stream.push(b"state".to_vec()).unwrap();
+        drop(stream.end());
+        // A later snapshot is written: the abandoned one released the one-at-a-time lock.
+        let next = start(&wal, 0);
+        next.push(b"next".to_vec()).unwrap();
+        next.end().commit(Vec::new(), Vec::new());
+        eventually("the next snapshot", || wal.reader().last_purged().is_some()).await;
+        let snapshot = read_snapshot(&DataDir::new(tmp.path())).unwrap().unwrap();
+        assert_eq!(
+            (snapshot.last_index, &snapshot.state[..]),
+            (0, &b"next"[..])
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_stream_whose_file_failed_refuses_chunks_instead_of_waiting() {
+        let tmp = tempfile::tempdir().unwrap();
+        let wal = log(tmp.path()).await;
+        // `first` holds the one-at-a-time lock, so `second`'s chunks stay queued until it is full.
+        let first = start(&wal, 0);
+        let second = start(&wal, 0);
+        for _ in 0..SNAPSHOT_CHUNKS_QUEUED {
+            second.push(b"chunk".to_vec()).unwrap();
+        }
+        assert!(!second.has_room());
+        // Then its temp file cannot be created.
+        std::fs::remove_dir_all(tmp.path().join("temp")).unwrap();
+        drop(first);
+        eventually("the task's end", || second.chunks.is_closed()).await;
+        assert!(second.has_room(), "the executor must not wait on it");
+        second.room().await;
+        assert!(second.push(b"chunk".to_vec()).is_err());
+        assert_eq!(wal.reader().last_purged(), None);
     }
 }
