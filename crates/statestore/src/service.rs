@@ -44,8 +44,6 @@ use crate::rate::RequestRates;
 mod notify_exec;
 mod snapshot_stream;
 
-pub use snapshot_stream::SNAPSHOT_CHUNKS_QUEUED;
-
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
 /// Reason code of the DISCONNECT sent for a forbidden response topic (0x87 Not authorized).
