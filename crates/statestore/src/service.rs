@@ -42,7 +42,7 @@ use crate::notify::NotifyConfig;
 use crate::rate::RequestRates;
 
 mod notify_exec;
-mod snapshot_stream;
+pub mod snapshot_stream;
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;

@@ -3,6 +3,7 @@
 //! encoded state is never whole in memory. The file is completed and renamed into place only when
 //! the completer seals it ([`SnapshotSeal::commit`]) — once every record the snapshot may reflect is
 //! durable; dropping the stream or the seal abandons it and the previous snapshot stays.
+//! Public for `examples/snapshot_rss.rs`, which measures this path's memory.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,8 +20,12 @@ pub const SNAPSHOT_CHUNKS_QUEUED: usize = 8;
 
 const WHAT: &str = "the snapshot being written";
 
+/// The task writing the file stopped: the file failed (the task reported it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopped;
+
 /// The executor's end: where the chunks go.
-pub(super) struct SnapshotStream {
+pub struct SnapshotStream {
     chunks: mpsc::Sender<Vec<u8>>,
     seal: oneshot::Sender<Sealed>,
 }
@@ -34,19 +39,19 @@ struct Sealed {
 }
 
 /// The completer's end: completes the file once the records it may reflect are durable.
-pub(super) struct SnapshotSeal(oneshot::Sender<Sealed>);
+pub struct SnapshotSeal(oneshot::Sender<Sealed>);
 
 impl SnapshotSeal {
     /// Appends `tail`, patches the fields known only at the end, then completes the file (fsync,
     /// rename, purge) in the background.
-    pub(super) fn commit(self, tail: Vec<u8>, patches: Vec<StatePatch>) {
+    pub fn commit(self, tail: Vec<u8>, patches: Vec<StatePatch>) {
         // The task is gone only if the file already failed; it said so.
         let _ = self.0.send(Sealed { tail, patches });
     }
 }
 
 /// Starts the file of a snapshot of the state with every record up to `last_index` applied.
-pub(super) fn start(wal: &Arc<WalWriter>, last_index: u64) -> SnapshotStream {
+pub fn start(wal: &Arc<WalWriter>, last_index: u64) -> SnapshotStream {
     let (chunks, rx) = mpsc::channel(SNAPSHOT_CHUNKS_QUEUED);
     let (seal, sealed) = oneshot::channel();
     let wal = Arc::clone(wal);
@@ -99,12 +104,12 @@ fn feed(
 impl SnapshotStream {
     /// Whether a chunk can be queued now, or the writing task stopped (then [`SnapshotStream::push`]
     /// says so, and the snapshot is dropped rather than waited on).
-    pub(super) fn has_room(&self) -> bool {
+    pub fn has_room(&self) -> bool {
         self.chunks.capacity() > 0 || self.chunks.is_closed()
     }
 
     /// Resolves when a chunk can be queued (at once if it can), or the writing task stopped.
-    pub(super) async fn room(&self) {
+    pub async fn room(&self) {
         if !self.has_room() {
             // The permit is released at once: the executor is the only sender, so the room stays.
             let _ = self.chunks.reserve().await;
@@ -113,25 +118,25 @@ impl SnapshotStream {
 
     /// Queues the next chunk. Call only when [`SnapshotStream::has_room`]; `Err` when the writing
     /// task stopped (the file failed, already reported).
-    pub(super) fn push(&self, chunk: Vec<u8>) -> Result<(), ()> {
+    pub fn push(&self, chunk: Vec<u8>) -> Result<(), Stopped> {
         if chunk.is_empty() {
             return Ok(());
         }
         debug_assert!(self.has_room(), "a chunk is pushed only when it fits");
         // Full cannot happen: the executor is the only sender and checked for room.
-        self.chunks.try_send(chunk).map_err(|_| ())
+        self.chunks.try_send(chunk).map_err(|_| Stopped)
     }
 
     /// Queues a chunk, waiting for room: for the last one, after which there is nothing to encode.
-    pub(super) async fn push_waiting(&self, chunk: Vec<u8>) -> Result<(), ()> {
+    pub async fn push_waiting(&self, chunk: Vec<u8>) -> Result<(), Stopped> {
         if chunk.is_empty() {
             return Ok(());
         }
-        self.chunks.send(chunk).await.map_err(|_| ())
+        self.chunks.send(chunk).await.map_err(|_| Stopped)
     }
 
     /// Every chunk has been pushed: what is left is to seal the file.
-    pub(super) fn end(self) -> SnapshotSeal {
+    pub fn end(self) -> SnapshotSeal {
         SnapshotSeal(self.seal)
     }
 }
