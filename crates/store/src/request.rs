@@ -71,7 +71,7 @@ impl RequestRecord {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::delta::Delta;
     use crate::notify::record::COMMIT_MARKER;

@@ -134,6 +134,21 @@ proptest! {
     }
 
     #[test]
+    fn requests_come_back_from_a_snapshot_and_a_cut_one_is_refused(
+        ops in prop::collection::vec(op(), 0..20),
+        requests in prop::collection::vec(crate::request::tests::any_request(), 0..4),
+    ) {
+        let (m, _) = loaded(&ops);
+        let bytes = SnapshotEncoder::new(&m).unwrap().finish(&m, &requests).unwrap();
+        let (restored, found) = StateMachine::snapshot_decode_with_requests(&bytes, config()).unwrap();
+        prop_assert_eq!(restored.keyspace(), m.keyspace());
+        prop_assert_eq!(found, requests);
+        for cut in 0..bytes.len() {
+            prop_assert!(StateMachine::snapshot_decode(&bytes[..cut], config()).is_err());
+        }
+    }
+
+    #[test]
     fn a_streamed_encoding_patched_at_the_end_is_the_one_shot_encoding(
         ops in prop::collection::vec(op(), 0..80),
         max_keys in 1..6usize,
