@@ -17,7 +17,6 @@ use bytes::Bytes;
 use mqstate_protocol::Hlc;
 use mqstate_statestore::service::snapshot_stream;
 use mqstate_statestore::service::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_CHUNK_KEYS};
-use mqstate_store::snapshot::encode_requests;
 use mqstate_store::{Delta, Limits, Progress, SnapshotEncoder, StateMachine, StoreConfig};
 use mqstate_wal::{FsyncPolicy, Snapshot, Wal, WalOptions, WalWriter};
 
@@ -120,7 +119,7 @@ async fn streamed(
         .push_waiting(end.rest)
         .await
         .map_err(|_| "the snapshot file failed")?;
-    stream.end().commit(encode_requests(&[])?, end.patches);
+    stream.end().commit(Box::new(|_, _| None), end.patches);
     // The seal completes the file in the background; the purge marks it done.
     while wal.reader().last_purged().is_none() {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;

@@ -65,7 +65,10 @@ enum Entry<W> {
 pub struct DedupCache<W> {
     entries: HashMap<Key, (Entry<W>, Instant)>,
     /// Keys by insertion; deadlines are not monotonic across clients, so expiry is checked lazily.
-    order: VecDeque<(Key, Instant)>,
+    /// With each key its insertion number, ascending: a cursor for
+    /// [`DedupCache::for_each_logged_request`] that later insertions and evictions do not move.
+    order: VecDeque<(Key, Instant, u64)>,
+    inserted: u64,
     max_entries: usize,
 }
 
@@ -74,6 +77,7 @@ impl<W> DedupCache<W> {
         DedupCache {
             entries: HashMap::new(),
             order: VecDeque::new(),
+            inserted: 0,
             max_entries: max_entries.max(1),
         }
     }
@@ -100,7 +104,7 @@ impl<W> DedupCache<W> {
             _ => {}
         }
         let deadline = now + expiry;
-        self.order.push_back((key.clone(), deadline));
+        self.push_order(&key, deadline);
         self.entries
             .insert(key, (Entry::InFlight(Vec::new()), deadline));
         debug_assert!(self.entries.len() <= self.max_entries);
@@ -132,15 +136,25 @@ impl<W> DedupCache<W> {
         }
     }
 
-    /// Calls `f` with each completed request whose change is in the log, oldest first, its
-    /// deadline as Unix ms (`now` is `now_ms`): what a snapshot keeps of the cache.
+    /// Calls `f` with up to `max` completed requests whose changes are in the log, oldest first,
+    /// from after the cursor `after` (`None`: from the first), their deadlines as Unix ms (`now` is
+    /// `now_ms`): what a snapshot keeps of the cache, a batch at a time. Returns the cursor of the
+    /// next batch, `None` once every request was visited.
     pub fn for_each_logged_request(
         &self,
+        after: Option<u64>,
+        max: usize,
         now: Instant,
         now_ms: u64,
         mut f: impl FnMut(RequestRecord),
-    ) {
-        for (key, deadline) in &self.order {
+    ) -> Option<u64> {
+        let start = after.map_or(0, |after| {
+            self.order.partition_point(|(_, _, n)| *n <= after)
+        });
+        for (visited, (key, deadline, n)) in self.order.iter().skip(start).enumerate() {
+            if visited == max {
+                return Some(n - 1);
+            }
             let Some((Entry::Done(reply, true), d)) = self.entries.get(key) else {
                 continue;
             };
@@ -156,6 +170,12 @@ impl<W> DedupCache<W> {
                 reply_ts: reply.version.clone(),
             });
         }
+        None
+    }
+
+    fn push_order(&mut self, key: &Key, deadline: Instant) {
+        self.inserted += 1;
+        self.order.push_back((key.clone(), deadline, self.inserted));
     }
 
     /// Fills the cache with the requests recovered from a snapshot and the log (oldest first) at a
@@ -175,9 +195,10 @@ impl<W> DedupCache<W> {
                 payload: request.reply,
                 version: request.reply_ts,
             };
-            self.order.push_back((key.clone(), deadline));
+            self.push_order(&key, deadline);
             self.entries
                 .insert(key, (Entry::Done(reply, true), deadline));
+            debug_assert!(self.entries.len() <= self.max_entries);
         }
     }
 
@@ -203,7 +224,7 @@ impl<W> DedupCache<W> {
 
     /// Forgets expired requests, and the oldest ones while fewer than `room` more would fit.
     fn evict(&mut self, now: Instant, room: usize) {
-        while let Some((key, deadline)) = self.order.front() {
+        while let Some((key, deadline, _)) = self.order.front() {
             let over_capacity = self.entries.len() + room > self.max_entries;
             if *deadline > now && !over_capacity {
                 break;
@@ -214,7 +235,7 @@ impl<W> DedupCache<W> {
             if in_flight && !over_capacity {
                 break;
             }
-            if let Some((key, deadline)) = self.order.pop_front() {
+            if let Some((key, deadline, _)) = self.order.pop_front() {
                 if self.entries.get(&key).is_some_and(|(_, d)| *d == deadline) {
                     self.entries.remove(&key);
                 }
@@ -399,7 +420,10 @@ mod tests {
         }
         cache.check(&c, b"in flight", expiry, t0, 0);
         let mut requests = Vec::new();
-        cache.for_each_logged_request(t0 + Duration::from_secs(4), ms0, |r| requests.push(r));
+        let end = cache.for_each_logged_request(None, 10, t0 + Duration::from_secs(4), ms0, |r| {
+            requests.push(r)
+        });
+        assert_eq!(end, None);
         assert_eq!(requests.len(), 1, "only the completed write: {requests:?}");
         assert_eq!(
             (&requests[0].correlation[..], requests[0].expires_at_ms),
@@ -425,6 +449,33 @@ mod tests {
             restarted.check(&c, b"w", expiry, t1 + Duration::from_secs(5), 8),
             Seen::New(8)
         ));
+    }
+
+    #[test]
+    fn logged_requests_come_in_batches_that_evictions_do_not_shift() {
+        let mut cache = DedupCache::<u32>::new(100);
+        let (c, t0) = (Arc::<str>::from("c"), Instant::now());
+        let add = |cache: &mut DedupCache<u32>, i: u8, secs| {
+            cache.check(&c, &[i], Duration::from_secs(secs), t0, 0);
+            cache.complete(&c, &[i], reply(":1"), true);
+        };
+        for i in 0..5 {
+            add(&mut cache, i, if i < 2 { 1 } else { 100 });
+        }
+        let mut seen = Vec::new();
+        let mut batch = |cache: &DedupCache<u32>, after| {
+            cache.for_each_logged_request(after, 2, t0, 0, |r| seen.push(r.correlation[0]))
+        };
+        let cursor = batch(&cache, None);
+        assert!(cursor.is_some());
+        // The first two expire and are evicted, a sixth comes: the cursor still points after them.
+        cache.sweep(t0 + Duration::from_secs(2));
+        add(&mut cache, 5, 100);
+        let mut cursor = cursor;
+        while let Some(after) = cursor {
+            cursor = batch(&cache, Some(after));
+        }
+        assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
     }
 
     #[test]

@@ -1133,25 +1133,31 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-/// The end of a snapshot's state: the requests of the duplicate cache whose changes are logged,
-/// encoded one by one (not gathered: the cache holds up to [`DEFAULT_MAX_ENTRIES`] of them).
-fn encode_logged_requests(
-    dedup: &Mutex<DedupCache<Acker>>,
-) -> Result<Vec<u8>, mqstate_store::StoreError> {
-    let mut encoder = mqstate_store::snapshot::RequestsEncoder::default();
-    let mut failed = None;
-    dedup
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .for_each_logged_request(Instant::now(), unix_now_ms(), |request| {
-            if let Err(e) = encoder.push(&request) {
-                failed.get_or_insert(e);
-            }
-        });
-    match failed {
-        Some(e) => Err(e),
-        None => encoder.finish(),
-    }
+/// Requests of the duplicate cache encoded per batch at the end of a snapshot (the cache is locked
+/// for one batch at a time).
+const SNAPSHOT_REQUEST_BATCH: usize = 1024;
+
+/// The end of a snapshot's state, encoded a batch at a time on the thread writing it: the requests
+/// of the duplicate cache whose changes are logged. Every request whose record the snapshot may hold
+/// has completed when the snapshot is sealed (the completer goes in order); later ones are harmless
+/// (their records are replayed after the snapshot anyway).
+fn logged_requests_of(dedup: Arc<Mutex<DedupCache<Acker>>>) -> snapshot_stream::RequestBatches {
+    Box::new(move |encoder, after| {
+        dedup
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .for_each_logged_request(
+                after,
+                SNAPSHOT_REQUEST_BATCH,
+                Instant::now(),
+                unix_now_ms(),
+                |request| {
+                    if let Err(e) = encoder.push(&request) {
+                        tracing::warn!(client_id = %request.client_id, "request left out of the snapshot: {e}");
+                    }
+                },
+            )
+    })
 }
 
 /// Awaits a commit. On failure reports it to the executor, which rolls back, and returns the epoch
@@ -1208,16 +1214,8 @@ async fn complete(
                     );
                     continue;
                 }
-                // Every request logged below `reflects_below` has completed by now (the completer
-                // goes in order): the snapshot keeps their identities.
-                match encode_logged_requests(&dedup) {
-                    // In the background: appends and completions go on while the file is completed.
-                    Ok(tail) => seal.commit(tail, patches),
-                    Err(e) => {
-                        metrics::snapshot_finished(false);
-                        tracing::error!(last_index, "snapshot not written: {e}");
-                    }
-                }
+                // In the background: appends and completions go on while the file is completed.
+                seal.commit(logged_requests_of(Arc::clone(&dedup)), patches);
             }
             Outcome::Internal { commit, done } => {
                 let settled = settle(commit, epoch, &durable_lsn, &failures).await;

@@ -234,30 +234,68 @@ pub fn encode_requests(requests: &[RequestRecord]) -> Result<Vec<u8>, StoreError
 pub struct RequestsEncoder {
     w: Writer,
     count: usize,
+    /// Bytes were handed out by [`RequestsEncoder::take_encoded`].
+    taken: bool,
 }
 
 impl Default for RequestsEncoder {
     fn default() -> Self {
         let mut w = Writer::default();
         w.i32(0);
-        RequestsEncoder { w, count: 0 }
+        RequestsEncoder {
+            w,
+            count: 0,
+            taken: false,
+        }
     }
 }
 
 impl RequestsEncoder {
+    /// Adds a request; one that cannot be encoded (a field over 2 GiB) leaves the list as it was.
     pub fn push(&mut self, request: &RequestRecord) -> Result<(), StoreError> {
-        self.count += 1;
-        request.encode_fields(&mut self.w)
+        let len = self.w.buf.len();
+        match request.encode_fields(&mut self.w) {
+            Ok(()) => {
+                self.count += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.w.buf.truncate(len);
+                Err(e)
+            }
+        }
     }
 
     pub fn finish(mut self) -> Result<Vec<u8>, StoreError> {
-        let count = i32::try_from(self.count).map_err(|_| StoreError::BufferTooLarge {
+        debug_assert!(!self.taken, "a streamed list ends with finish_streamed");
+        let count = self.count()?;
+        self.w.patch_i32(0, count);
+        Ok(self.w.buf)
+    }
+
+    /// The bytes encoded since the last call, to be written out in order.
+    pub fn take_encoded(&mut self) -> Vec<u8> {
+        self.taken = true;
+        std::mem::take(&mut self.w.buf)
+    }
+
+    /// [`RequestsEncoder::finish`] of a list whose bytes were taken as they were encoded, starting
+    /// at `offset` in the state: the bytes left, and the count as a patch.
+    pub fn finish_streamed(self, offset: u64) -> Result<(Vec<u8>, StatePatch), StoreError> {
+        let count = self.count()?;
+        let patch = StatePatch {
+            offset,
+            bytes: count.to_be_bytes().to_vec(),
+        };
+        Ok((self.w.buf, patch))
+    }
+
+    fn count(&self) -> Result<i32, StoreError> {
+        i32::try_from(self.count).map_err(|_| StoreError::BufferTooLarge {
             what: "snapshot request list",
             len: self.count,
             max: i32::MAX as usize,
-        })?;
-        self.w.patch_i32(0, count);
-        Ok(self.w.buf)
+        })
     }
 }
 

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use mqstate_store::snapshot::RequestsEncoder;
 use mqstate_store::StatePatch;
 use mqstate_wal::{LogId, SnapshotWriter, WalError, WalWriter};
 use tokio::sync::{mpsc, oneshot};
@@ -30,10 +31,15 @@ pub struct SnapshotStream {
     seal: oneshot::Sender<Sealed>,
 }
 
+/// Encodes the next batch of the requests that end the state into the encoder, from after a cursor
+/// (`None`: from the first); returns the cursor of the next batch, `None` at the end. Called on the
+/// writing thread, so the requests are never gathered whole.
+pub type RequestBatches = Box<dyn FnMut(&mut RequestsEncoder, Option<u64>) -> Option<u64> + Send>;
+
 /// The end of the state, known once its records are durable.
 struct Sealed {
-    /// The last bytes of the state (the requests).
-    tail: Vec<u8>,
+    /// The last part of the state: the requests.
+    requests: RequestBatches,
     /// The fields of bytes already written known only at the end.
     patches: Vec<StatePatch>,
 }
@@ -42,11 +48,11 @@ struct Sealed {
 pub struct SnapshotSeal(oneshot::Sender<Sealed>);
 
 impl SnapshotSeal {
-    /// Appends `tail`, patches the fields known only at the end, then completes the file (fsync,
-    /// rename, purge) in the background.
-    pub fn commit(self, tail: Vec<u8>, patches: Vec<StatePatch>) {
+    /// Appends the requests, patches the fields known only at the end, then completes the file
+    /// (fsync, rename, purge) in the background.
+    pub fn commit(self, requests: RequestBatches, patches: Vec<StatePatch>) {
         // The task is gone only if the file already failed; it said so.
-        let _ = self.0.send(Sealed { tail, patches });
+        let _ = self.0.send(Sealed { requests, patches });
     }
 }
 
@@ -81,8 +87,9 @@ pub fn start(wal: &Arc<WalWriter>, last_index: u64) -> SnapshotStream {
     SnapshotStream { chunks, seal }
 }
 
-/// Writes the chunks to `file` as they come, then the seal's tail and patches; `Abandoned` if the
-/// stream or the seal was dropped first (the file is then left unfinished under `temp/`).
+/// Writes the chunks to `file` as they come, then the seal's requests a batch at a time and its
+/// patches; `Abandoned` if the stream or the seal was dropped first (the file is then left
+/// unfinished under `temp/`).
 fn feed(
     file: &mut SnapshotWriter,
     mut chunks: mpsc::Receiver<Vec<u8>>,
@@ -91,11 +98,31 @@ fn feed(
     while let Some(chunk) = chunks.blocking_recv() {
         file.write(&chunk)?;
     }
-    let Sealed { tail, patches } = sealed
+    let Sealed {
+        mut requests,
+        patches,
+    } = sealed
         .blocking_recv()
         .map_err(|_| WalError::Abandoned { what: WHAT })?;
-    file.write(&tail)?;
-    for patch in patches {
+    let requests_at = file.state_len();
+    let mut encoder = RequestsEncoder::default();
+    let mut cursor = None;
+    loop {
+        cursor = requests(&mut encoder, cursor);
+        file.write(&encoder.take_encoded())?;
+        if cursor.is_none() {
+            break;
+        }
+    }
+    let (rest, count) = encoder
+        .finish_streamed(requests_at)
+        .map_err(|_| WalError::TooLarge {
+            what: "snapshot request list",
+            len: usize::MAX,
+            max: i32::MAX as usize,
+        })?;
+    file.write(&rest)?;
+    for patch in patches.iter().chain([&count]) {
         file.patch(patch.offset, &patch.bytes)?;
     }
     Ok(())
@@ -146,6 +173,8 @@ mod tests {
     use std::time::Duration;
 
     use bytes::Bytes;
+    use mqstate_store::snapshot::encode_requests;
+    use mqstate_store::RequestRecord;
     use mqstate_wal::{read_snapshot, DataDir, Wal, WalOptions};
 
     use super::*;
@@ -165,6 +194,10 @@ mod tests {
                 .unwrap();
         }
         Arc::new(writer)
+    }
+
+    fn no_requests() -> RequestBatches {
+        Box::new(|_, _| None)
     }
 
     async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
@@ -195,13 +228,45 @@ mod tests {
             offset: 0,
             bytes: b"st".to_vec(),
         }];
-        seal.commit(b"!".to_vec(), patches);
+        seal.commit(no_requests(), patches);
         eventually("the snapshot", || wal.reader().last_purged().is_some()).await;
         let snapshot = read_snapshot(&dir).unwrap().unwrap();
         assert_eq!(
             (snapshot.last_index, &snapshot.state[..]),
-            (0, &b"st--abcd!"[..])
+            (0, &b"st--abcd\0\0\0\0"[..])
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_requests_end_the_state_a_batch_at_a_time() {
+        let tmp = tempfile::tempdir().unwrap();
+        let wal = log(tmp.path()).await;
+        let requests: Vec<RequestRecord> = (0..5u8)
+            .map(|i| RequestRecord {
+                client_id: Arc::from("c"),
+                correlation: Bytes::copy_from_slice(&[i]),
+                expires_at_ms: 9,
+                reply: Bytes::from_static(b"+OK\r\n"),
+                reply_ts: None,
+            })
+            .collect();
+        let stream = start(&wal, 0);
+        stream.push(b"keys".to_vec()).unwrap();
+        let batches = requests.clone();
+        // Two a batch, the cursor being the index of the next.
+        let next_batch: RequestBatches = Box::new(move |encoder, after| {
+            let from = after.map_or(0, |a| a as usize);
+            for request in batches.iter().skip(from).take(2) {
+                encoder.push(request).unwrap();
+            }
+            (from + 2 < batches.len()).then_some(from as u64 + 2)
+        });
+        stream.end().commit(next_batch, Vec::new());
+        eventually("the snapshot", || wal.reader().last_purged().is_some()).await;
+        let snapshot = read_snapshot(&DataDir::new(tmp.path())).unwrap().unwrap();
+        let mut expected = b"keys".to_vec();
+        expected.extend(encode_requests(&requests).unwrap());
+        assert_eq!(&snapshot.state[..], &expected[..]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,12 +279,12 @@ mod tests {
         // A later snapshot is written: the abandoned one released the one-at-a-time lock.
         let next = start(&wal, 0);
         next.push(b"next".to_vec()).unwrap();
-        next.end().commit(Vec::new(), Vec::new());
+        next.end().commit(no_requests(), Vec::new());
         eventually("the next snapshot", || wal.reader().last_purged().is_some()).await;
         let snapshot = read_snapshot(&DataDir::new(tmp.path())).unwrap().unwrap();
         assert_eq!(
             (snapshot.last_index, &snapshot.state[..]),
-            (0, &b"next"[..])
+            (0, &b"next\0\0\0\0"[..])
         );
     }
 
@@ -227,8 +292,14 @@ mod tests {
     async fn a_full_stream_whose_file_failed_refuses_chunks_instead_of_waiting() {
         let tmp = tempfile::tempdir().unwrap();
         let wal = log(tmp.path()).await;
-        // `first` holds the one-at-a-time lock, so `second`'s chunks stay queued until it is full.
+        // `first` holds the one-at-a-time lock (its file takes chunks), so `second`'s chunks stay
+        // queued until it is full.
         let first = start(&wal, 0);
+        first.push(b"first".to_vec()).unwrap();
+        eventually("the first file", || {
+            first.chunks.capacity() == SNAPSHOT_CHUNKS_QUEUED
+        })
+        .await;
         let second = start(&wal, 0);
         for _ in 0..SNAPSHOT_CHUNKS_QUEUED {
             second.push(b"chunk".to_vec()).unwrap();
