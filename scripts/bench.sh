@@ -2,7 +2,7 @@
 # Reproduces every figure in docs/benchmarks.md: mqstate side by side with Mosquitto (+ the
 # `mqstate bench --responder` baseline) and with Redis, on this machine, in one run.
 #
-#   scripts/bench.sh [all|pubsub|statestore|redis|idle|restart|notify]   (default: all)
+#   scripts/bench.sh [all|pubsub|statestore|redis|idle|restart|snapshot-rss|notify]   (default: all)
 #
 # Needs: mosquitto (Debian 2.0.11), redis-server + redis-benchmark (Debian, Redis 7), a release build
 # (built here). Results (JSON per run, server logs) go to $OUT (default target/bench-results/).
@@ -142,6 +142,26 @@ restart() {
   stop_all
 }
 
+# Peak RSS while a snapshot of 1,000,000 keys (100-byte values) is written. The threshold is above
+# what loading the keys logs (about 253 bytes a SET with its request identity), so the first load takes
+# no snapshot and its peak is the "before"; a second pass over the same keys crosses it once, so a
+# snapshot of all 1,000,000 keys is taken while the same load goes on: the peak after it is "during".
+snapshot_rss() {
+  local load=(--connections 16 --inflight 64 --mix set=100 --keys 1000000 --distribution sequential
+    --value-size 100 --requests 1000000)
+  start_mqstate "snapshot-rss" --fsync never --snapshot-threshold-bytes 300000000
+  local raw=$((1000000 * (16 + 100) / 1024))
+  "$MQSTATE" bench --port "$PORT" "${load[@]}" --json "$OUT/snapshot-rss-load-1.json" | tail -n 2
+  local before; before=$(awk '/VmHWM/ {print $2}' "/proc/$SERVER_PID/status")
+  "$MQSTATE" bench --port "$PORT" "${load[@]}" --json "$OUT/snapshot-rss-load-2.json" | tail -n 2
+  for _ in $(seq 600); do grep -q 'snapshot written' "$OUT/snapshot-rss.server.log" && break; sleep 0.1; done
+  local during; during=$(awk '/VmHWM/ {print $2}' "/proc/$SERVER_PID/status")
+  echo "raw keys + values: $raw kB; VmHWM before the snapshot: $before kB ($(echo "scale=2; $before / $raw" | bc)x);" \
+    "after the pass with the snapshot: $during kB ($(echo "scale=2; $during / $raw" | bc)x)"
+  grep -c 'snapshot written' "$OUT/snapshot-rss.server.log" | sed 's/^/snapshots written: /'
+  stop_all
+}
+
 # Persistent notifications (docs/benchmarks.md). The durable SET rate with no topic and with one
 # topic matching every key (its HTTP endpoint up and delivering while the load runs), NOTIFY_RUNS
 # pairs (default 3) interleaved (alternating which goes first) so that both see the same background
@@ -243,7 +263,8 @@ notify_drain_rate() { # run
 }
 
 case "$WHAT" in
-  all) statestore; pubsub; redis; idle; restart; notify ;;
+  all) statestore; pubsub; redis; idle; restart; snapshot_rss; notify ;;
   statestore|pubsub|redis|idle|restart|notify) "$WHAT" ;;
-  *) echo "usage: $0 [all|pubsub|statestore|redis|idle|restart|notify]" >&2; exit 2 ;;
+  snapshot-rss) snapshot_rss ;;
+  *) echo "usage: $0 [all|pubsub|statestore|redis|idle|restart|snapshot-rss|notify]" >&2; exit 2 ;;
 esac

@@ -230,9 +230,17 @@ enum DeltaView {
 
 impl DeltaView {
     fn decode(data: &[u8], max_bytes: usize) -> DeltaView {
-        let delta = match Change::decode(data) {
+        // A request's change is shown as the change (the request's identity is the service's).
+        let change = match Change::decode(data) {
+            Ok(Change::Requested { change, .. }) => Ok(*change),
+            other => other,
+        };
+        let delta = match change {
             Ok(Change::Queue(queue)) => return DeltaView::Queue(queue_summary(&queue)),
             Ok(Change::Key(delta)) => Ok(delta),
+            Ok(Change::Requested { .. }) => {
+                return DeltaView::Undecodable("a request record inside a request record".into())
+            }
             Err(e) => Err(e),
         };
         match delta {

@@ -1,4 +1,4 @@
-//! Arbitrary bytes as a state-store log record (key or queue delta): decoding returns an error, never
+//! Arbitrary bytes as a state-store log record (key or queue delta, or either as a request's `I`): decoding returns an error, never
 //! panics; what it accepts re-encodes to the same bytes and applies to a state machine (with a topic
 //! defined first, so queue records take effect) without panicking.
 #![no_main]

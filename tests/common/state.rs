@@ -66,6 +66,11 @@ pub fn reply_ts(props: &PublishProperties) -> Option<String> {
         .map(|(_, value)| value.clone())
 }
 
+/// Connections made so far by this test process: each starts its correlation data at its own
+/// number, since correlation data identifies a request across connections and restarts (a retry
+/// carries the same and gets the first reply).
+static CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 pub struct StateClient {
     client: AsyncClient,
     replies: mpsc::UnboundedReceiver<Publish>,
@@ -111,7 +116,7 @@ impl StateClient {
             client,
             replies,
             response_topic,
-            next_correlation: 0,
+            next_correlation: CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32,
         }
     }
 
@@ -124,6 +129,18 @@ impl StateClient {
     pub async fn request_at(&mut self, args: &[&[u8]], ts: String) -> (Bytes, Option<String>) {
         self.next_correlation += 1;
         let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
+        self.request_as(args, &correlation, ts).await
+    }
+
+    /// One request with the given correlation data (a retry: the same as an earlier request's),
+    /// stamped `__ts = ts`; returns the reply payload and the reply's `__ts`.
+    pub async fn request_as(
+        &mut self,
+        args: &[&[u8]],
+        correlation: &Bytes,
+        ts: String,
+    ) -> (Bytes, Option<String>) {
+        let correlation = correlation.clone();
         let properties = request_properties(&self.response_topic, &correlation, ts);
         self.client
             .publish_with_properties(

@@ -28,7 +28,10 @@ use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
 
-use common::state::{bulk, hlc_order, reply_ts, request_properties, INVOKE_TOPIC, NIL, OK, WAIT};
+use common::state::{
+    bulk, hlc_now, hlc_order, reply_ts, request_properties, StateClient, INVOKE_TOPIC, NIL, OK,
+    WAIT,
+};
 use common::Server;
 
 /// Seed of the kill schedule; `MQSTATE_CRASH_SEED` overrides it.
@@ -65,6 +68,9 @@ struct Reply {
     payload: Bytes,
     ts: Option<String>,
 }
+
+/// Connections made so far by this test process.
+static CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 struct Mqtt {
     client: AsyncClient,
@@ -127,7 +133,9 @@ impl Mqtt {
             client,
             inbound,
             response_topic: format!("clients/{id}/statestore/response"),
-            next_correlation: 0,
+            // Correlation data identifies a request across connections and restarts (a retry
+            // carries the same), so no two connections of this test use the same.
+            next_correlation: CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32,
             node: id.to_owned(),
         };
         Some((mqtt, session_present))
@@ -366,6 +374,71 @@ async fn kill9_at_random_moments_loses_no_acknowledged_write() {
         acks > 0,
         "the writers never got a SET acknowledged, so nothing was tested"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Retried requests across a crash
+// ---------------------------------------------------------------------------------------------
+
+/// Last index of the snapshot in `data_dir`, once there is one (`storage-format.md`: bytes 4..12).
+fn snapshot_last_index(data_dir: &Path) -> Option<i64> {
+    let bytes = std::fs::read(data_dir.join("mqstate.snapshot")).ok()?;
+    Some(i64::from_be_bytes(bytes.get(4..12)?.try_into().ok()?))
+}
+
+/// A write's log record carries its request's identity and first reply, so a retry of the request
+/// (same client id, same correlation data) after a kill -9 and a restart gets the first reply and is
+/// not executed again: rebuilt from the replayed log, and from the snapshot once the record is
+/// behind it. Executed twice, the SET NX would answer `:-1` the second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_retried_after_kill9_gets_its_first_reply_and_is_not_executed_again() {
+    let no_snapshot: &[&str] = &[];
+    let snapshot_soon: &[&str] = &["--snapshot-threshold-bytes", TINY_SNAPSHOT_BYTES];
+    for (case, flags) in [
+        ("from the log", no_snapshot),
+        ("from the snapshot", snapshot_soon),
+    ] {
+        let mut server = Server::start_with(flags);
+        let correlation = Bytes::from(format!("set-nx-once {case}"));
+        let set_nx: &[&[u8]] = &[b"SET", b"once", b"first", b"NX"];
+        let mut client = StateClient::connect(server.addr, "retrier").await;
+        let (first, first_ts) = client.request_as(set_nx, &correlation, hlc_now()).await;
+        assert_eq!(&first[..], OK, "{case}: the first SET NX");
+        if flags == snapshot_soon {
+            // The SET's record is LSN 0, so any snapshot covers it and replay starts after it.
+            for i in 0..20 {
+                let key = format!("filler-{i}");
+                assert_eq!(
+                    &client.request(&[b"SET", key.as_bytes(), b"x"]).await[..],
+                    OK
+                );
+            }
+            let deadline = Instant::now() + WAIT;
+            while snapshot_last_index(server.data_dir()).is_none() {
+                assert!(Instant::now() < deadline, "{case}: no snapshot was written");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        tokio::task::block_in_place(|| {
+            server.kill9();
+            server.restart();
+        });
+        let mut client = StateClient::connect(server.addr, "retrier").await;
+        let (retried, retried_ts) = client.request_as(set_nx, &correlation, hlc_now()).await;
+        assert_eq!(
+            String::from_utf8_lossy(&retried),
+            String::from_utf8_lossy(OK),
+            "{case}: the retry gets the first reply (executed again it answers :-1)"
+        );
+        assert_eq!(retried_ts, first_ts, "{case}: with the first reply's __ts");
+        // The same command as a new request executes: the key exists, so NX refuses it.
+        assert_eq!(&client.request(set_nx).await[..], b":-1\r\n", "{case}");
+        assert_eq!(
+            client.request(&[b"GET", b"once"]).await,
+            bulk(b"first"),
+            "{case}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

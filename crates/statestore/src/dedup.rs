@@ -10,6 +10,14 @@
 //! An entry keeps only what the retry's reply needs ([`CachedReply`]) and its own copy of the
 //! correlation data: the reply message and the request's correlation data are slices of packets,
 //! and a hundred thousand entries pinning them cost hundreds of megabytes (decision 0015).
+//!
+//! A write's log record carries its request's identity and first reply ([`RequestRecord`]), and a
+//! snapshot the identities of the logged requests the cache holds when it is sealed
+//! ([`DedupCache::for_each_logged_request`]); so a restarted node (or one that learned the writes from a
+//! replica's log) rebuilds the cache from them ([`RecoveredRequests`], [`DedupCache::restore`]) and
+//! answers a retry of a write executed before the crash with its first reply, as the running node
+//! would have. Reads and refused writes leave no record: after a restart their retry executes
+//! again, which changes nothing.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -17,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use mqstate_protocol::Hlc;
+use mqstate_store::{Change, RequestRecord};
 
 /// Default bound on remembered requests; the oldest are forgotten first.
 pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
@@ -48,14 +57,18 @@ pub enum Seen<W> {
 
 enum Entry<W> {
     InFlight(Vec<W>),
-    Done(CachedReply),
+    /// The reply, and whether the request's change is durable in the log with its identity.
+    Done(CachedReply, bool),
 }
 
 /// `W` is whatever a retry needs to be finished later (e.g. its deferred PUBACK).
 pub struct DedupCache<W> {
     entries: HashMap<Key, (Entry<W>, Instant)>,
     /// Keys by insertion; deadlines are not monotonic across clients, so expiry is checked lazily.
-    order: VecDeque<(Key, Instant)>,
+    /// With each key its insertion number, ascending: a cursor for
+    /// [`DedupCache::for_each_logged_request`] that later insertions and evictions do not move.
+    order: VecDeque<(Key, Instant, u64)>,
+    inserted: u64,
     max_entries: usize,
 }
 
@@ -64,6 +77,7 @@ impl<W> DedupCache<W> {
         DedupCache {
             entries: HashMap::new(),
             order: VecDeque::new(),
+            inserted: 0,
             max_entries: max_entries.max(1),
         }
     }
@@ -80,7 +94,7 @@ impl<W> DedupCache<W> {
         self.evict(now, 1);
         let key = (client_id.clone(), Arc::from(correlation));
         match self.entries.get_mut(&key) {
-            Some((Entry::Done(reply), deadline)) if *deadline > now => {
+            Some((Entry::Done(reply, _), deadline)) if *deadline > now => {
                 return Seen::Done(reply.clone(), waiter)
             }
             Some((Entry::InFlight(waiters), _)) => {
@@ -90,28 +104,101 @@ impl<W> DedupCache<W> {
             _ => {}
         }
         let deadline = now + expiry;
-        self.order.push_back((key.clone(), deadline));
+        self.push_order(&key, deadline);
         self.entries
             .insert(key, (Entry::InFlight(Vec::new()), deadline));
+        debug_assert!(self.entries.len() <= self.max_entries);
+        debug_assert!(
+            self.order.len() >= self.entries.len(),
+            "every entry is in the order"
+        );
         Seen::New(waiter)
     }
 
     /// Records the reply of an executed request and returns the retries that waited for it.
+    /// `logged`: the request's change is durable in the log, recorded with its identity.
     pub fn complete(
         &mut self,
         client_id: &Arc<str>,
         correlation: &[u8],
         reply: CachedReply,
+        logged: bool,
     ) -> Vec<W> {
         let key = (client_id.clone(), Arc::from(correlation));
         match self.entries.get_mut(&key) {
             Some((entry @ Entry::InFlight(_), _)) => {
-                match std::mem::replace(entry, Entry::Done(reply)) {
+                match std::mem::replace(entry, Entry::Done(reply, logged)) {
                     Entry::InFlight(waiters) => waiters,
-                    Entry::Done(_) => Vec::new(),
+                    Entry::Done(..) => Vec::new(),
                 }
             }
             _ => Vec::new(),
+        }
+    }
+
+    /// Calls `f` with up to `max` completed requests whose changes are in the log, oldest first,
+    /// from after the cursor `after` (`None`: from the first), their deadlines as Unix ms (`now` is
+    /// `now_ms`): what a snapshot keeps of the cache, a batch at a time. Returns the cursor of the
+    /// next batch, `None` once every request was visited.
+    pub fn for_each_logged_request(
+        &self,
+        after: Option<u64>,
+        max: usize,
+        now: Instant,
+        now_ms: u64,
+        mut f: impl FnMut(RequestRecord),
+    ) -> Option<u64> {
+        let start = after.map_or(0, |after| {
+            self.order.partition_point(|(_, _, n)| *n <= after)
+        });
+        for (visited, (key, deadline, n)) in self.order.iter().skip(start).enumerate() {
+            if visited == max {
+                return Some(n - 1);
+            }
+            let Some((Entry::Done(reply, true), d)) = self.entries.get(key) else {
+                continue;
+            };
+            if d != deadline || *d <= now {
+                continue;
+            }
+            let left = u64::try_from(d.duration_since(now).as_millis()).unwrap_or(u64::MAX);
+            f(RequestRecord {
+                client_id: key.0.clone(),
+                correlation: Bytes::copy_from_slice(&key.1),
+                expires_at_ms: now_ms.saturating_add(left),
+                reply: reply.payload.clone(),
+                reply_ts: reply.version.clone(),
+            });
+        }
+        None
+    }
+
+    fn push_order(&mut self, key: &Key, deadline: Instant) {
+        self.inserted += 1;
+        self.order.push_back((key.clone(), deadline, self.inserted));
+    }
+
+    /// Fills the cache with the requests recovered from a snapshot and the log (oldest first) at a
+    /// start: a retry of one of them gets its first reply until its own expiry.
+    pub fn restore(&mut self, recovered: RecoveredRequests, now: Instant) {
+        let now_ms = recovered.now_ms;
+        for request in recovered.requests {
+            let left = Duration::from_millis(request.expires_at_ms.saturating_sub(now_ms));
+            let deadline = now + left;
+            self.evict(now, 1);
+            let key = (request.client_id, Arc::from(&request.correlation[..]));
+            // In both the snapshot and a record replayed after it: the same request.
+            if self.entries.contains_key(&key) {
+                continue;
+            }
+            let reply = CachedReply {
+                payload: request.reply,
+                version: request.reply_ts,
+            };
+            self.push_order(&key, deadline);
+            self.entries
+                .insert(key, (Entry::Done(reply, true), deadline));
+            debug_assert!(self.entries.len() <= self.max_entries);
         }
     }
 
@@ -137,7 +224,7 @@ impl<W> DedupCache<W> {
 
     /// Forgets expired requests, and the oldest ones while fewer than `room` more would fit.
     fn evict(&mut self, now: Instant, room: usize) {
-        while let Some((key, deadline)) = self.order.front() {
+        while let Some((key, deadline, _)) = self.order.front() {
             let over_capacity = self.entries.len() + room > self.max_entries;
             if *deadline > now && !over_capacity {
                 break;
@@ -148,12 +235,59 @@ impl<W> DedupCache<W> {
             if in_flight && !over_capacity {
                 break;
             }
-            if let Some((key, deadline)) = self.order.pop_front() {
+            if let Some((key, deadline, _)) = self.order.pop_front() {
                 if self.entries.get(&key).is_some_and(|(_, d)| *d == deadline) {
                     self.entries.remove(&key);
                 }
             }
         }
+    }
+}
+
+/// The requests of a snapshot and of the records replayed after it, as a start finds them, for
+/// [`DedupCache::restore`]: those already expired are dropped, and at most as many as the cache
+/// holds are kept (the newest).
+#[derive(Debug)]
+pub struct RecoveredRequests {
+    max_entries: usize,
+    /// The wall clock at the start, in Unix ms.
+    now_ms: u64,
+    requests: VecDeque<RequestRecord>,
+}
+
+impl RecoveredRequests {
+    pub fn new(max_entries: usize, now_ms: u64) -> RecoveredRequests {
+        RecoveredRequests {
+            max_entries: max_entries.max(1),
+            now_ms,
+            requests: VecDeque::new(),
+        }
+    }
+
+    /// A request found in the snapshot or the log, in log order.
+    pub fn add(&mut self, request: RequestRecord) {
+        if request.expires_at_ms <= self.now_ms {
+            return;
+        }
+        if self.requests.len() == self.max_entries {
+            self.requests.pop_front();
+        }
+        self.requests.push_back(request);
+    }
+
+    /// The request of a replayed record, if it has one.
+    pub fn replayed(&mut self, change: &Change) {
+        if let Some(request) = change.request() {
+            self.add(request.clone());
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
     }
 }
 
@@ -180,7 +314,7 @@ mod tests {
             cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
             Seen::New(_)
         ));
-        assert!(cache.complete(&c, &corr, reply("+OK")).is_empty());
+        assert!(cache.complete(&c, &corr, reply("+OK"), false).is_empty());
         match cache.check(
             &c,
             &corr,
@@ -214,7 +348,7 @@ mod tests {
             cache.check(&c, &corr, Duration::from_secs(5), t0, 2),
             Seen::Pending
         ));
-        assert_eq!(cache.complete(&c, &corr, reply("+OK")), vec![2]);
+        assert_eq!(cache.complete(&c, &corr, reply("+OK"), false), vec![2]);
     }
 
     #[test]
@@ -227,7 +361,7 @@ mod tests {
                 cache.check(&c, &corr(i), Duration::from_secs(1), t0, 0),
                 Seen::New(_)
             ));
-            cache.complete(&c, &corr(i), reply("+OK"));
+            cache.complete(&c, &corr(i), reply("+OK"), false);
         }
         // Past the expiry the same request executes again.
         assert!(matches!(
@@ -264,7 +398,7 @@ mod tests {
         for i in 0..1000u32 {
             let corr = i.to_be_bytes();
             cache.check(&c, &corr, Duration::from_secs(1), t0, 0);
-            cache.complete(&c, &corr, reply("+OK"));
+            cache.complete(&c, &corr, reply("+OK"), false);
         }
         let grown = cache.entries.capacity();
         cache.sweep(t0 + Duration::from_millis(500));
@@ -273,5 +407,102 @@ mod tests {
         assert!(cache.is_empty());
         assert!(cache.entries.capacity() < grown / SHRINK_FACTOR);
         assert!(cache.order.capacity() < 1000 / SHRINK_FACTOR);
+    }
+
+    #[test]
+    fn logged_requests_survive_a_restart_and_expire_as_before() {
+        let mut cache = DedupCache::<u32>::new(10);
+        let (c, t0, ms0) = (Arc::<str>::from("c"), Instant::now(), 1_000_000);
+        let expiry = Duration::from_secs(10);
+        for (corr, logged) in [(&b"w"[..], true), (b"r", false)] {
+            cache.check(&c, corr, expiry, t0, 0);
+            cache.complete(&c, corr, reply(":1"), logged);
+        }
+        cache.check(&c, b"in flight", expiry, t0, 0);
+        let mut requests = Vec::new();
+        let end = cache.for_each_logged_request(None, 10, t0 + Duration::from_secs(4), ms0, |r| {
+            requests.push(r)
+        });
+        assert_eq!(end, None);
+        assert_eq!(requests.len(), 1, "only the completed write: {requests:?}");
+        assert_eq!(
+            (&requests[0].correlation[..], requests[0].expires_at_ms),
+            (&b"w"[..], ms0 + 6_000)
+        );
+
+        // A start 2 s later: the snapshot's request, plus the same one replayed, plus one expired.
+        let mut recovered = RecoveredRequests::new(10, ms0 + 2_000);
+        recovered.add(requests[0].clone());
+        recovered.add(requests[0].clone());
+        recovered.add(expired_request());
+        assert_eq!(recovered.len(), 2);
+        let t1 = Instant::now();
+        let mut restarted = DedupCache::<u32>::new(10);
+        restarted.restore(recovered, t1);
+        assert_eq!(restarted.len(), 1);
+        match restarted.check(&c, b"w", expiry, t1 + Duration::from_secs(3), 7) {
+            Seen::Done(m, 7) => assert_eq!(&m.payload[..], b":1"),
+            other => panic!("expected the first reply, got {other:?}"),
+        }
+        // Its expiry is the original one (4 s left at the restart), not a new one.
+        assert!(matches!(
+            restarted.check(&c, b"w", expiry, t1 + Duration::from_secs(5), 8),
+            Seen::New(8)
+        ));
+    }
+
+    #[test]
+    fn logged_requests_come_in_batches_that_evictions_do_not_shift() {
+        let mut cache = DedupCache::<u32>::new(100);
+        let (c, t0) = (Arc::<str>::from("c"), Instant::now());
+        let add = |cache: &mut DedupCache<u32>, i: u8, secs| {
+            cache.check(&c, &[i], Duration::from_secs(secs), t0, 0);
+            cache.complete(&c, &[i], reply(":1"), true);
+        };
+        for i in 0..5 {
+            add(&mut cache, i, if i < 2 { 1 } else { 100 });
+        }
+        let mut seen = Vec::new();
+        let mut batch = |cache: &DedupCache<u32>, after| {
+            cache.for_each_logged_request(after, 2, t0, 0, |r| seen.push(r.correlation[0]))
+        };
+        let cursor = batch(&cache, None);
+        assert!(cursor.is_some());
+        // The first two expire and are evicted, a sixth comes: the cursor still points after them.
+        cache.sweep(t0 + Duration::from_secs(2));
+        add(&mut cache, 5, 100);
+        let mut cursor = cursor;
+        while let Some(after) = cursor {
+            cursor = batch(&cache, Some(after));
+        }
+        assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn recovered_requests_keep_the_newest_within_the_bound() {
+        let mut recovered = RecoveredRequests::new(2, 0);
+        for i in 1..=3u8 {
+            let mut request = expired_request();
+            request.correlation = Bytes::copy_from_slice(&[i]);
+            request.expires_at_ms = 10;
+            recovered.add(request);
+        }
+        let kept: Vec<u8> = recovered
+            .requests
+            .iter()
+            .map(|r| r.correlation[0])
+            .collect();
+        assert_eq!(kept, vec![2, 3]);
+    }
+
+    /// A request whose expiry passed long ago.
+    fn expired_request() -> RequestRecord {
+        RequestRecord {
+            client_id: Arc::from("c"),
+            correlation: Bytes::from_static(b"old"),
+            expires_at_ms: 5,
+            reply: Bytes::from_static(b"+OK\r\n"),
+            reply_ts: None,
+        }
     }
 }

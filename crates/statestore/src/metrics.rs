@@ -10,7 +10,8 @@
 //!   published, durability wait included.
 //! * `mqstate_statestore_keys`, `mqstate_statestore_bytes` — size of the keyspace.
 //! * `mqstate_snapshot_duration_seconds{phase}` (`encode`: executor time over all of a snapshot's
-//!   chunks; `write` in the background) and `mqstate_snapshots_total{result}`.
+//!   chunks; `write`: in the background, from the file's creation to its rename — the chunks are
+//!   written as they are encoded, so it spans the encoding) and `mqstate_snapshots_total{result}`.
 
 use std::time::Duration;
 

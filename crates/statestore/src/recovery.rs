@@ -1,6 +1,7 @@
 //! The state store at start: open the log, decode the snapshot, replay the records after it, and
 //! resume the clock at the ceiling in the metadata file (decision 0012), with a new ceiling above it
-//! on disk before anything is handed out.
+//! on disk before anything is handed out. The requests the snapshot and the replayed records carry
+//! (decision 0034) are gathered for the duplicate cache ([`RecoveredRequests`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use mqstate_protocol::Hlc;
 use mqstate_store::{Change, StateMachine, StoreConfig, StoreError};
 use mqstate_wal::{Lsn, Metadata, Wal, WalError, WalOptions, WalWriter};
 
+use crate::dedup::{RecoveredRequests, DEFAULT_MAX_ENTRIES};
 use crate::service::{next_clock_ceiling, Recovered};
 
 /// Why the data directory could not be recovered; each names the directory and the way out.
@@ -64,7 +66,8 @@ pub struct RecoveryReport {
 /// Opens the data directory `dir` and rebuilds the state machine from the snapshot and the log
 /// after it, with its clock resumed at the ceiling in the metadata file (no timestamp handed out
 /// before the restart is handed out again) and a new ceiling above it and `now_ms` persisted.
-/// Returns the state with its log writer started.
+/// Returns the state with its log writer started, and the requests that have not expired at
+/// `now_ms` (the newest [`DEFAULT_MAX_ENTRIES`]).
 pub fn recover(
     dir: &Path,
     options: WalOptions,
@@ -76,10 +79,13 @@ pub fn recover(
     let (wal, recovered) =
         Wal::open(dir, options).map_err(|source| RecoveryError::Open { dir: at(), source })?;
     let node_id = Arc::clone(&store.node_id);
+    let mut requests = RecoveredRequests::new(DEFAULT_MAX_ENTRIES, now_ms);
     let (mut machine, mut next_lsn) = match &recovered.snapshot {
         Some(snapshot) => {
-            let machine = StateMachine::snapshot_decode(&snapshot.state, store)
-                .map_err(|source| RecoveryError::Snapshot { dir: at(), source })?;
+            let (machine, in_snapshot) =
+                StateMachine::snapshot_decode_with_requests(&snapshot.state, store)
+                    .map_err(|source| RecoveryError::Snapshot { dir: at(), source })?;
+            in_snapshot.into_iter().for_each(|r| requests.add(r));
             (machine, snapshot.last_index + 1)
         }
         None => (StateMachine::new(store).map_err(RecoveryError::Config)?, 0),
@@ -94,6 +100,7 @@ pub fn recover(
             source,
         })?;
         machine.apply_change(&change);
+        requests.replayed(&change);
         replayed_bytes += entry.data.len();
         records += 1;
         next_lsn = entry.lsn + 1;
@@ -127,6 +134,7 @@ pub fn recover(
         wal: Arc::new(wal),
         next_lsn,
         metadata,
+        requests,
     };
     Ok((recovered, report))
 }
@@ -230,6 +238,35 @@ mod tests {
             recovered.metadata.hlc_high_water_ms,
             old_ceiling + CLOCK_CEILING_LEASE_MS
         );
+        stop(recovered).await;
+    }
+
+    #[tokio::test]
+    async fn the_requests_of_replayed_records_are_recovered_unless_expired() {
+        let dir = tempfile::tempdir().unwrap();
+        let requested = |correlation: &'static [u8], expires_at_ms| {
+            let change = Change::Key(put("k", NOW_MS));
+            mqstate_store::RequestRecord {
+                client_id: Arc::from("c"),
+                correlation: Bytes::from_static(correlation),
+                expires_at_ms,
+                reply: Bytes::from_static(b"+OK\r\n"),
+                reply_ts: None,
+            }
+            .encode_with(&change.encode().unwrap())
+            .unwrap()
+        };
+        let records = [
+            requested(b"live", NOW_MS + 1_000),
+            requested(b"expired", NOW_MS - 1),
+            put("plain", NOW_MS).encode().unwrap(),
+        ];
+        write_log(dir.path(), &records, None);
+        let (recovered, report) =
+            recover(dir.path(), WalOptions::default(), config(), NOW_MS).unwrap();
+        assert_eq!(report.records, 3);
+        assert_eq!(recovered.machine.keyspace().len(), 2);
+        assert_eq!(recovered.requests.len(), 1, "only the live request");
         stop(recovered).await;
     }
 

@@ -11,16 +11,21 @@
 //!   commit fails, the outcomes computed behind it before the executor rolled back are not released
 //!   either ([`Rollbacks`]).
 //!
-//! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), then
-//! queued to the completer like any outcome, so they are written once every record they may reflect is
-//! durable, in the background.
+//! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), each
+//! chunk streamed to the snapshot's temporary file as it is encoded ([`snapshot_stream`]); its seal is
+//! then queued to the completer like any outcome, so the file is completed and renamed into place
+//! once every record it may reflect is durable, in the background.
+//!
+//! A write's change is logged with its request's identity and first reply (`mqstate_store`'s `I`
+//! record, decision 0034), and a snapshot ends with the identities of the logged requests the
+//! duplicate cache holds: a restarted node rebuilds the cache from both ([`crate::recovery`]).
 //!
 //! The log itself — appends, the durable index, the undo of what is not yet durable, degraded mode,
 //! the snapshot schedule — is a [`DurableLog`] (`mqstate_wal::durable`). The modules here are split by
 //! the state each owns: `request` (one request to its outcome), `log` (appends), `undo` (rollback),
 //! `clock_ceiling` (the HLC ceiling in the metadata file), `snapshot_schedule` (encoding between
-//! requests, the completer's hand-off), `completer` (release in order), `notify_exec` (persistent
-//! notifications).
+//! requests, the completer's hand-off), `snapshot_stream` (the snapshot's file, written as it is
+//! encoded), `completer` (release in order), `notify_exec` (persistent notifications).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,7 +38,7 @@ use mqstate_wal::{DurableLog, Lsn, Metadata, SnapshotSchedule, WalWriter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
-use crate::dedup::{DedupCache, DEFAULT_MAX_ENTRIES};
+use crate::dedup::{DedupCache, RecoveredRequests, DEFAULT_MAX_ENTRIES};
 use crate::envelope::{ReplyBuilder, ReplyTopic};
 use crate::metrics;
 use crate::notify::NotifyConfig;
@@ -45,6 +50,7 @@ mod log;
 mod notify_exec;
 mod request;
 mod snapshot_schedule;
+pub mod snapshot_stream;
 mod undo;
 
 use clock_ceiling::ClockCeiling;
@@ -142,6 +148,8 @@ pub struct Recovered {
     /// The log's metadata file, its `hlc_high_water_ms` (the clock ceiling) already above
     /// `machine`'s clock.
     pub metadata: Metadata,
+    /// The requests of the snapshot and the replayed records, for the duplicate cache.
+    pub requests: RecoveredRequests,
 }
 
 /// Runs the service until `shutdown` resolves.
@@ -157,20 +165,28 @@ pub async fn run(
         wal,
         next_lsn,
         metadata,
+        requests,
     } = recovered;
     let log = DurableLog::new(
         "statestore",
-        Arc::clone(&wal),
+        wal,
         next_lsn,
         SnapshotSchedule::new(config.snapshot_threshold_bytes, 0),
     );
     let (tx, rx) = mpsc::channel::<Queued>(COMPLETION_QUEUE_CAPACITY);
-    let dedup = Arc::new(Mutex::new(DedupCache::new(config.dedup_max_entries)));
+    let mut dedup = DedupCache::new(config.dedup_max_entries);
+    if !requests.is_empty() {
+        tracing::info!(
+            requests = requests.len(),
+            "duplicate-request cache rebuilt from the log"
+        );
+        dedup.restore(requests, broker.clock().now());
+    }
+    let dedup = Arc::new(Mutex::new(dedup));
     let replies = ReplyBuilder::new(&config.server_id);
     let completer = tokio::spawn(completer::complete(
         broker.clone(),
         rx,
-        wal,
         Arc::clone(&dedup),
         log.settler(),
     ));
@@ -274,8 +290,8 @@ impl Executor {
                 // Lowest priority: an idle executor encodes chunk after chunk; a busy one a chunk
                 // after each request or event (below). Yielding, not `ready()`: a task that is never
                 // pending keeps its worker thread, and the tasks queued behind it (connections, the
-                // completer) would wait for the whole snapshot.
-                () = tokio::task::yield_now(), if self.snapshot.is_some() => {}
+                // completer) would wait for the whole snapshot. While the file is behind, it waits.
+                () = snapshot_schedule::turn(self.snapshot.as_ref()), if self.snapshot.is_some() => {}
             }
             self.advance_snapshot().await;
         }

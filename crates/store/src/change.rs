@@ -1,15 +1,22 @@
-//! A log record of the state store: a key change or a change to topics and queues. The first byte
-//! (the marker) says which.
+//! A log record of the state store: a key change, a change to topics and queues, or either made by
+//! an identified request ([`crate::request`]). The first byte (the marker) says which.
 
+use crate::codec::Reader;
 use crate::delta::Delta;
 use crate::error::StoreError;
 use crate::notify::QueueDelta;
+use crate::request::{RequestRecord, REQUESTED_MARKER};
 
 /// One record of the store's log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     Key(Delta),
     Queue(QueueDelta),
+    /// `change` (a key change, or a commit of one with its notifications) made by `request`.
+    Requested {
+        request: RequestRecord,
+        change: Box<Change>,
+    },
 }
 
 impl Change {
@@ -17,18 +24,50 @@ impl Change {
         match self {
             Change::Key(delta) => delta.encode(),
             Change::Queue(delta) => delta.encode(),
+            Change::Requested { request, change } => request.encode_with(&change.encode()?),
         }
     }
 
-    /// Decodes one record; a marker neither kind knows is the key delta's error.
+    /// Decodes one record; a marker no kind knows is the key delta's error.
     pub fn decode(data: &[u8]) -> Result<Change, StoreError> {
         match data.first() {
+            Some(&REQUESTED_MARKER) => decode_requested(data),
             Some(&marker) if QueueDelta::is_marker(marker) => {
                 QueueDelta::decode(data).map(Change::Queue)
             }
             _ => Delta::decode(data).map(Change::Key),
         }
     }
+
+    /// The request that made this change, if it was recorded.
+    pub fn request(&self) -> Option<&RequestRecord> {
+        match self {
+            Change::Requested { request, .. } => Some(request),
+            Change::Key(_) | Change::Queue(_) => None,
+        }
+    }
+}
+
+fn decode_requested(data: &[u8]) -> Result<Change, StoreError> {
+    let mut r = Reader::new("requested change", data);
+    r.u8("marker")?;
+    let request = RequestRecord::decode_fields(&mut r)?;
+    let inner = r.buffer("change")?;
+    r.finish()?;
+    let change = match inner.first() {
+        Some(b'A') => QueueDelta::decode(inner).map(Change::Queue)?,
+        Some(b'K' | b'X') => Delta::decode(inner).map(Change::Key)?,
+        _ => {
+            return Err(r.invalid(
+                "change",
+                "a request's change must be a 'K', 'X' or 'A' record",
+            ))
+        }
+    };
+    Ok(Change::Requested {
+        request,
+        change: Box::new(change),
+    })
 }
 
 #[cfg(test)]

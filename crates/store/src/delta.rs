@@ -106,7 +106,7 @@ impl Delta {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::sync::Arc;

@@ -8,13 +8,16 @@
 //!   durable and the [`KeyNotification`]s to publish. Also `expire_due`, `next_deadline`,
 //!   `drop_client` and `apply_delta`.
 //! * [`delta`] — [`Delta`] (put / delete) and its binary form (`storage-format.md` conventions).
-//! * [`snapshot`] — [`SnapshotEncoder`] (chunk by chunk, while the machine changes),
+//! * [`snapshot`] — [`SnapshotEncoder`] (chunk by chunk, while the machine changes; the chunks
+//!   kept or taken to be written out as they are encoded),
 //!   `StateMachine::snapshot_encode` (in one go) / `snapshot_decode`.
 //! * [`keyspace`] — [`Keyspace`] (one allocation per key), [`Entry`] (a stored entry, borrowed) and
 //!   [`NewEntry`], with the `(deadline, key)` expiry index.
 //! * [`notify`] — persistent notifications: topics and their bounded two-phase queues
 //!   (reserve, commit or abort, remove once delivered), logged as [`notify::QueueDelta`]s;
 //!   [`Change`] is a log record of either kind.
+//! * [`request`] — [`RequestRecord`]: the identity and first reply of the request that made a
+//!   change, logged with it (and kept in snapshots) to rebuild the service's duplicate cache.
 //! * [`limits`] — [`Limits`], every bound with its default.
 //! * [`error`] — [`StoreError`] (configuration and codec failures; command errors are replies).
 //!
@@ -30,6 +33,7 @@ pub mod limits;
 pub mod machine;
 pub mod notify;
 mod registrations;
+pub mod request;
 pub mod snapshot;
 
 pub use change::Change;
@@ -41,4 +45,5 @@ pub use limits::Limits;
 pub use machine::{
     Execution, Expiration, KeyNotification, RequestContext, StateMachine, StoreConfig,
 };
-pub use snapshot::{Progress, SnapshotEncoder};
+pub use request::RequestRecord;
+pub use snapshot::{Progress, SnapshotEncoder, StatePatch, StreamedEnd};

@@ -548,6 +548,7 @@ impl StateMachine {
     pub fn apply_change(&mut self, change: &Change) {
         match change {
             Change::Key(delta) => self.apply_delta(delta),
+            Change::Requested { change, .. } => self.apply_change(change),
             Change::Queue(delta) => {
                 if let QueueDelta::Commit { change, .. } = delta {
                     self.apply_delta(change);

@@ -215,6 +215,25 @@ impl Topic {
         self.bytes += entry.bytes();
         self.next_seq = entry.seq + 1;
         self.entries.push_back(entry);
+        self.debug_check();
+    }
+
+    /// The queue's invariants, checked after each change in debug builds (a walk of the queue):
+    /// its byte count is the sum of its entries', and their seqs ascend below the next seq.
+    fn debug_check(&self) {
+        if cfg!(debug_assertions) {
+            let sum: u64 = self.entries.iter().map(QueueEntry::bytes).sum();
+            debug_assert_eq!(self.bytes, sum, "topic {}: byte count", self.def.name);
+            debug_assert!(
+                self.entries
+                    .iter()
+                    .zip(self.entries.iter().skip(1))
+                    .all(|(a, b)| a.seq < b.seq)
+                    && self.entries.back().is_none_or(|e| e.seq < self.next_seq),
+                "topic {}: entry seqs must ascend below the next seq",
+                self.def.name
+            );
+        }
     }
 }
 
@@ -397,6 +416,7 @@ impl Notifications {
                         removed.push(entry);
                     }
                 }
+                t.debug_check();
                 QueueUndo::Unremove(topic.clone(), removed)
             }
         }
@@ -429,6 +449,7 @@ impl Notifications {
                         if let Some((id, deadline)) = released {
                             topic.reservations.insert(id, deadline);
                         }
+                        topic.debug_check();
                     }
                 }
             }
@@ -438,6 +459,7 @@ impl Notifications {
                         topic.bytes += entry.bytes();
                         topic.entries.push_front(entry);
                     }
+                    topic.debug_check();
                 }
             }
             QueueUndo::Restore(name, topic) => match topic {

@@ -2,15 +2,19 @@
 //! states encode to equal bytes. KEYNOTIFY registrations are session state and are not included.
 //!
 //! ```text
-//! 'S' | format version Int32 (2) | high-water HLC | topics | count Int32 | count × entry
+//! 'S' | format version Int32 (3) | high-water HLC | topics | count Int32 | count × entry | requests
 //! entry = key Buffer | value Buffer | version HLC | fencing token Nullable<HLC> | expires at Nullable<Int64>
 //! topics = Array<name Buffer | endpoint Buffer | keys Buffer | events UInt8 | max queue Int32
 //!                | next seq Int64 | next reservation id Int64
 //!                | Array<reservation id Int64 | deadline Int64>
 //!                | Array<seq Int64 | key Buffer | event UInt8 | version HLC | value Nullable<Buffer>>>
+//! requests = Array<client id Buffer | correlation data Buffer | expires at Int64 | reply Buffer
+//!                  | reply __ts Nullable<HLC>>
 //! ```
-//! Version 1 (no topics) is still read. The topics are encoded whole when the snapshot starts, so
-//! they are exact as of its last index; only the keys are fuzzy.
+//! Versions 1 (no topics, no requests) and 2 (no requests) are still read. The topics are encoded
+//! whole when the snapshot starts, so they are exact as of its last index; only the keys are fuzzy.
+//! The requests ([`RequestRecord`]s of the service's duplicate cache, not state of the machine) come
+//! last because a streamed snapshot's writer knows them only at its end ([`encode_requests`]).
 //! The result is the `state` Buffer of the snapshot file; its framing and checksum belong to the WAL.
 //!
 //! [`SnapshotEncoder`] encodes in chunks so a large keyspace never stops the caller for long: the state
@@ -29,24 +33,25 @@ use crate::keyspace::{AscendingBuilder, Entry, NewEntry};
 use crate::machine::{StateMachine, StoreConfig};
 use crate::notify::record::text;
 use crate::notify::{event_from_byte, Notifications, QueueEntry, TopicDef};
+use crate::request::RequestRecord;
 
 /// First byte of a key-value snapshot.
 pub const SNAPSHOT_MARKER: u8 = b'S';
 /// Current snapshot format version.
-pub const SNAPSHOT_VERSION: i32 = 2;
+pub const SNAPSHOT_VERSION: i32 = 3;
 /// The format before topics.
 const SNAPSHOT_VERSION_KEYS_ONLY: i32 = 1;
+/// The format before requests.
+const SNAPSHOT_VERSION_TOPICS: i32 = 2;
 
 const CONTEXT: &str = "key-value snapshot";
-
-/// Encoded bytes per key besides key and value (lengths, version, token, expiry; node ids of a few
-/// bytes), to size the buffer once: growing a buffer of hundreds of megabytes by doubling would copy
-/// it on the encoding thread.
-const ENTRY_OVERHEAD_ESTIMATE: usize = 48;
 
 /// The fewest bytes an encoded entry takes (one-byte key, empty value and node id, no token or
 /// expiry): bounds what a snapshot's count may reserve before its entries are read.
 const MIN_ENTRY_BYTES: usize = 4 + 1 + 4 + (8 + 4 + 4) + 1 + 1;
+
+/// The fewest bytes an encoded request takes (empty buffers, no reply `__ts`).
+const MIN_REQUEST_BYTES: usize = 4 + 4 + 8 + 4 + 1;
 
 /// Whether [`SnapshotEncoder::step`] reached the end of the keyspace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,9 +63,17 @@ pub enum Progress {
 }
 
 /// A snapshot being encoded chunk by chunk, in key order, from a cursor.
+///
+/// The bytes encoded so far are either kept until [`SnapshotEncoder::finish`] (the whole state in
+/// one buffer) or taken after each step with [`SnapshotEncoder::take_encoded`] and written out, so
+/// that the encoded state is never whole in memory; then [`SnapshotEncoder::finish_streamed`] says
+/// which bytes already taken are to be overwritten (the count and the high-water mark).
 pub struct SnapshotEncoder {
     w: Writer,
-    /// Where the high-water HLC's wall time and counter are patched in at the end.
+    /// Bytes of the state already handed out by [`SnapshotEncoder::take_encoded`]; `w` holds the
+    /// ones after them.
+    taken: usize,
+    /// Where (in the state) the high-water HLC's wall time and counter are patched in at the end.
     high_water_at: usize,
     count_at: usize,
     count: usize,
@@ -68,16 +81,28 @@ pub struct SnapshotEncoder {
     cursor: Option<Box<[u8]>>,
 }
 
+/// Bytes of a streamed state to overwrite once the state is complete: `bytes` at `offset` (from the
+/// start of the state).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatePatch {
+    pub offset: u64,
+    pub bytes: Vec<u8>,
+}
+
+/// The end of a streamed snapshot ([`SnapshotEncoder::finish_streamed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamedEnd {
+    /// The last bytes of the keys, after everything taken before; the state is complete once
+    /// [`encode_requests`] follows them.
+    pub rest: Vec<u8>,
+    /// Fields of bytes already taken that are only known now.
+    pub patches: Vec<StatePatch>,
+}
+
 impl SnapshotEncoder {
     /// Writes the header, with the count and the high-water mark still to come.
     pub fn new(machine: &StateMachine) -> Result<SnapshotEncoder, StoreError> {
-        let keyspace = machine.keyspace();
-        let estimate = usize::try_from(keyspace.stored_bytes())
-            .unwrap_or(usize::MAX)
-            .saturating_add(keyspace.len().saturating_mul(ENTRY_OVERHEAD_ESTIMATE));
-        let mut w = Writer {
-            buf: Vec::with_capacity(estimate),
-        };
+        let mut w = Writer::default();
         w.u8(SNAPSHOT_MARKER);
         w.i32(SNAPSHOT_VERSION);
         let high_water_at = w.buf.len();
@@ -87,6 +112,7 @@ impl SnapshotEncoder {
         w.i32(0);
         Ok(SnapshotEncoder {
             w,
+            taken: 0,
             high_water_at,
             count_at,
             count: 0,
@@ -127,19 +153,149 @@ impl SnapshotEncoder {
         Ok(progress)
     }
 
+    /// The bytes encoded since the last call (the first call: from the start of the state), to be
+    /// written out in order.
+    pub fn take_encoded(&mut self) -> Vec<u8> {
+        let chunk = std::mem::take(&mut self.w.buf);
+        self.taken += chunk.len();
+        chunk
+    }
+
+    /// Bytes of the state encoded so far, taken or not.
+    pub fn encoded_len(&self) -> usize {
+        self.taken + self.w.buf.len()
+    }
+
     /// Encodes what is left, then fills in the count and the clock's high-water mark as of now
-    /// (the clock only grows, so it is at least every encoded version).
-    pub fn finish(mut self, machine: &StateMachine) -> Result<Vec<u8>, StoreError> {
+    /// (the clock only grows, so it is at least every encoded version), and ends with `requests`.
+    /// For an encoder whose bytes were never taken: the whole state.
+    pub fn finish(
+        self,
+        machine: &StateMachine,
+        requests: &[RequestRecord],
+    ) -> Result<Vec<u8>, StoreError> {
+        debug_assert_eq!(
+            self.taken, 0,
+            "a streamed snapshot ends with finish_streamed"
+        );
+        let end = self.finish_streamed(machine)?;
+        debug_assert!(end.patches.is_empty());
+        let mut state = end.rest;
+        state.extend(encode_requests(requests)?);
+        Ok(state)
+    }
+
+    /// [`SnapshotEncoder::finish`] of a state whose bytes were taken as they were encoded: the
+    /// bytes left, and the count and high-water mark as patches to what was taken before.
+    pub fn finish_streamed(mut self, machine: &StateMachine) -> Result<StreamedEnd, StoreError> {
         while self.step(machine, usize::MAX, usize::MAX)? == Progress::Continue {}
         let count = i32::try_from(self.count).map_err(|_| StoreError::BufferTooLarge {
             what: "snapshot key count",
             len: self.count,
             max: i32::MAX as usize,
         })?;
-        self.w.patch_i32(self.count_at, count);
-        self.w
-            .patch_hlc_time(self.high_water_at, &machine.clock.high_water());
+        let high_water = machine.clock.high_water();
+        let mut patches = Vec::new();
+        if self.taken == 0 {
+            self.w.patch_i32(self.count_at, count);
+            self.w.patch_hlc_time(self.high_water_at, &high_water);
+        } else {
+            // The header went out with the first chunk, which holds at least the header.
+            debug_assert!(self.count_at + 4 <= self.taken);
+            let mut header = Writer::default();
+            header.i64(i64::try_from(high_water.wall_ms).unwrap_or(i64::MAX));
+            header.i32(i32::try_from(high_water.counter).unwrap_or(i32::MAX));
+            patches.push(StatePatch {
+                offset: self.high_water_at as u64,
+                bytes: header.buf,
+            });
+            patches.push(StatePatch {
+                offset: self.count_at as u64,
+                bytes: count.to_be_bytes().to_vec(),
+            });
+        }
+        Ok(StreamedEnd {
+            rest: self.w.buf,
+            patches,
+        })
+    }
+}
+
+/// The last bytes of a snapshot's state: the requests whose changes it may hold.
+pub fn encode_requests(requests: &[RequestRecord]) -> Result<Vec<u8>, StoreError> {
+    let mut encoder = RequestsEncoder::default();
+    for request in requests {
+        encoder.push(request)?;
+    }
+    encoder.finish()
+}
+
+/// [`encode_requests`] one request at a time, so they need not be gathered first.
+pub struct RequestsEncoder {
+    w: Writer,
+    count: usize,
+    /// Bytes were handed out by [`RequestsEncoder::take_encoded`].
+    taken: bool,
+}
+
+impl Default for RequestsEncoder {
+    fn default() -> Self {
+        let mut w = Writer::default();
+        w.i32(0);
+        RequestsEncoder {
+            w,
+            count: 0,
+            taken: false,
+        }
+    }
+}
+
+impl RequestsEncoder {
+    /// Adds a request; one that cannot be encoded (a field over 2 GiB) leaves the list as it was.
+    pub fn push(&mut self, request: &RequestRecord) -> Result<(), StoreError> {
+        let len = self.w.buf.len();
+        match request.encode_fields(&mut self.w) {
+            Ok(()) => {
+                self.count += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.w.buf.truncate(len);
+                Err(e)
+            }
+        }
+    }
+
+    pub fn finish(mut self) -> Result<Vec<u8>, StoreError> {
+        debug_assert!(!self.taken, "a streamed list ends with finish_streamed");
+        let count = self.count()?;
+        self.w.patch_i32(0, count);
         Ok(self.w.buf)
+    }
+
+    /// The bytes encoded since the last call, to be written out in order.
+    pub fn take_encoded(&mut self) -> Vec<u8> {
+        self.taken = true;
+        std::mem::take(&mut self.w.buf)
+    }
+
+    /// [`RequestsEncoder::finish`] of a list whose bytes were taken as they were encoded, starting
+    /// at `offset` in the state: the bytes left, and the count as a patch.
+    pub fn finish_streamed(self, offset: u64) -> Result<(Vec<u8>, StatePatch), StoreError> {
+        let count = self.count()?;
+        let patch = StatePatch {
+            offset,
+            bytes: count.to_be_bytes().to_vec(),
+        };
+        Ok((self.w.buf, patch))
+    }
+
+    fn count(&self) -> Result<i32, StoreError> {
+        i32::try_from(self.count).map_err(|_| StoreError::BufferTooLarge {
+            what: "snapshot request list",
+            len: self.count,
+            max: i32::MAX as usize,
+        })
     }
 }
 
@@ -234,14 +390,22 @@ fn decode_topics(r: &mut Reader<'_>, notify: &mut Notifications) -> Result<(), S
 }
 
 impl StateMachine {
-    /// Encodes the keyspace and the clock's high-water mark in one go.
+    /// Encodes the keyspace and the clock's high-water mark in one go (no requests).
     pub fn snapshot_encode(&self) -> Result<Vec<u8>, StoreError> {
-        SnapshotEncoder::new(self)?.finish(self)
+        SnapshotEncoder::new(self)?.finish(self, &[])
     }
 
     /// Rebuilds a state machine from [`snapshot_encode`](Self::snapshot_encode) output. Arbitrary
     /// bytes yield an error, never a panic; keys must be strictly ascending (no duplicates).
     pub fn snapshot_decode(data: &[u8], config: StoreConfig) -> Result<StateMachine, StoreError> {
+        Self::snapshot_decode_with_requests(data, config).map(|(machine, _)| machine)
+    }
+
+    /// [`StateMachine::snapshot_decode`], with the requests the snapshot holds (oldest first).
+    pub fn snapshot_decode_with_requests(
+        data: &[u8],
+        config: StoreConfig,
+    ) -> Result<(StateMachine, Vec<RequestRecord>), StoreError> {
         let mut r = Reader::new(CONTEXT, data);
         if r.u8("marker")? != SNAPSHOT_MARKER {
             return Err(StoreError::Invalid {
@@ -252,12 +416,12 @@ impl StateMachine {
             });
         }
         let version = r.i32("format version")?;
-        if version != SNAPSHOT_VERSION && version != SNAPSHOT_VERSION_KEYS_ONLY {
-            return Err(r.invalid("format version", "this build reads format versions 1 and 2"));
+        if !(SNAPSHOT_VERSION_KEYS_ONLY..=SNAPSHOT_VERSION).contains(&version) {
+            return Err(r.invalid("format version", "this build reads format versions 1 to 3"));
         }
         let high_water = r.hlc("high-water mark")?;
         let mut notify = Notifications::default();
-        if version == SNAPSHOT_VERSION {
+        if version >= SNAPSHOT_VERSION_TOPICS {
             decode_topics(&mut r, &mut notify)?;
         }
         let count = r.len("key count")?;
@@ -284,10 +448,18 @@ impl StateMachine {
                 },
             );
         }
+        let mut requests = Vec::new();
+        if version >= SNAPSHOT_VERSION {
+            let n = r.len("request count")?;
+            requests.reserve(n.min(r.remaining() / MIN_REQUEST_BYTES));
+            for _ in 0..n {
+                requests.push(RequestRecord::decode_fields(&mut r)?);
+            }
+        }
         r.finish()?;
         machine.keyspace = keys.finish();
         machine.notify = notify;
-        Ok(machine)
+        Ok((machine, requests))
     }
 }
 

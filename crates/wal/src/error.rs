@@ -123,6 +123,8 @@ pub enum WalError {
     Failed { cause: String },
     #[error("the write-ahead log writer has stopped; restart the server")]
     Closed,
+    #[error("{what} was abandoned before it was complete; the previous one stays")]
+    Abandoned { what: &'static str },
     #[error("{} is in use by another process (it holds the lock on {}); stop that process first, \
              or give this one another data directory", path.display(), crate::layout::LOCK_FILE)]
     Locked { path: PathBuf },

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use mqstate_broker::{service::Acker, Broker, Message};
 use mqstate_protocol::Hlc;
-use mqstate_wal::{Commit, Settler, WalWriter};
+use mqstate_wal::{Commit, Settler};
 use tokio::sync::mpsc;
 
 use super::snapshot_schedule::{self, PendingSnapshot};
@@ -42,7 +42,7 @@ pub(super) enum Outcome {
         commit: Option<Commit>,
         done: Box<dyn FnOnce(bool) + Send>,
     },
-    /// Everything before this is durable once it is reached: write the snapshot.
+    /// Everything before this is durable once it is reached: complete the snapshot's file.
     Snapshot(PendingSnapshot),
 }
 
@@ -101,6 +101,9 @@ pub(super) struct ReplyTo {
     pub(super) message: Message,
     /// The `__ts` of `message`, for the duplicate-request cache.
     pub(super) version: Option<Hlc>,
+    /// The request's change was logged with its identity ([`mqstate_store::RequestRecord`]): once
+    /// durable, a snapshot keeps the identity for the duplicate cache of a restarted node.
+    pub(super) logged: bool,
 }
 
 impl ReplyTo {
@@ -117,6 +120,7 @@ impl ReplyTo {
             correlation: request.correlation_data.clone(),
             message: replies.reply(request, payload, version.as_ref(), expiry),
             version,
+            logged: false,
         }
     }
 }
@@ -159,16 +163,18 @@ async fn settle(commit: Option<Commit>, settler: &Settler) -> Result<(), Option<
 pub(super) async fn complete(
     broker: Broker,
     mut rx: mpsc::Receiver<Queued>,
-    wal: Arc<WalWriter>,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     settler: Settler,
 ) {
     let mut rollbacks = Rollbacks::default();
     while let Some(Queued { epoch, outcome }) = rx.recv().await {
         match outcome {
-            Outcome::Snapshot(pending) => {
-                snapshot_schedule::write_when_durable(&wal, pending, settler.durable().get())
-            }
+            Outcome::Snapshot(pending) => snapshot_schedule::write_when_durable(
+                pending,
+                settler.durable().get(),
+                &dedup,
+                broker.clock(),
+            ),
             Outcome::Internal { commit, done } => {
                 let settled = settle(commit, &settler).await;
                 if let Err(failed_in) = settled {
@@ -193,16 +199,20 @@ pub(super) async fn complete(
                     for (client_id, message) in notifications {
                         broker.deliver_to(&client_id, message);
                     }
-                    let sent = reply.map(|r| (r.client_id, r.correlation, r.message, r.version));
+                    let sent =
+                        reply.map(|r| (r.client_id, r.correlation, r.message, r.version, r.logged));
                     (sent, 0x00)
                 } else {
-                    match reply.map(|r| (r.client_id, r.correlation, not_durable(r.message), None))
-                    {
+                    // Not logged after all: a retry after a restart executes again.
+                    match reply.map(|r| {
+                        let message = not_durable(r.message);
+                        (r.client_id, r.correlation, message, None, false)
+                    }) {
                         Some(failed) => (Some(failed), 0x00),
                         None => (None, PUBACK_UNSPECIFIED_ERROR),
                     }
                 };
-                if let Some((client_id, correlation, message, version)) = reply {
+                if let Some((client_id, correlation, message, version, logged)) = reply {
                     let cached = CachedReply {
                         payload: message.payload.clone(),
                         version,
@@ -211,6 +221,7 @@ pub(super) async fn complete(
                         &client_id,
                         &correlation,
                         cached,
+                        logged,
                     );
                     broker.publish(message);
                     for retry in waiting {

@@ -5,7 +5,7 @@
 
 use bytes::Bytes;
 use mqstate_store::notify::QueueDelta;
-use mqstate_store::Delta;
+use mqstate_store::{Delta, RequestRecord, StoreError};
 use mqstate_wal::Commit;
 
 use super::Executor;
@@ -47,6 +47,20 @@ impl Executor {
     pub(super) async fn log_queue(&mut self, delta: &QueueDelta) -> Result<Option<Commit>, String> {
         // The record of `Change::Queue(delta)` (`mqstate_store::Change`), without cloning the delta into one.
         let bytes = delta.encode().map_err(|e| e.to_string())?;
+        self.log_bytes(bytes).await
+    }
+
+    /// Appends `change` (an encoded `K`, `X` or `A` record) made by `request`, with the request's
+    /// identity (so a retry is answered, not executed, by a node that learns the change from the
+    /// log); returns the future of its durability.
+    pub(super) async fn log_requested(
+        &mut self,
+        change: Result<Vec<u8>, StoreError>,
+        request: &RequestRecord,
+    ) -> Result<Option<Commit>, String> {
+        let bytes = change
+            .and_then(|change| request.encode_with(&change))
+            .map_err(|e| e.to_string())?;
         self.log_bytes(bytes).await
     }
 

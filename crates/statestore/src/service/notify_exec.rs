@@ -10,7 +10,7 @@ use mqstate_broker::{
 };
 use mqstate_protocol::{Command, SetCondition};
 use mqstate_store::notify::{lock_key, Event, QueueDelta, QueueUndo, RemoveError, Topic};
-use mqstate_store::{Delta, Execution, RequestContext};
+use mqstate_store::{Delta, Execution, RequestContext, RequestRecord};
 use mqstate_wal::Commit;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Notify};
@@ -155,12 +155,14 @@ impl Executor {
         PendingQueue::Settled(Box::new(Settled { reserve, record }))
     }
 
-    /// Logs the reserve record, then the commit or abort record. What is not logged is undone in
-    /// memory; a reservation logged without its commit stays until it is stale.
+    /// Logs the reserve record, then the commit (with the identity of the request that made it)
+    /// or abort record. What is not logged is undone in memory; a reservation logged without its
+    /// commit stays until it is stale.
     pub(super) async fn log_notified(
         &mut self,
         pending: PendingQueue,
         key_undo: Option<Delta>,
+        request: &RequestRecord,
     ) -> Result<Option<Commit>, String> {
         let PendingQueue::Settled(settled) = pending else {
             return Ok(None);
@@ -186,7 +188,12 @@ impl Executor {
             }
             self.config.failpoints.hit(NOTIFY_AFTER_RESERVE);
         }
-        match self.log_queue(&record).await {
+        let logged = if committed {
+            self.log_requested(record.encode(), request).await
+        } else {
+            self.log_queue(&record).await
+        };
+        match logged {
             Ok(commit) => {
                 self.log.push_undo(Undo::Both(key_undo, record_undo));
                 self.notify_queued();
@@ -495,6 +502,7 @@ impl Executor {
                 },
             },
             version: None,
+            logged: false,
         };
         let parsed = AdminRequest::parse(&request.message.payload);
         let (commit, value) = match parsed {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use mqstate_broker::{service::Acker, Identity, Message, Principal, ServiceRequest};
 use mqstate_protocol::{parse_request, Command, ErrorKind, Reply};
-use mqstate_store::{Delta, Execution, KeyNotification, RequestContext};
+use mqstate_store::{Delta, Execution, KeyNotification, RequestContext, RequestRecord};
 
 use super::completer::{Outcome, ReplyTo, Timing, NOT_DURABLE, NOT_DURABLE_REPLY};
 use super::undo::Undo;
@@ -113,10 +113,27 @@ impl Executor {
             return;
         };
         let undo = execution.undo.take();
+        let payload = execution.reply.encode();
+        // Logged with its change: a retry after a restart gets this reply until the request's own
+        // expiry (wall time, so that it means the same to the next process).
+        let identity = || RequestRecord {
+            client_id: request.client_id.clone(),
+            correlation: request.correlation_data.clone(),
+            expires_at_ms: self
+                .clock
+                .now_ms()
+                .saturating_add(u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX)),
+            reply: payload.clone(),
+            reply_ts: execution.ts.clone(),
+        };
         let commit = match (self.pending_queue.take(), execution.delta.as_ref(), undo) {
-            (Some(pending), _, undo) => self.log_notified(pending, undo).await,
+            (Some(pending), _, undo) => {
+                let identity = identity();
+                self.log_notified(pending, undo, &identity).await
+            }
             (None, Some(delta), Some(undo)) if persist || matches!(delta, Delta::Delete { .. }) => {
-                let logged = self.log(delta).await;
+                let identity = identity();
+                let logged = self.log_requested(delta.encode(), &identity).await;
                 match &logged {
                     Ok(_) => self.log.push_undo(Undo::Key(undo)),
                     Err(_) => self.machine.apply_delta(&undo),
@@ -135,9 +152,12 @@ impl Executor {
                 received: started,
             })
         };
+        // A change was logged, hence with the request's identity.
+        let logged = matches!(commit, Ok(Some(_))) && execution.delta.is_some();
         let outcome = match commit {
             Ok(commit) => {
-                let reply = reply_to(execution.reply.encode(), execution.ts.clone());
+                let mut reply = reply_to(payload, execution.ts.clone());
+                reply.logged = logged;
                 Outcome::Reply {
                     commit,
                     notifications: self.notifications(&execution.notifications),
@@ -320,6 +340,7 @@ impl Executor {
                         requested,
                     ),
                     version: None,
+                    logged: false,
                 };
                 self.send_stateless_reply(reply, acker).await;
             }
@@ -338,6 +359,7 @@ impl Executor {
                     correlation: correlation_data.unwrap_or_default(),
                     message: reply,
                     version: None,
+                    logged: false,
                 };
                 self.send_stateless_reply(reply, acker).await;
             }

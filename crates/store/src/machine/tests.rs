@@ -657,28 +657,56 @@ fn snapshot_round_trip_restores_keys_and_clock() {
 fn golden_empty_snapshot_and_bad_snapshots() {
     let m = machine();
     let bytes = m.snapshot_encode().unwrap();
-    let mut expected = vec![b'S', 0, 0, 0, 2];
+    let mut expected = vec![b'S', 0, 0, 0, 3];
     expected.extend_from_slice(&[0; 8]);
     expected.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 10]);
     expected.extend_from_slice(NODE.as_bytes());
     expected.extend_from_slice(&[0, 0, 0, 0]); // no topics
-    expected.extend_from_slice(&[0, 0, 0, 0]);
+    expected.extend_from_slice(&[0, 0, 0, 0]); // no keys
+    expected.extend_from_slice(&[0, 0, 0, 0]); // no requests
     assert_eq!(bytes, expected);
-    // Format version 1 (before topics) is still read.
-    let mut v1 = bytes.clone();
+    // Format version 2 (before requests) and 1 (before topics) are still read.
+    let mut v2 = bytes.clone();
+    v2[4] = 2;
+    v2.truncate(bytes.len() - 4);
+    assert!(StateMachine::snapshot_decode(&v2, config(Limits::default())).is_ok());
+    let mut v1 = v2.clone();
     v1[4] = 1;
-    v1.drain(bytes.len() - 8..bytes.len() - 4);
+    v1.drain(v2.len() - 8..v2.len() - 4);
     assert!(StateMachine::snapshot_decode(&v1, config(Limits::default())).is_ok());
+    // One request after the keys, read back.
+    let request = crate::RequestRecord {
+        client_id: Arc::from("c"),
+        correlation: Bytes::from_static(b"\x01"),
+        expires_at_ms: 9,
+        reply: Bytes::from_static(b":1\r\n"),
+        reply_ts: None,
+    };
+    let with_request = crate::SnapshotEncoder::new(&m)
+        .unwrap()
+        .finish(&m, std::slice::from_ref(&request))
+        .unwrap();
+    let mut expected_request = bytes[..bytes.len() - 4].to_vec();
+    expected_request.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 1, b'c', 0, 0, 0, 1, 1]);
+    expected_request.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 4]);
+    expected_request.extend_from_slice(b":1\r\n");
+    expected_request.push(0);
+    assert_eq!(with_request, expected_request);
+    let (_, requests) =
+        StateMachine::snapshot_decode_with_requests(&with_request, config(Limits::default()))
+            .unwrap();
+    assert_eq!(requests, vec![request]);
     // Duplicate keys are rejected.
     let mut two = machine();
     two.execute(set("a", "1"), &ctx("c", T0));
     let one = two.snapshot_encode().unwrap();
     let header_len = 1 + 4 + 8 + 4 + 4 + NODE.len() + 4;
-    let entry = one[header_len + 4..].to_vec();
+    let entry = one[header_len + 4..one.len() - 4].to_vec();
     let mut dup = one[..header_len].to_vec();
     dup.extend_from_slice(&2i32.to_be_bytes());
     dup.extend_from_slice(&entry);
     dup.extend_from_slice(&entry);
+    dup.extend_from_slice(&[0, 0, 0, 0]);
     assert!(matches!(
         StateMachine::snapshot_decode(&dup, config(Limits::default())),
         Err(StoreError::Invalid {
@@ -687,7 +715,7 @@ fn golden_empty_snapshot_and_bad_snapshots() {
         })
     ));
     let mut wrong_version = bytes.clone();
-    wrong_version[4] = 3;
+    wrong_version[4] = 4;
     assert!(StateMachine::snapshot_decode(&wrong_version, config(Limits::default())).is_err());
 }
 

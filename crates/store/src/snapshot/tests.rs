@@ -39,6 +39,7 @@ fn one_shot_reference(m: &StateMachine) -> Vec<u8> {
     for entry in m.keyspace.iter() {
         encode_entry(&mut w, &entry).unwrap();
     }
+    w.i32(0); // no requests
     w.buf
 }
 
@@ -103,7 +104,7 @@ fn chunks_resume_after_the_cursor_and_stop_at_the_key_limit() {
     assert_eq!(encoder.count, 2);
     assert_eq!(encoder.step(&m, 2, usize::MAX).unwrap(), Progress::Done);
     assert_eq!(encoder.count, 3);
-    assert_eq!(encoder.finish(&m).unwrap(), one_shot_reference(&m));
+    assert_eq!(encoder.finish(&m, &[]).unwrap(), one_shot_reference(&m));
 }
 
 #[test]
@@ -124,12 +125,52 @@ proptest! {
         let (m, _) = loaded(&ops);
         let mut encoder = SnapshotEncoder::new(&m).unwrap();
         while encoder.step(&m, max_keys, max_bytes).unwrap() == Progress::Continue {}
-        let bytes = encoder.finish(&m).unwrap();
+        let bytes = encoder.finish(&m, &[]).unwrap();
         prop_assert_eq!(&bytes, &one_shot_reference(&m));
         prop_assert_eq!(&m.snapshot_encode().unwrap(), &bytes);
         let restored = StateMachine::snapshot_decode(&bytes, config()).unwrap();
         prop_assert_eq!(restored.keyspace(), m.keyspace());
         prop_assert_eq!(restored.clock.high_water(), m.clock.high_water());
+    }
+
+    #[test]
+    fn requests_come_back_from_a_snapshot_and_a_cut_one_is_refused(
+        ops in prop::collection::vec(op(), 0..20),
+        requests in prop::collection::vec(crate::request::tests::any_request(), 0..4),
+    ) {
+        let (m, _) = loaded(&ops);
+        let bytes = SnapshotEncoder::new(&m).unwrap().finish(&m, &requests).unwrap();
+        let (restored, found) = StateMachine::snapshot_decode_with_requests(&bytes, config()).unwrap();
+        prop_assert_eq!(restored.keyspace(), m.keyspace());
+        prop_assert_eq!(found, requests);
+        for cut in 0..bytes.len() {
+            prop_assert!(StateMachine::snapshot_decode(&bytes[..cut], config()).is_err());
+        }
+    }
+
+    #[test]
+    fn a_streamed_encoding_patched_at_the_end_is_the_one_shot_encoding(
+        ops in prop::collection::vec(op(), 0..80),
+        max_keys in 1..6usize,
+        max_bytes in 1..200usize,
+    ) {
+        let (m, _) = loaded(&ops);
+        let mut encoder = SnapshotEncoder::new(&m).unwrap();
+        let mut streamed = encoder.take_encoded();
+        while encoder.step(&m, max_keys, max_bytes).unwrap() == Progress::Continue {
+            streamed.extend(encoder.take_encoded());
+            prop_assert_eq!(encoder.encoded_len(), streamed.len());
+        }
+        streamed.extend(encoder.take_encoded());
+        let end = encoder.finish_streamed(&m).unwrap();
+        prop_assert_eq!(end.patches.len(), 2, "the count and the high-water mark");
+        streamed.extend(end.rest);
+        streamed.extend(encode_requests(&[]).unwrap());
+        for patch in end.patches {
+            let at = patch.offset as usize;
+            streamed[at..at + patch.bytes.len()].copy_from_slice(&patch.bytes);
+        }
+        prop_assert_eq!(&streamed, &one_shot_reference(&m));
     }
 
     #[test]
@@ -148,7 +189,7 @@ proptest! {
                 encoder.step(&m, max_keys, usize::MAX).unwrap();
             }
         }
-        let snapshot = encoder.finish(&m).unwrap();
+        let snapshot = encoder.finish(&m, &[]).unwrap();
         let mut restored = StateMachine::snapshot_decode(&snapshot, config()).unwrap();
         for delta in &later {
             restored.apply_delta(delta);
