@@ -66,6 +66,7 @@ pub fn start(wal: &Arc<WalWriter>, last_index: u64) -> SnapshotStream {
         term: 0,
     };
     tokio::spawn(async move {
+        // A metrics timer (the `write` phase), not a time the service acts on.
         let started = Instant::now();
         let written = wal
             .install_streamed_snapshot(upto, move |file| feed(file, rx, sealed))
