@@ -331,6 +331,10 @@ fn defaults_in_use() -> std::collections::BTreeMap<&'static str, String> {
         ),
         ("notify_batch", notify.batch_max.to_string()),
         (
+            "notify_tls_ca_file",
+            none_or(notify.tls_ca_file.as_ref().map(|p| p.display())),
+        ),
+        (
             "node_id",
             none_or(single.cluster.as_ref().map(|c| c.node_id)),
         ),
