@@ -143,10 +143,18 @@ impl Log {
         match self {
             Log::Store => {
                 let view = DeltaView::decode(data, max_bytes);
-                if as_json {
-                    view.to_json().to_string()
-                } else {
-                    view.to_string()
+                let request = RequestShown::decode(data, max_bytes);
+                match (as_json, request) {
+                    (true, None) => view.to_json().to_string(),
+                    (true, Some(request)) => {
+                        let mut json = view.to_json();
+                        if let Value::Object(fields) = &mut json {
+                            fields.insert("request".to_owned(), request.to_json());
+                        }
+                        json.to_string()
+                    }
+                    (false, None) => view.to_string(),
+                    (false, Some(request)) => format!("{view} {request}"),
                 }
             }
             Log::Sessions => session_view::describe(data, max_bytes, as_json),
@@ -208,6 +216,50 @@ fn inspect(dir: &Path, as_json: bool, max_bytes: usize) -> Result<ExitCode, Data
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The identity of the request that made a change (an `I` record), ready to show: who asked and
+/// with which correlation data, which is what a retry of it is recognised by.
+struct RequestShown {
+    client_id: Shown,
+    correlation: String,
+    expires_at_ms: u64,
+}
+
+impl RequestShown {
+    /// `None` for a change that carries no request (expiries, older records, undecodable data).
+    fn decode(data: &[u8], max_bytes: usize) -> Option<RequestShown> {
+        match Change::decode(data) {
+            Ok(Change::Requested { request, .. }) => Some(RequestShown {
+                client_id: Shown::new(request.client_id.as_bytes(), max_bytes),
+                correlation: request
+                    .correlation
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect(),
+                expires_at_ms: request.expires_at_ms,
+            }),
+            _ => None,
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        json!({
+            "client_id": self.client_id.text,
+            "correlation": self.correlation,
+            "expires_at_ms": self.expires_at_ms,
+        })
+    }
+}
+
+impl fmt::Display for RequestShown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "by client {} correlation {} (a retry until {} ms)",
+            self.client_id, self.correlation, self.expires_at_ms
+        )
+    }
 }
 
 /// One record's data as the state store reads it, ready to show.
@@ -864,6 +916,48 @@ mod tests {
             view.to_json(),
             json!({"op": "delete", "key": "k", "key_len": 1, "version": "000000000000005:00003:mqstate"})
         );
+    }
+
+    #[test]
+    fn a_request_record_shows_its_change_and_who_made_it() {
+        let change = Change::Requested {
+            request: mqstate_store::RequestRecord {
+                client_id: "app-1".into(),
+                correlation: Bytes::from_static(&[0x0a, 0xff]),
+                expires_at_ms: 1_234,
+                reply: Bytes::from_static(b"+OK\r\n"),
+                reply_ts: Some(version(7)),
+            },
+            change: Box::new(Change::Key(Delta::Delete {
+                key: Bytes::from_static(b"k"),
+                version: version(7),
+            })),
+        };
+        let data = change.encode().unwrap();
+        assert_eq!(
+            Log::Store.describe(&data, DEFAULT_SHOW_BYTES, false),
+            "delete key \"k\" version 000000000000007:00003:mqstate \
+             by client \"app-1\" correlation 0aff (a retry until 1234 ms)"
+        );
+        let json: Value =
+            serde_json::from_str(&Log::Store.describe(&data, DEFAULT_SHOW_BYTES, true)).unwrap();
+        assert_eq!(json["op"], "delete");
+        assert_eq!(
+            json["request"],
+            json!({"client_id": "app-1", "correlation": "0aff", "expires_at_ms": 1234})
+        );
+        // A change without a request (an expiry) shows no request.
+        let plain = Change::Key(Delta::Delete {
+            key: Bytes::from_static(b"k"),
+            version: version(7),
+        });
+        let json: Value = serde_json::from_str(&Log::Store.describe(
+            &plain.encode().unwrap(),
+            DEFAULT_SHOW_BYTES,
+            true,
+        ))
+        .unwrap();
+        assert!(json.get("request").is_none(), "{json}");
     }
 
     #[test]
