@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use mqstate_sessions as sessions;
 use mqstate_store::notify::QueueDelta;
-use mqstate_store::{Change, Delta, Limits, StateMachine, StoreConfig};
+use mqstate_store::{Change, Delta, Limits, StateMachine, StoreConfig, StoreError};
 use mqstate_wal::tools::{self, RecordReport, RepairReport, Report, SegmentReport};
 use mqstate_wal::{read_snapshot, DataDir, Metadata, SegmentEnd, WalError};
 use serde_json::{json, Value};
@@ -142,8 +142,10 @@ impl Log {
     fn describe(self, data: &[u8], max_bytes: usize, as_json: bool) -> String {
         match self {
             Log::Store => {
-                let view = DeltaView::decode(data, max_bytes);
-                let request = RequestShown::decode(data, max_bytes);
+                // Decoded once: the request (if any) and the change it made are shown together.
+                let change = Change::decode(data);
+                let request = RequestShown::of(&change, max_bytes);
+                let view = DeltaView::of(change, max_bytes);
                 match (as_json, request) {
                     (true, None) => view.to_json().to_string(),
                     (true, Some(request)) => {
@@ -228,15 +230,11 @@ struct RequestShown {
 
 impl RequestShown {
     /// `None` for a change that carries no request (expiries, older records, undecodable data).
-    fn decode(data: &[u8], max_bytes: usize) -> Option<RequestShown> {
-        match Change::decode(data) {
+    fn of(change: &Result<Change, StoreError>, max_bytes: usize) -> Option<RequestShown> {
+        match change {
             Ok(Change::Requested { request, .. }) => Some(RequestShown {
                 client_id: Shown::new(request.client_id.as_bytes(), max_bytes),
-                correlation: request
-                    .correlation
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect(),
+                correlation: mqstate_cli::value::hex(&request.correlation),
                 expires_at_ms: request.expires_at_ms,
             }),
             _ => None,
@@ -281,9 +279,9 @@ enum DeltaView {
 }
 
 impl DeltaView {
-    fn decode(data: &[u8], max_bytes: usize) -> DeltaView {
-        // A request's change is shown as the change (the request's identity is the service's).
-        let change = match Change::decode(data) {
+    fn of(change: Result<Change, StoreError>, max_bytes: usize) -> DeltaView {
+        // A request's change is shown as the change (its request is shown beside it, `RequestShown`).
+        let change = match change {
             Ok(Change::Requested { change, .. }) => Ok(*change),
             other => other,
         };
@@ -901,7 +899,8 @@ mod tests {
             fencing_token: Some(version(2)),
             expires_at_ms: Some(99),
         };
-        let shown = DeltaView::decode(&put.encode().unwrap(), DEFAULT_SHOW_BYTES).to_string();
+        let shown =
+            DeltaView::of(Change::decode(&put.encode().unwrap()), DEFAULT_SHOW_BYTES).to_string();
         assert_eq!(
             shown,
             "put key \"k\" value \"v\" version 000000000000001:00003:mqstate \
@@ -911,7 +910,10 @@ mod tests {
             key: Bytes::from_static(b"k"),
             version: version(5),
         };
-        let view = DeltaView::decode(&delete.encode().unwrap(), DEFAULT_SHOW_BYTES);
+        let view = DeltaView::of(
+            Change::decode(&delete.encode().unwrap()),
+            DEFAULT_SHOW_BYTES,
+        );
         assert_eq!(
             view.to_json(),
             json!({"op": "delete", "key": "k", "key_len": 1, "version": "000000000000005:00003:mqstate"})
@@ -962,7 +964,7 @@ mod tests {
 
     #[test]
     fn bytes_that_are_not_a_delta_are_flagged_not_fatal() {
-        let view = DeltaView::decode(b"?garbage", DEFAULT_SHOW_BYTES);
+        let view = DeltaView::of(Change::decode(b"?garbage"), DEFAULT_SHOW_BYTES);
         assert!(view.to_string().starts_with("UNDECODABLE: "), "{view}");
         assert_eq!(view.to_json()["op"], "undecodable");
     }
