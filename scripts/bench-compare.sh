@@ -23,8 +23,7 @@ if [ -z "$NEW" ]; then
 fi
 BASE="$(realpath "$BASE")"; NEW="$(realpath "$NEW")"
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; return 1; }
+. scripts/lib/ports.sh
 SERVER_PID=""
 stop() { if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null || true; SERVER_PID=""; fi; }
 trap stop EXIT
@@ -33,7 +32,7 @@ start() { # binary, extra serve flags...
   local bin="$1"; shift
   PORT=$(free_port); DATA=$(mktemp -d -p "${TMPDIR:-/tmp}" mqstate-compare.XXXXXX)
   "$bin" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" "$@" >>"$OUT/server.log" 2>&1 &
-  SERVER_PID=$!; wait_port "$PORT"
+  SERVER_PID=$!; wait_port "$PORT" 300
 }
 # The load generator is always the new build: only the server differs between the two columns.
 load() { # json file, bench flags...
@@ -59,7 +58,7 @@ run_workload() { # name, build label, binary, round
       kill -TERM "$SERVER_PID"; wait "$SERVER_PID" || true
       local t0; t0=$(date +%s.%N)
       "$bin" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" >>"$OUT/server.log" 2>&1 &
-      SERVER_PID=$!; wait_port "$PORT"
+      SERVER_PID=$!; wait_port "$PORT" 300
       local took; took=$(echo "$(date +%s.%N) - $t0" | bc)
       local rss; rss=$(awk '/VmRSS/ {print $2}' "/proc/$SERVER_PID/status")
       stop; rm -rf "$DATA"

@@ -18,8 +18,7 @@ MQSTATE="${CARGO_TARGET_DIR:-$PWD/target}/release/mqstate"
 mkdir -p "$OUT"
 cargo build --release --quiet
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; return 1; }
+. scripts/lib/ports.sh
 PIDS=()
 stop_all() { local pid; for pid in "${PIDS[@]:-}"; do if [ -n "$pid" ] && kill "$pid" 2>/dev/null; then wait "$pid" 2>/dev/null || true; fi; done; PIDS=(); }
 trap stop_all EXIT
