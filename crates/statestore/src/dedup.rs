@@ -164,6 +164,10 @@ impl<W> DedupCache<W> {
     /// start: a retry of one of them gets its first reply until its own expiry.
     pub fn restore(&mut self, recovered: RecoveredRequests, now: Instant) {
         let now_ms = recovered.now_ms;
+        // Grown once, not doubled (and rehashed) on the way: a start may bring the whole bound.
+        let room = recovered.len().min(self.max_entries);
+        self.entries.reserve(room);
+        self.order.reserve(room);
         for request in recovered.requests {
             let left = Duration::from_millis(request.expires_at_ms.saturating_sub(now_ms));
             let deadline = now + left;
@@ -257,10 +261,14 @@ impl RecoveredRequests {
         self.requests.push_back(request);
     }
 
-    /// The request of a replayed record, if it has one.
-    pub fn replayed(&mut self, change: &Change) {
-        if let Some(request) = change.request() {
-            self.add(request.clone());
+    /// Takes the request of a replayed record, if it has one, and returns the change to apply.
+    pub fn replayed(&mut self, change: Change) -> Change {
+        match change {
+            Change::Requested { request, change } => {
+                self.add(request);
+                *change
+            }
+            change => change,
         }
     }
 

@@ -99,8 +99,7 @@ pub fn recover(
             dir: at(),
             source,
         })?;
-        machine.apply_change(&change);
-        requests.replayed(&change);
+        machine.apply_change(&requests.replayed(change));
         replayed_bytes += entry.data.len();
         records += 1;
         next_lsn = entry.lsn + 1;
