@@ -310,8 +310,11 @@ mod tests {
             cache.check(id(&c, &corr), Duration::from_secs(5), t0, 1),
             Seen::New(_)
         ));
-        assert!(cache.complete(id(&c, &corr), reply("+OK"), false).is_empty());
-        match cache.check(id(&c, &corr),
+        assert!(cache
+            .complete(id(&c, &corr), reply("+OK"), false)
+            .is_empty());
+        match cache.check(
+            id(&c, &corr),
             Duration::from_secs(5),
             t0 + Duration::from_secs(1),
             2,
@@ -359,7 +362,8 @@ mod tests {
         }
         // Past the expiry the same request executes again.
         assert!(matches!(
-            cache.check(id(&c, &corr(0)),
+            cache.check(
+                id(&c, &corr(0)),
                 Duration::from_secs(1),
                 t0 + Duration::from_secs(2),
                 0
@@ -368,7 +372,8 @@ mod tests {
         ));
         assert!(cache.len() <= 2);
         for i in 10..50 {
-            cache.check(id(&c, &corr(i)),
+            cache.check(
+                id(&c, &corr(i)),
                 Duration::from_secs(100),
                 t0 + Duration::from_secs(3),
                 0,

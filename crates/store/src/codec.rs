@@ -152,7 +152,10 @@ impl<'a> Reader<'a> {
         rest
     }
 
-    pub(crate) fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], StoreError> {
+    pub(crate) fn array<const N: usize>(
+        &mut self,
+        what: &'static str,
+    ) -> Result<[u8; N], StoreError> {
         let mut out = [0; N];
         out.copy_from_slice(self.take(what, N)?);
         Ok(out)

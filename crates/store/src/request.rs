@@ -418,7 +418,11 @@ pub(crate) mod tests {
             w
         };
         assert!(Change::decode(&record(&[1], &[0])).is_ok());
-        assert!(Change::decode(&record(&[0, 0, 0, 0, 5, b'+', b'O', b'K', b'\r', b'\n'], &[0])).is_err());
+        assert!(Change::decode(&record(
+            &[0, 0, 0, 0, 5, b'+', b'O', b'K', b'\r', b'\n'],
+            &[0]
+        ))
+        .is_err());
         let mut spelled_version = vec![2];
         let mut w = Writer::default();
         w.hlc(&version).unwrap();

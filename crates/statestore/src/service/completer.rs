@@ -219,9 +219,10 @@ pub(super) async fn complete(
                                 payload: message.payload.clone(),
                                 version,
                             };
-                            dedup.lock().unwrap_or_else(|p| p.into_inner()).complete(
-                                request, cached, logged,
-                            )
+                            dedup
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .complete(request, cached, logged)
                         }
                         None => Vec::new(),
                     };

@@ -4,8 +4,8 @@
 //! [`DurableLog`]: mqstate_wal::DurableLog
 
 use bytes::Bytes;
-use mqstate_store::notify::QueueDelta;
 use mqstate_protocol::Hlc;
+use mqstate_store::notify::QueueDelta;
 use mqstate_store::{Delta, RequestRecord, StoreError};
 use mqstate_wal::Commit;
 
