@@ -388,7 +388,7 @@ pub(crate) mod tests {
     fn only_key_changes_and_commits_are_wrapped() {
         let wrap = |change: &[u8]| {
             let mut w = request(b"+OK\r\n", None)
-                .encode_with(&[b'X'], &hlc(1, 0, "n"))
+                .encode_with(b"X", &hlc(1, 0, "n"))
                 .unwrap();
             w.truncate(w.len() - 1);
             w.extend_from_slice(change);
