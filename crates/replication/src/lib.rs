@@ -19,7 +19,7 @@ pub mod log;
 pub mod wire;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use mqstate_chain::{Answer, Expect, Restored, View, Write};
@@ -63,9 +63,24 @@ pub struct Running {
 }
 
 impl Running {
+    /// Stops the driver and closes the chain log (requests still waiting get `Unavailable`).
     pub async fn stop(self) {
         let _ = self.stop.send(true);
         let _ = self.task.await;
+    }
+}
+
+/// What the node holds to hand data requests over.
+struct Attached(Weak<Replication>);
+
+impl DataHandler for Attached {
+    fn handle(&self, request: Vec<u8>) -> BoxFuture<'_, Vec<u8>> {
+        Box::pin(async move {
+            match self.0.upgrade() {
+                Some(replication) => replication.handle_data(request).await,
+                None => encode(&DataResponse::Retry("this node is shutting down".into())),
+            }
+        })
     }
 }
 
@@ -87,7 +102,8 @@ impl Replication {
             clock,
             floor: Mutex::new(None),
         });
-        node.set_data_handler(Arc::clone(&replication) as Arc<dyn DataHandler>);
+        // Weak: the node outlives nothing it hands requests to, and shuts down once we are gone.
+        node.set_data_handler(Arc::new(Attached(Arc::downgrade(&replication))));
         Running {
             replication,
             stop,
@@ -233,30 +249,29 @@ fn not_served(partition: u32, answer: &Answer) -> String {
     }
 }
 
-impl DataHandler for Replication {
-    fn handle(&self, request: Vec<u8>) -> BoxFuture<'_, Vec<u8>> {
-        Box::pin(async move {
-            let response = match decode::<DataRequest>(&request) {
-                Ok(DataRequest::Chain { partition, message }) => {
-                    self.driver.receive(partition, message);
-                    DataResponse::Received
+impl Replication {
+    /// Answers a [`DataRequest`] from another node.
+    pub async fn handle_data(&self, request: Vec<u8>) -> Vec<u8> {
+        let response = match decode::<DataRequest>(&request) {
+            Ok(DataRequest::Chain { partition, message }) => {
+                self.driver.receive(partition, message);
+                DataResponse::Received
+            }
+            Ok(DataRequest::Execute(routed)) => {
+                let partition = self
+                    .node
+                    .partition_count()
+                    .map(|count| partition_of(&routed.key, count));
+                match partition {
+                    Some(partition) => match self.execute_here(partition, &routed).await {
+                        Ok(executed) => DataResponse::Executed(executed),
+                        Err(reason) => DataResponse::Retry(reason),
+                    },
+                    None => DataResponse::Retry("the cluster has not formed yet".into()),
                 }
-                Ok(DataRequest::Execute(routed)) => {
-                    let partition = self
-                        .node
-                        .partition_count()
-                        .map(|count| partition_of(&routed.key, count));
-                    match partition {
-                        Some(partition) => match self.execute_here(partition, &routed).await {
-                            Ok(executed) => DataResponse::Executed(executed),
-                            Err(reason) => DataResponse::Retry(reason),
-                        },
-                        None => DataResponse::Retry("the cluster has not formed yet".into()),
-                    }
-                }
-                Err(e) => DataResponse::Refused(format!("data request does not decode: {e}")),
-            };
-            encode(&response)
-        })
+            }
+            Err(e) => DataResponse::Refused(format!("data request does not decode: {e}")),
+        };
+        encode(&response)
     }
 }
