@@ -645,15 +645,26 @@ async fn bootstrap(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
 
 /// The leader's duties: create the partition map once, then step the control state (failure
 /// detection, publishing views) whenever a step would change it.
+///
+/// A new leader lets every member renew with it before it judges anyone's lease: the leases it
+/// finds were granted by its predecessor, and while there was no leader nobody could renew. Judged
+/// at once, every member would be found lapsed and put at the tail of its chains as if it had
+/// to catch up — and a partition whose read view empties that way has no complete replica left.
 async fn lead(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let grace = Duration::from_millis((inner.config.map.lease_ms / 3).max(50) * 2);
+    let mut leader_since: Option<Instant> = None;
     while pause(&mut stopped, LEADER_STEP).await {
         if inner.leader() != Some(inner.id()) {
+            leader_since = None;
             continue;
         }
+        let in_office = leader_since.get_or_insert_with(Instant::now).elapsed();
         let now_ms = unix_now_ms();
         let command = {
             let state = &inner.state.read().state;
-            if state.config.is_none() {
+            if state.config.is_some() && in_office < grace {
+                None
+            } else if state.config.is_none() {
                 Some(Command::Init {
                     config: inner.config.map,
                     now_ms,
