@@ -203,12 +203,9 @@ impl Executor {
         &mut self,
         request: &Request,
         identity: &Identity,
-    ) -> Result<Admitted, (&'static str, Execution)> {
+    ) -> Result<Admitted, (&'static str, ErrorKind)> {
         if !self.rates.allow(&request.client_id, self.clock.now()) {
-            return Err((
-                metrics::UNPARSED,
-                Execution::error(ErrorKind::QuotaExceeded),
-            ));
+            return Err((metrics::UNPARSED, ErrorKind::QuotaExceeded));
         }
         let parsed = parse_request(&request.payload, &self.config.request_limits)
             .map_err(|e| e.kind())
@@ -216,11 +213,11 @@ impl Executor {
         let label = metrics::command_label(parsed.as_ref().ok());
         let (ts, ft) = match (&request.timestamp, &request.fencing_token) {
             (Ok(ts), Ok(ft)) => (ts.clone(), ft.clone()),
-            (Err(kind), _) | (_, Err(kind)) => return Err((label, Execution::error(*kind))),
+            (Err(kind), _) | (_, Err(kind)) => return Err((label, *kind)),
         };
         let command = match parsed {
             Ok(command) => command,
-            Err(kind) => return Err((label, Execution::error(kind))),
+            Err(kind) => return Err((label, kind)),
         };
         let who = Principal {
             client_id: &request.client_id,
@@ -239,7 +236,7 @@ impl Executor {
         };
         if !allowed {
             tracing::debug!(client_id = %request.client_id, user = ?identity.user, "state store request not authorized");
-            return Err((label, Execution::error(ErrorKind::NotAuthorized)));
+            return Err((label, ErrorKind::NotAuthorized));
         }
         Ok(Admitted {
             label,
@@ -264,7 +261,7 @@ impl Executor {
             fencing_token: ft,
         } = match self.admit(request, identity) {
             Ok(admitted) => admitted,
-            Err((label, execution)) => return (label, Some((execution, false))),
+            Err((label, kind)) => return (label, Some((Execution::error(kind), false))),
         };
         let now_ms = self.clock.now_ms();
         let who = Principal {

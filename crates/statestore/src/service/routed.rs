@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 use mqstate_broker::{service::Acker, Identity};
-use mqstate_protocol::Command;
+use mqstate_protocol::{Command, Reply};
 
 use super::completer::{Outcome, Queued, ReplyTo, Timing};
 use super::request::Admitted;
@@ -48,8 +48,8 @@ impl Executor {
             fencing_token,
         } = match self.admit(&request, identity) {
             Ok(admitted) => admitted,
-            Err((label, execution)) => {
-                let queued = reply_now(self, label, execution.reply.encode());
+            Err((label, kind)) => {
+                let queued = reply_now(self, label, Reply::Error(kind).encode());
                 return self.queue_routed(queued, acker).await;
             }
         };
