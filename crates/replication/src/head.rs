@@ -239,6 +239,33 @@ mod tests {
     }
 
     #[test]
+    fn fencing_tokens_are_kept_in_the_row() {
+        let now = 1_700_000_000_000;
+        let fenced = |args: &[&str], correlation: u8, token: &str| Routed {
+            fencing_token: Some(token.to_owned()),
+            ..request(args, correlation, now)
+        };
+        let (replies, _) = run(
+            &[
+                fenced(&["SET", "lock", "a"], 1, &format!("{now}:5:a")),
+                // A lower token is refused, an equal or higher one accepted (the store's rule).
+                fenced(&["SET", "lock", "b"], 2, &format!("{now}:4:a")),
+                fenced(&["SET", "lock", "c"], 3, &format!("{now}:6:a")),
+                request(&["GET", "lock"], 4, now),
+            ],
+            now,
+        );
+        let payloads: Vec<String> = replies
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+            .collect();
+        assert_eq!(payloads[0], "+OK\r\n");
+        assert!(payloads[1].starts_with("-ERR"), "{payloads:?}");
+        assert_eq!(payloads[2], "+OK\r\n");
+        assert_eq!(payloads[3], "$1\r\nc\r\n");
+    }
+
+    #[test]
     fn expired_rows_are_absent_and_damaged_rows_are_an_error() {
         let now = 1_700_000_000_000;
         let (_, row) = run(&[request(&["SET", "k", "v", "PX", "10"], 1, now)], now);
