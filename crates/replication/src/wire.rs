@@ -87,4 +87,14 @@ mod tests {
         assert!(decode::<DataRequest>(&[0xff, 0xff, 0xff]).is_err());
         assert!(decode::<DataResponse>(&[]).is_err());
     }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_decode_or_fail_without_panicking(body in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            if let Ok(request) = decode::<DataRequest>(&body) {
+                proptest::prop_assert_eq!(decode::<DataRequest>(&encode(&request)).ok(), Some(request));
+            }
+            let _ = decode::<DataResponse>(&body);
+        }
+    }
 }
