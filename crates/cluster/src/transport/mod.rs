@@ -36,6 +36,8 @@ pub enum Request {
     Admin(AdminRequest),
     /// Who are you, and do you belong to a cluster already? (bootstrap)
     Hello,
+    /// Data-plane traffic (the chains), opaque here: handed to the node's [`crate::node::DataHandler`].
+    Data(Vec<u8>),
 }
 
 /// Membership changes (joint consensus inside openraft).
@@ -63,6 +65,8 @@ pub enum Response {
     },
     /// The request failed on the remote node.
     Failed(String),
+    /// The data plane's answer to [`Request::Data`].
+    Data(Vec<u8>),
 }
 
 /// Why a call got no response.
