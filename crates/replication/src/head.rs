@@ -1,5 +1,5 @@
 //! A state-store command executed at a partition's head, against the key's committed chain row
-//! (decision 0035-chain-rows): pure, no I/O.
+//! (decision 0035): pure, no I/O.
 //!
 //! The row's value is a store log record — `Change::Requested` of a key delta (`Put` with value,
 //! version, fencing token and expiry, or `Delete`) with the identity and first reply of the request

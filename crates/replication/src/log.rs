@@ -1,6 +1,6 @@
 //! The replicas' log: one `mqstate-wal` log per node in `<data-dir>/chains/`, each record one
 //! `Output::Persist` batch of one partition's replica, tagged with the partition (decision
-//! 0035-chain-rows). One log, so one writer thread and one fsync per group commit for
+//! 0035). One log, so one writer thread and one fsync per group commit for
 //! every partition this node replicates.
 
 use std::collections::BTreeMap;
