@@ -1,14 +1,17 @@
 //! A running member of the cluster: its Raft, how it finds or forms the cluster, its lease, the
 //! leader's periodic step, membership changes and [`Status`].
 //!
-//! Time enters here and only here: the leader stamps its wall clock (Unix ms) on every timed
-//! command it proposes, and a node measures its own lease on its monotonic clock from the moment it
-//! asked for it.
+//! Time enters here and only here, through the injected [`mqstate_clock::Clock`]: the leader
+//! stamps its wall clock (Unix ms) on every timed command it proposes, and a node measures its own
+//! lease on its monotonic clock from the moment it asked for it. Timers are tokio's, so a
+//! simulation that runs tokio's clock (turmoil) runs every timer of the node.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use mqstate_clock::SharedClock;
 
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ChangeMembers, ServerState};
@@ -54,6 +57,8 @@ pub struct NodeConfig {
     pub map: MapConfig,
     pub heartbeat: Duration,
     pub election_timeout: Duration,
+    /// Wall time for the leader's stamps, monotonic time for this node's lease.
+    pub clock: SharedClock,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -100,12 +105,6 @@ pub struct ClusterNode {
     inner: Arc<Inner>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
-}
-
-fn unix_now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl ClusterNode {
@@ -270,7 +269,7 @@ impl Inner {
             let lease = self.lease();
             (lease.valid_until, lease.epoch)
         };
-        valid_until.is_some_and(|until| Instant::now() < until)
+        valid_until.is_some_and(|until| self.config.clock.now() < until)
             && self.state.read().state.epoch >= epoch
     }
 
@@ -312,7 +311,11 @@ impl Inner {
 
     /// Proposes on this node, which must be the leader; the leader's clock is stamped on it.
     async fn propose_here(&self, command: Command) -> Result<Outcome, ClusterError> {
-        match self.raft.client_write(command.stamped(unix_now_ms())).await {
+        match self
+            .raft
+            .client_write(command.stamped(self.config.clock.now_ms()))
+            .await
+        {
             Ok(response) => Ok(response.data),
             Err(e) => Err(self.write_error(e)),
         }
@@ -573,7 +576,7 @@ async fn lead(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
         if inner.leader() != Some(inner.id()) {
             continue;
         }
-        let now_ms = unix_now_ms();
+        let now_ms = inner.config.clock.now_ms();
         let command = {
             let state = &inner.state.read().state;
             if state.config.is_none() {
@@ -617,7 +620,7 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 .collect();
             (applied.state.epoch, catching_up)
         };
-        let asked_at = Instant::now();
+        let asked_at = inner.config.clock.now();
         let renewed = inner
             .propose(Command::Renew {
                 node: inner.id(),
