@@ -61,6 +61,7 @@ pub async fn start(
         },
         heartbeat: settings.election_timeout / 5,
         election_timeout: settings.election_timeout,
+        election_timeout_max: None,
         clock: mqstate_clock::system(),
     };
     let tls = settings.tls.as_ref().map(load_tls).transpose()?;

@@ -56,7 +56,12 @@ pub struct NodeConfig {
     /// Proposed when this node creates the partition map.
     pub map: MapConfig,
     pub heartbeat: Duration,
+    /// A follower that hears no leader for a random time in `election_timeout ..
+    /// election_timeout_max` stands for election.
     pub election_timeout: Duration,
+    /// `None`: twice `election_timeout`. The simulation pins it 1 ms above, with a different
+    /// timeout per node, so that openraft's own (unseeded) random draw cannot change a run.
+    pub election_timeout_max: Option<Duration>,
     /// Wall time for the leader's stamps, monotonic time for this node's lease.
     pub clock: SharedClock,
 }
@@ -141,7 +146,11 @@ impl ClusterNode {
             cluster_name: "mqstate".into(),
             heartbeat_interval: heartbeat.max(1),
             election_timeout_min: election.max(heartbeat + 1),
-            election_timeout_max: election.max(heartbeat + 1) * 2,
+            election_timeout_max: config
+                .election_timeout_max
+                .map_or(election.max(heartbeat + 1) * 2, |max| {
+                    (max.as_millis() as u64).max(election.max(heartbeat + 1) + 1)
+                }),
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
             max_in_snapshot_log_to_keep: 100,
             ..openraft::Config::default()
@@ -504,6 +513,7 @@ impl Handler for Inner {
 /// Sleeps `period` unless told to stop; false once stopped.
 async fn pause(stopped: &mut watch::Receiver<bool>, period: Duration) -> bool {
     let slept = tokio::select! {
+        biased; // deterministic under simulation
         _ = stopped.wait_for(|stop| *stop) => false,
         () = tokio::time::sleep(period) => true,
     };

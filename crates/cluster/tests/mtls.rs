@@ -99,6 +99,7 @@ async fn start(
         },
         heartbeat: Duration::from_millis(50),
         election_timeout: Duration::from_millis(300),
+        election_timeout_max: None,
         clock: mqstate_clock::system(),
     };
     let transport = TcpTransport::over(Arc::new(TokioTcp), Some(tls.clone()));

@@ -230,6 +230,7 @@ pub async fn serve_with(
     let refusals = Arc::new(Refusals::default());
     loop {
         let accepted = tokio::select! {
+            biased; // deterministic under simulation
             () = &mut shutdown => return,
             accepted = listener.accept() => accepted,
         };
