@@ -557,7 +557,7 @@ pub struct Settings {
     pub cluster_tls_ca: Option<PathBuf>,
 
     /// Allow node-to-node traffic without TLS on addresses beyond loopback (a private network you
-    /// trust). Default false: without cluster_tls_*, only loopback addresses are allowed.
+    /// trust); without it and without cluster_tls_*, only loopback addresses are allowed. Default false.
     #[arg(long, env = "MQSTATE_CLUSTER_PLAINTEXT", value_name = "BOOL",
           num_args = 0..=1, default_missing_value = "true")]
     pub cluster_plaintext: Option<bool>,
@@ -1231,6 +1231,8 @@ mod tests {
                 "2=node2.example:7002".into(),
                 "3=127.0.0.1:7003".into(),
             ],
+            // node2.example is beyond loopback: plain TCP must be asked for.
+            cluster_plaintext: Some(true),
             ..Settings::default()
         };
         let file: Settings =
@@ -1292,6 +1294,70 @@ mod tests {
         .unwrap();
         assert!(joining.join && joining.peers.is_empty());
         assert_eq!(joining.advertise, "127.0.0.1:7002");
+    }
+
+    #[test]
+    fn plain_node_traffic_beyond_loopback_needs_tls_or_saying_so() {
+        let local = Settings {
+            node_id: Some(1),
+            cluster_listen: Some("127.0.0.1:7001".into()),
+            peers: vec!["1=127.0.0.1:7001".into(), "2=localhost:7002".into()],
+            ..Settings::default()
+        };
+        let c = local.clone().resolve().unwrap().cluster.unwrap();
+        assert_eq!(
+            (c.tls, c.plaintext),
+            (None, false),
+            "loopback needs nothing"
+        );
+        let err = |s: Settings| format!("{:#}", s.resolve().unwrap_err());
+        let wide = Settings {
+            cluster_listen: Some("0.0.0.0:7001".into()),
+            ..local.clone()
+        };
+        let e = err(wide.clone());
+        assert!(
+            e.contains("0.0.0.0")
+                && e.contains("cluster_tls_cert")
+                && e.contains("cluster_plaintext"),
+            "{e}"
+        );
+        let remote_peer = Settings {
+            peers: vec!["1=127.0.0.1:7001".into(), "2=10.0.0.2:7001".into()],
+            ..local.clone()
+        };
+        assert!(err(remote_peer.clone()).contains("10.0.0.2"));
+        assert!(
+            Settings {
+                cluster_plaintext: Some(true),
+                ..remote_peer
+            }
+            .resolve()
+            .unwrap()
+            .cluster
+            .unwrap()
+            .plaintext
+        );
+        let tls = Settings {
+            cluster_tls_cert: Some("node.pem".into()),
+            cluster_tls_key: Some("node.key".into()),
+            cluster_tls_ca: Some("ca.pem".into()),
+            ..wide.clone()
+        };
+        let c = tls.clone().resolve().unwrap().cluster.unwrap();
+        assert_eq!(
+            c.tls,
+            Some(ClusterTlsFiles {
+                cert: "node.pem".into(),
+                key: "node.key".into(),
+                ca: "ca.pem".into()
+            })
+        );
+        assert!(err(Settings {
+            cluster_tls_ca: None,
+            ..tls
+        })
+        .contains("all three"));
     }
 
     #[test]
