@@ -9,8 +9,8 @@
 //! * the lease rule: no two nodes act on a partition under different views at the same time;
 //! * one history: two nodes that applied the same log index hold the same partition map;
 //! * nothing committed is lost: once the faults stop, every node converges on one leader, every
-//!   member up, every partition settled, and no partition's view below the highest any node ever
-//!   applied.
+//!   member up — node 4 too, added by a membership change during the faults — every partition
+//!   settled, and no partition's view below the highest any node ever applied.
 //!
 //! `MQSTATE_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_SIM_SEEDS=K` runs seeds
 //! 1..=K (default 24); `MQSTATE_SIM_CHAOS_SECS` sets the simulated seconds of faults (default 20).
@@ -27,12 +27,16 @@ use mqstate_clock::Clock;
 use mqstate_cluster::status::PartitionStatus;
 use mqstate_cluster::transport::socket::{Accept, BoxStream, Connect};
 use mqstate_cluster::transport::tcp::{serve, TcpTransport};
-use mqstate_cluster::transport::BoxFuture;
+use mqstate_cluster::transport::{AdminRequest, BoxFuture, Request, Response, Transport};
 use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const NODES: [NodeId; 3] = [1, 2, 3];
+/// Every node: the founders (1, 2, 3) form the cluster; node 4 starts with `--join` and is added
+/// (learner, then voter: joint consensus) at a time the seed chooses, during the faults.
+const NODES: [NodeId; 4] = [1, 2, 3, 4];
+const FOUNDERS: [NodeId; 3] = [1, 2, 3];
+const JOINER: NodeId = 4;
 const PARTITIONS: u32 = 4;
 const PORT: u16 = 7000;
 const LEASE_MS: u64 = 1_000;
@@ -303,8 +307,12 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
                 let config = NodeConfig {
                     id,
                     addr: addr(id),
-                    peers: NODES.iter().map(|&n| (n, addr(n))).collect(),
-                    join: false,
+                    peers: if id == JOINER {
+                        BTreeMap::new()
+                    } else {
+                        FOUNDERS.iter().map(|&n| (n, addr(n))).collect()
+                    },
+                    join: id == JOINER,
                     dir,
                     map: MapConfig {
                         partition_count: PARTITIONS,
@@ -331,6 +339,41 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
                     let next = SAMPLE_EVERY_MS - now % SAMPLE_EVERY_MS;
                     tokio::time::sleep(Duration::from_millis(next)).await;
                 }
+            }
+        });
+    }
+
+    // The membership change: asked of the founders in turn (only the leader accepts) until one
+    // says it is done, starting at a time drawn from the seed.
+    let added: Rc<RefCell<Option<u128>>> = Rc::default();
+    let ask_at = Duration::from_millis(rng.gen_range(1_000..chaos.as_millis() as u64 / 2));
+    {
+        let added = added.clone();
+        sim.client("admin", async move {
+            tokio::time::sleep(ask_at).await;
+            let transport = TcpTransport::over(Arc::new(SimConnect), None);
+            loop {
+                for id in FOUNDERS {
+                    let request = Request::Admin(AdminRequest::AddNode {
+                        id: JOINER,
+                        addr: addr(JOINER),
+                    });
+                    let answer = transport
+                        .call(&addr(id), request, Duration::from_secs(30))
+                        .await;
+                    let done = match &answer {
+                        Ok(Response::AdminDone) => true,
+                        // A retry after a change that committed but whose answer was lost.
+                        Ok(Response::Failed(reason)) => reason.contains("already a member"),
+                        _ => false,
+                    };
+                    if done {
+                        *added.borrow_mut() =
+                            Some(turmoil::sim_elapsed().unwrap_or_default().as_millis());
+                        return Ok(());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
         });
     }
@@ -435,7 +478,11 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         if !checker.violations.is_empty() {
             break;
         }
-        if now >= chaos && ending.is_none() && checker.converged(&samples).is_ok() {
+        if now >= chaos
+            && ending.is_none()
+            && added.borrow().is_some()
+            && checker.converged(&samples).is_ok()
+        {
             converged_at = Some(now);
             break;
         }
@@ -448,9 +495,11 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         .map(|v| v.len().saturating_sub(1) as u64)
         .sum::<u64>();
     if converged_at.is_none() && checker.violations.is_empty() {
-        let why = checker
-            .converged(&samples.borrow())
-            .expect_err("not converged");
+        let why = match (*added.borrow(), checker.converged(&samples.borrow())) {
+            (None, _) => format!("node {JOINER} was never added"),
+            (Some(_), Err(why)) => why,
+            (Some(_), Ok(())) => "converged at the very end".to_owned(),
+        };
         checker.violations.push(format!(
             "no convergence {SETTLE:?} after the faults stopped: {why}"
         ));
