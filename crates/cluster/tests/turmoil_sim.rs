@@ -13,7 +13,7 @@
 //!   settled, and no partition's view below the highest any node ever applied.
 //!
 //! `MQSTATE_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_SIM_SEEDS=K` runs seeds
-//! 1..=K (default 24); `MQSTATE_SIM_CHAOS_SECS` sets the simulated seconds of faults (default 20).
+//! 1..=K (default 24); `MQSTATE_SIM_CHAOS_SECS` sets the simulated seconds of faults (default 12).
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -520,7 +520,7 @@ fn the_control_plane_keeps_its_invariants_under_faults() {
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "off".to_owned()))
         .with_test_writer()
         .try_init();
-    let chaos = Duration::from_secs(env_u64("MQSTATE_SIM_CHAOS_SECS").unwrap_or(20));
+    let chaos = Duration::from_secs(env_u64("MQSTATE_SIM_CHAOS_SECS").unwrap_or(12));
     let seeds: Vec<u64> = match env_u64("MQSTATE_SIM_SEED") {
         Some(seed) => vec![seed],
         None => (1..=env_u64("MQSTATE_SIM_SEEDS").unwrap_or(24)).collect(),
