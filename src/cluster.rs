@@ -10,7 +10,9 @@ use bytes::Bytes;
 use mqstate_broker::service::ServiceInbox;
 use mqstate_broker::{Broker, Message, PublishProperties, QoS};
 use mqstate_cluster::admin::{AdminCall, AdminReply};
+use mqstate_cluster::transport::socket::TokioTcp;
 use mqstate_cluster::transport::tcp::{self, TcpTransport};
+use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig};
 use mqstate_protocol::Hlc;
 use mqstate_replication::head::HeadConfig;
@@ -21,7 +23,23 @@ use mqstate_statestore::router::{KeyRouter, RoutedReply, RoutedRequest, Router, 
 use mqstate_wal::WalOptions;
 use tokio::net::TcpListener;
 
-use crate::settings::ClusterSettings;
+use crate::settings::{ClusterSettings, ClusterTlsFiles};
+
+/// Reads the node's certificate, key and the cluster CA with the MQTT listeners' PEM loading.
+fn load_tls(files: &ClusterTlsFiles) -> anyhow::Result<NodeTls> {
+    use mqstate_broker::tls::{read_certs, read_key};
+    let chain = read_certs(&files.cert).context("cluster_tls_cert")?;
+    let key = read_key(&files.key).context("cluster_tls_key")?;
+    let ca = read_certs(&files.ca).context("cluster_tls_ca")?;
+    NodeTls::new(chain, key, ca).map_err(|e| {
+        anyhow::anyhow!(
+            "cluster TLS ({}, {}, {}): {e}",
+            files.cert.display(),
+            files.key.display(),
+            files.ca.display()
+        )
+    })
+}
 
 /// The running node, its data plane and its listener task.
 pub struct Running {
@@ -63,20 +81,36 @@ pub async fn start(
         },
         heartbeat: settings.election_timeout / 5,
         election_timeout: settings.election_timeout,
+        election_timeout_max: None,
+        clock: data.clock.clone(),
     };
-    let node = ClusterNode::start(config, Arc::new(TcpTransport::new()))
+    let tls = settings.tls.as_ref().map(load_tls).transpose()?;
+    if tls.is_none() && settings.plaintext {
+        tracing::warn!(
+            "node-to-node traffic is plain TCP (cluster_plaintext): anyone who reaches the cluster port can join the Raft group; set cluster_tls_* for mutual TLS"
+        );
+    }
+    let transport = TcpTransport::over(Arc::new(TokioTcp), tls.clone());
+    let node = ClusterNode::start(config, Arc::new(transport))
         .await
         .context("cannot start the cluster node")?;
     let node = Arc::new(node);
     let (log, restored) =
         ChainLog::open(data_dir, data.wal).context("cannot open the chain replicas' log")?;
     let replication = Replication::start(Arc::clone(&node), log, restored, data.head, data.clock);
-    let listener = tokio::spawn(tcp::serve(listener, node.handler(), std::future::pending()));
+    let mutual_tls = tls.is_some();
+    let listener = tokio::spawn(tcp::serve_with(
+        listener,
+        tls,
+        node.handler(),
+        std::future::pending(),
+    ));
     tracing::info!(
         node_id = settings.node_id,
         cluster_listen = %settings.listen,
         peers = ?settings.peers,
         join = settings.join,
+        mutual_tls,
         "cluster node started"
     );
     Ok(Running {

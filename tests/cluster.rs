@@ -380,3 +380,116 @@ fn the_state_store_on_chains_reads_everywhere_and_survives_kill_9_of_a_head() {
         reader.shutdown().await;
     });
 }
+
+/// A certificate authority made for the test, and node certificates it signs (PEM files).
+struct TestCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pem: String,
+}
+
+impl TestCa {
+    fn new(name: &str) -> TestCa {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key).unwrap();
+        TestCa {
+            pem: cert.pem(),
+            issuer: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    /// Writes `<name>.pem`, `<name>.key` (a certificate for 127.0.0.1) and `<name>-ca.pem` (the CA
+    /// it trusts: this one) into `dir`; returns the serve flags that use them.
+    fn node_flags(&self, dir: &Path, name: &str) -> Vec<String> {
+        use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, KeyPair};
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let write = |file: &str, text: &str| {
+            let path = dir.join(file);
+            std::fs::write(&path, text).unwrap();
+            path.display().to_string()
+        };
+        vec![
+            "--cluster-tls-cert".into(),
+            write(&format!("{name}.pem"), &cert.pem()),
+            "--cluster-tls-key".into(),
+            write(&format!("{name}.key"), &key.serialize_pem()),
+            "--cluster-tls-ca".into(),
+            write(&format!("{name}-ca.pem"), &self.pem),
+        ]
+    }
+}
+
+#[test]
+fn nodes_with_mutual_tls_form_a_cluster_that_a_node_of_another_ca_cannot_join() {
+    let root = tempfile::tempdir().unwrap();
+    let cluster_ca = TestCa::new("mqstate cluster CA");
+    let other_ca = TestCa::new("another CA");
+    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let mut nodes = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        let id = i as u64 + 1;
+        // Node 3 is a listed founder, but its certificate is from another CA.
+        let ca = if id == 3 { &other_ca } else { &cluster_ca };
+        let tls = ca.node_flags(root.path(), &format!("node{id}"));
+        let mut membership: Vec<&str> = vec!["--peers", &peers];
+        membership.extend(tls.iter().map(String::as_str));
+        nodes.push(start_node(root.path(), id, addr, &membership));
+    }
+    // Nodes 1 and 2 are a majority of the three: they form the cluster over mutual TLS, and
+    // see node 3 as a member that is down.
+    let (leader, took) = eventually("nodes 1 and 2 agree, node 3 down", || {
+        let s1 = status(&nodes[0])?;
+        let s2 = status(&nodes[1])?;
+        let leader = s1["leader"].as_u64()?;
+        (s2["leader"].as_u64() == Some(leader)
+            && member_state(&s1, 3).as_deref() == Some("down")
+            && member_state(&s2, 3).as_deref() == Some("down"))
+        .then_some(leader)
+    });
+    assert!(leader == 1 || leader == 2, "leader {leader}");
+    println!("mutual TLS: two of three nodes formed the cluster in {took:?}");
+    // Node 3 never got in: no leader, no partition map.
+    let s3 = status(&nodes[2]).expect("node 3 answers cluster status");
+    assert_eq!(s3["leader"], Value::Null, "{s3}");
+    assert_eq!(s3["partitions"].as_array().map(Vec::len), Some(0), "{s3}");
+    for node in &mut nodes {
+        node.server.stop();
+    }
+}
+
+#[test]
+fn plain_node_traffic_beyond_loopback_is_refused_at_start() {
+    let listen = format!("0.0.0.0:{}", free_addr().port());
+    let peers = format!("1={listen}");
+    let (stderr, status) = common::serve_stderr(
+        &[
+            "--node-id",
+            "1",
+            "--cluster-listen",
+            &listen,
+            "--peers",
+            &peers,
+        ],
+        &[],
+        "cluster node started",
+    );
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "started anyway: {stderr}"
+    );
+    assert!(
+        stderr.contains("cluster_tls_cert") && stderr.contains("cluster_plaintext"),
+        "{stderr}"
+    );
+}

@@ -1,14 +1,17 @@
 //! A running member of the cluster: its Raft, how it finds or forms the cluster, its lease, the
 //! leader's periodic step, membership changes and [`Status`].
 //!
-//! Time enters here and only here: the leader stamps its wall clock (Unix ms) on every timed
-//! command it proposes, and a node measures its own lease on its monotonic clock from the moment it
-//! asked for it.
+//! Time enters here and only here, through the injected [`mqstate_clock::Clock`]: the leader
+//! stamps its wall clock (Unix ms) on every timed command it proposes, and a node measures its own
+//! lease on its monotonic clock from the moment it asked for it. Timers are tokio's, so a
+//! simulation that runs tokio's clock (turmoil) runs every timer of the node.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use mqstate_clock::SharedClock;
 
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ChangeMembers, ServerState};
@@ -53,7 +56,14 @@ pub struct NodeConfig {
     /// Proposed when this node creates the partition map.
     pub map: MapConfig,
     pub heartbeat: Duration,
+    /// A follower that hears no leader for a random time in `election_timeout ..
+    /// election_timeout_max` stands for election.
     pub election_timeout: Duration,
+    /// `None`: twice `election_timeout`. The simulation pins it 1 ms above, with a different
+    /// timeout per node, so that openraft's own (unseeded) random draw cannot change a run.
+    pub election_timeout_max: Option<Duration>,
+    /// Wall time for the leader's stamps, monotonic time for this node's lease.
+    pub clock: SharedClock,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,12 +119,6 @@ pub struct ClusterNode {
     tasks: Vec<JoinHandle<()>>,
 }
 
-fn unix_now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 impl ClusterNode {
     /// Opens the node's Raft state and starts it; the node forms or joins the cluster by itself.
     pub async fn start(
@@ -149,7 +153,11 @@ impl ClusterNode {
             cluster_name: "mqstate".into(),
             heartbeat_interval: heartbeat.max(1),
             election_timeout_min: election.max(heartbeat + 1),
-            election_timeout_max: election.max(heartbeat + 1) * 2,
+            election_timeout_max: config
+                .election_timeout_max
+                .map_or(election.max(heartbeat + 1) * 2, |max| {
+                    (max.as_millis() as u64).max(election.max(heartbeat + 1) + 1)
+                }),
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
             max_in_snapshot_log_to_keep: 100,
             ..openraft::Config::default()
@@ -343,7 +351,7 @@ impl Inner {
             let lease = self.lease();
             (lease.valid_until, lease.epoch)
         };
-        valid_until.is_some_and(|until| Instant::now() < until)
+        valid_until.is_some_and(|until| self.config.clock.now() < until)
             && self.state.read().state.epoch >= epoch
     }
 
@@ -385,7 +393,11 @@ impl Inner {
 
     /// Proposes on this node, which must be the leader; the leader's clock is stamped on it.
     async fn propose_here(&self, command: Command) -> Result<Outcome, ClusterError> {
-        match self.raft.client_write(command.stamped(unix_now_ms())).await {
+        match self
+            .raft
+            .client_write(command.stamped(self.config.clock.now_ms()))
+            .await
+        {
             Ok(response) => Ok(response.data),
             Err(e) => Err(self.write_error(e)),
         }
@@ -578,6 +590,7 @@ impl Handler for Inner {
 /// Sleeps `period` unless told to stop; false once stopped.
 async fn pause(stopped: &mut watch::Receiver<bool>, period: Duration) -> bool {
     let slept = tokio::select! {
+        biased; // deterministic under simulation
         _ = stopped.wait_for(|stop| *stop) => false,
         () = tokio::time::sleep(period) => true,
     };
@@ -658,8 +671,9 @@ async fn lead(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
             leader_since = None;
             continue;
         }
-        let in_office = leader_since.get_or_insert_with(Instant::now).elapsed();
-        let now_ms = unix_now_ms();
+        let now = inner.config.clock.now();
+        let in_office = now.saturating_duration_since(*leader_since.get_or_insert(now));
+        let now_ms = inner.config.clock.now_ms();
         let command = {
             let state = &inner.state.read().state;
             if state.config.is_some() && in_office < grace {
@@ -705,7 +719,7 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 .collect();
             (applied.state.epoch, catching_up)
         };
-        let asked_at = Instant::now();
+        let asked_at = inner.config.clock.now();
         let renewed = inner
             .propose(Command::Renew {
                 node: inner.id(),
