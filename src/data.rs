@@ -220,12 +220,13 @@ fn inspect(dir: &Path, as_json: bool, max_bytes: usize) -> Result<ExitCode, Data
     Ok(ExitCode::SUCCESS)
 }
 
-/// The identity of the request that made a change (an `I` record), ready to show: who asked and
-/// with which correlation data, which is what a retry of it is recognised by.
+/// The identity of the request that made a change (a `J` record, or an `I` of the previous
+/// release), ready to show: the request id a retry of it is recognised by (a hash of the client id
+/// and correlation data, decision 0034), until when, and the first reply a retry gets.
 struct RequestShown {
-    client_id: Shown,
-    correlation: String,
+    id: String,
     expires_at_ms: u64,
+    reply: Shown,
 }
 
 impl RequestShown {
@@ -233,9 +234,9 @@ impl RequestShown {
     fn of(change: &Result<Change, StoreError>, max_bytes: usize) -> Option<RequestShown> {
         match change {
             Ok(Change::Requested { request, .. }) => Some(RequestShown {
-                client_id: Shown::new(request.client_id.as_bytes(), max_bytes),
-                correlation: mqstate_cli::value::hex(&request.correlation),
+                id: request.id.to_string(),
                 expires_at_ms: request.expires_at_ms,
+                reply: Shown::new(request.reply.trim_ascii_end(), max_bytes),
             }),
             _ => None,
         }
@@ -243,9 +244,9 @@ impl RequestShown {
 
     fn to_json(&self) -> Value {
         json!({
-            "client_id": self.client_id.text,
-            "correlation": self.correlation,
+            "id": self.id,
             "expires_at_ms": self.expires_at_ms,
+            "reply": self.reply.text,
         })
     }
 }
@@ -254,8 +255,8 @@ impl fmt::Display for RequestShown {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "by client {} correlation {} (a retry until {} ms)",
-            self.client_id, self.correlation, self.expires_at_ms
+            "by request {} (a retry until {} ms gets {})",
+            self.id, self.expires_at_ms, self.reply
         )
     }
 }
@@ -924,8 +925,7 @@ mod tests {
     fn a_request_record_shows_its_change_and_who_made_it() {
         let change = Change::Requested {
             request: mqstate_store::RequestRecord {
-                client_id: "app-1".into(),
-                correlation: Bytes::from_static(&[0x0a, 0xff]),
+                id: mqstate_store::RequestId::of("app-1", &[0x0a, 0xff]),
                 expires_at_ms: 1_234,
                 reply: Bytes::from_static(b"+OK\r\n"),
                 reply_ts: Some(version(7)),
@@ -939,14 +939,14 @@ mod tests {
         assert_eq!(
             Log::Store.describe(&data, DEFAULT_SHOW_BYTES, false),
             "delete key \"k\" version 000000000000007:00003:mqstate \
-             by client \"app-1\" correlation 0aff (a retry until 1234 ms)"
+             by request d79a8e08eeaea999152ea2ad682d450b (a retry until 1234 ms gets \"+OK\")"
         );
         let json: Value =
             serde_json::from_str(&Log::Store.describe(&data, DEFAULT_SHOW_BYTES, true)).unwrap();
         assert_eq!(json["op"], "delete");
         assert_eq!(
             json["request"],
-            json!({"client_id": "app-1", "correlation": "0aff", "expires_at_ms": 1234})
+            json!({"id": "d79a8e08eeaea999152ea2ad682d450b", "expires_at_ms": 1234, "reply": "+OK"})
         );
         // A change without a request (an expiry) shows no request.
         let plain = Change::Key(Delta::Delete {

@@ -180,7 +180,9 @@ impl Router {
         // (stable: the trie's walk orders one client's subscriptions), so the order of the
         // journal records it causes is a function of the subscriptions, not of addresses. (The
         // address only separates an ended session from its successor while a clean start
-        // replaces it, so that each one's subscriptions stay together to be merged.)
+        // replaces it, so that each one's subscriptions stay together to be merged.) Each trie
+        // node yields its subscribers in client id order, so the targets are a few sorted runs
+        // (one when a single filter matches), which the sort merges without sorting them again.
         targets.sort_by(|a, b| {
             let at = Arc::as_ptr(&a.session) as usize;
             let bt = Arc::as_ptr(&b.session) as usize;

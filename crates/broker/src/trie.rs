@@ -12,8 +12,10 @@ pub(crate) struct Trie<T> {
 
 struct Node<T> {
     children: HashMap<Box<str>, Node<T>>,
-    /// Non-shared subscribers at this filter, by client id.
-    subscribers: HashMap<Arc<str>, T>,
+    /// Non-shared subscribers at this filter, in client id order: fan-out delivers in client id
+    /// order (decision 0029), and a publish matching one filter then finds its targets sorted
+    /// already instead of sorting them by client id every time.
+    subscribers: BTreeMap<Arc<str>, T>,
     /// Shared subscription groups at this filter, by group name (ordered: a message matching
     /// several groups reaches them in the same order every time).
     shared: BTreeMap<Box<str>, SharedGroup<T>>,
@@ -29,7 +31,7 @@ impl<T> Default for Node<T> {
     fn default() -> Self {
         Self {
             children: HashMap::new(),
-            subscribers: HashMap::new(),
+            subscribers: BTreeMap::new(),
             shared: BTreeMap::new(),
         }
     }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use mqstate_chain::Version;
 use mqstate_protocol::{parse_request, Command, ErrorKind, Hlc, Reply, RequestLimits};
-use mqstate_store::{Change, RequestContext, RequestRecord, StateMachine, StoreConfig};
+use mqstate_store::{Change, RequestContext, RequestId, RequestRecord, StateMachine, StoreConfig};
 
 use crate::wire::{Executed, Routed};
 
@@ -59,11 +59,9 @@ pub fn step(
             );
         }
     };
+    let id = RequestId::of(&request.client_id, &request.correlation);
     if let Some(first) = change.as_ref().and_then(Change::request) {
-        if *first.client_id == *request.client_id
-            && first.correlation.as_ref() == request.correlation.as_slice()
-            && first.expires_at_ms > now_ms
-        {
+        if first.id == id && first.expires_at_ms > now_ms {
             // A retry of the request that made this row (after a fail-over, say): its first reply.
             return (
                 Step::Reply(Executed {
@@ -116,8 +114,7 @@ pub fn step(
         node: config.node,
     };
     let record = RequestRecord {
-        client_id: context.client_id.clone(),
-        correlation: Bytes::copy_from_slice(&request.correlation),
+        id,
         expires_at_ms: now_ms.saturating_add(request.expiry_ms),
         reply: Bytes::copy_from_slice(&reply.payload),
         reply_ts: execution.ts.clone(),

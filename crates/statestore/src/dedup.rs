@@ -7,9 +7,10 @@
 //!
 //! Time is passed in (`now`), so the cache is deterministic under test.
 //!
-//! An entry keeps only what the retry's reply needs ([`CachedReply`]) and its own copy of the
-//! correlation data: the reply message and the request's correlation data are slices of packets,
-//! and a hundred thousand entries pinning them cost hundreds of megabytes (decision 0015).
+//! An entry keeps only what the retry's reply needs ([`CachedReply`]), under the request's
+//! fixed-width [`RequestId`] (a hash of the client id and correlation data, as in the log record):
+//! the reply message and the request's correlation data are slices of packets, and a hundred
+//! thousand entries pinning them cost hundreds of megabytes (decision 0015).
 //!
 //! A write's log record carries its request's identity and first reply ([`RequestRecord`]), and a
 //! snapshot the identities of the logged requests the cache holds when it is sealed
@@ -20,20 +21,17 @@
 //! again, which changes nothing.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use mqstate_protocol::Hlc;
-use mqstate_store::{Change, RequestRecord};
+use mqstate_store::{Change, RequestId, RequestRecord};
 
 /// Default bound on remembered requests; the oldest are forgotten first.
 pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
 
 /// [`DedupCache::sweep`] gives memory back once the table is this many times larger than needed.
 const SHRINK_FACTOR: usize = 4;
-
-type Key = (Arc<str>, Arc<[u8]>);
 
 /// The first reply to a request, as a retry gets it again (addressed to the retry).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,11 +61,11 @@ enum Entry<W> {
 
 /// `W` is whatever a retry needs to be finished later (e.g. its deferred PUBACK).
 pub struct DedupCache<W> {
-    entries: HashMap<Key, (Entry<W>, Instant)>,
+    entries: HashMap<RequestId, (Entry<W>, Instant)>,
     /// Keys by insertion; deadlines are not monotonic across clients, so expiry is checked lazily.
     /// With each key its insertion number, ascending: a cursor for
     /// [`DedupCache::for_each_logged_request`] that later insertions and evictions do not move.
-    order: VecDeque<(Key, Instant, u64)>,
+    order: VecDeque<(RequestId, Instant, u64)>,
     inserted: u64,
     max_entries: usize,
 }
@@ -83,16 +81,8 @@ impl<W> DedupCache<W> {
     }
 
     /// Looks a request up; a first sighting is recorded as in flight until `expiry` from `now`.
-    pub fn check(
-        &mut self,
-        client_id: &Arc<str>,
-        correlation: &[u8],
-        expiry: Duration,
-        now: Instant,
-        waiter: W,
-    ) -> Seen<W> {
+    pub fn check(&mut self, key: RequestId, expiry: Duration, now: Instant, waiter: W) -> Seen<W> {
         self.evict(now, 1);
-        let key = (client_id.clone(), Arc::from(correlation));
         match self.entries.get_mut(&key) {
             Some((Entry::Done(reply, _), deadline)) if *deadline > now => {
                 return Seen::Done(reply.clone(), waiter)
@@ -104,7 +94,7 @@ impl<W> DedupCache<W> {
             _ => {}
         }
         let deadline = now + expiry;
-        self.push_order(&key, deadline);
+        self.push_order(key, deadline);
         self.entries
             .insert(key, (Entry::InFlight(Vec::new()), deadline));
         debug_assert!(self.entries.len() <= self.max_entries);
@@ -117,14 +107,7 @@ impl<W> DedupCache<W> {
 
     /// Records the reply of an executed request and returns the retries that waited for it.
     /// `logged`: the request's change is durable in the log, recorded with its identity.
-    pub fn complete(
-        &mut self,
-        client_id: &Arc<str>,
-        correlation: &[u8],
-        reply: CachedReply,
-        logged: bool,
-    ) -> Vec<W> {
-        let key = (client_id.clone(), Arc::from(correlation));
+    pub fn complete(&mut self, key: RequestId, reply: CachedReply, logged: bool) -> Vec<W> {
         match self.entries.get_mut(&key) {
             Some((entry @ Entry::InFlight(_), _)) => {
                 match std::mem::replace(entry, Entry::Done(reply, logged)) {
@@ -163,8 +146,7 @@ impl<W> DedupCache<W> {
             }
             let left = u64::try_from(d.duration_since(now).as_millis()).unwrap_or(u64::MAX);
             f(RequestRecord {
-                client_id: key.0.clone(),
-                correlation: Bytes::copy_from_slice(&key.1),
+                id: *key,
                 expires_at_ms: now_ms.saturating_add(left),
                 reply: reply.payload.clone(),
                 reply_ts: reply.version.clone(),
@@ -173,20 +155,24 @@ impl<W> DedupCache<W> {
         None
     }
 
-    fn push_order(&mut self, key: &Key, deadline: Instant) {
+    fn push_order(&mut self, key: RequestId, deadline: Instant) {
         self.inserted += 1;
-        self.order.push_back((key.clone(), deadline, self.inserted));
+        self.order.push_back((key, deadline, self.inserted));
     }
 
     /// Fills the cache with the requests recovered from a snapshot and the log (oldest first) at a
     /// start: a retry of one of them gets its first reply until its own expiry.
     pub fn restore(&mut self, recovered: RecoveredRequests, now: Instant) {
         let now_ms = recovered.now_ms;
+        // Grown once, not doubled (and rehashed) on the way: a start may bring the whole bound.
+        let room = recovered.len().min(self.max_entries);
+        self.entries.reserve(room);
+        self.order.reserve(room);
         for request in recovered.requests {
             let left = Duration::from_millis(request.expires_at_ms.saturating_sub(now_ms));
             let deadline = now + left;
             self.evict(now, 1);
-            let key = (request.client_id, Arc::from(&request.correlation[..]));
+            let key = request.id;
             // In both the snapshot and a record replayed after it: the same request.
             if self.entries.contains_key(&key) {
                 continue;
@@ -195,7 +181,7 @@ impl<W> DedupCache<W> {
                 payload: request.reply,
                 version: request.reply_ts,
             };
-            self.push_order(&key, deadline);
+            self.push_order(key, deadline);
             self.entries
                 .insert(key, (Entry::Done(reply, true), deadline));
             debug_assert!(self.entries.len() <= self.max_entries);
@@ -275,10 +261,14 @@ impl RecoveredRequests {
         self.requests.push_back(request);
     }
 
-    /// The request of a replayed record, if it has one.
-    pub fn replayed(&mut self, change: &Change) {
-        if let Some(request) = change.request() {
-            self.add(request.clone());
+    /// Takes the request of a replayed record, if it has one, and returns the change to apply.
+    pub fn replayed(&mut self, change: Change) -> Change {
+        match change {
+            Change::Requested { request, change } => {
+                self.add(request);
+                *change
+            }
+            change => change,
         }
     }
 
@@ -293,7 +283,13 @@ impl RecoveredRequests {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+
+    fn id(client_id: &str, correlation: &[u8]) -> RequestId {
+        RequestId::of(client_id, correlation)
+    }
 
     fn reply(tag: &'static str) -> CachedReply {
         CachedReply {
@@ -311,13 +307,14 @@ mod tests {
             Instant::now(),
         );
         assert!(matches!(
-            cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
+            cache.check(id(&c, &corr), Duration::from_secs(5), t0, 1),
             Seen::New(_)
         ));
-        assert!(cache.complete(&c, &corr, reply("+OK"), false).is_empty());
+        assert!(cache
+            .complete(id(&c, &corr), reply("+OK"), false)
+            .is_empty());
         match cache.check(
-            &c,
-            &corr,
+            id(&c, &corr),
             Duration::from_secs(5),
             t0 + Duration::from_secs(1),
             2,
@@ -327,7 +324,7 @@ mod tests {
         }
         // Another client with the same correlation data is a different request.
         assert!(matches!(
-            cache.check(&"d".into(), &corr, Duration::from_secs(5), t0, 3),
+            cache.check(id("d", &corr), Duration::from_secs(5), t0, 3),
             Seen::New(_)
         ));
     }
@@ -341,14 +338,14 @@ mod tests {
             Instant::now(),
         );
         assert!(matches!(
-            cache.check(&c, &corr, Duration::from_secs(5), t0, 1),
+            cache.check(id(&c, &corr), Duration::from_secs(5), t0, 1),
             Seen::New(_)
         ));
         assert!(matches!(
-            cache.check(&c, &corr, Duration::from_secs(5), t0, 2),
+            cache.check(id(&c, &corr), Duration::from_secs(5), t0, 2),
             Seen::Pending
         ));
-        assert_eq!(cache.complete(&c, &corr, reply("+OK"), false), vec![2]);
+        assert_eq!(cache.complete(id(&c, &corr), reply("+OK"), false), vec![2]);
     }
 
     #[test]
@@ -358,16 +355,15 @@ mod tests {
         let corr = |i: u8| Bytes::copy_from_slice(&[i]);
         for i in 0..2 {
             assert!(matches!(
-                cache.check(&c, &corr(i), Duration::from_secs(1), t0, 0),
+                cache.check(id(&c, &corr(i)), Duration::from_secs(1), t0, 0),
                 Seen::New(_)
             ));
-            cache.complete(&c, &corr(i), reply("+OK"), false);
+            cache.complete(id(&c, &corr(i)), reply("+OK"), false);
         }
         // Past the expiry the same request executes again.
         assert!(matches!(
             cache.check(
-                &c,
-                &corr(0),
+                id(&c, &corr(0)),
                 Duration::from_secs(1),
                 t0 + Duration::from_secs(2),
                 0
@@ -377,8 +373,7 @@ mod tests {
         assert!(cache.len() <= 2);
         for i in 10..50 {
             cache.check(
-                &c,
-                &corr(i),
+                id(&c, &corr(i)),
                 Duration::from_secs(100),
                 t0 + Duration::from_secs(3),
                 0,
@@ -397,8 +392,8 @@ mod tests {
         let (c, t0) = (Arc::<str>::from("c"), Instant::now());
         for i in 0..1000u32 {
             let corr = i.to_be_bytes();
-            cache.check(&c, &corr, Duration::from_secs(1), t0, 0);
-            cache.complete(&c, &corr, reply("+OK"), false);
+            cache.check(id(&c, &corr), Duration::from_secs(1), t0, 0);
+            cache.complete(id(&c, &corr), reply("+OK"), false);
         }
         let grown = cache.entries.capacity();
         cache.sweep(t0 + Duration::from_millis(500));
@@ -415,10 +410,10 @@ mod tests {
         let (c, t0, ms0) = (Arc::<str>::from("c"), Instant::now(), 1_000_000);
         let expiry = Duration::from_secs(10);
         for (corr, logged) in [(&b"w"[..], true), (b"r", false)] {
-            cache.check(&c, corr, expiry, t0, 0);
-            cache.complete(&c, corr, reply(":1"), logged);
+            cache.check(id(&c, corr), expiry, t0, 0);
+            cache.complete(id(&c, corr), reply(":1"), logged);
         }
-        cache.check(&c, b"in flight", expiry, t0, 0);
+        cache.check(id(&c, b"in flight"), expiry, t0, 0);
         let mut requests = Vec::new();
         let end = cache.for_each_logged_request(None, 10, t0 + Duration::from_secs(4), ms0, |r| {
             requests.push(r)
@@ -426,8 +421,8 @@ mod tests {
         assert_eq!(end, None);
         assert_eq!(requests.len(), 1, "only the completed write: {requests:?}");
         assert_eq!(
-            (&requests[0].correlation[..], requests[0].expires_at_ms),
-            (&b"w"[..], ms0 + 6_000)
+            (requests[0].id, requests[0].expires_at_ms),
+            (id(&c, b"w"), ms0 + 6_000)
         );
 
         // A start 2 s later: the snapshot's request, plus the same one replayed, plus one expired.
@@ -440,13 +435,13 @@ mod tests {
         let mut restarted = DedupCache::<u32>::new(10);
         restarted.restore(recovered, t1);
         assert_eq!(restarted.len(), 1);
-        match restarted.check(&c, b"w", expiry, t1 + Duration::from_secs(3), 7) {
+        match restarted.check(id(&c, b"w"), expiry, t1 + Duration::from_secs(3), 7) {
             Seen::Done(m, 7) => assert_eq!(&m.payload[..], b":1"),
             other => panic!("expected the first reply, got {other:?}"),
         }
         // Its expiry is the original one (4 s left at the restart), not a new one.
         assert!(matches!(
-            restarted.check(&c, b"w", expiry, t1 + Duration::from_secs(5), 8),
+            restarted.check(id(&c, b"w"), expiry, t1 + Duration::from_secs(5), 8),
             Seen::New(8)
         ));
     }
@@ -456,15 +451,15 @@ mod tests {
         let mut cache = DedupCache::<u32>::new(100);
         let (c, t0) = (Arc::<str>::from("c"), Instant::now());
         let add = |cache: &mut DedupCache<u32>, i: u8, secs| {
-            cache.check(&c, &[i], Duration::from_secs(secs), t0, 0);
-            cache.complete(&c, &[i], reply(":1"), true);
+            cache.check(id(&c, &[i]), Duration::from_secs(secs), t0, 0);
+            cache.complete(id(&c, &[i]), reply(":1"), true);
         };
         for i in 0..5 {
             add(&mut cache, i, if i < 2 { 1 } else { 100 });
         }
         let mut seen = Vec::new();
         let mut batch = |cache: &DedupCache<u32>, after| {
-            cache.for_each_logged_request(after, 2, t0, 0, |r| seen.push(r.correlation[0]))
+            cache.for_each_logged_request(after, 2, t0, 0, |r| seen.push(r.id))
         };
         let cursor = batch(&cache, None);
         assert!(cursor.is_some());
@@ -475,7 +470,8 @@ mod tests {
         while let Some(after) = cursor {
             cursor = batch(&cache, Some(after));
         }
-        assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
+        let expected: Vec<_> = (0..6).map(|i| id(&c, &[i])).collect();
+        assert_eq!(seen, expected);
     }
 
     #[test]
@@ -483,23 +479,18 @@ mod tests {
         let mut recovered = RecoveredRequests::new(2, 0);
         for i in 1..=3u8 {
             let mut request = expired_request();
-            request.correlation = Bytes::copy_from_slice(&[i]);
+            request.id = id("c", &[i]);
             request.expires_at_ms = 10;
             recovered.add(request);
         }
-        let kept: Vec<u8> = recovered
-            .requests
-            .iter()
-            .map(|r| r.correlation[0])
-            .collect();
-        assert_eq!(kept, vec![2, 3]);
+        let kept: Vec<RequestId> = recovered.requests.iter().map(|r| r.id).collect();
+        assert_eq!(kept, vec![id("c", &[2]), id("c", &[3])]);
     }
 
     /// A request whose expiry passed long ago.
     fn expired_request() -> RequestRecord {
         RequestRecord {
-            client_id: Arc::from("c"),
-            correlation: Bytes::from_static(b"old"),
+            id: id("c", b"old"),
             expires_at_ms: 5,
             reply: Bytes::from_static(b"+OK\r\n"),
             reply_ts: None,

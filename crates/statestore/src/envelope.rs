@@ -14,6 +14,7 @@ use bytes::Bytes;
 use bytestring::ByteString;
 use mqstate_broker::{Message, PublishProperties, QoS};
 use mqstate_protocol::{topic, ErrorKind, Hlc};
+use mqstate_store::RequestId;
 
 /// Protocol version the server speaks and announces in `__protVer`.
 pub const PROTOCOL_VERSION: &str = "1.0";
@@ -41,6 +42,8 @@ pub mod prop {
 /// A request whose envelope is well formed.
 #[derive(Debug, Clone)]
 pub struct Request {
+    /// The identity the duplicate-request cache and the log know the request by.
+    pub id: RequestId,
     pub client_id: Arc<str>,
     pub response_topic: ByteString,
     pub correlation_data: Bytes,
@@ -145,6 +148,7 @@ impl Request {
             }
         }
         Ok(Request {
+            id: RequestId::of(&client_id, &correlation_data),
             client_id,
             response_topic,
             correlation_data,

@@ -99,8 +99,7 @@ pub fn recover(
             dir: at(),
             source,
         })?;
-        machine.apply_change(&change);
-        requests.replayed(&change);
+        machine.apply_change(&requests.replayed(change));
         replayed_bytes += entry.data.len();
         records += 1;
         next_lsn = entry.lsn + 1;
@@ -247,13 +246,12 @@ mod tests {
         let requested = |correlation: &'static [u8], expires_at_ms| {
             let change = Change::Key(put("k", NOW_MS));
             mqstate_store::RequestRecord {
-                client_id: Arc::from("c"),
-                correlation: Bytes::from_static(correlation),
+                id: mqstate_store::RequestId::of("c", correlation),
                 expires_at_ms,
                 reply: Bytes::from_static(b"+OK\r\n"),
                 reply_ts: None,
             }
-            .encode_with(&change.encode().unwrap())
+            .encode_with(&change.encode().unwrap(), change.key_version().unwrap())
             .unwrap()
         };
         let records = [

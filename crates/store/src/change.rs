@@ -1,11 +1,15 @@
 //! A log record of the state store: a key change, a change to topics and queues, or either made by
 //! an identified request ([`crate::request`]). The first byte (the marker) says which.
 
-use crate::codec::Reader;
+use mqstate_protocol::Hlc;
+
 use crate::delta::Delta;
 use crate::error::StoreError;
 use crate::notify::QueueDelta;
-use crate::request::{RequestRecord, REQUESTED_MARKER};
+use crate::request::{
+    decode_legacy_requested, decode_requested, RequestRecord, LEGACY_REQUESTED_MARKER,
+    REQUESTED_MARKER,
+};
 
 /// One record of the store's log.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,7 +28,15 @@ impl Change {
         match self {
             Change::Key(delta) => delta.encode(),
             Change::Queue(delta) => delta.encode(),
-            Change::Requested { request, change } => request.encode_with(&change.encode()?),
+            Change::Requested { request, change } => {
+                let version = change.key_version().ok_or(StoreError::Invalid {
+                    context: "requested change",
+                    what: "change",
+                    offset: 0,
+                    reason: "a request's change must change a key",
+                })?;
+                request.encode_with(&change.encode()?, version)
+            }
         }
     }
 
@@ -32,10 +44,22 @@ impl Change {
     pub fn decode(data: &[u8]) -> Result<Change, StoreError> {
         match data.first() {
             Some(&REQUESTED_MARKER) => decode_requested(data),
+            Some(&LEGACY_REQUESTED_MARKER) => decode_legacy_requested(data),
             Some(&marker) if QueueDelta::is_marker(marker) => {
                 QueueDelta::decode(data).map(Change::Queue)
             }
             _ => Delta::decode(data).map(Change::Key),
+        }
+    }
+
+    /// The version of the key change this is or commits (`None`: a change of topics or queues only).
+    pub fn key_version(&self) -> Option<&Hlc> {
+        match self {
+            Change::Key(delta) | Change::Queue(QueueDelta::Commit { change: delta, .. }) => {
+                Some(delta.version())
+            }
+            Change::Queue(_) => None,
+            Change::Requested { change, .. } => change.key_version(),
         }
     }
 
@@ -46,28 +70,6 @@ impl Change {
             Change::Key(_) | Change::Queue(_) => None,
         }
     }
-}
-
-fn decode_requested(data: &[u8]) -> Result<Change, StoreError> {
-    let mut r = Reader::new("requested change", data);
-    r.u8("marker")?;
-    let request = RequestRecord::decode_fields(&mut r)?;
-    let inner = r.buffer("change")?;
-    r.finish()?;
-    let change = match inner.first() {
-        Some(b'A') => QueueDelta::decode(inner).map(Change::Queue)?,
-        Some(b'K' | b'X') => Delta::decode(inner).map(Change::Key)?,
-        _ => {
-            return Err(r.invalid(
-                "change",
-                "a request's change must be a 'K', 'X' or 'A' record",
-            ))
-        }
-    };
-    Ok(Change::Requested {
-        request,
-        change: Box::new(change),
-    })
 }
 
 #[cfg(test)]

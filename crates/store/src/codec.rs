@@ -30,6 +30,11 @@ impl Writer {
         self.buf.extend_from_slice(&value.to_be_bytes());
     }
 
+    /// Bytes as they are (a fixed-width field, or the rest of a record).
+    pub(crate) fn bytes(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
     pub(crate) fn i64(&mut self, value: i64) {
         self.buf.extend_from_slice(&value.to_be_bytes());
     }
@@ -140,7 +145,17 @@ impl<'a> Reader<'a> {
         Ok(slice)
     }
 
-    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], StoreError> {
+    /// The bytes not read yet, all of them (the last field of a record).
+    pub(crate) fn rest(&mut self) -> &'a [u8] {
+        let rest = &self.data[self.pos..];
+        self.pos = self.data.len();
+        rest
+    }
+
+    pub(crate) fn array<const N: usize>(
+        &mut self,
+        what: &'static str,
+    ) -> Result<[u8; N], StoreError> {
         let mut out = [0; N];
         out.copy_from_slice(self.take(what, N)?);
         Ok(out)

@@ -45,5 +45,5 @@ pub use limits::Limits;
 pub use machine::{
     Execution, Expiration, KeyNotification, RequestContext, StateMachine, StoreConfig,
 };
-pub use request::RequestRecord;
+pub use request::{RequestId, RequestRecord};
 pub use snapshot::{Progress, SnapshotEncoder, StatePatch, StreamedEnd};

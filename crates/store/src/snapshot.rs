@@ -2,16 +2,16 @@
 //! states encode to equal bytes. KEYNOTIFY registrations are session state and are not included.
 //!
 //! ```text
-//! 'S' | format version Int32 (3) | high-water HLC | topics | count Int32 | count × entry | requests
+//! 'S' | format version Int32 (4) | high-water HLC | topics | count Int32 | count × entry | requests
 //! entry = key Buffer | value Buffer | version HLC | fencing token Nullable<HLC> | expires at Nullable<Int64>
 //! topics = Array<name Buffer | endpoint Buffer | keys Buffer | events UInt8 | max queue Int32
 //!                | next seq Int64 | next reservation id Int64
 //!                | Array<reservation id Int64 | deadline Int64>
 //!                | Array<seq Int64 | key Buffer | event UInt8 | version HLC | value Nullable<Buffer>>>
-//! requests = Array<client id Buffer | correlation data Buffer | expires at Int64 | reply Buffer
-//!                  | reply __ts Nullable<HLC>>
+//! requests = Array<request id 16 bytes | expires at Int64 | reply | reply __ts Nullable<HLC>>
 //! ```
-//! Versions 1 (no topics, no requests) and 2 (no requests) are still read. The topics are encoded
+//! (`request id` and `reply` as in [`crate::request`].) Versions 1 (no topics, no requests), 2 (no
+//! requests) and 3 (requests with their client id and correlation data spelled out) are still read. The topics are encoded
 //! whole when the snapshot starts, so they are exact as of its last index; only the keys are fuzzy.
 //! The requests ([`RequestRecord`]s of the service's duplicate cache, not state of the machine) come
 //! last because a streamed snapshot's writer knows them only at its end ([`encode_requests`]).
@@ -38,11 +38,13 @@ use crate::request::RequestRecord;
 /// First byte of a key-value snapshot.
 pub const SNAPSHOT_MARKER: u8 = b'S';
 /// Current snapshot format version.
-pub const SNAPSHOT_VERSION: i32 = 3;
+pub const SNAPSHOT_VERSION: i32 = 4;
 /// The format before topics.
 const SNAPSHOT_VERSION_KEYS_ONLY: i32 = 1;
 /// The format before requests.
 const SNAPSHOT_VERSION_TOPICS: i32 = 2;
+/// The format whose requests spell out their client id and correlation data.
+const SNAPSHOT_VERSION_LEGACY_REQUESTS: i32 = 3;
 
 const CONTEXT: &str = "key-value snapshot";
 
@@ -50,8 +52,8 @@ const CONTEXT: &str = "key-value snapshot";
 /// expiry): bounds what a snapshot's count may reserve before its entries are read.
 const MIN_ENTRY_BYTES: usize = 4 + 1 + 4 + (8 + 4 + 4) + 1 + 1;
 
-/// The fewest bytes an encoded request takes (empty buffers, no reply `__ts`).
-const MIN_REQUEST_BYTES: usize = 4 + 4 + 8 + 4 + 1;
+/// The fewest bytes an encoded request takes (a one-byte reply, no reply `__ts`).
+const MIN_REQUEST_BYTES: usize = 16 + 8 + 1 + 1;
 
 /// Whether [`SnapshotEncoder::step`] reached the end of the keyspace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -417,7 +419,7 @@ impl StateMachine {
         }
         let version = r.i32("format version")?;
         if !(SNAPSHOT_VERSION_KEYS_ONLY..=SNAPSHOT_VERSION).contains(&version) {
-            return Err(r.invalid("format version", "this build reads format versions 1 to 3"));
+            return Err(r.invalid("format version", "this build reads format versions 1 to 4"));
         }
         let high_water = r.hlc("high-water mark")?;
         let mut notify = Notifications::default();
@@ -449,11 +451,15 @@ impl StateMachine {
             );
         }
         let mut requests = Vec::new();
-        if version >= SNAPSHOT_VERSION {
+        if version >= SNAPSHOT_VERSION_LEGACY_REQUESTS {
             let n = r.len("request count")?;
             requests.reserve(n.min(r.remaining() / MIN_REQUEST_BYTES));
             for _ in 0..n {
-                requests.push(RequestRecord::decode_fields(&mut r)?);
+                requests.push(if version == SNAPSHOT_VERSION_LEGACY_REQUESTS {
+                    RequestRecord::decode_legacy_fields(&mut r)?
+                } else {
+                    RequestRecord::decode_fields(&mut r)?
+                });
             }
         }
         r.finish()?;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use mqstate_broker::{service::Acker, Broker, Message};
 use mqstate_protocol::Hlc;
+use mqstate_store::RequestId;
 use mqstate_wal::{Commit, Settler};
 use tokio::sync::mpsc;
 
@@ -96,8 +97,9 @@ pub(super) struct Timing {
 }
 
 pub(super) struct ReplyTo {
-    pub(super) client_id: Arc<str>,
-    pub(super) correlation: Bytes,
+    /// The request in the duplicate-request cache (`None`: never looked up there, e.g. a refused
+    /// envelope or an admin request).
+    pub(super) request: Option<RequestId>,
     pub(super) message: Message,
     /// The `__ts` of `message`, for the duplicate-request cache.
     pub(super) version: Option<Hlc>,
@@ -116,8 +118,7 @@ impl ReplyTo {
         expiry: Duration,
     ) -> ReplyTo {
         ReplyTo {
-            client_id: request.client_id.clone(),
-            correlation: request.correlation_data.clone(),
+            request: Some(request.id),
             message: replies.reply(request, payload, version.as_ref(), expiry),
             version,
             logged: false,
@@ -199,30 +200,32 @@ pub(super) async fn complete(
                     for (client_id, message) in notifications {
                         broker.deliver_to(&client_id, message);
                     }
-                    let sent =
-                        reply.map(|r| (r.client_id, r.correlation, r.message, r.version, r.logged));
+                    let sent = reply.map(|r| (r.request, r.message, r.version, r.logged));
                     (sent, 0x00)
                 } else {
                     // Not logged after all: a retry after a restart executes again.
                     match reply.map(|r| {
                         let message = not_durable(r.message);
-                        (r.client_id, r.correlation, message, None, false)
+                        (r.request, message, None, false)
                     }) {
                         Some(failed) => (Some(failed), 0x00),
                         None => (None, PUBACK_UNSPECIFIED_ERROR),
                     }
                 };
-                if let Some((client_id, correlation, message, version, logged)) = reply {
-                    let cached = CachedReply {
-                        payload: message.payload.clone(),
-                        version,
+                if let Some((request, message, version, logged)) = reply {
+                    let waiting = match request {
+                        Some(request) => {
+                            let cached = CachedReply {
+                                payload: message.payload.clone(),
+                                version,
+                            };
+                            dedup
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .complete(request, cached, logged)
+                        }
+                        None => Vec::new(),
                     };
-                    let waiting = dedup.lock().unwrap_or_else(|p| p.into_inner()).complete(
-                        &client_id,
-                        &correlation,
-                        cached,
-                        logged,
-                    );
                     broker.publish(message);
                     for retry in waiting {
                         retry.ack(reason);

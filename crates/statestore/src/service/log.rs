@@ -4,6 +4,7 @@
 //! [`DurableLog`]: mqstate_wal::DurableLog
 
 use bytes::Bytes;
+use mqstate_protocol::Hlc;
 use mqstate_store::notify::QueueDelta;
 use mqstate_store::{Delta, RequestRecord, StoreError};
 use mqstate_wal::Commit;
@@ -50,16 +51,17 @@ impl Executor {
         self.log_bytes(bytes).await
     }
 
-    /// Appends `change` (an encoded `K`, `X` or `A` record) made by `request`, with the request's
-    /// identity (so a retry is answered, not executed, by a node that learns the change from the
-    /// log); returns the future of its durability.
+    /// Appends `change` (an encoded `K`, `X` or `A` record, its key change of version `version`)
+    /// made by `request`, with the request's identity (so a retry is answered, not executed, by a
+    /// node that learns the change from the log); returns the future of its durability.
     pub(super) async fn log_requested(
         &mut self,
         change: Result<Vec<u8>, StoreError>,
+        version: &Hlc,
         request: &RequestRecord,
     ) -> Result<Option<Commit>, String> {
         let bytes = change
-            .and_then(|change| request.encode_with(&change))
+            .and_then(|change| request.encode_with(&change, version))
             .map_err(|e| e.to_string())?;
         self.log_bytes(bytes).await
     }

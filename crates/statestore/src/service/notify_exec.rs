@@ -188,8 +188,9 @@ impl Executor {
             }
             self.config.failpoints.hit(NOTIFY_AFTER_RESERVE);
         }
-        let logged = if committed {
-            self.log_requested(record.encode(), request).await
+        let logged = if let QueueDelta::Commit { change, .. } = &record {
+            self.log_requested(record.encode(), change.version(), request)
+                .await
         } else {
             self.log_queue(&record).await
         };
@@ -485,10 +486,8 @@ impl Executor {
             }
         }
         let correlation = properties.correlation_data.clone().unwrap_or_default();
-        let client_id = request.client_id.clone();
         let reply_to = move |value: Value| ReplyTo {
-            client_id,
-            correlation: correlation.clone(),
+            request: None,
             message: Message {
                 topic: response_topic,
                 payload: Bytes::from(value.to_string()),

@@ -47,13 +47,7 @@ impl Executor {
         };
         let seen = {
             let mut dedup = self.dedup.lock().unwrap_or_else(|p| p.into_inner());
-            dedup.check(
-                &request.client_id,
-                &request.correlation_data,
-                request.expiry,
-                self.clock.now(),
-                acker,
-            )
+            dedup.check(request.id, request.expiry, self.clock.now(), acker)
         };
         let acker = match seen {
             Seen::New(acker) => acker,
@@ -130,8 +124,7 @@ impl Executor {
         // Logged with its change: a retry after a restart gets this reply until the request's own
         // expiry (wall time, so that it means the same to the next process).
         let identity = || RequestRecord {
-            client_id: request.client_id.clone(),
-            correlation: request.correlation_data.clone(),
+            id: request.id,
             expires_at_ms: self
                 .clock
                 .now_ms()
@@ -146,7 +139,9 @@ impl Executor {
             }
             (None, Some(delta), Some(undo)) if persist || matches!(delta, Delta::Delete { .. }) => {
                 let identity = identity();
-                let logged = self.log_requested(delta.encode(), &identity).await;
+                let logged = self
+                    .log_requested(delta.encode(), delta.version(), &identity)
+                    .await;
                 match &logged {
                     Ok(_) => self.log.push_undo(Undo::Key(undo)),
                     Err(_) => self.machine.apply_delta(&undo),
@@ -366,8 +361,7 @@ impl Executor {
                 metrics::request_counted(metrics::UNPARSED, "unsupported_version");
                 tracing::debug!(%client_id, %requested, "state store request with an unsupported __protVer");
                 let reply = ReplyTo {
-                    client_id: client_id.clone(),
-                    correlation: correlation_data.clone(),
+                    request: None,
                     message: self.replies.unsupported_version(
                         response_topic,
                         correlation_data,
@@ -389,8 +383,7 @@ impl Executor {
                         .bad_request(response_topic, correlation_data.clone(), message);
                 // Not cached: without correlation data there is nothing to match a retry by.
                 let reply = ReplyTo {
-                    client_id: client_id.clone(),
-                    correlation: correlation_data.unwrap_or_default(),
+                    request: None,
                     message: reply,
                     version: None,
                     logged: false,

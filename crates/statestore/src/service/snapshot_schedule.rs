@@ -201,7 +201,7 @@ fn logged_requests_of(
                 clock.now_ms(),
                 |request| {
                     if let Err(e) = encoder.push(&request) {
-                        tracing::warn!(client_id = %request.client_id, "request left out of the snapshot: {e}");
+                        tracing::warn!(request = %request.id, "request left out of the snapshot: {e}");
                     }
                 },
             )

@@ -244,8 +244,7 @@ mod tests {
         let wal = log(tmp.path()).await;
         let requests: Vec<RequestRecord> = (0..5u8)
             .map(|i| RequestRecord {
-                client_id: Arc::from("c"),
-                correlation: Bytes::copy_from_slice(&[i]),
+                id: mqstate_store::RequestId::of("c", &[i]),
                 expires_at_ms: 9,
                 reply: Bytes::from_static(b"+OK\r\n"),
                 reply_ts: None,

@@ -657,7 +657,7 @@ fn snapshot_round_trip_restores_keys_and_clock() {
 fn golden_empty_snapshot_and_bad_snapshots() {
     let m = machine();
     let bytes = m.snapshot_encode().unwrap();
-    let mut expected = vec![b'S', 0, 0, 0, 3];
+    let mut expected = vec![b'S', 0, 0, 0, 4];
     expected.extend_from_slice(&[0; 8]);
     expected.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 10]);
     expected.extend_from_slice(NODE.as_bytes());
@@ -675,9 +675,9 @@ fn golden_empty_snapshot_and_bad_snapshots() {
     v1.drain(v2.len() - 8..v2.len() - 4);
     assert!(StateMachine::snapshot_decode(&v1, config(Limits::default())).is_ok());
     // One request after the keys, read back.
+    let id = crate::RequestId::of("c", b"\x01");
     let request = crate::RequestRecord {
-        client_id: Arc::from("c"),
-        correlation: Bytes::from_static(b"\x01"),
+        id,
         expires_at_ms: 9,
         reply: Bytes::from_static(b":1\r\n"),
         reply_ts: None,
@@ -687,14 +687,25 @@ fn golden_empty_snapshot_and_bad_snapshots() {
         .finish(&m, std::slice::from_ref(&request))
         .unwrap();
     let mut expected_request = bytes[..bytes.len() - 4].to_vec();
-    expected_request.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 1, b'c', 0, 0, 0, 1, 1]);
-    expected_request.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 4]);
-    expected_request.extend_from_slice(b":1\r\n");
-    expected_request.push(0);
+    expected_request.extend_from_slice(&[0, 0, 0, 1]);
+    expected_request.extend_from_slice(&id.0);
+    expected_request.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 9]);
+    expected_request.push(2); // `:1`
+    expected_request.push(0); // no `__ts`
     assert_eq!(with_request, expected_request);
     let (_, requests) =
         StateMachine::snapshot_decode_with_requests(&with_request, config(Limits::default()))
             .unwrap();
+    assert_eq!(requests, vec![request.clone()]);
+    // Format version 3 spelled out the client id and correlation data: read, its id computed.
+    let mut v3 = bytes[..bytes.len() - 4].to_vec();
+    v3[4] = 3;
+    v3.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 1, b'c', 0, 0, 0, 1, 1]);
+    v3.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 4]);
+    v3.extend_from_slice(b":1\r\n");
+    v3.push(0);
+    let (_, requests) =
+        StateMachine::snapshot_decode_with_requests(&v3, config(Limits::default())).unwrap();
     assert_eq!(requests, vec![request]);
     // Duplicate keys are rejected.
     let mut two = machine();
@@ -715,7 +726,7 @@ fn golden_empty_snapshot_and_bad_snapshots() {
         })
     ));
     let mut wrong_version = bytes.clone();
-    wrong_version[4] = 4;
+    wrong_version[4] = 5;
     assert!(StateMachine::snapshot_decode(&wrong_version, config(Limits::default())).is_err());
 }
 

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Server CPU time per request of one build, for a machine too busy for wall-clock rates:
+#
+#   scripts/cpu-per-op.sh LABEL SERVER_BINARY [LOADGEN_BINARY] WORKLOAD...
+#   WORKLOAD = set-c50 | ss-16x8 | ss-64x16 | pubsub | restart | restart-nosnap
+#
+# Each workload runs a fixed number of requests after a warm-up of a tenth of them; CPU is the
+# server's utime + stime (/proc/PID/stat, CLK_TCK ticks) over the counted requests. `restart` loads
+# 1,000,000 keys (as scripts/bench.sh restart), stops the server, and reports the restarted server's
+# CPU seconds and VmRSS once it listens; `restart-nosnap` does the same with snapshots off, so every
+# record is replayed (the default threshold makes the figure depend on where the last snapshot falls).
+# One line per workload goes to $OUT/results.tsv. Alternate builds in a loop for side-by-side figures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+label=$1; bin=$(realpath "$2"); shift 2
+gen="$bin"
+if [ $# -gt 0 ] && [ -x "$1" ]; then gen=$(realpath "$1"); shift; fi
+OUT="${OUT:-target/bench-results/cpu-per-op}"; mkdir -p "$OUT"
+. scripts/lib/ports.sh
+cpu_us() { awk -v tck="$(getconf CLK_TCK)" '{printf "%d", ($14 + $15) * 1000000 / tck}' "/proc/$1/stat"; }
+start() {
+  PORT=$(free_port); DATA=$(mktemp -d -p "${TMPDIR:-/tmp}" mqstate-cpu.XXXXXX)
+  "$bin" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" "$@" >>"$OUT/server-$label.log" 2>&1 &
+  SPID=$!; wait_port "$PORT" 300
+}
+stop() { kill "$SPID" 2>/dev/null; wait "$SPID" 2>/dev/null; rm -rf "$DATA"; }
+trap stop EXIT
+one() { # name requests serve-flags... -- bench-flags...
+  local name=$1 n=$2; shift 2
+  local sflags=(); while [ "$1" != "--" ]; do sflags+=("$1"); shift; done; shift
+  start "${sflags[@]}"
+  "$gen" bench --port "$PORT" --requests $((n / 10)) "$@" >/dev/null 2>&1
+  local c0; c0=$(cpu_us "$SPID")
+  "$gen" bench --port "$PORT" --requests "$n" --json "$OUT/$name-$label.json" "$@" >/dev/null 2>&1
+  local c1; c1=$(cpu_us "$SPID")
+  stop
+  printf '%s\t%s\tcpu_us/op %.2f\n' "$name" "$label" "$(echo "($c1 - $c0) / $n" | bc -l)" | tee -a "$OUT/results.tsv"
+}
+restart() { # name serve-flags...
+  local name=$1; shift
+  start --fsync never "$@"
+  "$gen" bench --port "$PORT" --connections 16 --inflight 64 --mix set=100 --keys 1000000 \
+    --distribution sequential --value-size 100 --requests 1000000 >/dev/null 2>&1
+  kill -TERM "$SPID"; wait "$SPID"
+  "$bin" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" "$@" >>"$OUT/server-$label.log" 2>&1 &
+  SPID=$!; wait_port "$PORT" 300
+  local cpu; cpu=$(cpu_us "$SPID")
+  local rss; rss=$(awk '/VmRSS/ {print $2}' "/proc/$SPID/status")
+  stop
+  printf '%s\t%s\tcpu_s %.2f\trss_kB %s\n' "$name" "$label" "$(echo "$cpu / 1000000" | bc -l)" "$rss" | tee -a "$OUT/results.tsv"
+}
+for w in "$@"; do
+  case $w in
+    set-c50) one set-c50 40000 --fsync always -- --connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64 ;;
+    ss-16x8) one ss-16x8 100000 --fsync always -- --connections 16 --inflight 8 --mix set=50,get=50 --keys 10000 --value-size 64 ;;
+    ss-64x16) one ss-64x16 100000 --fsync always -- --connections 64 --inflight 16 --mix set=50,get=50 --keys 10000 --value-size 64 ;;
+    pubsub) one pubsub-1x100 20000 -- --mode pubsub --publishers 1 --subscribers 100 --qos 1 --payload 64 --inflight 16 ;;
+    restart) restart restart-1m ;;
+    restart-nosnap) restart restart-1m-nosnap --snapshot-threshold-bytes 100000000000 ;;
+    *) echo "unknown workload $w" >&2; exit 2 ;;
+  esac
+done
