@@ -65,7 +65,7 @@ impl QueueDelta {
     }
 
     pub fn encode(&self) -> Result<Vec<u8>, StoreError> {
-        let mut w = Writer::default();
+        let mut w = Writer::with_capacity(self.encoded_len_hint());
         match self {
             QueueDelta::CreateTopic(def) => {
                 w.u8(CREATE_TOPIC_MARKER);
@@ -103,7 +103,9 @@ impl QueueDelta {
             } => {
                 w.u8(COMMIT_MARKER);
                 w.u8(event.bit());
-                w.buffer("key change", &change.encode()?)?;
+                let start = w.begin_buffer();
+                change.encode_into(&mut w)?;
+                w.end_buffer("key change", start)?;
                 w.count("queue delta list", commits.len())?;
                 for (name, id) in commits {
                     w.buffer("topic name", name.as_bytes())?;
@@ -117,6 +119,29 @@ impl QueueDelta {
             }
         }
         Ok(w.buf)
+    }
+
+    /// An upper bound of the size of the binary form, so that encoding it allocates once.
+    fn encoded_len_hint(&self) -> usize {
+        // A list item: name length, name, reservation id, deadline.
+        let item = |name: &str| 4 + name.len() + 16;
+        1 + match self {
+            QueueDelta::CreateTopic(def) => {
+                12 + def.name.len() + def.endpoint.len() + def.keys.len() + 5
+            }
+            QueueDelta::DeleteTopic(name) => 4 + name.len(),
+            QueueDelta::Reserve(list) => 4 + list.iter().map(|(n, ..)| item(n)).sum::<usize>(),
+            QueueDelta::Abort(list) => 4 + list.iter().map(|(n, _)| item(n)).sum::<usize>(),
+            QueueDelta::Commit {
+                change, commits, ..
+            } => {
+                1 + 4
+                    + change.encoded_len_hint()
+                    + 4
+                    + commits.iter().map(|(n, _)| item(n)).sum::<usize>()
+            }
+            QueueDelta::Remove { topic, .. } => 4 + topic.len() + 8,
+        }
     }
 
     /// Decodes exactly one queue delta; any other input is an error, never a panic.
@@ -257,6 +282,10 @@ mod tests {
     fn round_trips_and_truncations_fail() {
         for delta in samples() {
             let bytes = delta.encode().unwrap();
+            assert!(
+                bytes.len() <= delta.encoded_len_hint(),
+                "{delta:?}: encoding it must not grow its buffer"
+            );
             assert!(QueueDelta::is_marker(bytes[0]));
             assert_eq!(QueueDelta::decode(&bytes).unwrap(), delta);
             for cut in 0..bytes.len() {
