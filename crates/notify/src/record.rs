@@ -6,6 +6,8 @@
 //! Keys and values that are UTF-8 are JSON strings; any other bytes go in `key_base64` /
 //! `value_base64` (standard alphabet, padded) instead. A delete or expire has no value.
 
+use std::sync::Arc;
+
 use base64::Engine;
 use bytes::Bytes;
 use serde::Serialize;
@@ -13,7 +15,8 @@ use serde::Serialize;
 /// A notification to deliver.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
-    pub topic: String,
+    /// Shared by the records of a topic.
+    pub topic: Arc<str>,
     /// 1, 2, 3 … per topic: a consumer drops a seq it has seen (at-least-once delivery).
     pub seq: u64,
     pub key: Bytes,
@@ -88,7 +91,23 @@ pub fn batch_json(records: &[Record]) -> Vec<u8> {
     let batch = Batch {
         records: records.iter().map(Record::wire).collect(),
     };
-    serde_json::to_vec(&batch).unwrap_or_default()
+    // The body in one allocation, as a rule: a record's fields, names and punctuation, and keys
+    // and values that need no escapes.
+    let size = records
+        .iter()
+        .map(|r| {
+            96 + r.topic.len()
+                + r.key.len()
+                + r.version.len()
+                + r.value.as_ref().map_or(0, Bytes::len)
+        })
+        .sum::<usize>();
+    let mut body = Vec::with_capacity(16 + size);
+    // Cannot fail: every field is a string or a number.
+    match serde_json::to_writer(&mut body, &batch) {
+        Ok(()) => body,
+        Err(_) => Vec::new(),
+    }
 }
 
 #[cfg(test)]

@@ -191,9 +191,9 @@ async fn walk(
     }
 }
 
-fn record(topic: &str, entry: QueueEntry) -> Record {
+fn record(topic: &Arc<str>, entry: QueueEntry) -> Record {
     Record {
-        topic: topic.to_owned(),
+        topic: Arc::clone(topic),
         seq: entry.seq,
         key: entry.key,
         event: entry.event.as_str(),
@@ -217,6 +217,7 @@ async fn push_loop(
     stats: Arc<DeliveryStats>,
 ) {
     let topic = def.name.clone();
+    let shared_topic: Arc<str> = Arc::from(topic.as_str());
     let client_id = format!("mqstate-notify-{}-{topic}", config.node_id);
     let endpoint = tls
         .map_err(|reason| EndpointError::Tls {
@@ -258,7 +259,10 @@ async fn push_loop(
             continue;
         }
         let seqs: Vec<u64> = entries.iter().map(|e| e.seq).collect();
-        let records: Vec<Record> = entries.into_iter().map(|e| record(&topic, e)).collect();
+        let records: Vec<Record> = entries
+            .into_iter()
+            .map(|e| record(&shared_topic, e))
+            .collect();
         let pushed = endpoint.push(&records).await;
         if pushed.acknowledged > 0 {
             let Lease { holder, token } = lease.lock().unwrap_or_else(|e| e.into_inner()).clone();
