@@ -434,24 +434,21 @@ impl StateMachine {
         if self.notify.is_empty() {
             return Ok(None);
         }
-        let mut names = Vec::new();
+        let mut reservations = Vec::new();
         for topic in self.notify.matching(key, event) {
             if topic.is_full() {
                 return Err(topic.def.name.clone());
             }
-            names.push(topic.def.name.as_str());
+            reservations.push((
+                topic.def.name.clone(),
+                topic.next_reservation_id(),
+                deadline_ms,
+            ));
         }
-        if names.is_empty() {
+        if reservations.is_empty() {
             return Ok(None);
         }
-        let ids = self.notify.next_reservation_ids(&names);
-        let delta = QueueDelta::Reserve(
-            names
-                .iter()
-                .zip(ids)
-                .map(|(name, id)| ((*name).to_owned(), id, deadline_ms))
-                .collect(),
-        );
+        let delta = QueueDelta::Reserve(reservations);
         let undo = self.notify.apply(&delta);
         Ok(Some((delta, undo)))
     }

@@ -204,6 +204,11 @@ impl Topic {
         self.next_seq
     }
 
+    /// The id the next reservation gets.
+    pub fn next_reservation_id(&self) -> u64 {
+        self.next_reservation_id
+    }
+
     /// Entries after `after_seq`, at most `max`.
     pub fn list(&self, after_seq: u64, max: usize) -> Vec<QueueEntry> {
         let start = self.entries.partition_point(|e| e.seq <= after_seq);
@@ -310,14 +315,6 @@ impl Notifications {
             }
         }
         stale
-    }
-
-    /// The reservation ids the next `Reserve` of these topics would get.
-    pub fn next_reservation_ids(&self, topics: &[&str]) -> Vec<u64> {
-        topics
-            .iter()
-            .map(|t| self.topics.get(*t).map_or(1, |t| t.next_reservation_id))
-            .collect()
     }
 
     /// The deadline of one reservation.
