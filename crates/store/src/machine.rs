@@ -396,7 +396,7 @@ impl StateMachine {
             let (room, dropped): (Vec<_>, Vec<_>) = self
                 .notify
                 .matching(delta.key(), Event::Expire)
-                .map(|t| (t.def.name.clone(), t.is_full()))
+                .map(|t| (Arc::clone(t.name()), t.is_full()))
                 .partition(|(_, full)| !full);
             let commit = (!room.is_empty()).then(|| {
                 let commit = QueueDelta::Commit {
@@ -411,7 +411,7 @@ impl StateMachine {
                 delta,
                 notifications,
                 commit,
-                dropped: dropped.into_iter().map(|(t, _)| t).collect(),
+                dropped: dropped.into_iter().map(|(t, _)| t.to_string()).collect(),
             });
         }
         expired
@@ -440,7 +440,7 @@ impl StateMachine {
                 return Err(topic.def.name.clone());
             }
             reservations.push((
-                topic.def.name.clone(),
+                Arc::clone(topic.name()),
                 topic.next_reservation_id(),
                 deadline_ms,
             ));

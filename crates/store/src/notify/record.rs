@@ -12,6 +12,8 @@
 //! replaying it applies both or neither. Entry seqs are not recorded — they follow from the order
 //! of commits. Reservation id 0 ([`NO_RESERVATION`]) is a commit that reserved nothing (expiry).
 
+use std::sync::Arc;
+
 use super::{event_from_byte, Event, TopicDef};
 use crate::codec::{Reader, Writer};
 use crate::delta::Delta;
@@ -38,14 +40,14 @@ pub enum QueueDelta {
     /// Delete a topic with its queue and pending notifications.
     DeleteTopic(String),
     /// (topic, reservation id, deadline in Unix ms).
-    Reserve(Vec<(String, u64, u64)>),
+    Reserve(Vec<(Arc<str>, u64, u64)>),
     /// (topic, reservation id).
-    Abort(Vec<(String, u64)>),
+    Abort(Vec<(Arc<str>, u64)>),
     /// The key change and the notifications it commits: (topic, reservation id).
     Commit {
         change: Delta,
         event: Event,
-        commits: Vec<(String, u64)>,
+        commits: Vec<(Arc<str>, u64)>,
     },
     /// Remove the entries up to `up_to_seq` (the endpoint acknowledged them).
     Remove { topic: String, up_to_seq: u64 },
@@ -168,7 +170,7 @@ impl QueueDelta {
                 let mut list = Vec::with_capacity(n.min(r.remaining() / 20));
                 for _ in 0..n {
                     list.push((
-                        text(&mut r, "topic name")?,
+                        text(&mut r, "topic name")?.into(),
                         r.u63("reservation id")?,
                         r.u63("deadline")?,
                     ));
@@ -179,7 +181,7 @@ impl QueueDelta {
                 let n = r.len("count")?;
                 let mut list = Vec::with_capacity(n.min(r.remaining() / 12));
                 for _ in 0..n {
-                    list.push((text(&mut r, "topic name")?, r.u63("reservation id")?));
+                    list.push((text(&mut r, "topic name")?.into(), r.u63("reservation id")?));
                 }
                 QueueDelta::Abort(list)
             }
@@ -191,7 +193,7 @@ impl QueueDelta {
                 let n = r.len("count")?;
                 let mut commits = Vec::with_capacity(n.min(r.remaining() / 12));
                 for _ in 0..n {
-                    commits.push((text(&mut r, "topic name")?, r.u63("reservation id")?));
+                    commits.push((text(&mut r, "topic name")?.into(), r.u63("reservation id")?));
                 }
                 QueueDelta::Commit {
                     change,
@@ -221,7 +223,6 @@ mod tests {
     use bytes::Bytes;
     use mqstate_protocol::Hlc;
     use proptest::prelude::*;
-    use std::sync::Arc;
 
     fn def() -> TopicDef {
         TopicDef {
