@@ -250,6 +250,9 @@ impl Topic {
     }
 }
 
+/// A reservation a commit released: (id, deadline).
+pub type Reservation = (u64, u64);
+
 /// What restores the state a [`QueueDelta`] changed (in memory only; never logged).
 #[derive(Debug)]
 pub enum QueueUndo {
@@ -258,7 +261,7 @@ pub enum QueueUndo {
     /// Put back reservations an `Abort` removed: (topic, id, deadline).
     Rereserve(Vec<(Arc<str>, u64, u64)>),
     /// Take back the last entry of each topic, and give back its reservation (id, deadline).
-    Uncommit(Vec<(Arc<str>, Option<(u64, u64)>)>),
+    Uncommit(Vec<(Arc<str>, Option<Reservation>)>),
     /// Put back removed entries at the front.
     Unremove(String, Vec<QueueEntry>),
     /// Put back the topic as it was (`None`: it did not exist).
