@@ -474,17 +474,6 @@ impl StateMachine {
         (commit, undo)
     }
 
-    /// Aborts the reservations of `reserve` (the write did not happen).
-    pub fn abort_reserved(&mut self, reserve: &QueueDelta) -> (QueueDelta, QueueUndo) {
-        let list = match reserve {
-            QueueDelta::Reserve(list) => list.iter().map(|(t, id, _)| (t.clone(), *id)).collect(),
-            _ => Vec::new(),
-        };
-        let abort = QueueDelta::Abort(list);
-        let undo = self.notify.apply(&abort);
-        (abort, undo)
-    }
-
     /// Aborts reservations whose deadline passed (a crash between reserve and commit left them).
     pub fn abort_stale_reservations(&mut self, now_ms: u64) -> Option<(QueueDelta, QueueUndo)> {
         let stale = self.notify.stale_reservations(now_ms);

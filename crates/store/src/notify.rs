@@ -397,6 +397,11 @@ impl Notifications {
                         .reservations
                         .remove(reservation)
                         .map(|deadline| (*reservation, deadline));
+                    // A commit logged without a reservation record of its own (the write path's
+                    // reservation lives in memory only): replay moves the ids on as reserving did.
+                    if *reservation != NO_RESERVATION && *reservation >= topic.next_reservation_id {
+                        topic.next_reservation_id = reservation + 1;
+                    }
                     let value = match change {
                         Delta::Put { value, .. } => Some(value.clone()),
                         Delta::Delete { .. } => None,
@@ -437,6 +442,9 @@ impl Notifications {
                 for (name, id) in made {
                     if let Some(topic) = self.topics.get_mut(&*name) {
                         topic.reservations.remove(&id);
+                        if topic.next_reservation_id == id + 1 {
+                            topic.next_reservation_id = id;
+                        }
                     }
                 }
             }
