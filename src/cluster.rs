@@ -1,6 +1,7 @@
-//! `mqstate serve` as a cluster member: starts the control-plane node on `--cluster-listen`, and
-//! answers the operator's `mqstate cluster …` requests on the admin topic of the MQTT port. The
-//! state store itself still runs locally; its chains are the next step (issue 15).
+//! `mqstate serve` as a cluster member: starts the control-plane node on `--cluster-listen` and
+//! the data plane (`mqstate-replication`: the state store's keys on chains) on the same
+//! transport, connects the state-store service's router port to it, and answers the operator's
+//! `mqstate cluster …` requests on the admin topic of the MQTT port.
 
 use std::sync::Arc;
 
@@ -9,22 +10,59 @@ use bytes::Bytes;
 use mqstate_broker::service::ServiceInbox;
 use mqstate_broker::{Broker, Message, PublishProperties, QoS};
 use mqstate_cluster::admin::{AdminCall, AdminReply};
+use mqstate_cluster::transport::socket::TokioTcp;
 use mqstate_cluster::transport::tcp::{self, TcpTransport};
+use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig};
+use mqstate_protocol::Hlc;
+use mqstate_replication::head::HeadConfig;
+use mqstate_replication::log::ChainLog;
+use mqstate_replication::wire::Routed;
+use mqstate_replication::Replication;
+use mqstate_statestore::router::{KeyRouter, RoutedReply, RoutedRequest, Router, RouterFuture};
+use mqstate_wal::WalOptions;
 use tokio::net::TcpListener;
 
-use crate::settings::ClusterSettings;
+use crate::settings::{ClusterSettings, ClusterTlsFiles};
 
-/// The running node and its listener task.
+/// Reads the node's certificate, key and the cluster CA with the MQTT listeners' PEM loading.
+fn load_tls(files: &ClusterTlsFiles) -> anyhow::Result<NodeTls> {
+    use mqstate_broker::tls::{read_certs, read_key};
+    let chain = read_certs(&files.cert).context("cluster_tls_cert")?;
+    let key = read_key(&files.key).context("cluster_tls_key")?;
+    let ca = read_certs(&files.ca).context("cluster_tls_ca")?;
+    NodeTls::new(chain, key, ca).map_err(|e| {
+        anyhow::anyhow!(
+            "cluster TLS ({}, {}, {}): {e}",
+            files.cert.display(),
+            files.key.display(),
+            files.ca.display()
+        )
+    })
+}
+
+/// The running node, its data plane and its listener task.
 pub struct Running {
     pub node: Arc<ClusterNode>,
+    replication: mqstate_replication::Running,
     listener: tokio::task::JoinHandle<()>,
 }
 
-/// Binds the cluster address and starts the node; it forms or joins the cluster in the background.
+/// What the data plane needs besides the cluster settings.
+pub struct DataPlane {
+    /// The chain log's options (`fsync` and the like, as the other logs).
+    pub wal: WalOptions,
+    /// The store's configuration: the head executes with the same semantics as a single node.
+    pub head: HeadConfig,
+    pub clock: mqstate_clock::SharedClock,
+}
+
+/// Binds the cluster address and starts the node and its data plane; the node forms or joins the
+/// cluster in the background.
 pub async fn start(
     settings: &ClusterSettings,
     data_dir: &std::path::Path,
+    data: DataPlane,
 ) -> anyhow::Result<Running> {
     let listener = TcpListener::bind(settings.listen)
         .await
@@ -43,26 +81,57 @@ pub async fn start(
         },
         heartbeat: settings.election_timeout / 5,
         election_timeout: settings.election_timeout,
+        election_timeout_max: None,
+        clock: data.clock.clone(),
     };
-    let node = ClusterNode::start(config, Arc::new(TcpTransport::new()))
+    let tls = settings.tls.as_ref().map(load_tls).transpose()?;
+    if tls.is_none() && settings.plaintext {
+        tracing::warn!(
+            "node-to-node traffic is plain TCP (cluster_plaintext): anyone who reaches the cluster port can join the Raft group; set cluster_tls_* for mutual TLS"
+        );
+    }
+    let transport = TcpTransport::over(Arc::new(TokioTcp), tls.clone());
+    let node = ClusterNode::start(config, Arc::new(transport))
         .await
         .context("cannot start the cluster node")?;
     let node = Arc::new(node);
-    let listener = tokio::spawn(tcp::serve(listener, node.handler(), std::future::pending()));
+    let (log, restored) =
+        ChainLog::open(data_dir, data.wal).context("cannot open the chain replicas' log")?;
+    let replication = Replication::start(Arc::clone(&node), log, restored, data.head, data.clock);
+    let mutual_tls = tls.is_some();
+    let listener = tokio::spawn(tcp::serve_with(
+        listener,
+        tls,
+        node.handler(),
+        std::future::pending(),
+    ));
     tracing::info!(
         node_id = settings.node_id,
         cluster_listen = %settings.listen,
         peers = ?settings.peers,
         join = settings.join,
+        mutual_tls,
         "cluster node started"
     );
-    Ok(Running { node, listener })
+    Ok(Running {
+        node,
+        replication,
+        listener,
+    })
 }
 
 impl Running {
+    /// The state-store service's router: key commands go to their partition's head.
+    pub fn router(&self) -> Router {
+        Router(Arc::new(ChainRouter(Arc::clone(
+            &self.replication.replication,
+        ))))
+    }
+
     pub async fn stop(self) {
         self.listener.abort();
         let _ = self.listener.await;
+        self.replication.stop().await;
         match Arc::try_unwrap(self.node) {
             Ok(node) => node.shutdown().await,
             Err(_) => tracing::warn!("cluster node still in use at shutdown"),
@@ -152,5 +221,30 @@ async fn execute(node: &ClusterNode, call: AdminCall) -> AdminReply {
             },
             Err(e) => AdminReply::error(e.to_string()),
         },
+    }
+}
+
+/// The state store's router port on the data plane.
+struct ChainRouter(Arc<Replication>);
+
+impl KeyRouter for ChainRouter {
+    fn execute(&self, request: RoutedRequest) -> RouterFuture<'_> {
+        Box::pin(async move {
+            let routed = Routed {
+                client_id: request.client_id.to_string(),
+                correlation: request.correlation.to_vec(),
+                key: request.key.to_vec(),
+                payload: request.payload.to_vec(),
+                ts: request.ts.as_ref().map(Hlc::to_string),
+                fencing_token: request.fencing_token.as_ref().map(Hlc::to_string),
+                expiry_ms: u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX),
+            };
+            let executed = self.0.execute(routed).await;
+            RoutedReply {
+                payload: Bytes::from(executed.payload),
+                // The head wrote it: it parses (a damaged one is left off rather than guessed).
+                ts: executed.ts.as_deref().and_then(|ts| Hlc::parse(ts).ok()),
+            }
+        })
     }
 }

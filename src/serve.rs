@@ -63,7 +63,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let (recovered, recovery) = mqstate_statestore::recovery::recover(
         &settings.data_dir,
         wal_options(&settings, "statestore"),
-        store_config,
+        store_config.clone(),
         clock.now_ms(),
     )?;
     metrics::record_recovery(recovery.elapsed);
@@ -79,7 +79,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     let broker = Broker::builder(broker_config(&settings))
         .security(policy.security)
         .journal(session_log.clone())
-        .clock(clock)
+        .clock(clock.clone())
         .build();
     let report = broker.restore(restored);
     tracing::info!(
@@ -100,7 +100,18 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
     // Started before the MQTT listeners, but it never waits for the cluster to form: the
     // listeners open at once.
     let cluster = match &settings.cluster {
-        Some(cluster) => Some(crate::cluster::start(cluster, &settings.data_dir).await?),
+        Some(cluster) => {
+            let data = crate::cluster::DataPlane {
+                wal: wal_options(&settings, "chains"),
+                head: mqstate_replication::head::HeadConfig {
+                    store: store_config,
+                    limits: mqstate_protocol::RequestLimits::default(),
+                    node: cluster.node_id,
+                },
+                clock,
+            };
+            Some(crate::cluster::start(cluster, &settings.data_dir, data).await?)
+        }
         None => None,
     };
     let admin_inbox = broker
@@ -168,6 +179,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         requests_per_second: settings.statestore_requests_per_second,
         notify: Some(settings.notify.clone()),
         failpoints: Failpoints::from_env(),
+        router: cluster.as_ref().map(crate::cluster::Running::router),
         ..ServiceConfig::default()
     };
     let store = tokio::spawn(service::run(

@@ -468,7 +468,7 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_NOTIFY_NODE_ID", value_name = "ID")]
     pub notify_node_id: Option<String>,
 
-    /// Milliseconds after which a notification reservation that was neither committed nor aborted is aborted (only a log written before decision 0035 can hold one: a crash between its reservation and commit records). Default 30000.
+    /// Milliseconds after which a notification reservation that was neither committed nor aborted is aborted (only a log written before decision 0038 can hold one: a crash between its reservation and commit records). Default 30000.
     #[arg(long, env = "MQSTATE_NOTIFY_RESERVATION_TIMEOUT_MS", value_name = "MS")]
     pub notify_reservation_timeout_ms: Option<u64>,
 
@@ -541,6 +541,34 @@ pub struct Settings {
     /// Default 1000.
     #[arg(long, env = "MQSTATE_CLUSTER_ELECTION_TIMEOUT", value_name = "MS")]
     pub cluster_election_timeout: Option<u64>,
+
+    /// PEM certificate chain of this node for mutual TLS between nodes; it must name the host of
+    /// this node's cluster address. Needs cluster_tls_key and cluster_tls_ca. Default none.
+    #[arg(long, env = "MQSTATE_CLUSTER_TLS_CERT", value_name = "FILE")]
+    pub cluster_tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --cluster-tls-cert. Default none.
+    #[arg(long, env = "MQSTATE_CLUSTER_TLS_KEY", value_name = "FILE")]
+    pub cluster_tls_key: Option<PathBuf>,
+
+    /// PEM CA certificate(s) that sign every node's certificate; a peer without one is refused.
+    /// Default none.
+    #[arg(long, env = "MQSTATE_CLUSTER_TLS_CA", value_name = "FILE")]
+    pub cluster_tls_ca: Option<PathBuf>,
+
+    /// Allow node-to-node traffic without TLS on addresses beyond loopback (a private network you
+    /// trust); without it and without cluster_tls_*, only loopback addresses are allowed. Default false.
+    #[arg(long, env = "MQSTATE_CLUSTER_PLAINTEXT", value_name = "BOOL",
+          num_args = 0..=1, default_missing_value = "true")]
+    pub cluster_plaintext: Option<bool>,
+}
+
+/// Mutual TLS between nodes: the files as given (read when the node starts).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterTlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
 }
 
 /// The cluster part of the resolved settings; absent on a single node.
@@ -558,6 +586,18 @@ pub struct ClusterSettings {
     pub lease: Duration,
     pub clock_factor: Duration,
     pub election_timeout: Duration,
+    /// `None`: plain TCP (loopback only, unless `cluster_plaintext`).
+    pub tls: Option<ClusterTlsFiles>,
+    pub plaintext: bool,
+}
+
+/// Whether `host` (an IP or a name, from `HOST:PORT`) is this machine's loopback.
+fn is_loopback_host(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 impl ClusterSettings {
@@ -625,6 +665,28 @@ impl ClusterSettings {
             s.replication_factor.map(u64::from),
             u64::from(defaults::REPLICATION_FACTOR),
         )?;
+        let tls = match (&s.cluster_tls_cert, &s.cluster_tls_key, &s.cluster_tls_ca) {
+            (None, None, None) => None,
+            (Some(cert), Some(key), Some(ca)) => Some(ClusterTlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            }),
+            _ => bail!("mutual TLS between nodes needs all three of cluster_tls_cert, cluster_tls_key and cluster_tls_ca (--cluster-tls-cert, --cluster-tls-key, --cluster-tls-ca)"),
+        };
+        let plaintext = s.cluster_plaintext.unwrap_or(false);
+        if tls.is_none() && !plaintext {
+            let beyond = std::iter::once(listen.ip().to_string())
+                .chain(peers.values().map(|addr| {
+                    addr.rsplit_once(':')
+                        .map_or(addr.as_str(), |(host, _)| host)
+                        .to_owned()
+                }))
+                .find(|host| !is_loopback_host(host));
+            if let Some(host) = beyond {
+                bail!("cluster address {host} is beyond loopback and node-to-node traffic would be plain TCP: set cluster_tls_cert, cluster_tls_key and cluster_tls_ca (mutual TLS), or cluster_plaintext = true on a private network you trust");
+            }
+        }
         Ok(Some(ClusterSettings {
             node_id,
             listen,
@@ -650,6 +712,8 @@ impl ClusterSettings {
                 s.cluster_election_timeout,
                 defaults::CLUSTER_ELECTION_TIMEOUT_MS,
             )?),
+            tls,
+            plaintext,
         }))
     }
 }
@@ -839,6 +903,10 @@ impl Settings {
             cluster_election_timeout: self
                 .cluster_election_timeout
                 .or(lower.cluster_election_timeout),
+            cluster_tls_cert: self.cluster_tls_cert.or(lower.cluster_tls_cert),
+            cluster_tls_key: self.cluster_tls_key.or(lower.cluster_tls_key),
+            cluster_tls_ca: self.cluster_tls_ca.or(lower.cluster_tls_ca),
+            cluster_plaintext: self.cluster_plaintext.or(lower.cluster_plaintext),
         }
     }
 
@@ -1163,6 +1231,8 @@ mod tests {
                 "2=node2.example:7002".into(),
                 "3=127.0.0.1:7003".into(),
             ],
+            // node2.example is beyond loopback: plain TCP must be asked for.
+            cluster_plaintext: Some(true),
             ..Settings::default()
         };
         let file: Settings =
@@ -1224,6 +1294,70 @@ mod tests {
         .unwrap();
         assert!(joining.join && joining.peers.is_empty());
         assert_eq!(joining.advertise, "127.0.0.1:7002");
+    }
+
+    #[test]
+    fn plain_node_traffic_beyond_loopback_needs_tls_or_saying_so() {
+        let local = Settings {
+            node_id: Some(1),
+            cluster_listen: Some("127.0.0.1:7001".into()),
+            peers: vec!["1=127.0.0.1:7001".into(), "2=localhost:7002".into()],
+            ..Settings::default()
+        };
+        let c = local.clone().resolve().unwrap().cluster.unwrap();
+        assert_eq!(
+            (c.tls, c.plaintext),
+            (None, false),
+            "loopback needs nothing"
+        );
+        let err = |s: Settings| format!("{:#}", s.resolve().unwrap_err());
+        let wide = Settings {
+            cluster_listen: Some("0.0.0.0:7001".into()),
+            ..local.clone()
+        };
+        let e = err(wide.clone());
+        assert!(
+            e.contains("0.0.0.0")
+                && e.contains("cluster_tls_cert")
+                && e.contains("cluster_plaintext"),
+            "{e}"
+        );
+        let remote_peer = Settings {
+            peers: vec!["1=127.0.0.1:7001".into(), "2=10.0.0.2:7001".into()],
+            ..local.clone()
+        };
+        assert!(err(remote_peer.clone()).contains("10.0.0.2"));
+        assert!(
+            Settings {
+                cluster_plaintext: Some(true),
+                ..remote_peer
+            }
+            .resolve()
+            .unwrap()
+            .cluster
+            .unwrap()
+            .plaintext
+        );
+        let tls = Settings {
+            cluster_tls_cert: Some("node.pem".into()),
+            cluster_tls_key: Some("node.key".into()),
+            cluster_tls_ca: Some("ca.pem".into()),
+            ..wide.clone()
+        };
+        let c = tls.clone().resolve().unwrap().cluster.unwrap();
+        assert_eq!(
+            c.tls,
+            Some(ClusterTlsFiles {
+                cert: "node.pem".into(),
+                key: "node.key".into(),
+                ca: "ca.pem".into()
+            })
+        );
+        assert!(err(Settings {
+            cluster_tls_ca: None,
+            ..tls
+        })
+        .contains("all three"));
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Real `mqstate serve` processes on loopback forming a cluster: status agrees on every node, the
 //! leader is killed with SIGKILL and replaced, restarts and rejoins, a fourth node is added and
-//! another removed, and all of them restarted together keep the configuration.
+//! another removed, and all of them restarted together keep the configuration. The state store
+//! on the chains, with the official AIO SDK: a write through one node is read with its version
+//! on the others, NX and VDEL hold through a node that is not the head, and an acknowledged write
+//! survives `kill -9` of its chain's head.
 
 mod common;
 
@@ -9,6 +12,9 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
+use azure_iot_operations_services::state_store::{SetCondition, SetOptions};
+use common::sdk::SdkClient;
 use common::{free_addr, Server};
 use serde_json::Value;
 
@@ -254,4 +260,236 @@ fn a_single_node_says_it_is_not_a_cluster() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("single node"), "{err}");
+}
+
+fn placement(node: &Node, key: &str) -> Option<Value> {
+    let out = cli(
+        node.server.port(),
+        &["cluster", "partition-of", key, "--json"],
+    );
+    if !out.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+fn ids(value: &Value) -> Vec<u64> {
+    value
+        .as_array()
+        .map(|ids| ids.iter().filter_map(Value::as_u64).collect())
+        .unwrap_or_default()
+}
+
+fn hlc(version: Option<&HybridLogicalClock>) -> (std::time::SystemTime, u64, String) {
+    let version = version.expect("a version (__ts) on the reply");
+    (version.timestamp, version.counter, version.node_id.clone())
+}
+
+#[test]
+fn the_state_store_on_chains_reads_everywhere_and_survives_kill_9_of_a_head() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let founding = ["--peers", peers.as_str()];
+    let mut nodes: Vec<Node> = (1..=3)
+        .map(|id| start_node(root.path(), id, addrs[id as usize - 1], &founding))
+        .collect();
+    let refs: Vec<&Node> = nodes.iter().collect();
+    eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
+
+    let key = "chain/k1";
+    let (placed, _) = eventually("the key's chain", || placement(&nodes[0], key));
+    let chain = ids(&placed["chain"]);
+    assert_eq!(chain.len(), 3, "{placed}");
+    let head = chain[0];
+    let others: Vec<u64> = chain[1..].to_vec();
+    let port = |id: u64| nodes[id as usize - 1].server.port();
+    let (writer_port, reader_ports) = (port(others[0]), [port(head), port(others[1])]);
+    let survivor_port = port(others[1]);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let written = runtime.block_on(async {
+        // SET through a node that is not the head: forwarded, executed at the head, replicated.
+        let writer = SdkClient::connect(writer_port, "chain-writer").await;
+        let set = writer
+            .set(key.as_bytes(), b"v1", SetOptions::default())
+            .await;
+        assert!(set.response);
+        let written = hlc(set.version.as_ref());
+        for (i, port) in reader_ports.into_iter().enumerate() {
+            let reader = SdkClient::connect(port, &format!("chain-reader-{i}")).await;
+            let got = reader.get(key.as_bytes()).await;
+            assert_eq!(got.response.as_deref(), Some(b"v1".as_slice()));
+            assert_eq!(hlc(got.version.as_ref()), written, "the SET's version");
+            reader.shutdown().await;
+        }
+
+        // NX and VDEL semantics through the non-head node.
+        let nx = SetOptions {
+            set_condition: SetCondition::OnlyIfDoesNotExist,
+            ..SetOptions::default()
+        };
+        let other = b"chain/nx";
+        assert!(writer.set(other, b"first", nx.clone()).await.response);
+        assert!(!writer.set(other, b"second", nx.clone()).await.response);
+        assert_eq!(
+            writer.vdel(other, b"second").await,
+            -1,
+            "VDEL of another value"
+        );
+        assert_eq!(
+            writer.get(other).await.response.as_deref(),
+            Some(b"first".as_slice())
+        );
+        assert_eq!(writer.vdel(other, b"first").await, 1);
+        assert_eq!(writer.get(other).await.response, None);
+        assert!(
+            writer.set(other, b"third", nx).await.response,
+            "NX after VDEL"
+        );
+        writer.shutdown().await;
+        written
+    });
+
+    // kill -9 the head of the key's chain once the write was acknowledged; once the control plane
+    // published a view without it, a survivor answers the value with the same version.
+    let index = nodes.iter().position(|n| n.id == head).unwrap();
+    nodes[index].server.kill9();
+    let survivor = nodes.iter().find(|n| n.id == others[1]).unwrap();
+    let (new_chain, _) = eventually("a view of the key's chain without the killed head", || {
+        let placed = placement(survivor, key)?;
+        let chain = ids(&placed["chain"]);
+        (!chain.is_empty() && !chain.contains(&head)).then_some(chain)
+    });
+    eprintln!("chain of {key} after kill -9 of head {head}: {new_chain:?}");
+    runtime.block_on(async {
+        let reader = SdkClient::connect(survivor_port, "chain-after-kill").await;
+        let got = reader.get(key.as_bytes()).await;
+        assert_eq!(got.response.as_deref(), Some(b"v1".as_slice()));
+        assert_eq!(
+            hlc(got.version.as_ref()),
+            written,
+            "the acknowledged version"
+        );
+        let other = reader.get(b"chain/nx").await;
+        assert_eq!(other.response.as_deref(), Some(b"third".as_slice()));
+        reader.shutdown().await;
+    });
+}
+
+/// A certificate authority made for the test, and node certificates it signs (PEM files).
+struct TestCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pem: String,
+}
+
+impl TestCa {
+    fn new(name: &str) -> TestCa {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key).unwrap();
+        TestCa {
+            pem: cert.pem(),
+            issuer: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    /// Writes `<name>.pem`, `<name>.key` (a certificate for 127.0.0.1) and `<name>-ca.pem` (the CA
+    /// it trusts: this one) into `dir`; returns the serve flags that use them.
+    fn node_flags(&self, dir: &Path, name: &str) -> Vec<String> {
+        use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, KeyPair};
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let write = |file: &str, text: &str| {
+            let path = dir.join(file);
+            std::fs::write(&path, text).unwrap();
+            path.display().to_string()
+        };
+        vec![
+            "--cluster-tls-cert".into(),
+            write(&format!("{name}.pem"), &cert.pem()),
+            "--cluster-tls-key".into(),
+            write(&format!("{name}.key"), &key.serialize_pem()),
+            "--cluster-tls-ca".into(),
+            write(&format!("{name}-ca.pem"), &self.pem),
+        ]
+    }
+}
+
+#[test]
+fn nodes_with_mutual_tls_form_a_cluster_that_a_node_of_another_ca_cannot_join() {
+    let root = tempfile::tempdir().unwrap();
+    let cluster_ca = TestCa::new("mqstate cluster CA");
+    let other_ca = TestCa::new("another CA");
+    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let mut nodes = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        let id = i as u64 + 1;
+        // Node 3 is a listed founder, but its certificate is from another CA.
+        let ca = if id == 3 { &other_ca } else { &cluster_ca };
+        let tls = ca.node_flags(root.path(), &format!("node{id}"));
+        let mut membership: Vec<&str> = vec!["--peers", &peers];
+        membership.extend(tls.iter().map(String::as_str));
+        nodes.push(start_node(root.path(), id, addr, &membership));
+    }
+    // Nodes 1 and 2 are a majority of the three: they form the cluster over mutual TLS, and
+    // see node 3 as a member that is down.
+    let (leader, took) = eventually("nodes 1 and 2 agree, node 3 down", || {
+        let s1 = status(&nodes[0])?;
+        let s2 = status(&nodes[1])?;
+        let leader = s1["leader"].as_u64()?;
+        (s2["leader"].as_u64() == Some(leader)
+            && member_state(&s1, 3).as_deref() == Some("down")
+            && member_state(&s2, 3).as_deref() == Some("down"))
+        .then_some(leader)
+    });
+    assert!(leader == 1 || leader == 2, "leader {leader}");
+    println!("mutual TLS: two of three nodes formed the cluster in {took:?}");
+    // Node 3 never got in: no leader, no partition map.
+    let s3 = status(&nodes[2]).expect("node 3 answers cluster status");
+    assert_eq!(s3["leader"], Value::Null, "{s3}");
+    assert_eq!(s3["partitions"].as_array().map(Vec::len), Some(0), "{s3}");
+    for node in &mut nodes {
+        node.server.stop();
+    }
+}
+
+#[test]
+fn plain_node_traffic_beyond_loopback_is_refused_at_start() {
+    let listen = format!("0.0.0.0:{}", free_addr().port());
+    let peers = format!("1={listen}");
+    let (stderr, status) = common::serve_stderr(
+        &[
+            "--node-id",
+            "1",
+            "--cluster-listen",
+            &listen,
+            "--peers",
+            &peers,
+        ],
+        &[],
+        "cluster node started",
+    );
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "started anyway: {stderr}"
+    );
+    assert!(
+        stderr.contains("cluster_tls_cert") && stderr.contains("cluster_plaintext"),
+        "{stderr}"
+    );
 }

@@ -358,6 +358,19 @@ fn defaults_in_use() -> std::collections::BTreeMap<&'static str, String> {
             "cluster_election_timeout",
             cluster.election_timeout.as_millis().to_string(),
         ),
+        (
+            "cluster_tls_cert",
+            none_or(cluster.tls.as_ref().map(|t| t.cert.display())),
+        ),
+        (
+            "cluster_tls_key",
+            none_or(cluster.tls.as_ref().map(|t| t.key.display())),
+        ),
+        (
+            "cluster_tls_ca",
+            none_or(cluster.tls.as_ref().map(|t| t.ca.display())),
+        ),
+        ("cluster_plaintext", cluster.plaintext.to_string()),
     ]
     .into_iter()
     .collect()

@@ -338,7 +338,7 @@ async fn a_crash_between_reserve_and_commit_leaves_nothing_behind() {
         Server::start_in(&data, &[], &[("MQSTATE_FAILPOINT", "notify-after-reserve")]);
     create(&crashing, "orders", &hook.url(), &[]);
     // The SET reserves its slot and executes, in memory, and the process aborts before the record
-    // that commits both is logged (decision 0035: the reservation is not logged on its own).
+    // that commits both is logged (decision 0038: the reservation is not logged on its own).
     let mut client = StateClient::connect(crashing.addr, "writer").await;
     let pending = tokio::spawn(async move {
         let _ = set(&mut client, "order:1", "lost").await;

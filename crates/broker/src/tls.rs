@@ -173,8 +173,7 @@ fn build(files: &TlsFiles) -> Result<ServerConfig, BrokerError> {
         Some(ca) => builder.with_client_cert_verifier(client_verifier(ca, files, provider)?),
     };
     let certs = read_certs(&files.cert)?;
-    let key = PrivateKeyDer::from_pem_slice(&read(&files.key)?)
-        .map_err(|e| error(&files.key, format!("no usable PEM private key: {e}")))?;
+    let key = read_key(&files.key)?;
     builder.with_single_cert(certs, key).map_err(|e| {
         error(
             &files.key,
@@ -206,7 +205,16 @@ fn read(path: &Path) -> Result<Vec<u8>, BrokerError> {
     std::fs::read(path).map_err(|e| error(path, e))
 }
 
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, BrokerError> {
+/// The PEM private key in `path` (PKCS#8, PKCS#1 or SEC1); the error names the file. Also what
+/// the cluster's node-to-node TLS loads its key with.
+pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, BrokerError> {
+    PrivateKeyDer::from_pem_slice(&read(path)?)
+        .map_err(|e| error(path, format!("no usable PEM private key: {e}")))
+}
+
+/// The PEM certificates in `path`, at least one; the error names the file. Also what the
+/// cluster's node-to-node TLS loads its certificates with.
+pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, BrokerError> {
     let certs = CertificateDer::pem_slice_iter(&read(path)?)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| error(path, format!("invalid PEM: {e}")))?;

@@ -229,11 +229,18 @@ impl Inner {
                 .truncate_from(first)
                 .map_err(storage_error::write_logs)?;
         }
+        // The durable end is raised with every append, not only at rotation: openraft counts an
+        // entry it was told is flushed toward a quorum, so its later loss must be refused at
+        // recovery (`LostDurable`), never cut as a torn tail. One small metadata write per
+        // append; the control plane appends a few small batches a second.
         self.wal
             .write_batch_at(first, encoded.iter().map(|(term, data)| (*term, &data[..])))
             .and_then(|_| self.wal.sync())
+            .and_then(|()| self.wal.mark_durable())
             .and_then(|()| self.wal.rotate_if_needed())
-            .map_err(storage_error::write_logs)
+            .map_err(storage_error::write_logs)?;
+        debug_assert_eq!(self.wal.metadata().durable_end, self.wal.next_lsn());
+        Ok(())
     }
 }
 
@@ -431,6 +438,100 @@ mod tests {
             ids(&store.try_get_log_entries(..).await.unwrap()),
             [(4, 31)]
         );
+    }
+
+    /// Set in the child process of the kill -9 test: the directory it appends to.
+    const KILL9_DIR: &str = "MQSTATE_TEST_RAFT_LOG_KILL9_DIR";
+    const KILL9_ENTRIES: u64 = 40;
+
+    /// The child of [`acknowledged_entries_survive_kill_9_and_are_below_the_durable_end`]:
+    /// appends entries one batch at a time, says which it appended, then waits to be killed.
+    /// Does nothing when run as an ordinary test.
+    #[test]
+    fn kill9_child_appends_then_waits() {
+        let Some(dir) = std::env::var_os(KILL9_DIR) else {
+            return;
+        };
+        let store = LogStore::open(Path::new(&dir)).unwrap();
+        for i in 0..KILL9_ENTRIES {
+            store.inner().append(&[entry(1, i)]).unwrap();
+            println!("appended {i}");
+        }
+        std::thread::sleep(std::time::Duration::from_secs(600));
+    }
+
+    /// openraft is told an entry is flushed when `append` returns: after a kill -9 every such
+    /// entry is back, and the metadata file's durable end covers it, so damage to it afterwards
+    /// is refused at recovery instead of being cut as a torn tail (an acknowledged vote-counting
+    /// entry silently lost).
+    #[test]
+    fn acknowledged_entries_survive_kill_9_and_are_below_the_durable_end() {
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "log_store::tests::kill9_child_appends_then_waits",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(KILL9_DIR, dir.path())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut acknowledged = None;
+        for line in stdout.lines() {
+            let line = line.unwrap();
+            if let Some(i) = line.strip_prefix("appended ") {
+                acknowledged = Some(i.parse::<u64>().unwrap());
+                if acknowledged == Some(KILL9_ENTRIES - 1) {
+                    break;
+                }
+            }
+        }
+        assert_eq!(
+            acknowledged,
+            Some(KILL9_ENTRIES - 1),
+            "the child stopped early"
+        );
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let segment = std::fs::read_dir(dir.path().join("log"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .max()
+            .unwrap();
+        // Where the last entry ends (a clean reopen writes an end marker after it).
+        let len = std::fs::metadata(&segment).unwrap().len();
+
+        {
+            let (wal, recovered) = Wal::open(dir.path(), options()).unwrap();
+            assert_eq!(
+                recovered.metadata.durable_end, KILL9_ENTRIES,
+                "every acknowledged entry is below the durable end"
+            );
+            assert_eq!(wal.next_lsn(), KILL9_ENTRIES);
+        }
+        let all = LogStore::open(dir.path())
+            .unwrap()
+            .read(0..KILL9_ENTRIES + 1)
+            .unwrap();
+        assert_eq!(
+            ids(&all),
+            (0..KILL9_ENTRIES).map(|i| (1, i)).collect::<Vec<_>>()
+        );
+
+        // Lose the end of the last acknowledged entry: refused, naming the durable end.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&segment)
+            .unwrap()
+            // The 4-byte end marker and the last 4 bytes of the last entry (24 bytes long).
+            .set_len(len - 8)
+            .unwrap();
+        let err = LogStore::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("durable end"), "{err}");
     }
 
     #[test]

@@ -1,21 +1,24 @@
 //! A running member of the cluster: its Raft, how it finds or forms the cluster, its lease, the
 //! leader's periodic step, membership changes and [`Status`].
 //!
-//! Time enters here and only here: the leader stamps its wall clock (Unix ms) on every timed
-//! command it proposes, and a node measures its own lease on its monotonic clock from the moment it
-//! asked for it.
+//! Time enters here and only here, through the injected [`mqstate_clock::Clock`]: the leader
+//! stamps its wall clock (Unix ms) on every timed command it proposes, and a node measures its own
+//! lease on its monotonic clock from the moment it asked for it. Timers are tokio's, so a
+//! simulation that runs tokio's clock (turmoil) runs every timer of the node.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use mqstate_clock::SharedClock;
 
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ChangeMembers, ServerState};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::control::{Command, MapConfig, Outcome};
+use crate::control::{Command, MapConfig, Outcome, Partition};
 use crate::log_store::LogStore;
 use crate::network::Network;
 use crate::partition::{partition_of, PartitionId};
@@ -53,7 +56,14 @@ pub struct NodeConfig {
     /// Proposed when this node creates the partition map.
     pub map: MapConfig,
     pub heartbeat: Duration,
+    /// A follower that hears no leader for a random time in `election_timeout ..
+    /// election_timeout_max` stands for election.
     pub election_timeout: Duration,
+    /// `None`: twice `election_timeout`. The simulation pins it 1 ms above, with a different
+    /// timeout per node, so that openraft's own (unseeded) random draw cannot change a run.
+    pub election_timeout_max: Option<Duration>,
+    /// Wall time for the leader's stamps, monotonic time for this node's lease.
+    pub clock: SharedClock,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -87,12 +97,19 @@ struct LocalLease {
     was_valid: bool,
 }
 
+/// The data plane (the chains) attached to a node: it answers [`Request::Data`], and once it is
+/// attached it reports catch-up itself ([`ClusterNode::report_caught_up`]).
+pub trait DataHandler: Send + Sync + 'static {
+    fn handle(&self, request: Vec<u8>) -> BoxFuture<'_, Vec<u8>>;
+}
+
 struct Inner {
     config: NodeConfig,
     raft: Raft,
     state: SharedState,
     transport: Arc<dyn Transport>,
     lease: Mutex<LocalLease>,
+    data: OnceLock<Arc<dyn DataHandler>>,
 }
 
 /// A running cluster member. Serve [`ClusterNode::handler`] on the cluster address.
@@ -100,12 +117,6 @@ pub struct ClusterNode {
     inner: Arc<Inner>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
-}
-
-fn unix_now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl ClusterNode {
@@ -142,7 +153,11 @@ impl ClusterNode {
             cluster_name: "mqstate".into(),
             heartbeat_interval: heartbeat.max(1),
             election_timeout_min: election.max(heartbeat + 1),
-            election_timeout_max: election.max(heartbeat + 1) * 2,
+            election_timeout_max: config
+                .election_timeout_max
+                .map_or(election.max(heartbeat + 1) * 2, |max| {
+                    (max.as_millis() as u64).max(election.max(heartbeat + 1) + 1)
+                }),
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
             max_in_snapshot_log_to_keep: 100,
             ..openraft::Config::default()
@@ -164,6 +179,7 @@ impl ClusterNode {
             state,
             transport,
             lease: Mutex::new(LocalLease::default()),
+            data: OnceLock::new(),
         });
         let (stop, stopped) = watch::channel(false);
         let tasks = vec![
@@ -199,6 +215,71 @@ impl ClusterNode {
             .read()
             .state
             .acting_view(self.inner.config.id, partition)
+    }
+
+    /// Attaches the data plane: it answers [`Request::Data`] from now on, and this node stops
+    /// reporting itself caught up at its lease renewals (the data plane reports it once its copy
+    /// is complete). Only the first call counts.
+    pub fn set_data_handler(&self, handler: Arc<dyn DataHandler>) {
+        if self.inner.data.set(handler).is_err() {
+            tracing::warn!("a data handler is already attached; the second one is ignored");
+        }
+    }
+
+    /// The transport this node sends with (the data plane reuses it).
+    pub fn transport(&self) -> Arc<dyn Transport> {
+        Arc::clone(&self.inner.transport)
+    }
+
+    /// The cluster address of member `id`, if it is one.
+    pub fn addr_of(&self, id: NodeId) -> Option<String> {
+        self.inner.addr_of(id)
+    }
+
+    /// The partition count, once the partition map exists.
+    pub fn partition_count(&self) -> Option<u32> {
+        self.inner
+            .state
+            .read()
+            .state
+            .config
+            .map(|c| c.partition_count)
+    }
+
+    /// `partition` as this node last applied it (published view, chain, read view, pending change).
+    pub fn partition(&self, partition: PartitionId) -> Option<Partition> {
+        self.inner
+            .state
+            .read()
+            .state
+            .partitions
+            .get(partition as usize)
+            .cloned()
+    }
+
+    /// [`ClusterNode::acting_view`] with the view itself: the partition as published, when this
+    /// node may act on it now.
+    pub fn acting_partition(&self, partition: PartitionId) -> Option<Partition> {
+        let view = self.acting_view(partition)?;
+        self.partition(partition).filter(|p| p.view == view)
+    }
+
+    /// Reports that this node's replica of `partition` holds every committed row, as reached under
+    /// `view`: proposed only while `view` is still the partition's published view (a report of
+    /// a replaced view is dropped; the replica copies again under the new one).
+    pub async fn report_caught_up(&self, partition: PartitionId, view: u64) {
+        let current = self.partition(partition);
+        if !current.is_some_and(|p| p.view == view && p.pending.is_none()) {
+            tracing::debug!(partition, view, "stale catch-up report dropped");
+            return;
+        }
+        let command = Command::CaughtUp {
+            node: self.inner.id(),
+            partitions: vec![(partition, view)],
+        };
+        if let Err(e) = self.inner.propose(command).await {
+            tracing::debug!(partition, view, "catch-up report failed: {e}");
+        }
     }
 
     /// Where `key` lives, once the partition map exists.
@@ -270,7 +351,7 @@ impl Inner {
             let lease = self.lease();
             (lease.valid_until, lease.epoch)
         };
-        valid_until.is_some_and(|until| Instant::now() < until)
+        valid_until.is_some_and(|until| self.config.clock.now() < until)
             && self.state.read().state.epoch >= epoch
     }
 
@@ -312,7 +393,11 @@ impl Inner {
 
     /// Proposes on this node, which must be the leader; the leader's clock is stamped on it.
     async fn propose_here(&self, command: Command) -> Result<Outcome, ClusterError> {
-        match self.raft.client_write(command.stamped(unix_now_ms())).await {
+        match self
+            .raft
+            .client_write(command.stamped(self.config.clock.now_ms()))
+            .await
+        {
             Ok(response) => Ok(response.data),
             Err(e) => Err(self.write_error(e)),
         }
@@ -493,6 +578,10 @@ impl Handler for Inner {
                     node_id: self.id(),
                     initialized: self.raft.is_initialized().await.unwrap_or(false),
                 },
+                Request::Data(request) => match self.data.get() {
+                    Some(data) => Response::Data(data.handle(request).await),
+                    None => Response::Failed("this node serves no data plane".into()),
+                },
             }
         })
     }
@@ -501,6 +590,7 @@ impl Handler for Inner {
 /// Sleeps `period` unless told to stop; false once stopped.
 async fn pause(stopped: &mut watch::Receiver<bool>, period: Duration) -> bool {
     let slept = tokio::select! {
+        biased; // deterministic under simulation
         _ = stopped.wait_for(|stop| *stop) => false,
         () = tokio::time::sleep(period) => true,
     };
@@ -568,15 +658,27 @@ async fn bootstrap(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
 
 /// The leader's duties: create the partition map once, then step the control state (failure
 /// detection, publishing views) whenever a step would change it.
+///
+/// A new leader lets every member renew with it before it judges anyone's lease: the leases it
+/// finds were granted by its predecessor, and while there was no leader nobody could renew. Judged
+/// at once, every member would be found lapsed and put at the tail of its chains as if it had
+/// to catch up — and a partition whose read view empties that way has no complete replica left.
 async fn lead(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let grace = Duration::from_millis((inner.config.map.lease_ms / 3).max(50) * 2);
+    let mut leader_since: Option<Instant> = None;
     while pause(&mut stopped, LEADER_STEP).await {
         if inner.leader() != Some(inner.id()) {
+            leader_since = None;
             continue;
         }
-        let now_ms = unix_now_ms();
+        let now = inner.config.clock.now();
+        let in_office = now.saturating_duration_since(*leader_since.get_or_insert(now));
+        let now_ms = inner.config.clock.now_ms();
         let command = {
             let state = &inner.state.read().state;
-            if state.config.is_none() {
+            if state.config.is_some() && in_office < grace {
+                None
+            } else if state.config.is_none() {
                 Some(Command::Init {
                     config: inner.config.map,
                     now_ms,
@@ -597,8 +699,8 @@ async fn lead(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
 }
 
 /// Renews this node's lease every third of a lease (so two renewals can fail before it lapses),
-/// confirming the state it has applied; and, until chains copy data, reports itself caught up on
-/// partitions whose write view it entered.
+/// confirming the state it has applied; and, when no data plane is attached (nothing to copy),
+/// reports itself caught up on partitions whose write view it entered.
 async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
     let period = Duration::from_millis((inner.config.map.lease_ms / 3).max(50));
     while pause(&mut stopped, period).await {
@@ -617,7 +719,7 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 .collect();
             (applied.state.epoch, catching_up)
         };
-        let asked_at = Instant::now();
+        let asked_at = inner.config.clock.now();
         let renewed = inner
             .propose(Command::Renew {
                 node: inner.id(),
@@ -645,7 +747,8 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
             }
             lease.was_valid = valid;
         }
-        if valid && !catching_up.is_empty() {
+        // With a data plane attached, the replicas report catch-up once their copy is complete.
+        if valid && !catching_up.is_empty() && inner.data.get().is_none() {
             let command = Command::CaughtUp {
                 node: inner.id(),
                 partitions: catching_up,

@@ -34,6 +34,8 @@ async fn start(net: &MemNetwork, root: &Path, id: NodeId, founders: &[NodeId]) -
         },
         heartbeat: Duration::from_millis(50),
         election_timeout: Duration::from_millis(300),
+        election_timeout_max: None,
+        clock: mqstate_clock::system(),
     };
     let node = ClusterNode::start(config, Arc::new(net.transport(&addr(id))))
         .await

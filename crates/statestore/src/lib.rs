@@ -8,6 +8,7 @@
 //! * [`notify`] — persistent notifications: settings, the admin RPC of topics, the queue owner
 //!   (lock walk, pushers); the executor's side is `service/notify_exec.rs`.
 //! * `rate` — requests per second per client (`-ERR the quota has been exceeded` beyond).
+//! * [`router`] — the port a cluster node routes key commands through (to their partition's head).
 //! * [`service`] — the executor and the completer over the store's
 //!   [`DurableLog`](mqstate_wal::DurableLog); [`recovery`] — snapshot, replay and clock ceiling
 //!   at start.
@@ -22,4 +23,5 @@ pub mod metrics;
 pub mod notify;
 mod rate;
 pub mod recovery;
+pub mod router;
 pub mod service;

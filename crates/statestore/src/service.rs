@@ -49,6 +49,7 @@ mod completer;
 mod log;
 mod notify_exec;
 mod request;
+mod routed;
 mod snapshot_schedule;
 pub mod snapshot_stream;
 mod undo;
@@ -121,6 +122,9 @@ pub struct ServiceConfig {
     pub notify: Option<NotifyConfig>,
     /// Crash points of the service (`notify-after-reserve`).
     pub failpoints: mqstate_wal::Failpoints,
+    /// In a cluster: where GET/SET/DEL/VDEL execute (their partition's head); `None` on a single
+    /// node, which executes everything here.
+    pub router: Option<crate::router::Router>,
 }
 
 impl Default for ServiceConfig {
@@ -135,6 +139,7 @@ impl Default for ServiceConfig {
             requests_per_second: 0,
             notify: None,
             failpoints: mqstate_wal::Failpoints::default(),
+            router: None,
         }
     }
 }

@@ -1,10 +1,13 @@
 //! Node-to-node messages and how they travel (decision 0022): request/response
 //! pairs in length-prefixed frames — a `u32` big-endian length, then the postcard encoding — over
-//! TCP ([`tcp`]), or handed over in memory for tests ([`mem`]). One mechanism for the control plane
-//! now and the chains later: a new message is a new enum variant.
+//! byte streams ([`tcp`]: the system's TCP or turmoil's simulated one, through the [`socket`]
+//! port, optionally in mutual TLS, [`tls`]), or handed over in memory for tests ([`mem`]). One
+//! mechanism for the control plane now and the chains later: a new message is a new enum variant.
 
 pub mod mem;
+pub mod socket;
 pub mod tcp;
+pub mod tls;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -36,6 +39,8 @@ pub enum Request {
     Admin(AdminRequest),
     /// Who are you, and do you belong to a cluster already? (bootstrap)
     Hello,
+    /// Data-plane traffic (the chains), opaque here: handed to the node's [`crate::node::DataHandler`].
+    Data(Vec<u8>),
 }
 
 /// Membership changes (joint consensus inside openraft).
@@ -63,6 +68,8 @@ pub enum Response {
     },
     /// The request failed on the remote node.
     Failed(String),
+    /// The data plane's answer to [`Request::Data`].
+    Data(Vec<u8>),
 }
 
 /// Why a call got no response.

@@ -1,5 +1,7 @@
-//! Frames over TCP. A caller keeps idle connections per address and reuses them; one request is in
-//! flight per connection. The server runs one task per accepted connection.
+//! Frames over byte streams: TCP from the operating system, or turmoil's simulated TCP in the
+//! simulation ([`super::socket`]), optionally inside mutual TLS ([`super::tls`]). A caller keeps
+//! idle connections per address and reuses them; one request is in flight per connection. The
+//! server runs one task per accepted connection.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -7,9 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
+use super::socket::{Accept, BoxStream, Connect, TokioTcp};
+use super::tls::NodeTls;
 use super::{
     decode_body, encode_frame, BoxFuture, Handler, Request, Response, Transport, TransportError,
     MAX_FRAME_BYTES,
@@ -18,18 +21,45 @@ use super::{
 /// Idle connections kept per peer.
 const IDLE_PER_PEER: usize = 4;
 
-/// The TCP side of [`Transport`].
-#[derive(Debug, Default)]
+/// The stream side of [`Transport`].
 pub struct TcpTransport {
-    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    connect: Arc<dyn Connect>,
+    tls: Option<NodeTls>,
+    idle: Mutex<HashMap<String, Vec<BoxStream>>>,
+    refusals: Refusals,
+}
+
+impl Default for TcpTransport {
+    fn default() -> Self {
+        TcpTransport::new()
+    }
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl TcpTransport {
+    /// Plain TCP through tokio.
     pub fn new() -> TcpTransport {
-        TcpTransport::default()
+        TcpTransport::over(Arc::new(TokioTcp), None)
     }
 
-    fn take_idle(&self, addr: &str) -> Option<TcpStream> {
+    /// Over any [`Connect`], inside mutual TLS when `tls` is given.
+    pub fn over(connect: Arc<dyn Connect>, tls: Option<NodeTls>) -> TcpTransport {
+        TcpTransport {
+            connect,
+            tls,
+            idle: Mutex::default(),
+            refusals: Refusals::default(),
+        }
+    }
+
+    fn take_idle(&self, addr: &str) -> Option<BoxStream> {
         self.idle
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -37,7 +67,7 @@ impl TcpTransport {
             .and_then(Vec::pop)
     }
 
-    fn put_idle(&self, addr: &str, stream: TcpStream) {
+    fn put_idle(&self, addr: &str, stream: BoxStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let list = idle.entry(addr.to_owned()).or_default();
         if list.len() < IDLE_PER_PEER {
@@ -45,16 +75,44 @@ impl TcpTransport {
         }
     }
 
-    async fn exchange(stream: &mut TcpStream, frame: &[u8]) -> Result<Response, std::io::Error> {
+    async fn exchange(stream: &mut BoxStream, frame: &[u8]) -> Result<Response, std::io::Error> {
         stream.write_all(frame).await?;
+        stream.flush().await?;
         read_frame(stream).await
     }
 
-    async fn call_inner(&self, addr: &str, frame: Vec<u8>) -> Result<Response, TransportError> {
+    /// A new connection to `addr`, through the TLS handshake when configured.
+    async fn open(&self, addr: &str) -> Result<BoxStream, TransportError> {
         let unreachable = |e: std::io::Error| TransportError::Unreachable {
             addr: addr.to_owned(),
             reason: e.to_string(),
         };
+        let stream = self.connect.connect(addr).await.map_err(unreachable)?;
+        let Some(tls) = &self.tls else {
+            return Ok(stream);
+        };
+        match tls.connect(addr, stream).await {
+            Ok(stream) => {
+                self.refusals.clear(addr);
+                Ok(stream)
+            }
+            Err(e) => {
+                let reason = format!("TLS handshake failed: {e}");
+                self.refusals.report(addr, &reason, || {
+                    tracing::warn!(
+                        peer = addr,
+                        "cannot talk to the node at {addr}: {reason} (its certificate must be signed by cluster_tls_ca and name the host it is dialled at)"
+                    );
+                });
+                Err(TransportError::Unreachable {
+                    addr: addr.to_owned(),
+                    reason,
+                })
+            }
+        }
+    }
+
+    async fn call_inner(&self, addr: &str, frame: Vec<u8>) -> Result<Response, TransportError> {
         // A reused connection may have been closed by a restarted peer: one retry on a fresh one.
         if let Some(mut stream) = self.take_idle(addr) {
             if let Ok(response) = Self::exchange(&mut stream, &frame).await {
@@ -62,8 +120,7 @@ impl TcpTransport {
                 return Ok(response);
             }
         }
-        let mut stream = TcpStream::connect(addr).await.map_err(unreachable)?;
-        let _ = stream.set_nodelay(true);
+        let mut stream = self.open(addr).await?;
         let response = Self::exchange(&mut stream, &frame)
             .await
             .map_err(|e| match e.kind() {
@@ -71,10 +128,37 @@ impl TcpTransport {
                     addr: addr.to_owned(),
                     reason: e.to_string(),
                 },
-                _ => unreachable(e),
+                _ => TransportError::Unreachable {
+                    addr: addr.to_owned(),
+                    reason: e.to_string(),
+                },
             })?;
         self.put_idle(addr, stream);
         Ok(response)
+    }
+}
+
+/// Refusals already logged, per peer: a peer that keeps failing the same way is logged once (at
+/// warn) until it succeeds or fails differently, not at every Raft heartbeat.
+#[derive(Debug, Default)]
+struct Refusals(Mutex<HashMap<String, String>>);
+
+impl Refusals {
+    fn report(&self, peer: &str, reason: &str, log: impl FnOnce()) {
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.get(peer).map(String::as_str) != Some(reason) {
+            seen.insert(peer.to_owned(), reason.to_owned());
+            log();
+        } else {
+            tracing::debug!(peer, "cluster connection refused again: {reason}");
+        }
+    }
+
+    fn clear(&self, peer: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(peer);
     }
 }
 
@@ -103,7 +187,9 @@ impl Transport for TcpTransport {
 
 /// Reads one frame and decodes it; a length beyond [`MAX_FRAME_BYTES`] or a body that does not
 /// decode is `InvalidData`.
-pub async fn read_frame<T: DeserializeOwned>(stream: &mut TcpStream) -> std::io::Result<T> {
+pub async fn read_frame<T: DeserializeOwned>(
+    stream: &mut (impl AsyncRead + Unpin + ?Sized),
+) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;
@@ -123,24 +209,56 @@ pub async fn read_frame<T: DeserializeOwned>(stream: &mut TcpStream) -> std::io:
     })
 }
 
-/// Answers requests on `listener` until `shutdown` completes.
+/// Answers requests on `listener` until `shutdown` completes, in plain text.
 pub async fn serve(
-    listener: TcpListener,
+    listener: impl Accept,
+    handler: Arc<dyn Handler>,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve_with(listener, None, handler, shutdown).await;
+}
+
+/// Answers requests on `listener` until `shutdown` completes; with `tls`, only peers whose
+/// certificate the cluster CA signed get past the handshake.
+pub async fn serve_with(
+    mut listener: impl Accept,
+    tls: Option<NodeTls>,
     handler: Arc<dyn Handler>,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    let refusals = Arc::new(Refusals::default());
     loop {
         let accepted = tokio::select! {
+            biased; // deterministic under simulation
             () = &mut shutdown => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {
             Ok((stream, peer)) => {
-                let _ = stream.set_nodelay(true);
                 let handler = Arc::clone(&handler);
+                let tls = tls.clone();
+                let refusals = Arc::clone(&refusals);
                 tokio::spawn(async move {
-                    if let Err(e) = serve_connection(stream, handler).await {
+                    let stream = match tls {
+                        None => stream,
+                        Some(tls) => match tls.accept(stream).await {
+                            Ok(stream) => stream,
+                            Err(e) => {
+                                // Keyed by host: each attempt comes from a new port.
+                                let host = peer.rsplit_once(':').map_or(&*peer, |(h, _)| h);
+                                let reason = e.to_string();
+                                refusals.report(host, &reason, || {
+                                    tracing::warn!(
+                                        %peer,
+                                        "refusing a cluster connection from {peer}: TLS handshake failed: {reason} (a node needs a certificate signed by cluster_tls_ca)"
+                                    );
+                                });
+                                return;
+                            }
+                        },
+                    };
+                    if let Err(e) = serve_connection(stream, &peer, handler).await {
                         if e.kind() != std::io::ErrorKind::UnexpectedEof {
                             tracing::debug!(%peer, "cluster connection closed: {e}");
                         }
@@ -155,12 +273,19 @@ pub async fn serve(
     }
 }
 
-async fn serve_connection(mut stream: TcpStream, handler: Arc<dyn Handler>) -> std::io::Result<()> {
+async fn serve_connection(
+    mut stream: BoxStream,
+    peer: &str,
+    handler: Arc<dyn Handler>,
+) -> std::io::Result<()> {
     loop {
         let request: Request = match read_frame(&mut stream).await {
             Ok(request) => request,
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                tracing::warn!("refusing a cluster connection: {e}");
+                tracing::warn!(
+                    %peer,
+                    "refusing a cluster connection from {peer}: {e} (a node with mutual TLS configured, or not a node?)"
+                );
                 return Err(e);
             }
             Err(e) => return Err(e),
@@ -169,12 +294,14 @@ async fn serve_connection(mut stream: TcpStream, handler: Arc<dyn Handler>) -> s
         let frame = encode_frame(&response)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
         stream.write_all(&frame).await?;
+        stream.flush().await?;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::net::{TcpListener, TcpStream};
 
     struct Echo;
 

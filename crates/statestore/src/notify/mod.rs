@@ -31,7 +31,7 @@ pub struct NotifyConfig {
     /// Names this node in lock keys; unique per node of a cluster.
     pub node_id: String,
     /// A reservation not committed or aborted by then is stale and aborted (only a log written
-    /// before decision 0035, which logged reservations on their own, can leave one behind).
+    /// before decision 0038, which logged reservations on their own, can leave one behind).
     pub reservation_timeout: Duration,
     /// How often every queue's lock is taken or renewed.
     pub walk_interval: Duration,

@@ -167,7 +167,7 @@ impl Executor {
     }
 
     /// Logs the commit record, with the identity of the request that made it: one record for
-    /// the reservation, the key change and its notifications (decision 0035). Until it is logged
+    /// the reservation, the key change and its notifications (decision 0038). Until it is logged
     /// the reservation holds the slot in memory only; what is not logged is undone in memory.
     pub(super) async fn log_notified(
         &mut self,

@@ -18,6 +18,14 @@ use crate::dedup::Seen;
 use crate::envelope::{Rejection, ReplyTopic, Request};
 use crate::metrics;
 
+/// A request that passed [`Executor::admit`].
+pub(super) struct Admitted {
+    pub(super) label: &'static str,
+    pub(super) command: Command,
+    pub(super) ts: Option<mqstate_protocol::Hlc>,
+    pub(super) fencing_token: Option<mqstate_protocol::Hlc>,
+}
+
 impl Executor {
     pub(super) async fn handle(&mut self, mut service_request: ServiceRequest) {
         let acker = service_request.take_ack();
@@ -67,6 +75,11 @@ impl Executor {
                 return;
             }
         };
+        if let Some(router) = self.config.router.clone() {
+            return self
+                .route(router, request, &service_request.identity, acker)
+                .await;
+        }
         let started = self.clock.now();
         let (command, executed) = self.execute(&request, &service_request.identity).await;
         let expiry_left = request
@@ -184,40 +197,33 @@ impl Executor {
         self.send(outcome).await;
     }
 
-    /// Executes a request; returns its metrics label and the execution (with the delta that would
-    /// undo its change) and whether its change is to be logged.
-    /// `None` when the command is a write and the log refuses writes.
-    async fn execute(
+    /// The checks every request passes before it executes, here or at its partition's head: the
+    /// rate limit, the syntax, `__ts`/`__ft`, key access. `Err` is the error to answer.
+    pub(super) fn admit(
         &mut self,
         request: &Request,
         identity: &Identity,
-    ) -> (&'static str, Option<(Execution, bool)>) {
+    ) -> Result<Admitted, (&'static str, ErrorKind)> {
         if !self.rates.allow(&request.client_id, self.clock.now()) {
-            return (
-                metrics::UNPARSED,
-                Some((Execution::error(ErrorKind::QuotaExceeded), false)),
-            );
+            return Err((metrics::UNPARSED, ErrorKind::QuotaExceeded));
         }
-        let now_ms = self.clock.now_ms();
         let parsed = parse_request(&request.payload, &self.config.request_limits)
             .map_err(|e| e.kind())
             .and_then(Command::parse);
         let label = metrics::command_label(parsed.as_ref().ok());
         let (ts, ft) = match (&request.timestamp, &request.fencing_token) {
             (Ok(ts), Ok(ft)) => (ts.clone(), ft.clone()),
-            (Err(kind), _) | (_, Err(kind)) => {
-                return (label, Some((Execution::error(*kind), false)))
-            }
+            (Err(kind), _) | (_, Err(kind)) => return Err((label, *kind)),
         };
         let command = match parsed {
             Ok(command) => command,
-            Err(kind) => return (label, Some((Execution::error(kind), false))),
+            Err(kind) => return Err((label, kind)),
         };
         let who = Principal {
             client_id: &request.client_id,
             identity,
         };
-        let keys = Arc::clone(&self.config.key_access.0);
+        let keys = &self.config.key_access.0;
         let allowed = match &command {
             Command::Get { key } | Command::KeyNotify { key } | Command::KeyNotifyStop { key } => {
                 keys.may_read(who, key)
@@ -230,11 +236,39 @@ impl Executor {
         };
         if !allowed {
             tracing::debug!(client_id = %request.client_id, user = ?identity.user, "state store request not authorized");
-            return (
-                label,
-                Some((Execution::error(ErrorKind::NotAuthorized), false)),
-            );
+            return Err((label, ErrorKind::NotAuthorized));
         }
+        Ok(Admitted {
+            label,
+            command,
+            ts,
+            fencing_token: ft,
+        })
+    }
+
+    /// Executes a request; returns its metrics label and the execution (with the delta that would
+    /// undo its change) and whether its change is to be logged.
+    /// `None` when the command is a write and the log refuses writes.
+    async fn execute(
+        &mut self,
+        request: &Request,
+        identity: &Identity,
+    ) -> (&'static str, Option<(Execution, bool)>) {
+        let Admitted {
+            label,
+            command,
+            ts,
+            fencing_token: ft,
+        } = match self.admit(request, identity) {
+            Ok(admitted) => admitted,
+            Err((label, kind)) => return (label, Some((Execution::error(kind), false))),
+        };
+        let now_ms = self.clock.now_ms();
+        let who = Principal {
+            client_id: &request.client_id,
+            identity,
+        };
+        let keys = Arc::clone(&self.config.key_access.0);
         let is_scan = matches!(command, Command::Scan { .. });
         if written_key_of(&command).is_some() && !self.log_accepts_writes().await {
             return (label, None);

@@ -11,7 +11,7 @@
 //! A commit carries the key change itself, so the change and its notifications are one record:
 //! replaying it applies both or neither. Entry seqs are not recorded — they follow from the order
 //! of commits. Reservation id 0 ([`NO_RESERVATION`]) is a commit that reserved nothing (expiry).
-//! The write path logs no `Reserve`: its reservation is named by the commit (decision 0035);
+//! The write path logs no `Reserve`: its reservation is named by the commit (decision 0038);
 //! `Reserve` records of older logs are still read.
 
 use std::sync::Arc;

@@ -1,0 +1,334 @@
+//! The driver of this node's replicas: one task owns every partition's [`Replica`] and carries out
+//! what they ask — batches appended to the chain log (and `durable` once fsynced), messages sent
+//! over the cluster transport, answers handed to the waiting requests, catch-up reported to the
+//! control plane. Views come from the control plane's acting view (the lease rule: a replica
+//! acts only while this node holds a lease for the view), checked at every tick and before every
+//! request; ticks come from a timer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mqstate_chain::{Answer, Config, Key, Message, Output, Replica, Restored, View, Write};
+use mqstate_cluster::transport::Request;
+use mqstate_cluster::ClusterNode;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::log::ChainLog;
+use crate::wire::{encode, DataRequest};
+
+/// How often replicas tick (resends, repair) and views are checked against the control plane.
+pub const TICK: Duration = Duration::from_millis(100);
+/// How long a chain message may take to hand over; a lost one is resent by the protocol.
+const SEND_TIMEOUT: Duration = Duration::from_secs(2);
+
+enum Input {
+    Read {
+        partition: u32,
+        key: Key,
+        answer: oneshot::Sender<Answer>,
+    },
+    Write {
+        partition: u32,
+        write: Write,
+        answer: oneshot::Sender<Answer>,
+    },
+    /// Someone waiting on `partition` gave up: forget the requests whose asker is gone.
+    Cancel {
+        partition: u32,
+    },
+    Receive {
+        partition: u32,
+        message: Message,
+    },
+    Durable {
+        partition: u32,
+        index: u64,
+    },
+}
+
+/// A handle on the driver task.
+#[derive(Clone)]
+pub struct Driver {
+    tx: mpsc::UnboundedSender<Input>,
+}
+
+impl Driver {
+    /// Starts the driver task; it runs until `stop` turns true, then closes the log.
+    pub fn start(
+        node: Arc<ClusterNode>,
+        log: ChainLog,
+        restored: BTreeMap<u32, Restored>,
+        stop: watch::Receiver<bool>,
+    ) -> (Driver, JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let actor = Actor {
+            id: node.id(),
+            node,
+            log,
+            restored,
+            replicas: BTreeMap::new(),
+            waiting: HashMap::new(),
+            next_request: 1,
+            tx: tx.clone(),
+        };
+        let task = tokio::spawn(actor.run(rx, stop));
+        (Driver { tx }, task)
+    }
+
+    /// A linearizable read of `key` at this node's replica of `partition` (the head answers;
+    /// others answer `NotHead`). `Unavailable` if no answer within `timeout`.
+    pub async fn read(&self, partition: u32, key: Key, timeout: Duration) -> Answer {
+        let (answer, rx) = oneshot::channel();
+        self.ask(
+            partition,
+            Input::Read {
+                partition,
+                key,
+                answer,
+            },
+            rx,
+            timeout,
+        )
+        .await
+    }
+
+    /// A write through the chain; `Unavailable` if no answer within `timeout` (its outcome is then
+    /// unknown: it may still complete).
+    pub async fn write(&self, partition: u32, write: Write, timeout: Duration) -> Answer {
+        let (answer, rx) = oneshot::channel();
+        self.ask(
+            partition,
+            Input::Write {
+                partition,
+                write,
+                answer,
+            },
+            rx,
+            timeout,
+        )
+        .await
+    }
+
+    async fn ask(
+        &self,
+        partition: u32,
+        input: Input,
+        rx: oneshot::Receiver<Answer>,
+        timeout: Duration,
+    ) -> Answer {
+        if self.tx.send(input).is_err() {
+            return Answer::Unavailable;
+        }
+        let mut rx = rx;
+        match tokio::time::timeout(timeout, &mut rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Answer::Unavailable,
+            Err(_) => {
+                // The driver finds the answer channel closed and the replica forgets the request.
+                drop(rx);
+                let _ = self.tx.send(Input::Cancel { partition });
+                Answer::Unavailable
+            }
+        }
+    }
+
+    /// A chain message from a peer.
+    pub fn receive(&self, partition: u32, message: Message) {
+        let _ = self.tx.send(Input::Receive { partition, message });
+    }
+}
+
+struct Actor {
+    id: u64,
+    node: Arc<ClusterNode>,
+    log: ChainLog,
+    /// What the log held at start, for replicas not created yet.
+    restored: BTreeMap<u32, Restored>,
+    replicas: BTreeMap<u32, Replica>,
+    /// Requests waiting for their answer, by the replica's request id.
+    waiting: HashMap<u64, (u32, oneshot::Sender<Answer>)>,
+    next_request: u64,
+    tx: mpsc::UnboundedSender<Input>,
+}
+
+impl Actor {
+    async fn run(
+        mut self,
+        mut rx: mpsc::UnboundedReceiver<Input>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
+                input = rx.recv() => match input {
+                    Some(input) => self.handle(input).await,
+                    None => break,
+                },
+                _ = tick.tick() => self.tick().await,
+            }
+        }
+        self.log.shutdown().await;
+    }
+
+    fn replica(&mut self, partition: u32) -> &mut Replica {
+        let id = self.id;
+        let restored = &mut self.restored;
+        self.replicas
+            .entry(partition)
+            .or_insert_with(|| match restored.remove(&partition) {
+                Some(restored) => Replica::restore(id, Config::default(), restored),
+                None => Replica::new(id, Config::default()),
+            })
+    }
+
+    /// Gives the replica the control plane's current answer: the view this node may act under
+    /// now, or none.
+    fn refresh_view(&mut self, partition: u32) {
+        let view = self.node.acting_partition(partition).map(|p| View {
+            id: p.view,
+            chain: p.chain,
+            read_view: p.read_view,
+        });
+        self.replica(partition).set_view(view);
+    }
+
+    async fn handle(&mut self, input: Input) {
+        let partition = match input {
+            Input::Read {
+                partition,
+                key,
+                answer,
+            } => {
+                self.refresh_view(partition);
+                let request = self.admit(partition, answer);
+                self.replica(partition).read(request, key);
+                partition
+            }
+            Input::Write {
+                partition,
+                write,
+                answer,
+            } => {
+                self.refresh_view(partition);
+                let request = self.admit(partition, answer);
+                self.replica(partition).write(request, write);
+                partition
+            }
+            Input::Cancel { partition } => {
+                let gone: Vec<u64> = self
+                    .waiting
+                    .iter()
+                    .filter(|(_, (p, answer))| *p == partition && answer.is_closed())
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in gone {
+                    self.waiting.remove(&id);
+                    self.replica(partition).cancel(id);
+                }
+                partition
+            }
+            Input::Receive { partition, message } => {
+                self.refresh_view(partition);
+                self.replica(partition).receive(message);
+                partition
+            }
+            Input::Durable { partition, index } => {
+                self.replica(partition).durable(index);
+                partition
+            }
+        };
+        self.carry_out(partition).await;
+    }
+
+    fn admit(&mut self, partition: u32, answer: oneshot::Sender<Answer>) -> u64 {
+        let request = self.next_request;
+        self.next_request += 1;
+        self.waiting.insert(request, (partition, answer));
+        request
+    }
+
+    async fn tick(&mut self) {
+        let Some(count) = self.node.partition_count() else {
+            return;
+        };
+        for partition in 0..count {
+            let involved = self.replicas.contains_key(&partition)
+                || self.restored.contains_key(&partition)
+                || self
+                    .node
+                    .partition(partition)
+                    .is_some_and(|p| p.chain.contains(&self.id));
+            if !involved {
+                continue;
+            }
+            self.refresh_view(partition);
+            self.replica(partition).tick();
+            self.carry_out(partition).await;
+        }
+    }
+
+    /// Does what the replica of `partition` asks, in order.
+    async fn carry_out(&mut self, partition: u32) {
+        let outputs = self.replica(partition).take_outputs();
+        for output in outputs {
+            match output {
+                Output::Persist { index, records } => {
+                    match self.log.append(partition, records).await {
+                        Ok(commit) => {
+                            let tx = self.tx.clone();
+                            tokio::spawn(async move {
+                                match commit.await {
+                                    Ok(_) => {
+                                        let _ = tx.send(Input::Durable { partition, index });
+                                    }
+                                    // Never reported durable: the replica does not advance what
+                                    // depends on it; the chain treats this node as slow, then
+                                    // the control plane as failed.
+                                    Err(e) => tracing::error!(
+                                        partition,
+                                        "a chain batch could not be made durable: {e}"
+                                    ),
+                                }
+                            });
+                        }
+                        Err(e) => {
+                            tracing::error!(partition, "a chain batch could not be appended: {e}")
+                        }
+                    }
+                }
+                Output::Send { to, message } => self.send(partition, to, message),
+                Output::Reply { request, answer } => {
+                    if let Some((_, waiting)) = self.waiting.remove(&request) {
+                        let _ = waiting.send(answer);
+                    }
+                }
+                Output::CaughtUp { view } => {
+                    let node = Arc::clone(&self.node);
+                    tokio::spawn(async move { node.report_caught_up(partition, view).await });
+                }
+            }
+        }
+    }
+
+    fn send(&self, partition: u32, to: u64, message: Message) {
+        let Some(addr) = self.node.addr_of(to) else {
+            tracing::debug!(partition, to, "chain message to an unknown node dropped");
+            return;
+        };
+        let transport = self.node.transport();
+        let frame = encode(&DataRequest::Chain { partition, message });
+        tokio::spawn(async move {
+            if let Err(e) = transport
+                .call(&addr, Request::Data(frame), SEND_TIMEOUT)
+                .await
+            {
+                // The protocol resends what still matters.
+                tracing::debug!(partition, to, "chain message not delivered: {e}");
+            }
+        });
+    }
+}

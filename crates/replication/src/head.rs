@@ -1,0 +1,296 @@
+//! A state-store command executed at a partition's head, against the key's committed chain row
+//! (decision 0035): pure, no I/O.
+//!
+//! The row's value is a store log record — `Change::Requested` of a key delta (`Put` with value,
+//! version, fencing token and expiry, or `Delete`) with the identity and first reply of the request
+//! that made it. The head loads it into a fresh [`StateMachine`] with `apply_change`, runs the
+//! command with the store's own `execute` (so SET NX/NEX/PX, GET, DEL, VDEL, fencing and HLC
+//! versions are the single-node semantics, not a second implementation), and turns the resulting
+//! delta into the next row. A retry of the request that made the row gets that request's reply.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use mqstate_chain::Version;
+use mqstate_protocol::{parse_request, Command, ErrorKind, Hlc, Reply, RequestLimits};
+use mqstate_store::{Change, RequestContext, RequestRecord, StateMachine, StoreConfig};
+
+use crate::wire::{Executed, Routed};
+
+/// What the head does with a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Answer at once: a read, a failed condition, an error, or a retry of the row's own request.
+    Reply(Executed),
+    /// Write `value` at `version` through the chain, then answer `reply`.
+    Write {
+        value: Vec<u8>,
+        version: Version,
+        reply: Executed,
+    },
+}
+
+/// The fixed inputs of [`step`].
+#[derive(Debug, Clone)]
+pub struct HeadConfig {
+    pub store: StoreConfig,
+    pub limits: RequestLimits,
+    /// This node's id, the tie-breaker of chain versions.
+    pub node: u64,
+}
+
+/// Executes `request` against the committed row `row` (its value; `None` if the key has no row)
+/// at wall time `now_ms`. `floor` is the highest HLC this node handed out, so its versions never
+/// go backwards; the second value is the new floor.
+pub fn step(
+    config: &HeadConfig,
+    request: &Routed,
+    row: Option<&[u8]>,
+    now_ms: u64,
+    floor: Option<&Hlc>,
+) -> (Step, Option<Hlc>) {
+    let change = match row.map(Change::decode).transpose() {
+        Ok(change) => change,
+        Err(e) => {
+            tracing::error!(key = ?String::from_utf8_lossy(&request.key), "a chain row does not decode: {e}");
+            return (
+                Step::Reply(Executed::error("the stored row of this key is damaged")),
+                None,
+            );
+        }
+    };
+    if let Some(first) = change.as_ref().and_then(Change::request) {
+        if *first.client_id == *request.client_id
+            && first.correlation.as_ref() == request.correlation.as_slice()
+            && first.expires_at_ms > now_ms
+        {
+            // A retry of the request that made this row (after a fail-over, say): its first reply.
+            return (
+                Step::Reply(Executed {
+                    payload: first.reply.to_vec(),
+                    ts: first.reply_ts.as_ref().map(Hlc::to_string),
+                }),
+                None,
+            );
+        }
+    }
+    let mut machine = match StateMachine::new(config.store.clone()) {
+        Ok(machine) => machine,
+        Err(e) => return (Step::Reply(Executed::error(&e.to_string())), None),
+    };
+    if let Some(floor) = floor {
+        machine.observe_clock(floor);
+    }
+    if let Some(change) = &change {
+        machine.apply_change(change);
+    }
+    let error = |kind: ErrorKind| (Step::Reply(reply_of(&Reply::Error(kind), None)), None);
+    let parsed = parse_request(&Bytes::copy_from_slice(&request.payload), &config.limits)
+        .map_err(|e| e.kind())
+        .and_then(Command::parse);
+    let command = match parsed {
+        Ok(command) => command,
+        Err(kind) => return error(kind),
+    };
+    let parse_hlc = |text: &Option<String>| text.as_deref().map(Hlc::parse).transpose();
+    let (Ok(ts), Ok(fencing_token)) = (parse_hlc(&request.ts), parse_hlc(&request.fencing_token))
+    else {
+        return error(ErrorKind::MalformedTimestamp);
+    };
+    let context = RequestContext {
+        client_id: Arc::from(request.client_id.as_str()),
+        ts,
+        fencing_token,
+        now_ms,
+    };
+    let execution = machine.execute(command, &context);
+    let high_water = Some(machine.clock().high_water());
+    let reply = reply_of(&execution.reply, execution.ts.as_ref());
+    let Some(delta) = execution.delta else {
+        return (Step::Reply(reply), high_water);
+    };
+    let version = delta.version();
+    let version = Version {
+        wall_ms: version.wall_ms,
+        counter: version.counter,
+        node: config.node,
+    };
+    let record = RequestRecord {
+        client_id: context.client_id.clone(),
+        correlation: Bytes::copy_from_slice(&request.correlation),
+        expires_at_ms: now_ms.saturating_add(request.expiry_ms),
+        reply: Bytes::copy_from_slice(&reply.payload),
+        reply_ts: execution.ts.clone(),
+    };
+    let row = Change::Requested {
+        request: record,
+        change: Box::new(Change::Key(delta)),
+    };
+    match row.encode() {
+        Ok(value) => (
+            Step::Write {
+                value,
+                version,
+                reply,
+            },
+            high_water,
+        ),
+        Err(e) => (Step::Reply(Executed::error(&e.to_string())), None),
+    }
+}
+
+fn reply_of(reply: &Reply, ts: Option<&Hlc>) -> Executed {
+    Executed {
+        payload: reply.encode().to_vec(),
+        ts: ts.map(Hlc::to_string),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mqstate_protocol::encode_request;
+    use mqstate_store::Limits;
+
+    fn config() -> HeadConfig {
+        HeadConfig {
+            store: StoreConfig {
+                node_id: "mqstate".into(),
+                limits: Limits::default(),
+            },
+            limits: RequestLimits::default(),
+            node: 1,
+        }
+    }
+
+    fn request(args: &[&str], correlation: u8, ts_ms: u64) -> Routed {
+        Routed {
+            client_id: "client".into(),
+            correlation: vec![correlation],
+            key: args[1].as_bytes().to_vec(),
+            payload: encode_request(args).to_vec(),
+            ts: Some(format!("{ts_ms}:0:client")),
+            fencing_token: None,
+            expiry_ms: 10_000,
+        }
+    }
+
+    /// Runs requests one after the other against one row, as the head does.
+    fn run(requests: &[Routed], now_ms: u64) -> (Vec<Executed>, Option<Vec<u8>>) {
+        let mut row: Option<Vec<u8>> = None;
+        let mut floor = None;
+        let mut replies = Vec::new();
+        let mut last_version = None;
+        for request in requests {
+            let (step, high) = step(&config(), request, row.as_deref(), now_ms, floor.as_ref());
+            floor = high.or(floor);
+            match step {
+                Step::Reply(reply) => replies.push(reply),
+                Step::Write {
+                    value,
+                    version,
+                    reply,
+                } => {
+                    assert!(Some(version) > last_version, "versions only grow");
+                    last_version = Some(version);
+                    row = Some(value);
+                    replies.push(reply);
+                }
+            }
+        }
+        (replies, row)
+    }
+
+    #[test]
+    fn store_semantics_on_a_row_nx_vdel_and_retries() {
+        let now = 1_700_000_000_000;
+        let (replies, _) = run(
+            &[
+                request(&["SET", "k", "v1", "NX"], 1, now),
+                request(&["SET", "k", "v2", "NX"], 2, now),
+                request(&["GET", "k"], 3, now),
+                request(&["VDEL", "k", "other"], 4, now),
+                request(&["VDEL", "k", "v1"], 5, now),
+                request(&["GET", "k"], 6, now),
+                // A retry of the VDEL that made the row: its first reply, not a second run.
+                request(&["VDEL", "k", "v1"], 5, now),
+            ],
+            now,
+        );
+        let payloads: Vec<String> = replies
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+            .collect();
+        assert_eq!(
+            payloads,
+            [
+                "+OK\r\n",
+                ":-1\r\n",
+                "$2\r\nv1\r\n",
+                ":-1\r\n",
+                ":1\r\n",
+                "$-1\r\n",
+                ":1\r\n"
+            ]
+        );
+        // The GET answers the SET's version as its `__ts`.
+        assert_eq!(replies[0].ts, replies[2].ts);
+        assert!(replies[0].ts.is_some());
+    }
+
+    #[test]
+    fn fencing_tokens_are_kept_in_the_row() {
+        let now = 1_700_000_000_000;
+        let fenced = |args: &[&str], correlation: u8, token: &str| Routed {
+            fencing_token: Some(token.to_owned()),
+            ..request(args, correlation, now)
+        };
+        let (replies, _) = run(
+            &[
+                fenced(&["SET", "lock", "a"], 1, &format!("{now}:5:a")),
+                // A lower token is refused, an equal or higher one accepted (the store's rule).
+                fenced(&["SET", "lock", "b"], 2, &format!("{now}:4:a")),
+                fenced(&["SET", "lock", "c"], 3, &format!("{now}:6:a")),
+                request(&["GET", "lock"], 4, now),
+            ],
+            now,
+        );
+        let payloads: Vec<String> = replies
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+            .collect();
+        assert_eq!(payloads[0], "+OK\r\n");
+        assert!(payloads[1].starts_with("-ERR"), "{payloads:?}");
+        assert_eq!(payloads[2], "+OK\r\n");
+        assert_eq!(payloads[3], "$1\r\nc\r\n");
+    }
+
+    #[test]
+    fn expired_rows_are_absent_and_damaged_rows_are_an_error() {
+        let now = 1_700_000_000_000;
+        let (_, row) = run(&[request(&["SET", "k", "v", "PX", "10"], 1, now)], now);
+        let later = now + 1_000;
+        let (step_after, _) = step(
+            &config(),
+            &request(&["GET", "k"], 2, later),
+            row.as_deref(),
+            later,
+            None,
+        );
+        assert_eq!(
+            step_after,
+            Step::Reply(Executed {
+                payload: b"$-1\r\n".to_vec(),
+                ts: None
+            })
+        );
+        let (damaged, _) = step(
+            &config(),
+            &request(&["GET", "k"], 3, now),
+            Some(b"??"),
+            now,
+            None,
+        );
+        assert!(matches!(damaged, Step::Reply(r) if r.payload.starts_with(b"-ERR")));
+    }
+}

@@ -1,0 +1,100 @@
+//! What nodes send each other for the data plane, inside the cluster transport's
+//! `Request::Data` / `Response::Data` frames (postcard, like the control plane's messages).
+
+use serde::{Deserialize, Serialize};
+
+use mqstate_chain::Message;
+
+/// A state-store request as the node that received it hands it to a partition's head: the
+/// envelope's checks (response topic, `__ts`/`__ft` syntax, key access, rate) were made there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routed {
+    pub client_id: String,
+    pub correlation: Vec<u8>,
+    /// The key the command names (its partition's head executes it).
+    pub key: Vec<u8>,
+    /// The RESP request, as the client sent it.
+    pub payload: Vec<u8>,
+    /// `__ts` and `__ft`, as HLC text.
+    pub ts: Option<String>,
+    pub fencing_token: Option<String>,
+    /// How long the request stays valid (its message expiry), from when it was received.
+    pub expiry_ms: u64,
+}
+
+/// The reply the client gets: RESP payload and the response `__ts`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Executed {
+    pub payload: Vec<u8>,
+    pub ts: Option<String>,
+}
+
+impl Executed {
+    /// An `-ERR` reply with `text`.
+    pub fn error(text: &str) -> Executed {
+        Executed {
+            payload: format!("-ERR {text}\r\n").into_bytes(),
+            ts: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataRequest {
+    /// A chain message for the replica of `partition` here.
+    Chain { partition: u32, message: Message },
+    /// Execute at the head of the key's partition.
+    Execute(Routed),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataResponse {
+    /// A chain message was taken (what happens to it is the protocol's business).
+    Received,
+    Executed(Executed),
+    /// Not executed here (not the head under a view this node holds now, or the chain did not
+    /// answer in time); the reason, for the log. The sender retries within the request's expiry.
+    Retry(String),
+    /// The request did not decode.
+    Refused(String),
+}
+
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Encoding into a Vec fails only for types postcard cannot express; ours are plain data.
+    postcard::to_allocvec(value).unwrap_or_default()
+}
+
+pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, postcard::Error> {
+    postcard::from_bytes(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_garbage_is_an_error() {
+        let request = DataRequest::Execute(Routed {
+            client_id: "c".into(),
+            correlation: vec![1, 2],
+            key: b"k".to_vec(),
+            payload: b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n".to_vec(),
+            ts: Some("1:0:n".into()),
+            fencing_token: None,
+            expiry_ms: 10_000,
+        });
+        assert_eq!(decode::<DataRequest>(&encode(&request)).unwrap(), request);
+        assert!(decode::<DataRequest>(&[0xff, 0xff, 0xff]).is_err());
+        assert!(decode::<DataResponse>(&[]).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_decode_or_fail_without_panicking(body in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            if let Ok(request) = decode::<DataRequest>(&body) {
+                proptest::prop_assert_eq!(decode::<DataRequest>(&encode(&request)).ok(), Some(request));
+            }
+            let _ = decode::<DataResponse>(&body);
+        }
+    }
+}
