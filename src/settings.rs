@@ -468,7 +468,7 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_NOTIFY_NODE_ID", value_name = "ID")]
     pub notify_node_id: Option<String>,
 
-    /// Milliseconds after which a notification reservation that was neither committed nor aborted (a crash between the two) is aborted. Default 30000.
+    /// Milliseconds after which a notification reservation that was neither committed nor aborted is aborted (only a log written before decision 0038 can hold one: a crash between its reservation and commit records). Default 30000.
     #[arg(long, env = "MQSTATE_NOTIFY_RESERVATION_TIMEOUT_MS", value_name = "MS")]
     pub notify_reservation_timeout_ms: Option<u64>,
 

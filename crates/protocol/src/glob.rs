@@ -9,6 +9,10 @@
 //!   unclosed `[` — exactly the patterns `glob::Pattern::new` rejects.
 //! * Anchored at both ends. Unlike `glob`, matching is per byte, not per `char`: keys are arbitrary
 //!   bytes, and the two agree on ASCII.
+//!
+//! The common shapes — a literal key, `prefix*`, `*suffix`, `*` — are recognised when the pattern is
+//! compiled and matched by a comparison of bytes, without the NFA (notification topics match every
+//! write against their pattern, so this is on the write path).
 
 use crate::error::ProtocolError;
 
@@ -37,6 +41,41 @@ pub struct Glob {
     tokens: Vec<Token>,
     /// `nullable_from[j]`: tokens `j..` can all match the empty string.
     nullable_from: Vec<bool>,
+    shape: Shape,
+}
+
+/// What a pattern matches when it needs no NFA.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Shape {
+    /// Exactly these bytes (no wildcard at all).
+    Exact(Vec<u8>),
+    /// These bytes, then anything (`prefix*`, `prefix/**`; `*` and `**` with an empty prefix).
+    Prefix(Vec<u8>),
+    /// Anything, then these bytes (`*suffix`).
+    Suffix(Vec<u8>),
+    General,
+}
+
+impl Shape {
+    fn of(tokens: &[Token]) -> Shape {
+        let literal = |tokens: &[Token]| -> Option<Vec<u8>> {
+            tokens
+                .iter()
+                .map(|t| match t {
+                    Token::Byte(b) => Some(*b),
+                    _ => None,
+                })
+                .collect()
+        };
+        match tokens {
+            // A `**` that ends the pattern matches any bytes, like `*`.
+            [init @ .., Token::AnySequence | Token::AnyComponents] => {
+                literal(init).map_or(Shape::General, Shape::Prefix)
+            }
+            [Token::AnySequence, rest @ ..] => literal(rest).map_or(Shape::General, Shape::Suffix),
+            _ => literal(tokens).map_or(Shape::General, Shape::Exact),
+        }
+    }
 }
 
 impl Glob {
@@ -98,23 +137,36 @@ impl Glob {
             nullable_from[j] = nullable_from[j + 1]
                 && matches!(tokens[j], Token::AnySequence | Token::AnyComponents);
         }
+        let shape = Shape::of(&tokens);
         Ok(Glob {
             tokens,
             nullable_from,
+            shape,
         })
     }
 
     /// Whether the whole of `input` matches the whole pattern.
     pub fn matches(&self, input: &[u8]) -> bool {
+        match &self.shape {
+            Shape::Exact(bytes) => input == bytes.as_slice(),
+            Shape::Prefix(prefix) => input.starts_with(prefix),
+            Shape::Suffix(suffix) => input.ends_with(suffix),
+            Shape::General => self.matches_nfa(input),
+        }
+    }
+
+    /// [`matches`](Self::matches) for any pattern, by simulating it as an NFA.
+    fn matches_nfa(&self, input: &[u8]) -> bool {
         let n = self.tokens.len();
         // `at[j]`: the pattern has matched up to token j. `inside[j]`: token j is a `**` that has
-        // consumed bytes not ending in `/`, so it may only continue or end the input.
-        let mut at = vec![false; n + 1];
-        let mut inside = vec![false; n + 1];
-        let mut next_at = vec![false; n + 1];
-        let mut next_inside = vec![false; n + 1];
+        // consumed bytes not ending in `/`, so it may only continue or end the input. The four
+        // state sets share one allocation.
+        let mut states = vec![false; 4 * (n + 1)];
+        let (mut at, rest) = states.split_at_mut(n + 1);
+        let (mut inside, rest) = rest.split_at_mut(n + 1);
+        let (mut next_at, mut next_inside) = rest.split_at_mut(n + 1);
         at[0] = true;
-        self.close(&mut at);
+        self.close(at);
         for &byte in input {
             next_at.fill(false);
             next_inside.fill(false);
@@ -146,7 +198,7 @@ impl Glob {
             if !alive {
                 return false;
             }
-            self.close(&mut next_at);
+            self.close(next_at);
             std::mem::swap(&mut at, &mut next_at);
             std::mem::swap(&mut inside, &mut next_inside);
         }
@@ -282,6 +334,37 @@ mod tests {
     fn ascii(alphabet: &'static [u8], max: usize) -> impl Strategy<Value = String> {
         prop::collection::vec(prop::sample::select(alphabet), 0..max)
             .prop_map(|b| String::from_utf8(b).unwrap())
+    }
+
+    #[test]
+    fn shapes() {
+        let shape = |p: &str| Glob::new(p.as_bytes()).unwrap().shape;
+        assert_eq!(shape("order:1"), Shape::Exact(b"order:1".to_vec()));
+        assert_eq!(shape(""), Shape::Exact(Vec::new()));
+        assert_eq!(shape("order:*"), Shape::Prefix(b"order:".to_vec()));
+        assert_eq!(shape("*"), Shape::Prefix(Vec::new()));
+        assert_eq!(shape("**"), Shape::Prefix(Vec::new()));
+        assert_eq!(shape("a/**"), Shape::Prefix(b"a/".to_vec()));
+        assert_eq!(shape("*.json"), Shape::Suffix(b".json".to_vec()));
+        assert_eq!(shape("a?*"), Shape::General);
+        assert_eq!(shape("*a*"), Shape::General);
+        assert_eq!(shape("**/a"), Shape::General);
+        assert_eq!(shape("[a]"), Shape::General);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+        /// The shapes' byte comparisons answer as the NFA does.
+        #[test]
+        fn shapes_agree_with_the_nfa(
+            pattern in ascii(b"ab/*?[]", 8),
+            input in ascii(b"ab/*[]", 10),
+        ) {
+            if let Ok(glob) = Glob::new(pattern.as_bytes()) {
+                prop_assert_eq!(glob.matches(input.as_bytes()), glob.matches_nfa(input.as_bytes()),
+                    "pattern {:?} ({:?}) input {:?}", pattern, glob.shape, input);
+            }
+        }
     }
 
     proptest! {

@@ -85,13 +85,34 @@ pub fn validate_node_id(node_id: &str) -> Result<(), ProtocolError> {
 }
 
 impl fmt::Display for Hlc {
+    /// `{:015}:{:05}:{node}`, formatted by hand into one buffer: every reply's `__ts` and every
+    /// notification's `version` is one, and `write!` pads one `write_char` at a time.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:015}:{:05}:{}",
-            self.wall_ms, self.counter, self.node_id
-        )
+        // 19 digits of a u64 at most + ':' + 10 of a u32 + ':'.
+        let mut buf = [0u8; 32];
+        let mut len = put_padded(&mut buf, 0, self.wall_ms, 15);
+        buf[len] = b':';
+        len = put_padded(&mut buf, len + 1, u64::from(self.counter), 5);
+        buf[len] = b':';
+        let time = std::str::from_utf8(&buf[..=len]).map_err(|_| fmt::Error)?;
+        f.write_str(time)?;
+        f.write_str(&self.node_id)
     }
+}
+
+/// Writes `value` in decimal at `buf[at..]`, zero-padded to `width` digits (more if it needs
+/// them); returns the end.
+fn put_padded(buf: &mut [u8; 32], at: usize, mut value: u64, width: usize) -> usize {
+    let mut digits = [b'0'; 20];
+    let mut n = 0;
+    while value > 0 || n == 0 {
+        digits[digits.len() - 1 - n] = b'0' + (value % 10) as u8;
+        value /= 10;
+        n += 1;
+    }
+    let n = n.max(width);
+    buf[at..at + n].copy_from_slice(&digits[digits.len() - n..]);
+    at + n
 }
 
 impl FromStr for Hlc {
@@ -325,6 +346,15 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn text_is_the_padded_form(
+            w in prop_oneof![0..1_000u64, 0..=u64::MAX], c in prop_oneof![0..100u32, 0..=u32::MAX],
+            n in "[a-z0-9]{0,8}",
+        ) {
+            let t = Hlc::new(w, c, Arc::from(n.as_str()));
+            prop_assert_eq!(t.to_string(), format!("{w:015}:{c:05}:{n}"));
+        }
+
         #[test]
         fn text_round_trip(t in any_hlc()) {
             prop_assert_eq!(Hlc::parse(&t.to_string()).unwrap(), t);

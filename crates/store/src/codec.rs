@@ -18,6 +18,37 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
+    /// A writer whose buffer holds `capacity` bytes before it grows: records are encoded on the
+    /// write path, where growing from empty costs a reallocation per doubling.
+    pub(crate) fn with_capacity(capacity: usize) -> Writer {
+        Writer {
+            buf: Vec::with_capacity(capacity),
+        }
+    }
+
+    /// Starts a `Buffer` whose bytes the caller writes next; [`end_buffer`](Self::end_buffer) with
+    /// the returned position writes its length.
+    pub(crate) fn begin_buffer(&mut self) -> usize {
+        self.i32(0);
+        self.buf.len()
+    }
+
+    /// Ends the `Buffer` begun at `start`.
+    pub(crate) fn end_buffer(
+        &mut self,
+        what: &'static str,
+        start: usize,
+    ) -> Result<(), StoreError> {
+        let len = self.buf.len() - start;
+        let len32 = i32::try_from(len).map_err(|_| StoreError::BufferTooLarge {
+            what,
+            len,
+            max: MAX_BUFFER_BYTES,
+        })?;
+        self.buf[start - 4..start].copy_from_slice(&len32.to_be_bytes());
+        Ok(())
+    }
+
     pub(crate) fn u8(&mut self, value: u8) {
         self.buf.push(value);
     }

@@ -51,7 +51,35 @@ impl Delta {
 
     /// The binary form (first byte an ASCII marker).
     pub fn encode(&self) -> Result<Vec<u8>, StoreError> {
-        let mut w = Writer::default();
+        let mut w = Writer::with_capacity(self.encoded_len_hint());
+        self.encode_into(&mut w)?;
+        Ok(w.buf)
+    }
+
+    /// An upper bound of the size of the binary form (exact for a put with an expiry).
+    pub(crate) fn encoded_len_hint(&self) -> usize {
+        // marker, key and value lengths, HLC wall + counter + node id length, nullable flags.
+        const FIXED: usize = 1 + 4 + 4 + 16 + 2 + 8;
+        match self {
+            Delta::Put {
+                key,
+                value,
+                version,
+                fencing_token,
+                ..
+            } => {
+                FIXED
+                    + key.len()
+                    + value.len()
+                    + version.node_id.len()
+                    + fencing_token.as_ref().map_or(0, |t| 16 + t.node_id.len())
+            }
+            Delta::Delete { key, version } => FIXED + key.len() + version.node_id.len(),
+        }
+    }
+
+    /// Appends the binary form to `w`.
+    pub(crate) fn encode_into(&self, w: &mut Writer) -> Result<(), StoreError> {
         match self {
             Delta::Put {
                 key,
@@ -73,7 +101,7 @@ impl Delta {
                 w.hlc(version)?;
             }
         }
-        Ok(w.buf)
+        Ok(())
     }
 
     /// Decodes exactly one delta; any other input is an error, never a panic.
@@ -211,7 +239,10 @@ pub(crate) mod tests {
     proptest! {
         #[test]
         fn round_trip(delta in any_delta()) {
-            prop_assert_eq!(Delta::decode(&delta.encode().unwrap()).unwrap(), delta);
+            let bytes = delta.encode().unwrap();
+            // One allocation: the hint is an upper bound.
+            prop_assert!(bytes.len() <= delta.encoded_len_hint());
+            prop_assert_eq!(Delta::decode(&bytes).unwrap(), delta);
         }
 
         #[test]

@@ -396,7 +396,7 @@ impl StateMachine {
             let (room, dropped): (Vec<_>, Vec<_>) = self
                 .notify
                 .matching(delta.key(), Event::Expire)
-                .map(|t| (t.def.name.clone(), t.is_full()))
+                .map(|t| (Arc::clone(t.name()), t.is_full()))
                 .partition(|(_, full)| !full);
             let commit = (!room.is_empty()).then(|| {
                 let commit = QueueDelta::Commit {
@@ -411,7 +411,7 @@ impl StateMachine {
                 delta,
                 notifications,
                 commit,
-                dropped: dropped.into_iter().map(|(t, _)| t).collect(),
+                dropped: dropped.into_iter().map(|(t, _)| t.to_string()).collect(),
             });
         }
         expired
@@ -434,24 +434,21 @@ impl StateMachine {
         if self.notify.is_empty() {
             return Ok(None);
         }
-        let mut names = Vec::new();
+        let mut reservations = Vec::new();
         for topic in self.notify.matching(key, event) {
             if topic.is_full() {
                 return Err(topic.def.name.clone());
             }
-            names.push(topic.def.name.as_str());
+            reservations.push((
+                Arc::clone(topic.name()),
+                topic.next_reservation_id(),
+                deadline_ms,
+            ));
         }
-        if names.is_empty() {
+        if reservations.is_empty() {
             return Ok(None);
         }
-        let ids = self.notify.next_reservation_ids(&names);
-        let delta = QueueDelta::Reserve(
-            names
-                .iter()
-                .zip(ids)
-                .map(|(name, id)| ((*name).to_owned(), id, deadline_ms))
-                .collect(),
-        );
+        let delta = QueueDelta::Reserve(reservations);
         let undo = self.notify.apply(&delta);
         Ok(Some((delta, undo)))
     }
@@ -475,17 +472,6 @@ impl StateMachine {
         };
         let undo = self.notify.apply(&commit);
         (commit, undo)
-    }
-
-    /// Aborts the reservations of `reserve` (the write did not happen).
-    pub fn abort_reserved(&mut self, reserve: &QueueDelta) -> (QueueDelta, QueueUndo) {
-        let list = match reserve {
-            QueueDelta::Reserve(list) => list.iter().map(|(t, id, _)| (t.clone(), *id)).collect(),
-            _ => Vec::new(),
-        };
-        let abort = QueueDelta::Abort(list);
-        let undo = self.notify.apply(&abort);
-        (abort, undo)
     }
 
     /// Aborts reservations whose deadline passed (a crash between reserve and commit left them).

@@ -13,6 +13,7 @@
 //! [`QueueUndo`] that restores the previous state (for writes rolled back after a failed commit).
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use mqstate_protocol::{Glob, Hlc};
@@ -151,6 +152,8 @@ impl QueueEntry {
 #[derive(Debug, Clone)]
 pub struct Topic {
     pub def: TopicDef,
+    /// `def.name`, shared by the queue deltas and undos that name the topic.
+    name: Arc<str>,
     glob: Glob,
     entries: VecDeque<QueueEntry>,
     /// The seq the next committed entry gets.
@@ -165,6 +168,7 @@ impl Topic {
     fn new(def: TopicDef) -> Option<Topic> {
         let glob = Glob::new(&def.keys).ok()?;
         Some(Topic {
+            name: Arc::from(def.name.as_str()),
             def,
             glob,
             entries: VecDeque::new(),
@@ -173,6 +177,10 @@ impl Topic {
             next_reservation_id: 1,
             bytes: 0,
         })
+    }
+
+    pub fn name(&self) -> &Arc<str> {
+        &self.name
     }
 
     pub fn matches(&self, key: &[u8], event: Event) -> bool {
@@ -202,6 +210,11 @@ impl Topic {
 
     pub fn next_seq(&self) -> u64 {
         self.next_seq
+    }
+
+    /// The id the next reservation gets.
+    pub fn next_reservation_id(&self) -> u64 {
+        self.next_reservation_id
     }
 
     /// Entries after `after_seq`, at most `max`.
@@ -237,15 +250,18 @@ impl Topic {
     }
 }
 
+/// A reservation a commit released: (id, deadline).
+pub type Reservation = (u64, u64);
+
 /// What restores the state a [`QueueDelta`] changed (in memory only; never logged).
 #[derive(Debug)]
 pub enum QueueUndo {
     /// Forget reservations a `Reserve` made.
-    Unreserve(Vec<(String, u64)>),
+    Unreserve(Vec<(Arc<str>, u64)>),
     /// Put back reservations an `Abort` removed: (topic, id, deadline).
-    Rereserve(Vec<(String, u64, u64)>),
+    Rereserve(Vec<(Arc<str>, u64, u64)>),
     /// Take back the last entry of each topic, and give back its reservation (id, deadline).
-    Uncommit(Vec<(String, Option<(u64, u64)>)>),
+    Uncommit(Vec<(Arc<str>, Option<Reservation>)>),
     /// Put back removed entries at the front.
     Unremove(String, Vec<QueueEntry>),
     /// Put back the topic as it was (`None`: it did not exist).
@@ -300,24 +316,16 @@ impl Notifications {
     }
 
     /// Reservations whose deadline is at or before `now_ms`.
-    pub fn stale_reservations(&self, now_ms: u64) -> Vec<(String, u64)> {
+    pub fn stale_reservations(&self, now_ms: u64) -> Vec<(Arc<str>, u64)> {
         let mut stale = Vec::new();
         for topic in self.topics.values() {
             for (&id, &deadline) in &topic.reservations {
                 if deadline <= now_ms {
-                    stale.push((topic.def.name.clone(), id));
+                    stale.push((Arc::clone(&topic.name), id));
                 }
             }
         }
         stale
-    }
-
-    /// The reservation ids the next `Reserve` of these topics would get.
-    pub fn next_reservation_ids(&self, topics: &[&str]) -> Vec<u64> {
-        topics
-            .iter()
-            .map(|t| self.topics.get(*t).map_or(1, |t| t.next_reservation_id))
-            .collect()
     }
 
     /// The deadline of one reservation.
@@ -354,7 +362,7 @@ impl Notifications {
             QueueDelta::Reserve(reservations) => {
                 let mut made = Vec::new();
                 for (name, id, deadline) in reservations {
-                    if let Some(topic) = self.topics.get_mut(name) {
+                    if let Some(topic) = self.topics.get_mut(&**name) {
                         if *id >= topic.next_reservation_id {
                             topic.next_reservation_id = id + 1;
                         }
@@ -367,7 +375,7 @@ impl Notifications {
             QueueDelta::Abort(reservations) => {
                 let mut removed = Vec::new();
                 for (name, id) in reservations {
-                    if let Some(topic) = self.topics.get_mut(name) {
+                    if let Some(topic) = self.topics.get_mut(&**name) {
                         if let Some(deadline) = topic.reservations.remove(id) {
                             removed.push((name.clone(), *id, deadline));
                         }
@@ -382,13 +390,18 @@ impl Notifications {
             } => {
                 let mut committed = Vec::new();
                 for (name, reservation) in commits {
-                    let Some(topic) = self.topics.get_mut(name) else {
+                    let Some(topic) = self.topics.get_mut(&**name) else {
                         continue;
                     };
                     let released = topic
                         .reservations
                         .remove(reservation)
                         .map(|deadline| (*reservation, deadline));
+                    // A commit logged without a reservation record of its own (the write path's
+                    // reservation lives in memory only): replay moves the ids on as reserving did.
+                    if *reservation != NO_RESERVATION && *reservation >= topic.next_reservation_id {
+                        topic.next_reservation_id = reservation + 1;
+                    }
                     let value = match change {
                         Delta::Put { value, .. } => Some(value.clone()),
                         Delta::Delete { .. } => None,
@@ -427,21 +440,24 @@ impl Notifications {
         match undo {
             QueueUndo::Unreserve(made) => {
                 for (name, id) in made {
-                    if let Some(topic) = self.topics.get_mut(&name) {
+                    if let Some(topic) = self.topics.get_mut(&*name) {
                         topic.reservations.remove(&id);
+                        if topic.next_reservation_id == id + 1 {
+                            topic.next_reservation_id = id;
+                        }
                     }
                 }
             }
             QueueUndo::Rereserve(removed) => {
                 for (name, id, deadline) in removed {
-                    if let Some(topic) = self.topics.get_mut(&name) {
+                    if let Some(topic) = self.topics.get_mut(&*name) {
                         topic.reservations.insert(id, deadline);
                     }
                 }
             }
             QueueUndo::Uncommit(committed) => {
                 for (name, released) in committed {
-                    if let Some(topic) = self.topics.get_mut(&name) {
+                    if let Some(topic) = self.topics.get_mut(&*name) {
                         if let Some(entry) = topic.entries.pop_back() {
                             topic.bytes -= entry.bytes();
                             topic.next_seq = entry.seq;

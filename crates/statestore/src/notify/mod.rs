@@ -2,7 +2,7 @@
 //! executor ([`Internal`]), the admin RPC ([`admin`]) and the queue owner itself ([`owner`]).
 //!
 //! The queues are state-machine state (`mqstate_store::notify`): a write and its notifications are
-//! one log record. The executor reserves before it executes and commits or aborts after
+//! one log record. The executor reserves before it executes and commits or releases after
 //! (`service/notify_exec.rs`); the owner task takes each queue's lock key with `SET … NEX PX`,
 //! lists entries, pushes them to the endpoint (`mqstate_notify`) and removes what was acknowledged
 //! with a request the lock key fences. See `docs/notifications.md` and decision `0019-notify-queues`.
@@ -30,7 +30,8 @@ pub use mqstate_protocol::topic::NOTIFY_ADMIN_TOPIC as ADMIN_TOPIC;
 pub struct NotifyConfig {
     /// Names this node in lock keys; unique per node of a cluster.
     pub node_id: String,
-    /// A reservation not committed or aborted by then is stale and aborted.
+    /// A reservation not committed or aborted by then is stale and aborted (only a log written
+    /// before decision 0038, which logged reservations on their own, can leave one behind).
     pub reservation_timeout: Duration,
     /// How often every queue's lock is taken or renewed.
     pub walk_interval: Duration,

@@ -5,6 +5,7 @@
 //! backoff. Each pusher is its own task, so one endpoint being down never delays another queue.
 
 use std::collections::HashMap;
+use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -191,16 +192,22 @@ async fn walk(
     }
 }
 
-fn record(topic: &str, entry: QueueEntry) -> Record {
+fn record(topic: &Arc<str>, entry: QueueEntry) -> Record {
+    // The HLC's text in one allocation (`to_string` grows it field by field).
+    let mut version = String::with_capacity(HLC_TIME_TEXT + entry.version.node_id.len());
+    let _ = write!(version, "{}", entry.version);
     Record {
-        topic: topic.to_owned(),
+        topic: Arc::clone(topic),
         seq: entry.seq,
         key: entry.key,
         event: entry.event.as_str(),
-        version: entry.version.to_string(),
+        version,
         value: entry.value,
     }
 }
+
+/// `{wall:015}:{counter:05}:` as long as it gets (a u64 and a u32 in full).
+const HLC_TIME_TEXT: usize = 20 + 1 + 10 + 1;
 
 /// The wait after a failed push that waited `backoff`: doubling from `retry_min` up to `retry_max`.
 fn next_backoff(backoff: Duration, config: &NotifyConfig) -> Duration {
@@ -217,6 +224,7 @@ async fn push_loop(
     stats: Arc<DeliveryStats>,
 ) {
     let topic = def.name.clone();
+    let shared_topic: Arc<str> = Arc::from(topic.as_str());
     let client_id = format!("mqstate-notify-{}-{topic}", config.node_id);
     let endpoint = tls
         .map_err(|reason| EndpointError::Tls {
@@ -258,7 +266,10 @@ async fn push_loop(
             continue;
         }
         let seqs: Vec<u64> = entries.iter().map(|e| e.seq).collect();
-        let records: Vec<Record> = entries.into_iter().map(|e| record(&topic, e)).collect();
+        let records: Vec<Record> = entries
+            .into_iter()
+            .map(|e| record(&shared_topic, e))
+            .collect();
         let pushed = endpoint.push(&records).await;
         if pushed.acknowledged > 0 {
             let Lease { holder, token } = lease.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -24,7 +24,8 @@ use crate::notify::admin::{def_json, error_json, AdminRequest};
 use crate::notify::owner::{self, OwnerPort};
 use crate::notify::{DeliveryStats, Internal, LockState, NotifyConfig, ADMIN_TOPIC};
 
-/// Crash point: the reservation is durable, the write and its commit are not logged yet.
+/// Crash point: the slot is reserved and the write executed, in memory; its commit record is not
+/// logged yet.
 pub const NOTIFY_AFTER_RESERVE: &str = "notify-after-reserve";
 /// Client id of the service's own writes (lock keys) in request contexts.
 const OWNER_CLIENT_ID: &str = "$mqstate-notify";
@@ -79,13 +80,14 @@ pub(super) fn start(broker: &Broker, config: Option<NotifyConfig>) -> Option<Not
 pub(super) enum PendingQueue {
     /// The reservation failed: the write is refused and changes nothing.
     Full(String),
-    /// The reserve record, then the commit (write happened) or abort record, with their undos.
-    Settled(Box<Settled>),
+    /// The write happened: its commit record (the key change and its notifications) to log.
+    Committed(Box<Committed>),
 }
 
-pub(super) struct Settled {
-    reserve: (QueueDelta, QueueUndo),
-    record: (QueueDelta, QueueUndo),
+pub(super) struct Committed {
+    /// Releases the reservation, which is in memory only: the commit record carries it.
+    reserve_undo: QueueUndo,
+    commit: (QueueDelta, QueueUndo),
 }
 
 /// The event of a write command.
@@ -141,69 +143,78 @@ impl Executor {
             .reserve(key, event, now_ms.saturating_add(timeout_ms))
     }
 
-    /// Commits the reservation if the write changed the key, aborts it otherwise.
+    /// Commits the reservation if the write changed the key; otherwise releases it (nothing is
+    /// logged for it) and there is nothing to log.
     pub(super) fn settle(
         &mut self,
         reserve: (QueueDelta, QueueUndo),
         event: Option<Event>,
         execution: &Execution,
-    ) -> PendingQueue {
-        let record = match (&execution.delta, event) {
-            (Some(change), Some(event)) => self.machine.commit_reserved(change, event, &reserve.0),
-            _ => self.machine.abort_reserved(&reserve.0),
-        };
-        PendingQueue::Settled(Box::new(Settled { reserve, record }))
+    ) -> Option<PendingQueue> {
+        match (&execution.delta, event) {
+            (Some(change), Some(event)) => {
+                let commit = self.machine.commit_reserved(change, event, &reserve.0);
+                Some(PendingQueue::Committed(Box::new(Committed {
+                    reserve_undo: reserve.1,
+                    commit,
+                })))
+            }
+            _ => {
+                self.machine.undo_queue(reserve.1);
+                None
+            }
+        }
     }
 
-    /// Logs the reserve record, then the commit (with the identity of the request that made it)
-    /// or abort record. What is not logged is undone in memory; a reservation logged without its
-    /// commit stays until it is stale.
+    /// Logs the commit record, with the identity of the request that made it: one record for
+    /// the reservation, the key change and its notifications (decision 0038). Until it is logged
+    /// the reservation holds the slot in memory only; what is not logged is undone in memory.
     pub(super) async fn log_notified(
         &mut self,
         pending: PendingQueue,
         key_undo: Option<Delta>,
         request: &RequestRecord,
     ) -> Result<Option<Commit>, String> {
-        let PendingQueue::Settled(settled) = pending else {
+        let PendingQueue::Committed(committed) = pending else {
             return Ok(None);
         };
-        let Settled {
-            reserve: (reserve, reserve_undo),
-            record: (record, record_undo),
-        } = *settled;
-        let committed = matches!(record, QueueDelta::Commit { .. });
-        let key_undo = key_undo.filter(|_| committed);
-        let reserved = match self.log_queue(&reserve).await {
-            Ok(commit) => commit,
-            Err(e) => {
-                self.apply_undo(Undo::Both(key_undo, record_undo));
-                self.machine.undo_queue(reserve_undo);
-                return Err(e);
-            }
-        };
-        self.log.push_undo(Undo::Queue(reserve_undo));
+        let Committed {
+            reserve_undo,
+            commit: (record, commit_undo),
+        } = *committed;
         if self.config.failpoints.is_armed() {
-            if let Some(reserved) = reserved {
-                let _ = reserved.wait().await;
-            }
+            // Reserved and written in memory, nothing logged yet.
             self.config.failpoints.hit(NOTIFY_AFTER_RESERVE);
         }
-        let logged = if let QueueDelta::Commit { change, .. } = &record {
-            self.log_requested(record.encode(), change.version(), request)
-                .await
-        } else {
-            self.log_queue(&record).await
+        let reserved = match reserve_undo {
+            QueueUndo::Unreserve(reserved) => reserved,
+            other => {
+                debug_assert!(false, "a reservation's undo is an Unreserve, not {other:?}");
+                Vec::new()
+            }
         };
-        match logged {
+        let undo = Undo::Notified {
+            key: key_undo,
+            commit: commit_undo,
+            reserved,
+        };
+        let QueueDelta::Commit { change, .. } = &record else {
+            debug_assert!(false, "a notified write logs a commit, not {record:?}");
+            self.apply_undo(undo);
+            return Err("a notified write's record is not a commit".to_owned());
+        };
+        match self
+            .log_requested(record.encode(), change.version(), request)
+            .await
+        {
             Ok(commit) => {
-                self.log.push_undo(Undo::Both(key_undo, record_undo));
+                self.log.push_undo(undo);
                 self.notify_queued();
                 Ok(commit)
             }
             Err(e) => {
-                // The write is undone; its reservation is logged and will be aborted when stale.
                 tracing::error!("notification commit not logged: {e}");
-                self.apply_undo(Undo::Both(key_undo, record_undo));
+                self.apply_undo(undo);
                 Err(e)
             }
         }

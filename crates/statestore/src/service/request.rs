@@ -288,7 +288,7 @@ impl Executor {
         };
         let mut execution = self.machine.execute(command, &context);
         if let Some(reserved) = reserved {
-            self.pending_queue = Some(self.settle(reserved, event, &execution));
+            self.pending_queue = self.settle(reserved, event, &execution);
         }
         if let (true, Reply::Keys { keys: found, .. }) = (is_scan, &mut execution.reply) {
             found.retain(|key| keys.may_read(who, key));

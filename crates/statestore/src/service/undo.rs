@@ -2,6 +2,8 @@
 //! applies it when a commit fails. The undos themselves are kept by the executor's
 //! [`DurableLog`](mqstate_wal::DurableLog) until their records are durable.
 
+use std::sync::Arc;
+
 use mqstate_store::notify::QueueUndo;
 use mqstate_store::Delta;
 
@@ -11,8 +13,13 @@ use super::Executor;
 pub(super) enum Undo {
     Key(Delta),
     Queue(QueueUndo),
-    /// A commit: its key change and its queue entries.
-    Both(Option<Delta>, QueueUndo),
+    /// A commit: its key change, its queue entries and the reservations it was made under
+    /// (topic, id), which were never logged on their own.
+    Notified {
+        key: Option<Delta>,
+        commit: QueueUndo,
+        reserved: Vec<(Arc<str>, u64)>,
+    },
 }
 
 impl Executor {
@@ -20,8 +27,13 @@ impl Executor {
         match undo {
             Undo::Key(delta) => self.machine.apply_delta(&delta),
             Undo::Queue(queue) => self.machine.undo_queue(queue),
-            Undo::Both(key, queue) => {
-                self.machine.undo_queue(queue);
+            Undo::Notified {
+                key,
+                commit,
+                reserved,
+            } => {
+                self.machine.undo_queue(commit);
+                self.machine.undo_queue(QueueUndo::Unreserve(reserved));
                 if let Some(delta) = key {
                     self.machine.apply_delta(&delta);
                 }

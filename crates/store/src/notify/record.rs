@@ -11,6 +11,10 @@
 //! A commit carries the key change itself, so the change and its notifications are one record:
 //! replaying it applies both or neither. Entry seqs are not recorded — they follow from the order
 //! of commits. Reservation id 0 ([`NO_RESERVATION`]) is a commit that reserved nothing (expiry).
+//! The write path logs no `Reserve`: its reservation is named by the commit (decision 0038);
+//! `Reserve` records of older logs are still read.
+
+use std::sync::Arc;
 
 use super::{event_from_byte, Event, TopicDef};
 use crate::codec::{Reader, Writer};
@@ -38,14 +42,14 @@ pub enum QueueDelta {
     /// Delete a topic with its queue and pending notifications.
     DeleteTopic(String),
     /// (topic, reservation id, deadline in Unix ms).
-    Reserve(Vec<(String, u64, u64)>),
+    Reserve(Vec<(Arc<str>, u64, u64)>),
     /// (topic, reservation id).
-    Abort(Vec<(String, u64)>),
+    Abort(Vec<(Arc<str>, u64)>),
     /// The key change and the notifications it commits: (topic, reservation id).
     Commit {
         change: Delta,
         event: Event,
-        commits: Vec<(String, u64)>,
+        commits: Vec<(Arc<str>, u64)>,
     },
     /// Remove the entries up to `up_to_seq` (the endpoint acknowledged them).
     Remove { topic: String, up_to_seq: u64 },
@@ -65,7 +69,7 @@ impl QueueDelta {
     }
 
     pub fn encode(&self) -> Result<Vec<u8>, StoreError> {
-        let mut w = Writer::default();
+        let mut w = Writer::with_capacity(self.encoded_len_hint());
         match self {
             QueueDelta::CreateTopic(def) => {
                 w.u8(CREATE_TOPIC_MARKER);
@@ -103,7 +107,9 @@ impl QueueDelta {
             } => {
                 w.u8(COMMIT_MARKER);
                 w.u8(event.bit());
-                w.buffer("key change", &change.encode()?)?;
+                let start = w.begin_buffer();
+                change.encode_into(&mut w)?;
+                w.end_buffer("key change", start)?;
                 w.count("queue delta list", commits.len())?;
                 for (name, id) in commits {
                     w.buffer("topic name", name.as_bytes())?;
@@ -117,6 +123,29 @@ impl QueueDelta {
             }
         }
         Ok(w.buf)
+    }
+
+    /// An upper bound of the size of the binary form, so that encoding it allocates once.
+    fn encoded_len_hint(&self) -> usize {
+        // A list item: name length, name, reservation id, deadline.
+        let item = |name: &str| 4 + name.len() + 16;
+        1 + match self {
+            QueueDelta::CreateTopic(def) => {
+                12 + def.name.len() + def.endpoint.len() + def.keys.len() + 5
+            }
+            QueueDelta::DeleteTopic(name) => 4 + name.len(),
+            QueueDelta::Reserve(list) => 4 + list.iter().map(|(n, ..)| item(n)).sum::<usize>(),
+            QueueDelta::Abort(list) => 4 + list.iter().map(|(n, _)| item(n)).sum::<usize>(),
+            QueueDelta::Commit {
+                change, commits, ..
+            } => {
+                1 + 4
+                    + change.encoded_len_hint()
+                    + 4
+                    + commits.iter().map(|(n, _)| item(n)).sum::<usize>()
+            }
+            QueueDelta::Remove { topic, .. } => 4 + topic.len() + 8,
+        }
     }
 
     /// Decodes exactly one queue delta; any other input is an error, never a panic.
@@ -143,7 +172,7 @@ impl QueueDelta {
                 let mut list = Vec::with_capacity(n.min(r.remaining() / 20));
                 for _ in 0..n {
                     list.push((
-                        text(&mut r, "topic name")?,
+                        text(&mut r, "topic name")?.into(),
                         r.u63("reservation id")?,
                         r.u63("deadline")?,
                     ));
@@ -154,7 +183,7 @@ impl QueueDelta {
                 let n = r.len("count")?;
                 let mut list = Vec::with_capacity(n.min(r.remaining() / 12));
                 for _ in 0..n {
-                    list.push((text(&mut r, "topic name")?, r.u63("reservation id")?));
+                    list.push((text(&mut r, "topic name")?.into(), r.u63("reservation id")?));
                 }
                 QueueDelta::Abort(list)
             }
@@ -166,7 +195,7 @@ impl QueueDelta {
                 let n = r.len("count")?;
                 let mut commits = Vec::with_capacity(n.min(r.remaining() / 12));
                 for _ in 0..n {
-                    commits.push((text(&mut r, "topic name")?, r.u63("reservation id")?));
+                    commits.push((text(&mut r, "topic name")?.into(), r.u63("reservation id")?));
                 }
                 QueueDelta::Commit {
                     change,
@@ -196,7 +225,6 @@ mod tests {
     use bytes::Bytes;
     use mqstate_protocol::Hlc;
     use proptest::prelude::*;
-    use std::sync::Arc;
 
     fn def() -> TopicDef {
         TopicDef {
@@ -257,6 +285,10 @@ mod tests {
     fn round_trips_and_truncations_fail() {
         for delta in samples() {
             let bytes = delta.encode().unwrap();
+            assert!(
+                bytes.len() <= delta.encoded_len_hint(),
+                "{delta:?}: encoding it must not grow its buffer"
+            );
             assert!(QueueDelta::is_marker(bytes[0]));
             assert_eq!(QueueDelta::decode(&bytes).unwrap(), delta);
             for cut in 0..bytes.len() {

@@ -52,7 +52,7 @@ fn write(m: &mut StateMachine, key: &'static [u8], now_ms: u64) -> Result<Vec<Ch
     Ok(match reserved {
         Some((reserve, _)) => {
             let (commit, _) = m.commit_reserved(&delta, Event::Set, &reserve);
-            vec![Change::Queue(reserve), Change::Queue(commit)]
+            vec![Change::Queue(commit)]
         }
         None => vec![Change::Key(delta)],
     })
@@ -90,7 +90,33 @@ fn a_matching_write_is_queued_in_commit_order_and_replays_identically() {
     }
     let again = replayed.topics().get("orders").unwrap();
     assert_eq!(again.entries(), topic.entries());
+    assert_eq!(
+        (again.reserved(), again.next_reservation_id()),
+        (0, topic.next_reservation_id()),
+        "a commit without its reservation record replays as reserving and committing did"
+    );
     assert_eq!(replayed.keyspace().len(), 3);
+}
+
+#[test]
+fn a_reservation_record_then_its_commit_replay_as_before() {
+    // Logs written before the reservation went into the commit record hold `V` then `A`.
+    let mut m = machine();
+    let mut log = vec![Change::Queue(m.define_topic(def(10)).0)];
+    let (reserve, _) = m.reserve(b"order:1", Event::Set, 1000).unwrap().unwrap();
+    let delta = m.execute(set(b"order:1", None), &ctx(100)).delta.unwrap();
+    let (commit, _) = m.commit_reserved(&delta, Event::Set, &reserve);
+    log.extend([Change::Queue(reserve), Change::Queue(commit)]);
+    let mut replayed = machine();
+    for change in &log {
+        replayed.apply_change(change);
+    }
+    let (live, again) = (
+        m.topics().get("orders").unwrap(),
+        replayed.topics().get("orders").unwrap(),
+    );
+    assert_eq!(again.entries(), live.entries());
+    assert_eq!((again.reserved(), again.next_reservation_id()), (0, 2));
 }
 
 #[test]
@@ -98,11 +124,13 @@ fn a_full_queue_refuses_the_reservation_and_reserved_slots_count() {
     let mut m = machine();
     m.define_topic(def(2));
     write(&mut m, b"order:1", 1).unwrap();
-    let (reserve, _) = m.reserve(b"order:2", Event::Set, 50).unwrap().unwrap();
+    let (_, undo) = m.reserve(b"order:2", Event::Set, 50).unwrap().unwrap();
     assert_eq!(m.reserve(b"order:3", Event::Set, 50).unwrap_err(), "orders");
     assert!(m.reserve(b"unrelated", Event::Set, 50).unwrap().is_none());
-    m.abort_reserved(&reserve);
-    assert_eq!(m.topics().get("orders").unwrap().used(), 1);
+    // A write that did nothing releases its reservation, id included.
+    m.undo_queue(undo);
+    let topic = m.topics().get("orders").unwrap();
+    assert_eq!((topic.used(), topic.next_reservation_id()), (1, 2));
 }
 
 #[test]
