@@ -10,15 +10,17 @@
 //! [`Receiver::recv`] yields what was queued, then `None` once every sender is dropped.
 
 use std::collections::VecDeque;
+use std::future::poll_fn;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 
-use tokio::sync::Notify;
+use crate::signal::Signal;
 
 struct Shared<T> {
     state: Mutex<State<T>>,
-    /// Wakes the receiver. `notify_one` keeps a permit when nobody waits, so a wake-up that comes
+    /// Wakes the receiver. A notification that comes while it does not wait is kept, so a wake-up
     /// between the receiver's check and its wait is not lost.
-    wake: Notify,
+    wake: Signal,
 }
 
 struct State<T> {
@@ -46,7 +48,7 @@ pub(crate) fn channel<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
             senders: 1,
             receiver_alive: true,
         }),
-        wake: Notify::new(),
+        wake: Signal::default(),
     });
     (
         Sender {
@@ -73,7 +75,7 @@ impl<T> Sender<T> {
         }
         state.queue.push_back(value);
         drop(state);
-        self.shared.wake.notify_one();
+        self.shared.wake.notify();
         Ok(())
     }
 }
@@ -94,7 +96,7 @@ impl<T> Drop for Sender<T> {
         let last = state.senders == 0;
         drop(state);
         if last {
-            self.shared.wake.notify_one();
+            self.shared.wake.notify();
         }
     }
 }
@@ -107,17 +109,25 @@ impl<T> Receiver<T> {
     /// The next request; `None` once the queue is empty and every sender is gone. Cancel-safe:
     /// a request is taken from the queue only when this returns it.
     pub(crate) async fn recv(&mut self) -> Option<T> {
+        poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// [`Receiver::recv`] as a poll: a connection waiting on its mailbox then holds no future for it.
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         loop {
             {
                 let mut state = self.shared.lock();
                 if let Some(value) = state.queue.pop_front() {
-                    return Some(value);
+                    return Poll::Ready(Some(value));
                 }
                 if state.senders == 0 {
-                    return None;
+                    return Poll::Ready(None);
                 }
             }
-            self.shared.wake.notified().await;
+            // Ready when something was sent (or the last sender dropped) since the check: look again.
+            if self.shared.wake.poll_wait(cx).is_pending() {
+                return Poll::Pending;
+            }
         }
     }
 

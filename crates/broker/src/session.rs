@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use crate::signal::Signal;
 use bytestring::ByteString;
 use mqstate_clock::{Clock, SharedClock};
-use tokio::sync::Notify;
 
 use crate::codec::OutPublish;
 use crate::message::{Message, QoS};
@@ -528,7 +528,7 @@ pub(crate) struct SessionHandle {
     /// Dates what the journal records (a journal stores wall-clock ms).
     clock: SharedClock,
     /// Wakes the owning connection when messages were queued.
-    pub wake: Notify,
+    pub wake: Signal,
     /// Whether a connection owns the session; offline sessions do not queue QoS 0.
     online: AtomicBool,
 }
@@ -587,7 +587,7 @@ impl SessionHandle {
             journal,
             clock,
             client_id,
-            wake: Notify::new(),
+            wake: Signal::default(),
             online: AtomicBool::new(false),
         }
     }
@@ -603,7 +603,7 @@ impl SessionHandle {
             state: Mutex::new(state),
             journal,
             clock,
-            wake: Notify::new(),
+            wake: Signal::default(),
             online: AtomicBool::new(false),
         }
     }
@@ -634,7 +634,7 @@ impl SessionHandle {
             (outcome, state.commit())
         };
         if outcome != Enqueued::DroppedQos0 && outcome != Enqueued::DroppedNewest {
-            self.wake.notify_one();
+            self.wake.notify();
         }
         (outcome, durable)
     }
