@@ -37,7 +37,7 @@ use crate::will::Will;
 
 /// Control requests a connection can have queued (takeover requests from racing reconnects,
 /// service disconnects); more are refused and the sender falls back (forced takeover).
-const CONTROL_CHANNEL_CAPACITY: usize = 4;
+const CONTROL_CHANNEL_CAPACITY: u16 = 4;
 /// Largest CONNECT read from a socket refused by the connection limits (to learn its version).
 const REFUSED_CONNECT_MAX_BYTES: u32 = 64 * 1024;
 
