@@ -4,9 +4,10 @@
 //! in one loop turn is flushed with one `write_all`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -116,10 +117,10 @@ impl Replies {
     }
 
     /// The next reply ready; `None` if none is owed.
-    async fn next(&mut self) -> Option<Deferred> {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Deferred>> {
         match &mut self.0 {
-            Some(replies) => replies.next().await,
-            None => None,
+            Some(replies) => replies.poll_next_unpin(cx),
+            None => Poll::Ready(None),
         }
     }
 }
@@ -217,13 +218,20 @@ pub(crate) async fn run(
     shutdown: CancellationToken,
     _permit: ConnectionPermit,
 ) {
-    let Some((mut conn, mut rd, mut wr, control)) =
-        Box::pin(open(upgrade, &inner, &shutdown)).await
-    else {
+    let Some((mut conn, mut link)) = Box::pin(open(upgrade, &inner, shutdown)).await else {
         return;
     };
-    let end = conn.serve(&mut rd, &mut wr, control, &shutdown).await;
-    Box::pin(conn.finish(end, &mut wr)).await;
+    let end = conn.serve(&mut link).await;
+    Box::pin(conn.finish(end, &mut link.wr)).await;
+}
+
+/// What connects a connection's task to its client and to the broker while it serves. One value,
+/// passed by one reference: an `async fn` stores each of its parameters twice.
+struct Link {
+    rd: Reader,
+    wr: Writer,
+    control: mailbox::Receiver<Control>,
+    shutdown: CancellationToken,
 }
 
 /// Runs the listener's handshake, reads CONNECT, authenticates, attaches the session and queues
@@ -231,8 +239,8 @@ pub(crate) async fn run(
 async fn open(
     upgrade: Pin<Box<impl Future<Output = Option<(Stream, Peer)>> + Send>>,
     inner: &Arc<Inner>,
-    shutdown: &CancellationToken,
-) -> Option<(Connection, Reader, Writer, mailbox::Receiver<Control>)> {
+    shutdown: CancellationToken,
+) -> Option<(Connection, Link)> {
     let (stream, peer) = upgrade.await?;
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut rbuf = BytesMut::new();
@@ -264,7 +272,15 @@ async fn open(
         conn.finish(End::Refused, &mut wr).await;
         return None;
     }
-    Some((conn, rd, wr, control_rx))
+    Some((
+        conn,
+        Link {
+            rd,
+            wr,
+            control: control_rx,
+            shutdown,
+        },
+    ))
 }
 
 /// Answers a socket refused by the connection limits: reads its CONNECT (briefly, and only up to a
@@ -504,10 +520,13 @@ impl Underway {
     }
 
     /// The next reply ready; `None` if none is owed.
-    async fn next_reply(underway: &mut Option<Box<Underway>>) -> Option<Deferred> {
+    fn poll_reply(
+        underway: &mut Option<Box<Underway>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Deferred>> {
         match underway {
-            Some(u) => u.pending.next().await,
-            None => None,
+            Some(u) => u.pending.poll_next(cx),
+            None => Poll::Ready(None),
         }
     }
 }
@@ -848,15 +867,14 @@ impl Connection {
         }
     }
 
-    async fn serve(
-        &mut self,
-        rd: &mut Reader,
-        wr: &mut Writer,
-        mut control: mailbox::Receiver<Control>,
-        shutdown: &CancellationToken,
-    ) -> End {
+    async fn serve(&mut self, link: &mut Link) -> End {
         let session = self.session().clone();
+        // When the keep-alive expires; the timer below may be set earlier (it is moved on only
+        // when it fires, not at every packet, to spare the timer wheel).
         let mut keep_alive_at = self.keep_alive.map(|d| self.inner.clock.tokio_now() + d);
+        let keep_alive =
+            tokio::time::sleep_until(keep_alive_at.unwrap_or_else(|| self.inner.clock.tokio_now()));
+        tokio::pin!(keep_alive);
         // Packets that arrived together with CONNECT.
         if let Err(end) = self.handle_buffered() {
             return end;
@@ -867,7 +885,7 @@ impl Connection {
             }
             if !self.out.is_empty() {
                 let slow = self.inner.config.slow_consumer_timeout;
-                match tokio::time::timeout(slow, transport::send(wr, &self.out)).await {
+                match tokio::time::timeout(slow, transport::send(&mut link.wr, &self.out)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(_)) => return End::Closed,
                     Err(_) => return End::SlowConsumer,
@@ -880,12 +898,6 @@ impl Connection {
             if self.rbuf.is_empty() && self.rbuf.capacity() > self.inner.config.idle_buffer_bytes {
                 self.rbuf = BytesMut::new();
             }
-            let keep_alive = async {
-                match keep_alive_at {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
             if self.underway.as_ref().is_some_and(|u| u.is_done()) {
                 self.underway = None;
             }
@@ -901,10 +913,12 @@ impl Connection {
                     None => std::future::pending().await,
                 }
             };
+            // What the connection waits on is polled in place (`poll_fn`), not held as futures:
+            // this wait is the state every idle connection parks in.
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return End::Shutdown,
-                ctl = control.recv() => match ctl {
+                _ = link.shutdown.cancelled() => return End::Shutdown,
+                ctl = poll_fn(|cx| link.control.poll_recv(cx)) => match ctl {
                     Some(Control::TakeOver { done }) => return End::TakenOver(Some(done)),
                     Some(Control::Disconnect { reason_code, reason_string }) => {
                         return End::Kicked { reason_code, reason_string }
@@ -912,7 +926,7 @@ impl Connection {
                     // The registry dropped our channel: the session was taken by force.
                     None => return End::TakenOver(None),
                 },
-                Some(deferred) = Underway::next_reply(&mut self.underway), if self.underway.as_ref().is_some_and(|u| !u.pending.is_empty()) => {
+                Some(deferred) = poll_fn(|cx| Underway::poll_reply(&mut self.underway, cx)), if self.underway.as_ref().is_some_and(|u| !u.pending.is_empty()) => {
                     self.on_deferred(deferred);
                 }
                 room = inbox_room => {
@@ -925,7 +939,7 @@ impl Connection {
                         return end;
                     }
                 }
-                read = transport::read_some(rd, &mut self.rbuf), if !self.is_stalled() => match read {
+                read = poll_fn(|cx| transport::poll_read_some(&mut link.rd, &mut self.rbuf, cx)), if !self.is_stalled() => match read {
                     Ok(0) | Err(_) => return End::Closed,
                     Ok(_) => {
                         if let Some(d) = self.keep_alive {
@@ -936,8 +950,11 @@ impl Connection {
                         }
                     }
                 },
-                _ = session.wake.wait() => self.pump(),
-                _ = keep_alive => return End::KeepAliveTimeout,
+                _ = poll_fn(|cx| session.wake.poll_wait(cx)) => self.pump(),
+                _ = &mut keep_alive, if keep_alive_at.is_some() => match keep_alive_at {
+                    Some(at) if at > self.inner.clock.tokio_now() => keep_alive.as_mut().reset(at),
+                    _ => return End::KeepAliveTimeout,
+                },
             }
             self.gather_ready(&session);
         }
@@ -948,7 +965,9 @@ impl Connection {
     /// both halves the system calls of a request/response exchange.
     fn gather_ready(&mut self, session: &SessionHandle) {
         use futures::FutureExt;
-        while let Some(Some(deferred)) = Underway::next_reply(&mut self.underway).now_or_never() {
+        while let Some(Some(deferred)) =
+            poll_fn(|cx| Underway::poll_reply(&mut self.underway, cx)).now_or_never()
+        {
             self.on_deferred(deferred);
         }
         if session.wake.take() {

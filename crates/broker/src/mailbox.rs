@@ -7,10 +7,9 @@
 //!
 //! Semantics are those of a bounded `tokio::sync::mpsc` channel as the broker used it:
 //! [`Sender::try_send`] fails when the queue is full or the receiver is gone, and
-//! [`Receiver::recv`] yields what was queued, then `None` once every sender is dropped.
+//! [`Receiver::poll_recv`] yields what was queued, then `None` once every sender is dropped.
 
 use std::collections::VecDeque;
-use std::future::poll_fn;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
@@ -109,8 +108,9 @@ pub(crate) struct Receiver<T> {
 impl<T> Receiver<T> {
     /// The next request; `None` once the queue is empty and every sender is gone. Cancel-safe:
     /// a request is taken from the queue only when this returns it.
+    #[cfg(test)]
     pub(crate) async fn recv(&mut self) -> Option<T> {
-        poll_fn(|cx| self.poll_recv(cx)).await
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
     }
 
     /// [`Receiver::recv`] as a poll: a connection waiting on its mailbox then holds no future for it.

@@ -167,7 +167,8 @@ mod tests {
         let size = std::mem::size_of_val(&task);
         drop(client);
         // Debug build: 2,973 bytes when the task wrapped this future in another `async` block
-        // (stored twice), 1,104 once spawned as is, 968 with what is under way boxed.
-        assert!(size <= 1024, "the connection task grew to {size} bytes");
+        // (stored twice), 1,104 once spawned as is, 968 with what is under way boxed, 840 with
+        // the waits polled in place.
+        assert!(size <= 896, "the connection task grew to {size} bytes");
     }
 }

@@ -6,7 +6,6 @@
 //! Semantics are those of `Notify::notify_one` with one waiter: a notification that comes while
 //! nobody waits is kept (one, not counted) and consumed by the next wait.
 
-use std::future::poll_fn;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
@@ -45,8 +44,9 @@ impl Signal {
     }
 
     /// Waits until notified. Cancel-safe: a notification is consumed only when this completes.
+    #[cfg(test)]
     pub(crate) async fn wait(&self) {
-        poll_fn(|cx| self.poll_wait(cx)).await
+        std::future::poll_fn(|cx| self.poll_wait(cx)).await
     }
 }
 

@@ -11,7 +11,7 @@ use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Poll};
+use std::task::{ready, Context, Poll};
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
@@ -140,14 +140,20 @@ impl Acceptor {
 /// pass through a stack buffer that exists only during one poll, so a connection waiting for input
 /// holds no read buffer. Cancel-safe: when it does not complete, nothing was read.
 pub(crate) async fn read_some(rd: &mut Reader, buf: &mut BytesMut) -> io::Result<usize> {
-    poll_fn(|cx| {
-        let mut chunk = [MaybeUninit::<u8>::uninit(); READ_CHUNK_BYTES];
-        let mut chunk = ReadBuf::uninit(&mut chunk);
-        ready!(Pin::new(&mut *rd).poll_read(cx, &mut chunk))?;
-        buf.extend_from_slice(chunk.filled());
-        Poll::Ready(Ok(chunk.filled().len()))
-    })
-    .await
+    poll_fn(|cx| poll_read_some(rd, buf, cx)).await
+}
+
+/// [`read_some`] as a poll, for a connection that waits on it without holding a future.
+pub(crate) fn poll_read_some(
+    rd: &mut Reader,
+    buf: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<usize>> {
+    let mut chunk = [MaybeUninit::<u8>::uninit(); READ_CHUNK_BYTES];
+    let mut chunk = ReadBuf::uninit(&mut chunk);
+    ready!(Pin::new(&mut *rd).poll_read(cx, &mut chunk))?;
+    buf.extend_from_slice(chunk.filled());
+    Poll::Ready(Ok(chunk.filled().len()))
 }
 
 /// Writes all of `bytes` and flushes: TLS and WebSocket streams buffer until flushed.
