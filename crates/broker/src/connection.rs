@@ -890,12 +890,13 @@ impl Connection {
                     Ok(Err(_)) => return End::Closed,
                     Err(_) => return End::SlowConsumer,
                 }
-                self.out.clear();
-                if self.out.capacity() > self.inner.config.idle_buffer_bytes {
-                    self.out = BytesMut::new();
-                }
+                // Released once drained, like the read buffer below: an idle connection holds no
+                // buffer, and one more allocation per write or read is cheap next to its system call.
+                self.out = BytesMut::new();
             }
-            if self.rbuf.is_empty() && self.rbuf.capacity() > self.inner.config.idle_buffer_bytes {
+            if self.rbuf.is_empty() {
+                // Its storage is mostly shared with the packets decoded from it: kept, it would
+                // hold a second allocation too.
                 self.rbuf = BytesMut::new();
             }
             if self.underway.as_ref().is_some_and(|u| u.is_done()) {
