@@ -141,8 +141,69 @@ fn refuse(
 
 #[cfg(test)]
 mod tests {
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{Context, Poll};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
     use crate::config::BrokerConfig;
+
+    /// Polls a future and notes when it is dropped.
+    struct DropProbe<F>(Pin<Box<F>>, Arc<AtomicBool>);
+
+    impl<F: Future> Future for DropProbe<F> {
+        type Output = F::Output;
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            self.0.as_mut().poll(cx)
+        }
+    }
+
+    impl<F> Drop for DropProbe<F> {
+        fn drop(&mut self) {
+            self.1.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// The handshake's (boxed) state must not stay with every connection once it is up.
+    #[tokio::test]
+    async fn the_handshake_is_freed_once_connected() {
+        let broker = Broker::new(BrokerConfig::default());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (tcp, addr) = listener.accept().await.unwrap();
+        let permit = broker.inner.connections.admit(addr.ip()).unwrap();
+        let cancel = CancellationToken::new();
+        let dropped = Arc::new(AtomicBool::new(false));
+        let handshake = upgrade(
+            tcp,
+            addr,
+            Acceptor::Tcp,
+            broker.inner.clone(),
+            cancel.clone(),
+        );
+        let probe = DropProbe(Box::pin(handshake), dropped.clone());
+        let task = tokio::spawn(connection::run(
+            Box::pin(probe),
+            broker.inner.clone(),
+            cancel.clone(),
+            permit,
+        ));
+        // MQTT 3.1.1 CONNECT, client id "a"; CONNACK accepted.
+        client
+            .write_all(b"\x10\x0d\x00\x04MQTT\x04\x02\x00\x3c\x00\x01a")
+            .await
+            .unwrap();
+        let mut connack = [0u8; 4];
+        client.read_exact(&mut connack).await.unwrap();
+        assert_eq!(connack, [0x20, 2, 0, 0]);
+        assert!(dropped.load(Ordering::SeqCst));
+        cancel.cancel();
+        task.await.unwrap();
+    }
 
     /// Bytes of a connection's task (its future): with the session, most of what an idle
     /// connection costs (see "Idle connections" in `docs/benchmarks.md`).
