@@ -33,7 +33,7 @@ use crate::registry::{Attach, Control, Owner};
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
 use crate::topic::{self, TopicNameProblem};
-use crate::transport::{self, Peer, Reader, Stream, Writer};
+use crate::transport::{self, Peer, Stream};
 use crate::will::Will;
 
 /// Control requests a connection can have queued (takeover requests from racing reconnects,
@@ -222,14 +222,13 @@ pub(crate) async fn run(
         return;
     };
     let end = conn.serve(&mut link).await;
-    Box::pin(conn.finish(end, &mut link.wr)).await;
+    Box::pin(conn.finish(end, &mut link.stream)).await;
 }
 
 /// What connects a connection's task to its client and to the broker while it serves. One value,
 /// passed by one reference: an `async fn` stores each of its parameters twice.
 struct Link {
-    rd: Reader,
-    wr: Writer,
+    stream: Stream,
     control: mailbox::Receiver<Control>,
     shutdown: CancellationToken,
 }
@@ -242,10 +241,10 @@ async fn open(
     shutdown: CancellationToken,
 ) -> Option<(Connection, Link)> {
     let (stream, peer) = upgrade.await?;
-    let (mut rd, mut wr) = tokio::io::split(stream);
+    let mut stream = stream;
     let mut rbuf = BytesMut::new();
     let handshake = tokio::select! {
-        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(&mut rd, &mut rbuf, inner.config.max_packet_size)) => r,
+        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(&mut stream, &mut rbuf, inner.config.max_packet_size)) => r,
         _ = shutdown.cancelled() => return None,
     };
     let (codec, connect) = match handshake {
@@ -257,7 +256,7 @@ async fn open(
             if !reply.is_empty() {
                 let _ = tokio::time::timeout(
                     inner.config.close_timeout,
-                    transport::send(&mut wr, &reply),
+                    transport::send(&mut stream, &reply),
                 )
                 .await;
             }
@@ -266,17 +265,16 @@ async fn open(
         }
         Ok(Ok(c)) => c,
     };
-    let mut conn = Connection::establish(codec, *connect, rbuf, inner, &mut wr, peer).await?;
+    let mut conn = Connection::establish(codec, *connect, rbuf, inner, &mut stream, peer).await?;
     let (control_tx, control_rx) = mailbox::channel(CONTROL_CHANNEL_CAPACITY);
     if !conn.attach(control_tx).await {
-        conn.finish(End::Refused, &mut wr).await;
+        conn.finish(End::Refused, &mut stream).await;
         return None;
     }
     Some((
         conn,
         Link {
-            rd,
-            wr,
+            stream,
             control: control_rx,
             shutdown,
         },
@@ -291,15 +289,15 @@ pub(crate) async fn refuse_over_limit(
     refused: Refused,
     _slot: RefusalSlot,
 ) {
-    let (mut rd, mut wr) = tokio::io::split(Box::new(stream) as Stream);
+    let mut stream: Stream = Box::new(stream);
     let mut rbuf = BytesMut::new();
     let close_timeout = inner.config.close_timeout;
-    let read = read_connect(&mut rd, &mut rbuf, REFUSED_CONNECT_MAX_BYTES);
+    let read = read_connect(&mut stream, &mut rbuf, REFUSED_CONNECT_MAX_BYTES);
     match tokio::time::timeout(close_timeout, read).await {
         Ok(Ok((mut codec, _))) => {
             refuse(
                 &mut codec,
-                &mut wr,
+                &mut stream,
                 close_timeout,
                 reason::QUOTA_EXCEEDED,
                 Some(refused.why()),
@@ -307,7 +305,7 @@ pub(crate) async fn refuse_over_limit(
             .await
         }
         Ok(Err(reply)) if !reply.is_empty() => {
-            let _ = tokio::time::timeout(close_timeout, transport::send(&mut wr, &reply)).await;
+            let _ = tokio::time::timeout(close_timeout, transport::send(&mut stream, &reply)).await;
         }
         _ => {}
     }
@@ -316,7 +314,7 @@ pub(crate) async fn refuse_over_limit(
 /// Reads until the first packet (which must be CONNECT) is decoded. `Err` carries the bytes to send
 /// before closing (a refusing CONNACK, or nothing).
 async fn read_connect(
-    rd: &mut Reader,
+    rd: &mut Stream,
     rbuf: &mut BytesMut,
     max_packet_size: u32,
 ) -> Result<(Codec, Box<ConnectInfo>), BytesMut> {
@@ -395,7 +393,7 @@ fn payload_format_valid(properties: &PublishProperties, payload: &[u8]) -> bool 
 /// Writes a refusing CONNACK (the connection closes after it).
 async fn refuse(
     codec: &mut Codec,
-    wr: &mut Writer,
+    wr: &mut Stream,
     close_timeout: Duration,
     code: u8,
     why: Option<&str>,
@@ -551,7 +549,7 @@ impl Connection {
         connect: ConnectInfo,
         rbuf: BytesMut,
         inner: &Arc<Inner>,
-        wr: &mut Writer,
+        wr: &mut Stream,
         peer: Peer,
     ) -> Option<Self> {
         let cfg = &inner.config;
@@ -885,7 +883,8 @@ impl Connection {
             }
             if !self.out.is_empty() {
                 let slow = self.inner.config.slow_consumer_timeout;
-                match tokio::time::timeout(slow, transport::send(&mut link.wr, &self.out)).await {
+                match tokio::time::timeout(slow, transport::send(&mut link.stream, &self.out)).await
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(_)) => return End::Closed,
                     Err(_) => return End::SlowConsumer,
@@ -940,7 +939,7 @@ impl Connection {
                         return end;
                     }
                 }
-                read = poll_fn(|cx| transport::poll_read_some(&mut link.rd, &mut self.rbuf, cx)), if !self.is_stalled() => match read {
+                read = poll_fn(|cx| transport::poll_read_some(&mut link.stream, &mut self.rbuf, cx)), if !self.is_stalled() => match read {
                     Ok(0) | Err(_) => return End::Closed,
                     Ok(_) => {
                         if let Some(d) = self.keep_alive {
@@ -1504,7 +1503,7 @@ impl Connection {
 
     /// Sends DISCONNECT if the end calls for one, closes, detaches from the session and publishes
     /// or arms the will.
-    async fn finish(mut self, end: End, wr: &mut Writer) {
+    async fn finish(mut self, end: End, wr: &mut Stream) {
         let (disconnect, publish_will, takeover_done, why): (
             Option<(u8, Option<String>)>,
             bool,
