@@ -47,9 +47,6 @@ pub struct BrokerConfig {
     /// Largest number of bytes encoded into the write buffer before it is flushed; bounds the
     /// per-connection write buffer. Default 64 KiB.
     pub write_batch_bytes: usize,
-    /// Read and write buffers larger than this are released whenever they are drained, so idle
-    /// connections hold (almost) no buffer memory. Default 1 KiB.
-    pub idle_buffer_bytes: usize,
     /// Whether `$share/group/filter` subscriptions are accepted (else SUBACK 0x9E). Default true.
     pub shared_subscriptions: bool,
     /// Failed authentications allowed from one source address before its CONNECTs are refused
@@ -101,7 +98,6 @@ impl Default for BrokerConfig {
             max_client_id_len: 256,
             service_inbox_capacity: 1024,
             write_batch_bytes: 64 * 1024,
-            idle_buffer_bytes: 1024,
             shared_subscriptions: true,
             auth_failure_burst: 30,
             auth_failure_refill: Duration::from_secs(2),

@@ -4,9 +4,10 @@
 //! in one loop turn is flushed with one `write_all`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -23,7 +24,7 @@ use crate::codec::{
     SubRequest, Version, Violation,
 };
 use crate::inbound::TopicAliases;
-use crate::limits::{RefusalSlot, Refused};
+use crate::limits::{ConnectionPermit, RefusalSlot, Refused};
 use crate::mailbox;
 use crate::message::{Message, PublishProperties, QoS};
 use crate::metrics;
@@ -32,12 +33,12 @@ use crate::registry::{Attach, Control, Owner};
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
 use crate::topic::{self, TopicNameProblem};
-use crate::transport::{self, Peer, Reader, Stream, Writer};
+use crate::transport::{self, Peer, Stream};
 use crate::will::Will;
 
 /// Control requests a connection can have queued (takeover requests from racing reconnects,
 /// service disconnects); more are refused and the sender falls back (forced takeover).
-const CONTROL_CHANNEL_CAPACITY: usize = 4;
+const CONTROL_CHANNEL_CAPACITY: u16 = 4;
 /// Largest CONNECT read from a socket refused by the connection limits (to learn its version).
 const REFUSED_CONNECT_MAX_BYTES: u32 = 64 * 1024;
 
@@ -116,10 +117,10 @@ impl Replies {
     }
 
     /// The next reply ready; `None` if none is owed.
-    async fn next(&mut self) -> Option<Deferred> {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Deferred>> {
         match &mut self.0 {
-            Some(replies) => replies.next().await,
-            None => None,
+            Some(replies) => replies.poll_next_unpin(cx),
+            None => Poll::Ready(None),
         }
     }
 }
@@ -203,38 +204,47 @@ fn fail_codes(codes: &mut [u8], result: Result<(), JournalError>) -> bool {
     true
 }
 
-/// Serves one connection (its TLS/WebSocket handshake done) until it closes.
+/// A connection's task: its TLS/WebSocket handshake, then MQTT until it closes. The permit counts
+/// it against the connection limits until then.
 ///
 /// An idle connection's cost is mostly the size of this future, which is the largest state any of
-/// its awaits needs: the handshake and the ending are boxed, so they take memory only while they
-/// run and the parked state is `serve`'s (see "Idle connections" in `docs/benchmarks.md`).
+/// its awaits needs: the handshakes and the ending are boxed, so they take memory only while they
+/// run and the parked state is `serve`'s (see "Idle connections" in `docs/benchmarks.md`). This
+/// future is spawned as is: wrapped in another `async` block it would be stored twice (once as the
+/// block's capture, once as what the block awaits).
 pub(crate) async fn run(
-    stream: Stream,
-    peer: Peer,
+    upgrade: Pin<Box<impl Future<Output = Option<(Stream, Peer)>> + Send>>,
     inner: Arc<Inner>,
     shutdown: CancellationToken,
+    _permit: ConnectionPermit,
 ) {
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    let Some((mut conn, control)) = Box::pin(open(&mut rd, &mut wr, peer, &inner, &shutdown)).await
-    else {
+    let Some((mut conn, mut link)) = Box::pin(open(upgrade, &inner, shutdown)).await else {
         return;
     };
-    let end = conn.serve(&mut rd, &mut wr, control, &shutdown).await;
-    Box::pin(conn.finish(end, &mut wr)).await;
+    let end = conn.serve(&mut link).await;
+    Box::pin(conn.finish(end, &mut link.stream)).await;
 }
 
-/// Reads CONNECT, authenticates, attaches the session and queues CONNACK. `None` if the
-/// connection ended here (refused, timed out, shut down).
+/// What connects a connection's task to its client and to the broker while it serves. One value,
+/// passed by one reference: an `async fn` stores each of its parameters twice.
+struct Link {
+    stream: Stream,
+    control: mailbox::Receiver<Control>,
+    shutdown: CancellationToken,
+}
+
+/// Runs the listener's handshake, reads CONNECT, authenticates, attaches the session and queues
+/// CONNACK. `None` if the connection ended here (refused, timed out, shut down).
 async fn open(
-    rd: &mut Reader,
-    wr: &mut Writer,
-    peer: Peer,
+    upgrade: Pin<Box<impl Future<Output = Option<(Stream, Peer)>> + Send>>,
     inner: &Arc<Inner>,
-    shutdown: &CancellationToken,
-) -> Option<(Connection, mailbox::Receiver<Control>)> {
+    shutdown: CancellationToken,
+) -> Option<(Connection, Link)> {
+    let (stream, peer) = upgrade.await?;
+    let mut stream = stream;
     let mut rbuf = BytesMut::new();
     let handshake = tokio::select! {
-        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(rd, &mut rbuf, inner.config.max_packet_size)) => r,
+        r = tokio::time::timeout(inner.config.connect_timeout, read_connect(&mut stream, &mut rbuf, inner.config.max_packet_size)) => r,
         _ = shutdown.cancelled() => return None,
     };
     let (codec, connect) = match handshake {
@@ -244,22 +254,31 @@ async fn open(
         }
         Ok(Err(reply)) => {
             if !reply.is_empty() {
-                let _ =
-                    tokio::time::timeout(inner.config.close_timeout, transport::send(wr, &reply))
-                        .await;
+                let _ = tokio::time::timeout(
+                    inner.config.close_timeout,
+                    transport::send(&mut stream, &reply),
+                )
+                .await;
             }
             tracing::debug!(%peer, "handshake refused");
             return None;
         }
         Ok(Ok(c)) => c,
     };
-    let mut conn = Connection::establish(codec, *connect, rbuf, inner, wr, peer).await?;
+    let mut conn = Connection::establish(codec, *connect, rbuf, inner, &mut stream, peer).await?;
     let (control_tx, control_rx) = mailbox::channel(CONTROL_CHANNEL_CAPACITY);
     if !conn.attach(control_tx).await {
-        conn.finish(End::Refused, wr).await;
+        conn.finish(End::Refused, &mut stream).await;
         return None;
     }
-    Some((conn, control_rx))
+    Some((
+        conn,
+        Link {
+            stream,
+            control: control_rx,
+            shutdown,
+        },
+    ))
 }
 
 /// Answers a socket refused by the connection limits: reads its CONNECT (briefly, and only up to a
@@ -270,15 +289,15 @@ pub(crate) async fn refuse_over_limit(
     refused: Refused,
     _slot: RefusalSlot,
 ) {
-    let (mut rd, mut wr) = tokio::io::split(Box::new(stream) as Stream);
+    let mut stream: Stream = Box::new(stream);
     let mut rbuf = BytesMut::new();
     let close_timeout = inner.config.close_timeout;
-    let read = read_connect(&mut rd, &mut rbuf, REFUSED_CONNECT_MAX_BYTES);
+    let read = read_connect(&mut stream, &mut rbuf, REFUSED_CONNECT_MAX_BYTES);
     match tokio::time::timeout(close_timeout, read).await {
         Ok(Ok((mut codec, _))) => {
             refuse(
                 &mut codec,
-                &mut wr,
+                &mut stream,
                 close_timeout,
                 reason::QUOTA_EXCEEDED,
                 Some(refused.why()),
@@ -286,7 +305,7 @@ pub(crate) async fn refuse_over_limit(
             .await
         }
         Ok(Err(reply)) if !reply.is_empty() => {
-            let _ = tokio::time::timeout(close_timeout, transport::send(&mut wr, &reply)).await;
+            let _ = tokio::time::timeout(close_timeout, transport::send(&mut stream, &reply)).await;
         }
         _ => {}
     }
@@ -295,7 +314,7 @@ pub(crate) async fn refuse_over_limit(
 /// Reads until the first packet (which must be CONNECT) is decoded. `Err` carries the bytes to send
 /// before closing (a refusing CONNACK, or nothing).
 async fn read_connect(
-    rd: &mut Reader,
+    rd: &mut Stream,
     rbuf: &mut BytesMut,
     max_packet_size: u32,
 ) -> Result<(Codec, Box<ConnectInfo>), BytesMut> {
@@ -374,7 +393,7 @@ fn payload_format_valid(properties: &PublishProperties, payload: &[u8]) -> bool 
 /// Writes a refusing CONNACK (the connection closes after it).
 async fn refuse(
     codec: &mut Codec,
-    wr: &mut Writer,
+    wr: &mut Stream,
     close_timeout: Duration,
     code: u8,
     why: Option<&str>,
@@ -453,16 +472,25 @@ struct Connection {
     server_keep_alive: Option<u16>,
     session_expiry_secs: u32,
     aliases: TopicAliases,
+    /// Made on first use and dropped once all of it is done (see [`Underway`]).
+    underway: Option<Box<Underway>>,
+    /// Boxed: most connections have none, and inline it would cost every one.
+    will: Option<Box<Will>>,
+    peer: Peer,
+    /// Who the client authenticated as.
+    identity: Identity,
+}
+
+/// What a connection has under way with its client, besides the session: replies it owes, a
+/// publish waiting for a service, acks held back. An idle connection has none of it, so it is
+/// boxed, made on first use and dropped when done: inline, it would cost every connection 150 bytes.
+#[derive(Default)]
+struct Underway {
     /// Replies waiting for a service or for durability.
     pending: Replies,
     inbound_qos1_pending: usize,
     /// QoS 2 packet ids whose PUBREC waits for a service or for durability.
     qos2_awaiting_service: BTreeSet<u16>,
-    /// Boxed, like `stalled`: most connections have none, and inline it would cost every one.
-    will: Option<Box<Will>>,
-    peer: Peer,
-    /// Who the client authenticated as.
-    identity: Identity,
     /// A claimed-topic publish waiting for room in its service's inbox. While set, the connection
     /// reads nothing more from the socket (back-pressure) but still writes acks and deliveries.
     stalled: Option<Box<Stalled>>,
@@ -477,6 +505,28 @@ struct Connection {
     /// interop tests among them) that wait for the copy and then disconnect would otherwise lose
     /// the PUBACK with the connection and re-send the publish on the next one.
     delivery_holds: BTreeMap<u64, usize>,
+}
+
+impl Underway {
+    fn is_done(&self) -> bool {
+        self.pending.is_empty()
+            && self.inbound_qos1_pending == 0
+            && self.qos2_awaiting_service.is_empty()
+            && self.stalled.is_none()
+            && self.held_acks.is_empty()
+            && self.delivery_holds.is_empty()
+    }
+
+    /// The next reply ready; `None` if none is owed.
+    fn poll_reply(
+        underway: &mut Option<Box<Underway>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Deferred>> {
+        match underway {
+            Some(u) => u.pending.poll_next(cx),
+            None => Poll::Ready(None),
+        }
+    }
 }
 
 /// The CONNECT fields a connection consults after CONNACK.
@@ -499,7 +549,7 @@ impl Connection {
         connect: ConnectInfo,
         rbuf: BytesMut,
         inner: &Arc<Inner>,
-        wr: &mut Writer,
+        wr: &mut Stream,
         peer: Peer,
     ) -> Option<Self> {
         let cfg = &inner.config;
@@ -624,9 +674,7 @@ impl Connection {
             rbuf,
             out: BytesMut::new(),
             session_expiry_secs,
-            pending: Replies::default(),
-            inbound_qos1_pending: 0,
-            qos2_awaiting_service: BTreeSet::new(),
+            underway: None,
             will,
             peer,
             identity,
@@ -635,10 +683,21 @@ impl Connection {
                 session_expiry_secs: connect.session_expiry_secs,
                 auth_method: connect.auth_method,
             },
-            stalled: None,
-            held_acks: VecDeque::new(),
-            delivery_holds: BTreeMap::new(),
         })
+    }
+
+    fn underway(&mut self) -> &mut Underway {
+        self.underway.get_or_insert_with(Box::default)
+    }
+
+    fn is_stalled(&self) -> bool {
+        self.underway.as_ref().is_some_and(|u| u.stalled.is_some())
+    }
+
+    fn has_held_acks(&self) -> bool {
+        self.underway
+            .as_ref()
+            .is_some_and(|u| !u.held_acks.is_empty())
     }
 
     fn principal(&self) -> Principal<'_> {
@@ -781,7 +840,10 @@ impl Connection {
         let out = &mut self.out;
         let mut full = false;
         let mut sent = metrics::SentByQos::default();
-        let before_seq = self.delivery_holds.keys().next().copied();
+        let before_seq = self
+            .underway
+            .as_ref()
+            .and_then(|u| u.delivery_holds.keys().next().copied());
         session
             .lock()
             .pump(self.inner.clock.now(), self.send_window, before_seq, |p| {
@@ -799,49 +861,51 @@ impl Connection {
         sent.report();
         if full {
             // Continue after this batch is flushed.
-            session.wake.notify_one();
+            session.wake.notify();
         }
     }
 
-    async fn serve(
-        &mut self,
-        rd: &mut Reader,
-        wr: &mut Writer,
-        mut control: mailbox::Receiver<Control>,
-        shutdown: &CancellationToken,
-    ) -> End {
+    async fn serve(&mut self, link: &mut Link) -> End {
         let session = self.session().clone();
+        // When the keep-alive expires; the timer below may be set earlier (it is moved on only
+        // when it fires, not at every packet, to spare the timer wheel).
         let mut keep_alive_at = self.keep_alive.map(|d| self.inner.clock.tokio_now() + d);
+        let keep_alive =
+            tokio::time::sleep_until(keep_alive_at.unwrap_or_else(|| self.inner.clock.tokio_now()));
+        tokio::pin!(keep_alive);
         // Packets that arrived together with CONNECT.
         if let Err(end) = self.handle_buffered() {
             return end;
         }
         loop {
-            if !self.held_acks.is_empty() {
+            if self.has_held_acks() {
                 self.release_held_acks();
             }
             if !self.out.is_empty() {
                 let slow = self.inner.config.slow_consumer_timeout;
-                match tokio::time::timeout(slow, transport::send(wr, &self.out)).await {
+                match tokio::time::timeout(slow, transport::send(&mut link.stream, &self.out)).await
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(_)) => return End::Closed,
                     Err(_) => return End::SlowConsumer,
                 }
-                self.out.clear();
-                if self.out.capacity() > self.inner.config.idle_buffer_bytes {
-                    self.out = BytesMut::new();
-                }
+                // Released once drained, like the read buffer below: an idle connection holds no
+                // buffer, and one more allocation per write or read is cheap next to its system call.
+                self.out = BytesMut::new();
             }
-            if self.rbuf.is_empty() && self.rbuf.capacity() > self.inner.config.idle_buffer_bytes {
+            if self.rbuf.is_empty() {
+                // Its storage is mostly shared with the packets decoded from it: kept, it would
+                // hold a second allocation too.
                 self.rbuf = BytesMut::new();
             }
-            let keep_alive = async {
-                match keep_alive_at {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
-            let stalled_inbox = self.stalled.as_ref().map(|s| s.inbox.clone());
+            if self.underway.as_ref().is_some_and(|u| u.is_done()) {
+                self.underway = None;
+            }
+            let stalled_inbox = self
+                .underway
+                .as_ref()
+                .and_then(|u| u.stalled.as_ref())
+                .map(|s| s.inbox.clone());
             let inbox_room = async {
                 match &stalled_inbox {
                     // Boxed: only a stalled connection needs its state.
@@ -849,10 +913,12 @@ impl Connection {
                     None => std::future::pending().await,
                 }
             };
+            // What the connection waits on is polled in place (`poll_fn`), not held as futures:
+            // this wait is the state every idle connection parks in.
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return End::Shutdown,
-                ctl = control.recv() => match ctl {
+                _ = link.shutdown.cancelled() => return End::Shutdown,
+                ctl = poll_fn(|cx| link.control.poll_recv(cx)) => match ctl {
                     Some(Control::TakeOver { done }) => return End::TakenOver(Some(done)),
                     Some(Control::Disconnect { reason_code, reason_string }) => {
                         return End::Kicked { reason_code, reason_string }
@@ -860,20 +926,20 @@ impl Connection {
                     // The registry dropped our channel: the session was taken by force.
                     None => return End::TakenOver(None),
                 },
-                Some(deferred) = self.pending.next(), if !self.pending.is_empty() => {
+                Some(deferred) = poll_fn(|cx| Underway::poll_reply(&mut self.underway, cx)), if self.underway.as_ref().is_some_and(|u| !u.pending.is_empty()) => {
                     self.on_deferred(deferred);
                 }
                 room = inbox_room => {
-                    if let (Ok(permit), Some(stalled)) = (room, self.stalled.take()) {
+                    let stalled = self.underway.as_mut().and_then(|u| u.stalled.take());
+                    // (A closed inbox drops the request: its ack resolves as 0x80.)
+                    if let (Ok(permit), Some(stalled)) = (room, stalled) {
                         permit.send(stalled.request);
                     }
-                    // (A closed inbox drops the request: its ack resolves as 0x80.)
-                    self.stalled = None;
                     if let Err(end) = self.handle_buffered() {
                         return end;
                     }
                 }
-                read = transport::read_some(rd, &mut self.rbuf), if self.stalled.is_none() => match read {
+                read = poll_fn(|cx| transport::poll_read_some(&mut link.stream, &mut self.rbuf, cx)), if !self.is_stalled() => match read {
                     Ok(0) | Err(_) => return End::Closed,
                     Ok(_) => {
                         if let Some(d) = self.keep_alive {
@@ -884,8 +950,11 @@ impl Connection {
                         }
                     }
                 },
-                _ = session.wake.notified() => self.pump(),
-                _ = keep_alive => return End::KeepAliveTimeout,
+                _ = poll_fn(|cx| session.wake.poll_wait(cx)) => self.pump(),
+                _ = &mut keep_alive, if keep_alive_at.is_some() => match keep_alive_at {
+                    Some(at) if at > self.inner.clock.tokio_now() => keep_alive.as_mut().reset(at),
+                    _ => return End::KeepAliveTimeout,
+                },
             }
             self.gather_ready(&session);
         }
@@ -896,17 +965,19 @@ impl Connection {
     /// both halves the system calls of a request/response exchange.
     fn gather_ready(&mut self, session: &SessionHandle) {
         use futures::FutureExt;
-        while let Some(Some(deferred)) = self.pending.next().now_or_never() {
+        while let Some(Some(deferred)) =
+            poll_fn(|cx| Underway::poll_reply(&mut self.underway, cx)).now_or_never()
+        {
             self.on_deferred(deferred);
         }
-        if session.wake.notified().now_or_never().is_some() {
+        if session.wake.take() {
             self.pump();
         }
     }
 
     /// Handles the complete packets in the read buffer, stopping early under back-pressure.
     fn handle_buffered(&mut self) -> Result<(), End> {
-        while self.stalled.is_none() {
+        while !self.is_stalled() {
             let Some(packet) = self.codec.decode(&mut self.rbuf).map_err(End::Violation)? else {
                 break;
             };
@@ -1066,7 +1137,8 @@ impl Connection {
             return Ok(());
         }
         if p.qos != QoS::AtMostOnce {
-            let in_use = self.inbound_qos1_pending + self.session().lock().inbound_qos2.len();
+            let qos1 = self.underway.as_ref().map_or(0, |u| u.inbound_qos1_pending);
+            let in_use = qos1 + self.session().lock().inbound_qos2.len();
             if in_use >= usize::from(self.inner.config.receive_maximum) {
                 return Err(End::Violation(Violation::new(
                     reason::RECEIVE_MAXIMUM_EXCEEDED,
@@ -1076,7 +1148,11 @@ impl Connection {
         }
         if p.qos == QoS::ExactlyOnce && self.session().lock().inbound_qos2.contains(&packet_id) {
             // A retry of a QoS 2 message we already have: never route it twice.
-            if !self.qos2_awaiting_service.contains(&packet_id) {
+            let awaiting = self
+                .underway
+                .as_ref()
+                .is_some_and(|u| u.qos2_awaiting_service.contains(&packet_id));
+            if !awaiting {
                 self.codec
                     .ack(AckKind::Received, packet_id, reason::SUCCESS, &mut self.out);
             }
@@ -1101,7 +1177,7 @@ impl Connection {
                 Ok(()) => {}
                 // Back-pressure: stop reading until the inbox has room.
                 Err(mpsc::error::TrySendError::Full(request)) => {
-                    self.stalled = Some(Box::new(Stalled { inbox, request }))
+                    self.underway().stalled = Some(Box::new(Stalled { inbox, request }))
                 }
                 // The service is gone: the dropped request resolves its ack as 0x80.
                 Err(mpsc::error::TrySendError::Closed(_)) => {}
@@ -1109,18 +1185,19 @@ impl Connection {
             let kind = match p.qos {
                 QoS::AtMostOnce => return Ok(()),
                 QoS::AtLeastOnce => {
-                    self.inbound_qos1_pending += 1;
+                    self.underway().inbound_qos1_pending += 1;
                     AckKind::Acknowledge
                 }
                 QoS::ExactlyOnce => {
-                    self.qos2_awaiting_service.insert(packet_id);
+                    self.underway().qos2_awaiting_service.insert(packet_id);
                     AckKind::Received
                 }
             };
             let journalled = (p.qos == QoS::ExactlyOnce)
                 .then(|| self.receive_qos2(packet_id))
                 .flatten();
-            self.pending
+            self.underway()
+                .pending
                 .push(service_ack(packet_id, kind, ack, journalled));
             return Ok(());
         }
@@ -1139,14 +1216,16 @@ impl Connection {
         if p.qos != QoS::AtMostOnce && !durable.is_empty() {
             // It changed durable state: acknowledge once that is on disk.
             let kind = if p.qos == QoS::AtLeastOnce {
-                self.inbound_qos1_pending += 1;
+                self.underway().inbound_qos1_pending += 1;
                 AckKind::Acknowledge
             } else {
-                self.qos2_awaiting_service.insert(packet_id);
+                self.underway().qos2_awaiting_service.insert(packet_id);
                 AckKind::Received
             };
-            *self.delivery_holds.entry(hold).or_default() += 1;
-            self.pending
+            let underway = self.underway();
+            *underway.delivery_holds.entry(hold).or_default() += 1;
+            underway
+                .pending
                 .push(durable_ack(packet_id, kind, durable, hold));
             return Ok(());
         }
@@ -1187,6 +1266,7 @@ impl Connection {
         };
         match durable {
             Some(durable) => self
+                .underway()
                 .pending
                 .push(released_ack(packet_id, kind, code, durable)),
             None => self.codec.ack(kind, packet_id, code, &mut self.out),
@@ -1209,10 +1289,12 @@ impl Connection {
                 self.on_ack_ready(packet_id, kind, code);
                 // Released once the ack is written (or held for a full queue: then the copy need
                 // not wait for it, and must not, or neither would ever leave).
-                if let Some(count) = self.delivery_holds.get_mut(&hold) {
-                    *count -= 1;
-                    if *count == 0 {
-                        self.delivery_holds.remove(&hold);
+                if let Some(holds) = self.underway.as_mut().map(|u| &mut u.delivery_holds) {
+                    if let Some(count) = holds.get_mut(&hold) {
+                        *count -= 1;
+                        if *count == 0 {
+                            holds.remove(&hold);
+                        }
                     }
                 }
                 self.pump();
@@ -1238,8 +1320,8 @@ impl Connection {
     /// within the service headroom of its queue instead of being dropped (a client that pipelines
     /// requests without reading its replies is slowed down, not failed). Decision 0010.
     fn on_ack_ready(&mut self, packet_id: u16, kind: AckKind, code: u8) {
-        if !self.held_acks.is_empty() || self.own_queue_full() {
-            self.held_acks.push_back((packet_id, kind, code));
+        if self.has_held_acks() || self.own_queue_full() {
+            self.underway().held_acks.push_back((packet_id, kind, code));
             return;
         }
         self.send_ack(packet_id, kind, code);
@@ -1251,8 +1333,8 @@ impl Connection {
 
     /// Sends held acks, in order, while the client's queue has room.
     fn release_held_acks(&mut self) {
-        while !self.held_acks.is_empty() && !self.own_queue_full() {
-            if let Some((packet_id, kind, code)) = self.held_acks.pop_front() {
+        while self.has_held_acks() && !self.own_queue_full() {
+            if let Some((packet_id, kind, code)) = self.underway().held_acks.pop_front() {
                 self.send_ack(packet_id, kind, code);
             }
         }
@@ -1261,11 +1343,12 @@ impl Connection {
     fn send_ack(&mut self, packet_id: u16, kind: AckKind, code: u8) {
         match kind {
             AckKind::Acknowledge => {
-                debug_assert!(self.inbound_qos1_pending > 0);
-                self.inbound_qos1_pending = self.inbound_qos1_pending.saturating_sub(1);
+                let underway = self.underway();
+                debug_assert!(underway.inbound_qos1_pending > 0);
+                underway.inbound_qos1_pending = underway.inbound_qos1_pending.saturating_sub(1);
             }
             AckKind::Received => {
-                self.qos2_awaiting_service.remove(&packet_id);
+                self.underway().qos2_awaiting_service.remove(&packet_id);
                 if code >= reason::UNSPECIFIED {
                     // A failed PUBREC ends the QoS 2 flow: no PUBREL will come.
                     self.release_qos2(packet_id, kind, |_| code);
@@ -1365,7 +1448,7 @@ impl Connection {
         if durable.is_empty() {
             self.send_suback(packet_id, codes, retained);
         } else {
-            self.pending.push(Box::pin(async move {
+            self.underway().pending.push(Box::pin(async move {
                 let mut codes = codes;
                 let ok = fail_codes(&mut codes, all_durable(durable).await);
                 Deferred::SubAck {
@@ -1410,7 +1493,7 @@ impl Connection {
         if durable.is_empty() {
             self.codec.unsuback(packet_id, codes, &mut self.out);
         } else {
-            self.pending.push(Box::pin(async move {
+            self.underway().pending.push(Box::pin(async move {
                 let mut codes = codes;
                 fail_codes(&mut codes, all_durable(durable).await);
                 Deferred::UnsubAck { packet_id, codes }
@@ -1420,7 +1503,7 @@ impl Connection {
 
     /// Sends DISCONNECT if the end calls for one, closes, detaches from the session and publishes
     /// or arms the will.
-    async fn finish(mut self, end: End, wr: &mut Writer) {
+    async fn finish(mut self, end: End, wr: &mut Stream) {
         let (disconnect, publish_will, takeover_done, why): (
             Option<(u8, Option<String>)>,
             bool,
@@ -1505,38 +1588,5 @@ impl Connection {
         }
         tracing::info!(client_id = %self.client_id, peer = %self.peer, reason = why, "client disconnected");
         metrics::client_disconnected();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::BrokerConfig;
-    use crate::service::Broker;
-    use crate::transport::Transport;
-
-    /// Bytes of a connection task's future: most of what an idle connection costs (see "Idle
-    /// connections" in `docs/benchmarks.md`). A change that parks more state in every connection
-    /// shows here first.
-    #[tokio::test]
-    async fn an_idle_connection_future_stays_small() {
-        let broker = Broker::new(BrokerConfig::default());
-        let (stream, _client) = tokio::io::duplex(64);
-        let peer = Peer {
-            addr: "127.0.0.1:1".parse().unwrap(),
-            transport: Transport::Tcp,
-            cert_identity: None,
-            identity_is_client_id: false,
-        };
-        let future = run(
-            Box::new(stream),
-            peer,
-            broker.inner.clone(),
-            CancellationToken::new(),
-        );
-        let size = std::mem::size_of_val(&future);
-        // 2128 bytes (debug build) with the handshake, the ending and all of CONNECT inline;
-        // 1160 once they are boxed or dropped.
-        assert!(size <= 1536, "the connection future grew to {size} bytes");
     }
 }

@@ -8,16 +8,19 @@ use bytestring::ByteString;
 use crate::codec::{reason, Violation};
 
 /// Topic aliases a client set on this connection (at most the Topic Alias Maximum we advertised).
+/// The map is boxed and made on first use: most connections never set an alias, and an empty
+/// `HashMap` inline would cost every one of them 48 bytes.
 pub(crate) struct TopicAliases {
     max: u16,
-    by_alias: HashMap<u16, ByteString>,
+    #[allow(clippy::box_collection)]
+    by_alias: Option<Box<HashMap<u16, ByteString>>>,
 }
 
 impl TopicAliases {
     pub(crate) fn new(max: u16) -> Self {
         Self {
             max,
-            by_alias: HashMap::new(),
+            by_alias: None,
         }
     }
 
@@ -37,13 +40,19 @@ impl TopicAliases {
                 reason::TOPIC_ALIAS_INVALID,
                 "topic alias 0 or above the Topic Alias Maximum",
             )),
-            Some(a) if topic.is_empty() => self.by_alias.get(&a).cloned().ok_or(Violation::new(
-                reason::PROTOCOL_ERROR,
-                "PUBLISH uses a topic alias that was never set",
-            )),
+            Some(a) if topic.is_empty() => self
+                .by_alias
+                .as_ref()
+                .and_then(|m| m.get(&a))
+                .cloned()
+                .ok_or(Violation::new(
+                    reason::PROTOCOL_ERROR,
+                    "PUBLISH uses a topic alias that was never set",
+                )),
             Some(a) => {
-                debug_assert!(self.by_alias.len() <= usize::from(self.max));
-                self.by_alias.insert(a, topic.clone());
+                let by_alias = self.by_alias.get_or_insert_with(Box::default);
+                debug_assert!(by_alias.len() <= usize::from(self.max));
+                by_alias.insert(a, topic.clone());
                 Ok(topic)
             }
         }

@@ -49,6 +49,7 @@ mod router;
 mod server;
 pub mod service;
 pub mod session;
+mod signal;
 pub mod tls;
 mod topic;
 mod transport;

@@ -7,24 +7,26 @@
 //!
 //! Semantics are those of a bounded `tokio::sync::mpsc` channel as the broker used it:
 //! [`Sender::try_send`] fails when the queue is full or the receiver is gone, and
-//! [`Receiver::recv`] yields what was queued, then `None` once every sender is dropped.
+//! [`Receiver::poll_recv`] yields what was queued, then `None` once every sender is dropped.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 
-use tokio::sync::Notify;
+use crate::signal::Signal;
 
 struct Shared<T> {
     state: Mutex<State<T>>,
-    /// Wakes the receiver. `notify_one` keeps a permit when nobody waits, so a wake-up that comes
+    /// Wakes the receiver. A notification that comes while it does not wait is kept, so a wake-up
     /// between the receiver's check and its wait is not lost.
-    wake: Notify,
+    wake: Signal,
 }
 
 struct State<T> {
     queue: VecDeque<T>,
-    capacity: usize,
-    senders: usize,
+    // Narrow counts keep the mailbox within a 96-byte allocation, paid by every connection.
+    capacity: u16,
+    senders: u32,
     receiver_alive: bool,
 }
 
@@ -37,7 +39,7 @@ impl<T> Shared<T> {
 }
 
 /// Creates a mailbox that holds at most `capacity` requests.
-pub(crate) fn channel<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
+pub(crate) fn channel<T>(capacity: u16) -> (Sender<T>, Receiver<T>) {
     debug_assert!(capacity > 0);
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
@@ -46,7 +48,7 @@ pub(crate) fn channel<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
             senders: 1,
             receiver_alive: true,
         }),
-        wake: Notify::new(),
+        wake: Signal::default(),
     });
     (
         Sender {
@@ -68,12 +70,12 @@ impl<T> Sender<T> {
     /// Queues `value` unless the mailbox is full or its receiver is gone.
     pub(crate) fn try_send(&self, value: T) -> Result<(), Full<T>> {
         let mut state = self.shared.lock();
-        if !state.receiver_alive || state.queue.len() >= state.capacity {
+        if !state.receiver_alive || state.queue.len() >= usize::from(state.capacity) {
             return Err(Full(value));
         }
         state.queue.push_back(value);
         drop(state);
-        self.shared.wake.notify_one();
+        self.shared.wake.notify();
         Ok(())
     }
 }
@@ -94,7 +96,7 @@ impl<T> Drop for Sender<T> {
         let last = state.senders == 0;
         drop(state);
         if last {
-            self.shared.wake.notify_one();
+            self.shared.wake.notify();
         }
     }
 }
@@ -106,18 +108,27 @@ pub(crate) struct Receiver<T> {
 impl<T> Receiver<T> {
     /// The next request; `None` once the queue is empty and every sender is gone. Cancel-safe:
     /// a request is taken from the queue only when this returns it.
+    #[cfg(test)]
     pub(crate) async fn recv(&mut self) -> Option<T> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// [`Receiver::recv`] as a poll: a connection waiting on its mailbox then holds no future for it.
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         loop {
             {
                 let mut state = self.shared.lock();
                 if let Some(value) = state.queue.pop_front() {
-                    return Some(value);
+                    return Poll::Ready(Some(value));
                 }
                 if state.senders == 0 {
-                    return None;
+                    return Poll::Ready(None);
                 }
             }
-            self.shared.wake.notified().await;
+            // Ready when something was sent (or the last sender dropped) since the check: look again.
+            if self.shared.wake.poll_wait(cx).is_pending() {
+                return Poll::Pending;
+            }
         }
     }
 
@@ -185,6 +196,7 @@ mod tests {
     #[test]
     fn costs_one_small_allocation() {
         // What an idle connection pays for its mailbox (plus the allocator's rounding).
-        assert!(std::mem::size_of::<Shared<crate::registry::Control>>() <= 128);
+        // 96 bytes (the allocator's size class) with the reference counts.
+        assert!(std::mem::size_of::<Shared<crate::registry::Control>>() <= 80);
     }
 }

@@ -11,10 +11,10 @@ use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Poll};
+use std::task::{ready, Context, Poll};
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::config::BrokerConfig;
@@ -29,9 +29,9 @@ const READ_CHUNK_BYTES: usize = 4096;
 pub(crate) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
+/// Not split into halves: a connection reads and writes in turn, never at once, and a split stream
+/// costs every connection a shared allocation and a lock.
 pub(crate) type Stream = Box<dyn Io>;
-pub(crate) type Reader = ReadHalf<Stream>;
-pub(crate) type Writer = WriteHalf<Stream>;
 
 /// How a client reached the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,19 +139,25 @@ impl Acceptor {
 /// Reads what is available and appends it to `buf`; `Ok(0)` is the end of the stream. The bytes
 /// pass through a stack buffer that exists only during one poll, so a connection waiting for input
 /// holds no read buffer. Cancel-safe: when it does not complete, nothing was read.
-pub(crate) async fn read_some(rd: &mut Reader, buf: &mut BytesMut) -> io::Result<usize> {
-    poll_fn(|cx| {
-        let mut chunk = [MaybeUninit::<u8>::uninit(); READ_CHUNK_BYTES];
-        let mut chunk = ReadBuf::uninit(&mut chunk);
-        ready!(Pin::new(&mut *rd).poll_read(cx, &mut chunk))?;
-        buf.extend_from_slice(chunk.filled());
-        Poll::Ready(Ok(chunk.filled().len()))
-    })
-    .await
+pub(crate) async fn read_some(rd: &mut Stream, buf: &mut BytesMut) -> io::Result<usize> {
+    poll_fn(|cx| poll_read_some(rd, buf, cx)).await
+}
+
+/// [`read_some`] as a poll, for a connection that waits on it without holding a future.
+pub(crate) fn poll_read_some(
+    rd: &mut Stream,
+    buf: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<usize>> {
+    let mut chunk = [MaybeUninit::<u8>::uninit(); READ_CHUNK_BYTES];
+    let mut chunk = ReadBuf::uninit(&mut chunk);
+    ready!(Pin::new(&mut *rd).poll_read(cx, &mut chunk))?;
+    buf.extend_from_slice(chunk.filled());
+    Poll::Ready(Ok(chunk.filled().len()))
 }
 
 /// Writes all of `bytes` and flushes: TLS and WebSocket streams buffer until flushed.
-pub(crate) async fn send(wr: &mut Writer, bytes: &[u8]) -> io::Result<()> {
+pub(crate) async fn send(wr: &mut Stream, bytes: &[u8]) -> io::Result<()> {
     wr.write_all(bytes).await?;
     wr.flush().await
 }

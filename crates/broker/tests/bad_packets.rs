@@ -111,6 +111,22 @@ async fn keep_alive_timeout_is_0x8d() {
     assert_eq!(c.disconnect_reason().await, Some(0x8D));
 }
 
+/// The keep-alive timer is moved on only when it fires (not at every packet): a client that keeps
+/// talking past the first deadline must not be taken for a silent one.
+#[tokio::test]
+async fn keep_alive_is_renewed_by_traffic() {
+    let s = Server::default().await;
+    let mut connect = connect_packet("chatty", true, 0);
+    connect.keep_alive = 1;
+    let (mut c, _) = Raw::connect_with(s.addr, connect).await;
+    // 1.5 s without a packet ends the connection; these pings span 2.4 s, 0.6 s apart.
+    for _ in 0..4 {
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        assert!(c.ping().await.is_empty());
+    }
+    assert_eq!(c.disconnect_reason().await, Some(0x8D));
+}
+
 #[tokio::test]
 async fn garbage_after_connect_never_kills_the_broker() {
     let s = Server::default().await;
