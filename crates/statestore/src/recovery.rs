@@ -54,6 +54,64 @@ pub enum RecoveryError {
     Writer(#[source] WalError),
 }
 
+/// Records decoded per batch handed from the reader thread to the replaying one, and how many
+/// batches it may be ahead: bounded, so a long log tail is never held decoded all at once.
+const REPLAY_BATCH: usize = 1024;
+const REPLAY_QUEUE_BATCHES: usize = 8;
+
+/// A log record read, checked and decoded, waiting to be applied.
+struct Replayed {
+    lsn: Lsn,
+    bytes: usize,
+    change: Change,
+}
+
+/// Reads the records after the snapshot in order and decodes them, a batch at a time, into
+/// `batches`; stops at the first error (sent as the last item) or once the receiver is gone.
+fn read_and_decode(
+    entries: mqstate_wal::Entries,
+    dir: &Path,
+    batches: &std::sync::mpsc::SyncSender<Result<Vec<Replayed>, RecoveryError>>,
+) {
+    let mut batch = Vec::with_capacity(REPLAY_BATCH);
+    for entry in entries {
+        let decoded = entry
+            .map_err(|source| RecoveryError::Read {
+                dir: dir.to_path_buf(),
+                source,
+            })
+            .and_then(|entry| {
+                let change =
+                    Change::decode(&entry.data).map_err(|source| RecoveryError::Record {
+                        lsn: entry.lsn,
+                        dir: dir.to_path_buf(),
+                        source,
+                    })?;
+                Ok(Replayed {
+                    lsn: entry.lsn,
+                    bytes: entry.data.len(),
+                    change,
+                })
+            });
+        match decoded {
+            Ok(replayed) => batch.push(replayed),
+            Err(error) => {
+                let _ = batches.send(Err(error));
+                return;
+            }
+        }
+        if batch.len() == REPLAY_BATCH {
+            let full = std::mem::replace(&mut batch, Vec::with_capacity(REPLAY_BATCH));
+            if batches.send(Ok(full)).is_err() {
+                return;
+            }
+        }
+    }
+    if !batch.is_empty() {
+        let _ = batches.send(Ok(batch));
+    }
+}
+
 /// What recovery did, for the log line and the metrics.
 #[derive(Debug, Clone, Copy)]
 pub struct RecoveryReport {
@@ -78,40 +136,54 @@ pub fn recover(
     let at = || dir.to_path_buf();
     let (wal, recovered) =
         Wal::open(dir, options).map_err(|source| RecoveryError::Open { dir: at(), source })?;
+    let mqstate_wal::Recovered {
+        metadata: found_metadata,
+        snapshot,
+        records: entries,
+        replay,
+    } = recovered;
     let node_id = Arc::clone(&store.node_id);
     let mut requests = RecoveredRequests::new(DEFAULT_MAX_ENTRIES, now_ms);
-    let (mut machine, mut next_lsn) = match &recovered.snapshot {
-        Some(snapshot) => {
-            let (machine, in_snapshot) =
-                StateMachine::snapshot_decode_with_requests(&snapshot.state, store)
-                    .map_err(|source| RecoveryError::Snapshot { dir: at(), source })?;
-            in_snapshot.into_iter().for_each(|r| requests.add(r));
-            (machine, snapshot.last_index + 1)
-        }
-        None => (StateMachine::new(store).map_err(RecoveryError::Config)?, 0),
-    };
     let mut replayed_bytes = 0usize;
     let mut records = 0usize;
-    for entry in recovered.records {
-        let entry = entry.map_err(|source| RecoveryError::Read { dir: at(), source })?;
-        let change = Change::decode(&entry.data).map_err(|source| RecoveryError::Record {
-            lsn: entry.lsn,
-            dir: at(),
-            source,
-        })?;
-        machine.apply_change(&requests.replayed(change));
-        replayed_bytes += entry.data.len();
-        records += 1;
-        next_lsn = entry.lsn + 1;
-    }
-    debug_assert_eq!(next_lsn.max(recovered.replay.start), recovered.replay.end);
+    // Two halves that each take a core's worth of CPU at a large restart: decoding the snapshot
+    // into the keyspace, and reading, checksumming and decoding the log after it. The second runs
+    // on its own thread, a bounded number of batches ahead, while this one decodes the snapshot
+    // and then applies the batches in log order.
+    let (batches, decoded) =
+        std::sync::mpsc::sync_channel::<Result<Vec<Replayed>, RecoveryError>>(REPLAY_QUEUE_BATCHES);
+    let (mut machine, next_lsn) = std::thread::scope(|scope| {
+        scope.spawn(move || read_and_decode(entries, dir, &batches));
+        let (mut machine, mut next_lsn) = match &snapshot {
+            Some(snapshot) => {
+                let (machine, in_snapshot) =
+                    StateMachine::snapshot_decode_with_requests(&snapshot.state, store)
+                        .map_err(|source| RecoveryError::Snapshot { dir: at(), source })?;
+                in_snapshot.into_iter().for_each(|r| requests.add(r));
+                (machine, snapshot.last_index + 1)
+            }
+            None => (StateMachine::new(store).map_err(RecoveryError::Config)?, 0),
+        };
+        // Dropping `decoded` on an early return ends the reader at its next send.
+        for batch in decoded {
+            for Replayed { lsn, bytes, change } in batch? {
+                debug_assert!(lsn >= next_lsn, "records are replayed in log order");
+                machine.apply_change(&requests.replayed(change));
+                replayed_bytes += bytes;
+                records += 1;
+                next_lsn = lsn + 1;
+            }
+        }
+        Ok::<_, RecoveryError>((machine, next_lsn))
+    })?;
+    debug_assert_eq!(next_lsn.max(replay.start), replay.end);
     // Resume at the old ceiling (above everything handed out before) and persist a new one above
     // it before anything is handed out. Failpoints stand for crashes of a serving process, not of
     // this step: a crash here leaves the old file, and nothing was handed out.
-    machine.observe_clock(&Hlc::new(recovered.metadata.hlc_high_water_ms, 0, node_id));
+    machine.observe_clock(&Hlc::new(found_metadata.hlc_high_water_ms, 0, node_id));
     let metadata = Metadata {
         hlc_high_water_ms: next_clock_ceiling(machine.clock().high_water().wall_ms, now_ms),
-        ..recovered.metadata
+        ..found_metadata
     };
     wal.write_metadata(&metadata)
         .map_err(|source| RecoveryError::Ceiling { dir: at(), source })?;

@@ -122,12 +122,20 @@ impl Wal {
         // Before anything is cleared or cut: those files may be another process's live ones.
         let lock = dir.lock()?;
         dir.clear_temp()?;
-        let snapshot = if options.snapshot_elsewhere {
-            None
-        } else {
-            read_snapshot(&dir)?
-        };
-        let segments = load_segments(&dir)?;
+        // The snapshot and the segments are each read whole and checksummed: at a large restart
+        // both take a core's worth of CPU, so they are read side by side.
+        let (snapshot, segments) = std::thread::scope(|scope| {
+            let segments = scope.spawn(|| load_segments(&dir));
+            let snapshot = if options.snapshot_elsewhere {
+                Ok(None)
+            } else {
+                read_snapshot(&dir)
+            };
+            let segments = segments
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            Ok::<_, WalError>((snapshot?, segments?))
+        })?;
         let metadata = match read_metadata(&dir)? {
             Some(metadata) => metadata,
             // The file is written before the first segment, so only damage removes it. Without
