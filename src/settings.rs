@@ -492,6 +492,10 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_NOTIFY_BATCH", value_name = "N")]
     pub notify_batch: Option<usize>,
 
+    /// Milliseconds a queue's owner waits after pushing a batch that was not full, so the next one fills: fewer, fuller pushes under a steady stream of changes, for at most this much more latency; 0 pushes at once. Default 5.
+    #[arg(long, env = "MQSTATE_NOTIFY_LINGER_MS", value_name = "MS")]
+    pub notify_linger_ms: Option<u64>,
+
     /// CA certificates (PEM) that `https://` and `mqtts://` notification endpoints are verified against. Default none: the system's CA certificates.
     #[arg(long, env = "MQSTATE_NOTIFY_TLS_CA_FILE", value_name = "FILE")]
     pub notify_tls_ca_file: Option<PathBuf>,
@@ -765,6 +769,7 @@ fn notify_config(
     node_id: Option<String>,
     [reservation, walk, lock, retry_min, retry_max]: [Option<u64>; 5],
     batch: Option<usize>,
+    linger_ms: Option<u64>,
     tls_ca_file: Option<PathBuf>,
 ) -> anyhow::Result<mqstate_statestore::notify::NotifyConfig> {
     let d = mqstate_statestore::notify::NotifyConfig::default();
@@ -793,6 +798,7 @@ fn notify_config(
             Some(n) => n,
             None => d.batch_max,
         },
+        linger: linger_ms.map_or(d.linger, Duration::from_millis),
         push_timeout: d.push_timeout,
         tls_ca_file,
     };
@@ -887,6 +893,7 @@ impl Settings {
             notify_retry_min_ms: self.notify_retry_min_ms.or(lower.notify_retry_min_ms),
             notify_retry_max_ms: self.notify_retry_max_ms.or(lower.notify_retry_max_ms),
             notify_batch: self.notify_batch.or(lower.notify_batch),
+            notify_linger_ms: self.notify_linger_ms.or(lower.notify_linger_ms),
             notify_tls_ca_file: self.notify_tls_ca_file.or(lower.notify_tls_ca_file),
             node_id: self.node_id.or(lower.node_id),
             cluster_listen: self.cluster_listen.or(lower.cluster_listen),
@@ -1021,6 +1028,7 @@ impl Settings {
                     self.notify_retry_max_ms,
                 ],
                 self.notify_batch,
+                self.notify_linger_ms,
                 self.notify_tls_ca_file,
             )?,
             cluster,

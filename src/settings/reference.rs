@@ -330,6 +330,7 @@ fn defaults_in_use() -> std::collections::BTreeMap<&'static str, String> {
             notify.retry_max.as_millis().to_string(),
         ),
         ("notify_batch", notify.batch_max.to_string()),
+        ("notify_linger_ms", notify.linger.as_millis().to_string()),
         (
             "notify_tls_ca_file",
             none_or(notify.tls_ca_file.as_ref().map(|p| p.display())),

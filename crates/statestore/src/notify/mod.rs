@@ -41,6 +41,11 @@ pub struct NotifyConfig {
     pub retry_max: Duration,
     /// Entries listed and pushed at a time.
     pub batch_max: usize,
+    /// After pushing a batch that was not full, how long the owner lets the queue fill before it
+    /// lists the next one: under a steady stream of changes, fewer and fuller pushes (each costs
+    /// an HTTP request or a PUBACK round trip on both sides) for at most this much more latency.
+    /// Zero pushes whatever is queued at once.
+    pub linger: Duration,
     /// How long an endpoint may take to acknowledge a push.
     pub push_timeout: Duration,
     /// CA certificates (PEM) that `https`/`mqtts` endpoints are verified against; `None`: the
@@ -58,6 +63,7 @@ impl Default for NotifyConfig {
             retry_min: Duration::from_secs(1),
             retry_max: Duration::from_secs(30),
             batch_max: 100,
+            linger: Duration::from_millis(5),
             push_timeout: Duration::from_secs(10),
             tls_ca_file: None,
         }

@@ -300,6 +300,11 @@ async fn push_loop(
             None => {
                 backoff = config.retry_min;
                 stats.update(&topic, |d| d.last_error = None);
+                // A full batch means more is waiting: list again at once. A partial one means the
+                // queue was drained; give it a moment to fill rather than push a handful at a time.
+                if records.len() < config.batch_max && !config.linger.is_zero() {
+                    tokio::time::sleep(config.linger).await;
+                }
             }
             Some(e) => {
                 let retried = (records.len() - pushed.acknowledged) as u64;
