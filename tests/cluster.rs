@@ -307,6 +307,24 @@ fn the_state_store_on_chains_reads_everywhere_and_survives_kill_9_of_a_head() {
     let (writer_port, reader_ports) = (port(others[0]), [port(head), port(others[1])]);
     let survivor_port = port(others[1]);
 
+    // Writes on chains do not feed notification queues yet: a topic is refused, not created to
+    // stay silent.
+    let topic = cli(
+        writer_port,
+        &[
+            "topic",
+            "create",
+            "t",
+            "--endpoint",
+            "http://127.0.0.1:9/hook",
+            "--keys",
+            "*",
+        ],
+    );
+    assert!(!topic.status.success());
+    let said = String::from_utf8_lossy(&topic.stderr);
+    assert!(said.contains("not available on a cluster node"), "{said}");
+
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

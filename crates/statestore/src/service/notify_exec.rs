@@ -517,6 +517,12 @@ impl Executor {
         let parsed = AdminRequest::parse(&request.message.payload);
         let (commit, value) = match parsed {
             Err(e) => (None, error_json(&e)),
+            // The keys of a cluster node live on chains, which neither reserve nor commit
+            // notifications yet (issue 15): a topic created here would never see a change.
+            Ok(_) if self.config.router.is_some() => (
+                None,
+                error_json("notification topics are not available on a cluster node yet"),
+            ),
             Ok(request) => self.admin(request).await,
         };
         self.send(Outcome::Reply {
