@@ -28,6 +28,14 @@ struct Node {
     server: Server,
 }
 
+/// Nodes 1, 2 and 3 founding a cluster on the first three of `addrs`.
+fn start_founders(root: &Path, addrs: &[SocketAddr]) -> Vec<Node> {
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    (1..=3)
+        .map(|id| start_node(root, id, addrs[id as usize - 1], &["--peers", &peers]))
+        .collect()
+}
+
 fn start_node(root: &Path, id: u64, cluster_addr: SocketAddr, membership: &[&str]) -> Node {
     let id_text = id.to_string();
     let listen = cluster_addr.to_string();
@@ -118,11 +126,7 @@ fn eventually<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> (T, Durati
 fn three_processes_form_a_cluster_survive_kill_9_and_change_membership() {
     let root = tempfile::tempdir().unwrap();
     let addrs: Vec<SocketAddr> = (0..4).map(|_| free_addr()).collect();
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    let founding = ["--peers", peers.as_str()];
-    let mut nodes: Vec<Node> = (1..=3)
-        .map(|id| start_node(root.path(), id, addrs[id as usize - 1], &founding))
-        .collect();
+    let mut nodes = start_founders(root.path(), &addrs);
 
     let refs: Vec<&Node> = nodes.iter().collect();
     let (leader, formed_in) = eventually("three nodes agree on a leader and members", || {
@@ -289,11 +293,7 @@ fn hlc(version: Option<&HybridLogicalClock>) -> (std::time::SystemTime, u64, Str
 fn the_state_store_on_chains_reads_everywhere_and_survives_kill_9_of_a_head() {
     let root = tempfile::tempdir().unwrap();
     let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    let founding = ["--peers", peers.as_str()];
-    let mut nodes: Vec<Node> = (1..=3)
-        .map(|id| start_node(root.path(), id, addrs[id as usize - 1], &founding))
-        .collect();
+    let mut nodes = start_founders(root.path(), &addrs);
     let refs: Vec<&Node> = nodes.iter().collect();
     eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
 
