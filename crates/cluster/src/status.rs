@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::partition::PartitionId;
+use crate::partition::{ideal_chain, PartitionId};
 use crate::NodeId;
 
 /// One node's view of the cluster. The JSON shape is a public contract (issue 14): ids are
@@ -177,11 +177,18 @@ impl Status {
         if !lease_valid {
             return Err(NotReady::NoLease);
         }
+        // Where this node belongs by the layout as well as where the published views have it: just
+        // marked up, it is in no chain until the views that add it are published, and must not
+        // look ready in between.
+        let ids: Vec<NodeId> = self.members.iter().map(|m| m.id).collect();
+        let up = |id: NodeId| self.members.iter().any(|m| m.id == id && m.state == "up");
         let behind: Vec<PartitionId> = self
             .partitions
             .iter()
             .filter(|p| {
-                p.write_view.contains(&self.node_id) && !p.read_view.contains(&self.node_id)
+                let belongs = p.write_view.contains(&self.node_id)
+                    || ideal_chain(p.id, &ids, up, self.replication_factor).contains(&self.node_id);
+                belongs && !p.read_view.contains(&self.node_id)
             })
             .map(|p| p.id)
             .collect();
@@ -289,6 +296,22 @@ mod tests {
         let not_ready = status.readiness(true).unwrap_err();
         assert_eq!(not_ready, NotReady::CatchingUp(vec![1]));
         assert_eq!(not_ready.to_string(), "catching up in 1 partition(s): 1");
+    }
+
+    #[test]
+    fn a_node_just_marked_up_is_not_ready_before_the_views_add_it() {
+        let mut status = ready_node();
+        // Back up, but the views that put it back at the tails are not published yet.
+        status.partitions[0].chain = vec![1];
+        status.partitions[0].write_view = vec![1];
+        status.partitions[0].read_view = vec![1];
+        status.partitions[1].chain = vec![3];
+        status.partitions[1].write_view = vec![3];
+        status.partitions[1].read_view = vec![3];
+        assert_eq!(
+            status.readiness(true),
+            Err(NotReady::CatchingUp(vec![0, 1]))
+        );
     }
 
     #[test]
