@@ -53,7 +53,7 @@ fn ready_on_a_cluster_node_means_a_member_caught_up() {
     );
     assert_eq!(http_get(metrics[0], "/health").0, 200);
 
-    let mut nodes = vec![first, start(2), start(3)];
+    let mut nodes = [first, start(2), start(3)];
     let (_, formed) = eventually("every node ready", || {
         metrics
             .iter()
