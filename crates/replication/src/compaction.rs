@@ -118,7 +118,7 @@ mod tests {
                 node: 1,
             },
             view: 1,
-            locked: v % 3 == 0,
+            locked: v.is_multiple_of(3),
         }
     }
 
