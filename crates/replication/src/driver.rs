@@ -316,6 +316,7 @@ impl Actor {
                     match self.log.append(partition, records).await {
                         Ok(commit) => {
                             let tx = self.tx.clone();
+                            let failed = self.log.failed();
                             tokio::spawn(async move {
                                 match commit.await {
                                     Ok(_) => {
@@ -323,11 +324,14 @@ impl Actor {
                                     }
                                     // Never reported durable: the replica does not advance what
                                     // depends on it; the chain treats this node as slow, then
-                                    // the control plane as failed.
-                                    Err(e) => tracing::error!(
-                                        partition,
-                                        "a chain batch could not be made durable: {e}"
-                                    ),
+                                    // the control plane as failed. No snapshot may cover it.
+                                    Err(e) => {
+                                        failed();
+                                        tracing::error!(
+                                            partition,
+                                            "a chain batch could not be made durable: {e}"
+                                        )
+                                    }
                                 }
                             });
                         }
