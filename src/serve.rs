@@ -103,6 +103,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         Some(cluster) => {
             let data = crate::cluster::DataPlane {
                 wal: wal_options(&settings, "chains"),
+                snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
                 head: mqstate_replication::head::HeadConfig {
                     store: store_config,
                     limits: mqstate_protocol::RequestLimits::default(),

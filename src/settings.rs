@@ -348,7 +348,7 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_SESSION_EXPIRY_MAX", value_name = "SECS")]
     pub session_expiry_max: Option<u32>,
 
-    /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes. Default 64 MiB.
+    /// Take a snapshot (and drop the log it covers) once a log grew by this many bytes: each of the state store's, the sessions' and a cluster node's chain log. Default 64 MiB.
     #[arg(long, env = "MQSTATE_SNAPSHOT_THRESHOLD_BYTES", value_name = "BYTES")]
     pub snapshot_threshold_bytes: Option<u64>,
 

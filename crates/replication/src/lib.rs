@@ -4,6 +4,8 @@
 //!   row, with the store's own semantics (pure).
 //! * [`wire`] — the data plane's messages inside the cluster transport's frames.
 //! * [`log`] — the replicas' log on `mqstate-wal` (`<data-dir>/chains/`), restored at start.
+//! * [`compaction`] — snapshots of the replicas' images that let the log be purged.
+//! * [`batch`] — chain messages to a peer, batched per hop (one frame, one call in flight).
 //! * [`driver`] — the task that owns this node's replicas (`mqstate-chain`, sans-IO) and gives
 //!   them disk, network, views and time.
 //!
@@ -13,6 +15,8 @@
 //! `Written`. Architecture invariant: the protocol stays in `mqstate-chain`; this crate does I/O and
 //! knows nothing of MQTT (the binary connects it to the state-store service's router port).
 
+pub mod batch;
+pub mod compaction;
 pub mod driver;
 pub mod head;
 pub mod log;
@@ -253,8 +257,10 @@ impl Replication {
     /// Answers a [`DataRequest`] from another node.
     pub async fn handle_data(&self, request: Vec<u8>) -> Vec<u8> {
         let response = match decode::<DataRequest>(&request) {
-            Ok(DataRequest::Chain { partition, message }) => {
-                self.driver.receive(partition, message);
+            Ok(DataRequest::Chains(messages)) => {
+                for (partition, message) in messages {
+                    self.driver.receive(partition, message);
+                }
                 DataResponse::Received
             }
             Ok(DataRequest::Execute(routed)) => {
