@@ -4,7 +4,7 @@
 //! gRPC connections, each connection balanced over every endpoint; random keys of 8 bytes out of
 //! the key space, values of V bytes. Prints rate and latency percentiles after the warm-up, and
 //! writes the same JSON fields as `mqstate bench --json` (`ops_per_sec`, `p50_us`, `p99_us`, …).
-//! Debian does not ship etcd's benchmark tool, hence this one (decision 0041).
+//! Debian does not ship etcd's benchmark tool, hence this one (decision 0042).
 
 use std::time::{Duration, Instant};
 
