@@ -717,7 +717,12 @@ impl Connection {
     /// Attaches to the session (taking it over if needed), sends CONNACK and re-sends what was in
     /// flight. Returns `false` if the connection must close.
     async fn attach(&mut self, control: mailbox::Sender<Control>) -> bool {
-        if let Some(claimed) = self.inner.router.peers().and_then(|p| p.claim(&self.client_id)) {
+        if let Some(claimed) = self
+            .inner
+            .router
+            .peers()
+            .and_then(|p| p.claim(&self.client_id))
+        {
             // Another node's connection with this client id is taken over first (decision 0041).
             claimed.await;
         }

@@ -78,8 +78,11 @@ pub trait Peers: Send + Sync + 'static {
     fn subscribed(&self, filter: &str, group: Option<&str>) -> Option<Settled>;
     fn unsubscribed(&self, filter: &str, group: Option<&str>);
     fn plan(&self, topic: &str, retain: bool) -> Plan;
-    fn forward(&self, targets: Vec<(PeerId, Vec<GroupKey>)>, forward: Forward<'_>)
-        -> Option<Settled>;
+    fn forward(
+        &self,
+        targets: Vec<(PeerId, Vec<GroupKey>)>,
+        forward: Forward<'_>,
+    ) -> Option<Settled>;
     fn claim(&self, client_id: &str) -> Option<Settled>;
 }
 

@@ -238,7 +238,12 @@ impl Router {
         (at, at_ms): (Instant, u64),
         groups: &[GroupKey],
     ) -> Routed {
-        self.fan_out(Arc::new(message), origin, (at, Some(at_ms)), Scope::Only(groups))
+        self.fan_out(
+            Arc::new(message),
+            origin,
+            (at, Some(at_ms)),
+            Scope::Only(groups),
+        )
     }
 
     /// Takes in a retained message another node holds, unless this node holds one for its topic

@@ -153,7 +153,11 @@ impl<T> Trie<T> {
     /// once for one member (round robin) of every shared group matching it, with the group's
     /// `(filter, name)`. A client with several matching subscriptions is visited once per
     /// subscription; callers merge.
-    pub(crate) fn for_each_match(&self, topic: &str, mut visit: impl FnMut(&Arc<str>, &T, Shared<'_>)) {
+    pub(crate) fn for_each_match(
+        &self,
+        topic: &str,
+        mut visit: impl FnMut(&Arc<str>, &T, Shared<'_>),
+    ) {
         Self::walk(&self.root, topic.split('/'), true, &mut visit);
     }
 
