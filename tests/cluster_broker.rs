@@ -45,7 +45,7 @@ fn start_founders(root: &Path) -> Vec<Server> {
 /// What a client saw, in order.
 #[derive(Debug)]
 enum Seen {
-    Publish(Publish),
+    Publish(Box<Publish>),
     PubAck(PubAckReason),
     PubRec,
     SubAck,
@@ -100,7 +100,7 @@ impl Client {
                         let _ = connected_tx.send(Ok(()));
                         continue;
                     }
-                    Ok(Event::Incoming(Packet::Publish(p))) => Seen::Publish(p),
+                    Ok(Event::Incoming(Packet::Publish(p))) => Seen::Publish(Box::new(p)),
                     Ok(Event::Incoming(Packet::PubAck(a))) => Seen::PubAck(a.reason),
                     Ok(Event::Incoming(Packet::PubRec(_))) => Seen::PubRec,
                     Ok(Event::Incoming(Packet::SubAck(_))) => Seen::SubAck,
@@ -152,7 +152,7 @@ impl Client {
 
     async fn publish_msg(&mut self, what: &str) -> Publish {
         self.next(what, |s| match s {
-            Seen::Publish(p) => Some(p),
+            Seen::Publish(p) => Some(*p),
             _ => None,
         })
         .await
@@ -440,4 +440,73 @@ async fn takeover_across_nodes(addrs: &[SocketAddr]) {
         })
         .await;
     assert_eq!(code, DisconnectReasonCode::SessionTakenOver);
+}
+
+/// Node 3 is killed with SIGKILL: publishes on node 1 go on (node 3 skipped); a retained message
+/// published meanwhile reaches a subscriber on node 3 once it is back (the resync's retained set),
+/// and node 3, restarted with empty route tables, learns the routes of node 1's subscriber that
+/// never resubscribed.
+#[test]
+fn a_node_back_from_kill_9_gets_routes_and_retained_messages_again() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let mut nodes = start_founders(root.path());
+    let addrs: Vec<SocketAddr> = nodes.iter().map(|n| n.addr).collect();
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let mut listener = runtime.block_on(async {
+        until_meshed(&addrs).await;
+        let mut listener = Client::connect(addrs[0], "back-sub").await;
+        listener
+            .subscribe(Filter::new("back/#", QoS::AtLeastOnce))
+            .await;
+        listener
+    });
+    nodes[2].kill9();
+    runtime.block_on(async {
+        let mut publisher = Client::connect(addrs[0], "kept-pub").await;
+        publisher
+            .publish("kept/x", QoS::AtLeastOnce, true, "while away")
+            .await;
+    });
+    nodes[2].restart();
+    runtime.block_on(async {
+        let started = Instant::now();
+        // Retained: a new subscriber on node 3 until the resync brought it.
+        let mut attempt = 0;
+        loop {
+            assert!(
+                started.elapsed() < WAIT,
+                "node 3 never got the retained message"
+            );
+            attempt += 1;
+            let mut sub = Client::connect(addrs[2], &format!("kept-sub-{attempt}")).await;
+            sub.subscribe(Filter::new("kept/#", QoS::AtLeastOnce)).await;
+            let until = tokio::time::Instant::now() + Duration::from_millis(500);
+            let got = tokio::time::timeout_at(until, sub.publish_msg("retained")).await;
+            if let Ok(p) = got {
+                assert_eq!(
+                    (topic(&p), payload(&p)),
+                    ("kept/x".into(), "while away".into())
+                );
+                break;
+            }
+        }
+        // Routes: node 1's subscriber, subscribed before node 3 restarted.
+        let mut publisher = Client::connect(addrs[2], "back-pub").await;
+        loop {
+            assert!(
+                started.elapsed() < WAIT,
+                "node 3 never learned node 1's routes"
+            );
+            publisher
+                .publish("back/3", QoS::AtMostOnce, false, "")
+                .await;
+            let until = tokio::time::Instant::now() + Duration::from_millis(300);
+            if let Ok(p) = tokio::time::timeout_at(until, listener.publish_msg("back/3")).await {
+                assert_eq!(topic(&p), "back/3");
+                break;
+            }
+        }
+        println!("node 3 back in the mesh after {:?}", started.elapsed());
+    });
+    drop(nodes);
 }
