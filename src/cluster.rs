@@ -41,10 +41,11 @@ fn load_tls(files: &ClusterTlsFiles) -> anyhow::Result<NodeTls> {
     })
 }
 
-/// The running node, its data plane and its listener task.
+/// The running node, its data plane, its brokers' mesh and its listener task.
 pub struct Running {
     pub node: Arc<ClusterNode>,
     replication: mqstate_replication::Running,
+    mesh: Option<mqstate_mesh::Mesh>,
     listener: tokio::task::JoinHandle<()>,
 }
 
@@ -119,6 +120,7 @@ pub async fn start(
     Ok(Running {
         node,
         replication,
+        mesh: None,
         listener,
     })
 }
@@ -131,7 +133,22 @@ impl Running {
         ))))
     }
 
+    /// Makes `broker` one broker with the other nodes' (decision 0044): routes, publishes,
+    /// retained messages and client-id takeover across the cluster.
+    pub fn attach_mesh(&mut self, broker: &Broker, clock: &mqstate_clock::SharedClock) {
+        // A run of this node: distinct across restarts (and from other nodes' runs).
+        let incarnation = clock.now_ms() << 16 ^ u64::from(std::process::id() & 0xffff);
+        self.mesh = Some(mqstate_mesh::Mesh::start(
+            Arc::clone(&self.node),
+            broker.clone(),
+            incarnation,
+        ));
+    }
+
     pub async fn stop(self) {
+        if let Some(mesh) = self.mesh {
+            mesh.stop().await;
+        }
         self.listener.abort();
         let _ = self.listener.await;
         self.replication.stop().await;

@@ -109,9 +109,11 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
                     limits: mqstate_protocol::RequestLimits::default(),
                     node: cluster.node_id,
                 },
-                clock,
+                clock: clock.clone(),
             };
-            Some(crate::cluster::start(cluster, &settings.data_dir, data).await?)
+            let mut running = crate::cluster::start(cluster, &settings.data_dir, data).await?;
+            running.attach_mesh(&broker, &clock);
+            Some(running)
         }
         None => None,
     };

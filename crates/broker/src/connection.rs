@@ -717,6 +717,15 @@ impl Connection {
     /// Attaches to the session (taking it over if needed), sends CONNACK and re-sends what was in
     /// flight. Returns `false` if the connection must close.
     async fn attach(&mut self, control: mailbox::Sender<Control>) -> bool {
+        if let Some(claimed) = self
+            .inner
+            .router
+            .peers()
+            .and_then(|p| p.claim(&self.client_id))
+        {
+            // Another node's connection with this client id is taken over first (decision 0044).
+            claimed.await;
+        }
         let deadline = self.inner.clock.tokio_now() + self.inner.config.takeover_timeout;
         let (handle, session_present, effects, durable) = loop {
             let owner = Owner {
@@ -1423,10 +1432,17 @@ impl Connection {
                 retain_handling: req.retain_handling,
                 subscription_id,
             };
-            let is_new = self.inner.router.subscribe(&session, filter, options);
+            let (is_new, settled) = self.inner.router.subscribe(&session, filter, options);
             let mut state = session.lock();
             state.subscribe(raw.clone(), options);
             durable.extend(state.commit());
+            if let Some(settled) = settled {
+                // In force cluster-wide before the SUBACK (decision 0044).
+                durable.push(Box::pin(async move {
+                    settled.await;
+                    Ok(())
+                }));
+            }
             drop(state);
             // Shared subscriptions never get retained messages.
             let send_retained = filter.group.is_none()

@@ -41,6 +41,7 @@ pub mod limits;
 mod mailbox;
 pub mod message;
 mod metrics;
+pub mod peers;
 pub mod persist;
 pub mod queue;
 mod registry;
@@ -63,6 +64,7 @@ pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
 pub use mqstate_clock::{Clock, SharedClock};
+pub use peers::{Forward, GroupKey, PeerId, Peers, Plan, Settled};
 pub use persist::StoredSession;
 pub use persist::{Durable, JournalError, Restored, SessionChange, SessionJournal};
 pub use server::{serve, Listener};
@@ -70,6 +72,7 @@ pub use service::{
     Acker, Adoption, Broker, BrokerBuilder, ClientEvent, RestoreReport, ServiceInbox,
     ServiceRequest,
 };
+pub use topic::matches as topic_matches;
 pub use transport::{Acceptor, Peer, Transport};
 
 /// Entry points for fuzzing; not part of the supported API.

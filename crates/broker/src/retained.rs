@@ -38,6 +38,16 @@ impl RetainedStore {
         }
     }
 
+    /// Takes `message` in unless a message is retained on its topic already; whether it did.
+    pub(crate) fn adopt(&mut self, message: &Arc<Message>, received_at: Instant) -> bool {
+        debug_assert!(message.retain && !message.payload.is_empty());
+        if self.by_topic.contains_key(&message.topic) {
+            return false;
+        }
+        self.apply(message, received_at);
+        true
+    }
+
     /// Retained messages whose topic matches `filter`, dropping expired ones, by topic (they go to
     /// the subscriber, and into its session's journal, in this order).
     ///

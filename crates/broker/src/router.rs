@@ -1,11 +1,14 @@
 //! Routing: the subscription trie and the retained store, and fan-out of one message into the
 //! queues of the sessions it matches.
 
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
 
 use crate::message::{Message, QoS};
 use mqstate_clock::SharedClock;
+
+use crate::peers::{Forward, GroupKey, Peers, Settled};
+use crate::trie::Shared;
 
 use crate::persist::{wall, Durable, SessionChange, SessionJournal};
 use crate::queue::QueueLimit;
@@ -38,6 +41,29 @@ pub(crate) struct Router {
     journal: Option<Arc<dyn SessionJournal>>,
     /// When a message was received (its expiry counts from then).
     clock: SharedClock,
+    /// The other nodes of a cluster; never set on a single node (decision 0044).
+    peers: OnceLock<Arc<dyn Peers>>,
+}
+
+/// Which shared groups a fan-out serves.
+#[derive(Clone, Copy)]
+enum Scope<'a> {
+    /// Every group that matches (no cluster, or no other node holds a matching group).
+    All,
+    /// A publish on this node: all but these, which other nodes serve this time.
+    AllBut(&'a [GroupKey]),
+    /// A publish forwarded by another node: only these, which it assigned to this node.
+    Only(&'a [GroupKey]),
+}
+
+impl Scope<'_> {
+    fn serves(self, shared: Shared<'_>) -> bool {
+        match (self, shared) {
+            (_, None) | (Scope::All, _) => true,
+            (Scope::AllBut(elsewhere), Some((f, g))) => !elsewhere.iter().any(|k| k.is(f, g)),
+            (Scope::Only(mine), Some((f, g))) => mine.iter().any(|k| k.is(f, g)),
+        }
+    }
 }
 
 /// What routing one message did.
@@ -67,7 +93,20 @@ impl Router {
             service_limit: QueueLimit::messages(limit.messages.saturating_add(service_headroom)),
             journal,
             clock,
+            peers: OnceLock::new(),
         }
+    }
+
+    /// Attaches the other nodes of a cluster and tells them, one call per subscription, what this
+    /// node holds already: under the trie's lock, so that no subscription is told twice or
+    /// missed. Only the first call counts.
+    pub(crate) fn attach_peers(&self, peers: Arc<dyn Peers>) -> bool {
+        let trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
+        if self.peers.set(peers.clone()).is_err() {
+            return false;
+        }
+        trie.for_each_subscription(|filter, group| drop(peers.subscribed(filter, group)));
+        true
     }
 
     /// The queue limit for a message from `publisher` (`None` = a service).
@@ -79,13 +118,14 @@ impl Router {
         }
     }
 
-    /// Adds (or replaces) a subscription; returns whether it is new.
+    /// Adds (or replaces) a subscription; returns whether it is new and, in a cluster, when the
+    /// other nodes know of it.
     pub(crate) fn subscribe(
         &self,
         session: &Arc<SessionHandle>,
         filter: ParsedFilter<'_>,
         options: SubscriptionOptions,
-    ) -> bool {
+    ) -> (bool, Option<Settled>) {
         let sub = Subscriber {
             options,
             session: session.clone(),
@@ -93,12 +133,31 @@ impl Router {
         // A poisoned trie lock means a panic mid-update elsewhere; the trie stays structurally
         // valid (every update is a single insert/remove), so keep serving.
         let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
-        trie.insert(filter.filter, filter.group, &session.client_id, sub)
+        let is_new = trie.insert(filter.filter, filter.group, &session.client_id, sub);
+        let settled = match self.peers.get() {
+            Some(peers) if is_new => peers.subscribed(filter.filter, filter.group),
+            _ => None,
+        };
+        (is_new, settled)
     }
 
     pub(crate) fn unsubscribe(&self, client_id: &str, filter: ParsedFilter<'_>) -> bool {
         let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
-        trie.remove(filter.filter, filter.group, client_id)
+        let removed = trie.remove(filter.filter, filter.group, client_id);
+        self.unsubscribed(removed, filter);
+        removed
+    }
+
+    /// The other nodes, in a cluster.
+    pub(crate) fn peers(&self) -> Option<&Arc<dyn Peers>> {
+        self.peers.get()
+    }
+
+    /// Tells the other nodes a subscription went (called under the trie's lock).
+    fn unsubscribed(&self, removed: bool, filter: ParsedFilter<'_>) {
+        if let (true, Some(peers)) = (removed, self.peers.get()) {
+            peers.unsubscribed(filter.filter, filter.group);
+        }
     }
 
     /// Removes all of an ended session's subscriptions.
@@ -107,7 +166,8 @@ impl Router {
         let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
         for raw in &filters {
             if let Some(f) = crate::topic::parse_filter(raw) {
-                trie.remove(f.filter, f.group, &session.client_id);
+                let removed = trie.remove(f.filter, f.group, &session.client_id);
+                self.unsubscribed(removed, f);
             }
         }
     }
@@ -119,9 +179,10 @@ impl Router {
         let mut trie = self.trie.write().unwrap_or_else(|p| p.into_inner());
         for raw in &filters {
             if let Some(f) = crate::topic::parse_filter(raw) {
-                trie.remove_if(f.filter, f.group, &session.client_id, |sub| {
+                let removed = trie.remove_if(f.filter, f.group, &session.client_id, |sub| {
                     Arc::ptr_eq(&sub.session, session)
                 });
+                self.unsubscribed(removed, f);
             }
         }
     }
@@ -134,12 +195,92 @@ impl Router {
     }
 
     /// Routes `message` to every matching session (updating the retained store first if it is
-    /// retained). `publisher` is the sending client, for No Local. Never blocks on a subscriber:
-    /// it only enqueues.
+    /// retained), and in a cluster to the other nodes that have matching subscriptions.
+    /// `publisher` is the sending client, for No Local. Never blocks on a subscriber: it only
+    /// enqueues.
     pub(crate) fn route(&self, message: Message, publisher: Option<&str>) -> Routed {
-        let now = self.clock.now();
-        let limit = self.queue_limit(publisher);
+        // The wall time only if a retained message is journalled (read there).
+        let received = (self.clock.now(), None);
+        let Some(peers) = self.peers.get() else {
+            return self.fan_out(Arc::new(message), publisher, received, Scope::All);
+        };
+        let plan = peers.plan(&message.topic, message.retain);
         let message = Arc::new(message);
+        let mut routed = self.fan_out(
+            message.clone(),
+            publisher,
+            received,
+            Scope::AllBut(&plan.elsewhere),
+        );
+        if !plan.targets.is_empty() {
+            routed.offered += plan.targets.len();
+            let forward = Forward {
+                message: &message,
+                origin: publisher,
+                acknowledged: message.qos != QoS::AtMostOnce,
+            };
+            if let Some(settled) = peers.forward(plan.targets, forward) {
+                routed.durable.push(Box::pin(async move {
+                    settled.await;
+                    Ok(())
+                }));
+            }
+        }
+        routed
+    }
+
+    /// Fans out a publish another node forwarded: this node's subscribers, and of its shared
+    /// groups only those the origin assigned here (`groups`). Never forwarded again.
+    pub(crate) fn route_forwarded(
+        &self,
+        message: Message,
+        origin: Option<&str>,
+        (at, at_ms): (Instant, u64),
+        groups: &[GroupKey],
+    ) -> Routed {
+        self.fan_out(
+            Arc::new(message),
+            origin,
+            (at, Some(at_ms)),
+            Scope::Only(groups),
+        )
+    }
+
+    /// Takes in a retained message another node holds, unless this node holds one for its topic
+    /// (a node that rejoins learns what was retained while it was away).
+    pub(crate) fn adopt_retained(
+        &self,
+        message: Arc<Message>,
+        received: (Instant, u64),
+    ) -> Option<Durable> {
+        let mut retained = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+        if message.payload.is_empty() || !retained.adopt(&message, received.0) {
+            return None;
+        }
+        self.journal.as_ref().map(|journal| {
+            journal.record(vec![SessionChange::RetainedSet {
+                message,
+                received_at_ms: received.1,
+            }])
+        })
+    }
+
+    /// Every retained message that has not expired, with when it was received.
+    pub(crate) fn retained_all(&self, now: Instant) -> Vec<Retained> {
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .all(now)
+    }
+
+    fn fan_out(
+        &self,
+        message: Arc<Message>,
+        publisher: Option<&str>,
+        (now, now_ms): (Instant, Option<u64>),
+        scope: Scope<'_>,
+    ) -> Routed {
+        let limit = self.queue_limit(publisher);
         let mut durable = Vec::new();
         if message.retain {
             let mut retained = self.retained.lock().unwrap_or_else(|p| p.into_inner());
@@ -153,7 +294,7 @@ impl Router {
                 } else {
                     SessionChange::RetainedSet {
                         message: message.clone(),
-                        received_at_ms: self.clock.now_ms(),
+                        received_at_ms: now_ms.unwrap_or_else(|| self.clock.now_ms()),
                     }
                 };
                 durable.push(journal.record(vec![change]));
@@ -162,8 +303,11 @@ impl Router {
         let mut targets: Vec<Target> = Vec::new();
         {
             let trie = self.trie.read().unwrap_or_else(|p| p.into_inner());
-            trie.for_each_match(&message.topic, |client, sub, shared| {
-                if !shared && sub.options.no_local && publisher == Some(&**client) {
+            trie.for_each_match(&message.topic, |client, sub, group| {
+                let shared = group.is_some();
+                if (!shared && sub.options.no_local && publisher == Some(&**client))
+                    || !scope.serves(group)
+                {
                     return;
                 }
                 targets.push(Target {

@@ -635,7 +635,8 @@ impl Inner {
         let epoch = self.registry.restore(handle.clone(), will).ok_or(())?;
         for (raw, options) in &subscriptions {
             if let Some(filter) = topic::parse_filter(raw) {
-                self.router.subscribe(&handle, filter, *options);
+                // The other nodes learn of it too; nobody waits for a SUBACK here.
+                drop(self.router.subscribe(&handle, filter, *options));
             }
         }
         let durable = handle.lock().commit();

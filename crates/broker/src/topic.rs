@@ -78,7 +78,7 @@ pub(crate) fn parse_filter(raw: &str) -> Option<ParsedFilter<'_>> {
 
 /// Whether `filter` (valid, non-shared) matches `topic` (valid). Topics starting with `$` are not
 /// matched by a leading wildcard.
-pub(crate) fn matches(filter: &str, topic: &str) -> bool {
+pub fn matches(filter: &str, topic: &str) -> bool {
     if topic.starts_with('$') && (filter.starts_with('+') || filter.starts_with('#')) {
         return false;
     }

@@ -5,6 +5,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// The shared group a visited subscription belongs to: `(filter, group name)`; `None` if it is
+/// not shared.
+pub(crate) type Shared<'a> = Option<(&'a str, &'a str)>;
+
 /// Subscriptions keyed by filter level. `T` is what a subscription carries (options, session).
 pub(crate) struct Trie<T> {
     root: Node<T>,
@@ -22,6 +26,8 @@ struct Node<T> {
 }
 
 struct SharedGroup<T> {
+    /// The group's filter (without `$share/<group>/`): a node of a cluster names the group by it.
+    filter: Box<str>,
     members: Vec<(Arc<str>, T)>,
     /// Round-robin cursor; atomic so routing works under a read lock.
     next: AtomicUsize,
@@ -72,6 +78,7 @@ impl<T> Trie<T> {
                     .shared
                     .entry(group.into())
                     .or_insert_with(|| SharedGroup {
+                        filter: filter.into(),
                         members: Vec::new(),
                         next: AtomicUsize::new(0),
                     });
@@ -142,18 +149,49 @@ impl<T> Trie<T> {
         removed
     }
 
-    /// Calls `visit(client, value)` for every non-shared subscription matching `topic`, and once for
-    /// one member (round robin) of every shared group matching it. A client with several matching
-    /// subscriptions is visited once per subscription; callers merge.
-    pub(crate) fn for_each_match(&self, topic: &str, mut visit: impl FnMut(&Arc<str>, &T, bool)) {
+    /// Calls `visit(client, value, None)` for every non-shared subscription matching `topic`, and
+    /// once for one member (round robin) of every shared group matching it, with the group's
+    /// `(filter, name)`. A client with several matching subscriptions is visited once per
+    /// subscription; callers merge.
+    pub(crate) fn for_each_match(
+        &self,
+        topic: &str,
+        mut visit: impl FnMut(&Arc<str>, &T, Shared<'_>),
+    ) {
         Self::walk(&self.root, topic.split('/'), true, &mut visit);
+    }
+
+    /// Calls `visit(filter, group)` once per subscription (with the filter it was inserted with).
+    pub(crate) fn for_each_subscription(&self, mut visit: impl FnMut(&str, Option<&str>)) {
+        let mut path = String::new();
+        Self::each(&self.root, &mut path, &mut visit);
+    }
+
+    fn each(node: &Node<T>, path: &mut String, visit: &mut impl FnMut(&str, Option<&str>)) {
+        // `path` is "/level/level…": the root's children start the filter.
+        let filter = path.get(1..).unwrap_or("");
+        for _ in &node.subscribers {
+            visit(filter, None);
+        }
+        for (name, group) in &node.shared {
+            for _ in &group.members {
+                visit(&group.filter, Some(name));
+            }
+        }
+        for (level, child) in &node.children {
+            let len = path.len();
+            path.push('/');
+            path.push_str(level);
+            Self::each(child, path, visit);
+            path.truncate(len);
+        }
     }
 
     fn walk<'t>(
         node: &Node<T>,
         mut levels: std::str::Split<'t, char>,
         first: bool,
-        visit: &mut impl FnMut(&Arc<str>, &T, bool),
+        visit: &mut impl FnMut(&Arc<str>, &T, Shared<'_>),
     ) {
         match levels.next() {
             None => {
@@ -180,15 +218,15 @@ impl<T> Trie<T> {
         }
     }
 
-    fn emit(node: &Node<T>, visit: &mut impl FnMut(&Arc<str>, &T, bool)) {
+    fn emit(node: &Node<T>, visit: &mut impl FnMut(&Arc<str>, &T, Shared<'_>)) {
         for (client, value) in &node.subscribers {
-            visit(client, value, false);
+            visit(client, value, None);
         }
-        for group in node.shared.values() {
+        for (name, group) in &node.shared {
             debug_assert!(!group.members.is_empty(), "empty shared groups are pruned");
             let i = group.next.fetch_add(1, Ordering::Relaxed) % group.members.len();
             let (client, value) = &group.members[i];
-            visit(client, value, true);
+            visit(client, value, Some((&group.filter, name)));
         }
     }
 }
@@ -223,6 +261,27 @@ mod tests {
         assert!(!trie.remove("x/+/z", None, "a"));
         assert!(trie.remove("x/#", None, "b"));
         assert!(trie.root.is_empty());
+    }
+
+    #[test]
+    fn every_subscription_is_visited_with_its_filter() {
+        let mut trie = Trie::default();
+        trie.insert("a/+/c", None, &Arc::from("x"), 1);
+        trie.insert("a/+/c", None, &Arc::from("y"), 2);
+        trie.insert("#", Some("g"), &Arc::from("x"), 3);
+        trie.insert("/lead", None, &Arc::from("x"), 4);
+        let mut seen = Vec::new();
+        trie.for_each_subscription(|f, g| seen.push((f.to_owned(), g.map(str::to_owned))));
+        seen.sort();
+        assert_eq!(
+            seen,
+            vec![
+                ("#".into(), Some("g".into())),
+                ("/lead".into(), None),
+                ("a/+/c".into(), None),
+                ("a/+/c".into(), None),
+            ]
+        );
     }
 
     #[test]

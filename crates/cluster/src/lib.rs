@@ -26,5 +26,5 @@ pub mod types;
 pub type NodeId = u64;
 
 pub use control::MapConfig;
-pub use node::{ClusterError, ClusterNode, DataHandler, NodeConfig};
+pub use node::{ClusterError, ClusterNode, DataHandler, MeshHandler, NodeConfig};
 pub use status::{KeyPlacement, NotReady, Status};

@@ -103,6 +103,12 @@ pub trait DataHandler: Send + Sync + 'static {
     fn handle(&self, request: Vec<u8>) -> BoxFuture<'_, Vec<u8>>;
 }
 
+/// The brokers' mesh attached to a node: it answers [`Request::Mesh`] (routes, forwarded
+/// publishes, client-id claims; `mqstate-mesh`).
+pub trait MeshHandler: Send + Sync + 'static {
+    fn handle(&self, request: Vec<u8>) -> BoxFuture<'_, Vec<u8>>;
+}
+
 struct Inner {
     config: NodeConfig,
     raft: Raft,
@@ -110,6 +116,7 @@ struct Inner {
     transport: Arc<dyn Transport>,
     lease: Mutex<LocalLease>,
     data: OnceLock<Arc<dyn DataHandler>>,
+    mesh: OnceLock<Arc<dyn MeshHandler>>,
 }
 
 /// A running cluster member. Serve [`ClusterNode::handler`] on the cluster address.
@@ -180,6 +187,7 @@ impl ClusterNode {
             transport,
             lease: Mutex::new(LocalLease::default()),
             data: OnceLock::new(),
+            mesh: OnceLock::new(),
         });
         let (stop, stopped) = watch::channel(false);
         let tasks = vec![
@@ -230,6 +238,30 @@ impl ClusterNode {
         if self.inner.data.set(handler).is_err() {
             tracing::warn!("a data handler is already attached; the second one is ignored");
         }
+    }
+
+    /// Attaches the brokers' mesh: it answers [`Request::Mesh`] from now on. Only the first call
+    /// counts.
+    pub fn set_mesh_handler(&self, handler: Arc<dyn MeshHandler>) {
+        if self.inner.mesh.set(handler).is_err() {
+            tracing::warn!("a mesh handler is already attached; the second one is ignored");
+        }
+    }
+
+    /// The members as this node last applied them: id, cluster address and whether the control
+    /// plane counts it up (its lease is current), by id.
+    pub fn members(&self) -> Vec<(NodeId, String, bool)> {
+        let metrics = self.inner.raft.metrics().borrow().clone();
+        let applied = self.inner.state.read();
+        metrics
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(&id, node)| {
+                let up = applied.state.members.get(&id).is_some_and(|m| m.up);
+                (id, node.addr.clone(), up)
+            })
+            .collect()
     }
 
     /// The transport this node sends with (the data plane reuses it).
@@ -587,6 +619,10 @@ impl Handler for Inner {
                 Request::Data(request) => match self.data.get() {
                     Some(data) => Response::Data(data.handle(request).await),
                     None => Response::Failed("this node serves no data plane".into()),
+                },
+                Request::Mesh(request) => match self.mesh.get() {
+                    Some(mesh) => Response::Mesh(mesh.handle(request).await),
+                    None => Response::Failed("this node has no broker mesh attached".into()),
                 },
             }
         })

@@ -41,6 +41,9 @@ pub enum Request {
     Hello,
     /// Data-plane traffic (the chains), opaque here: handed to the node's [`crate::node::DataHandler`].
     Data(Vec<u8>),
+    /// Broker-to-broker traffic (routes, publishes, client-id claims), opaque here: handed to the
+    /// node's [`crate::node::MeshHandler`].
+    Mesh(Vec<u8>),
 }
 
 /// Membership changes (joint consensus inside openraft).
@@ -70,6 +73,8 @@ pub enum Response {
     Failed(String),
     /// The data plane's answer to [`Request::Data`].
     Data(Vec<u8>),
+    /// The mesh's answer to [`Request::Mesh`].
+    Mesh(Vec<u8>),
 }
 
 /// Why a call got no response.

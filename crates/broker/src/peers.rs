@@ -1,0 +1,156 @@
+//! The peers port: how the broker takes part in a cluster of brokers without knowing how the
+//! other nodes are reached (decision 0044; implemented by `mqstate-mesh`).
+//!
+//! CONTRACT (called by the broker; implemented outside it):
+//!
+//! * [`Peers::subscribed`] / [`Peers::unsubscribed`] — one subscription on this node to a filter
+//!   (in a shared group) came or went, offline persistent sessions' included (they stay in the
+//!   trie until the session ends). Called under the trie's write lock, in the trie's order, so
+//!   the implementation sees the same sequence the trie went through; it must neither block nor
+//!   call back into the broker. It counts them: one filter held by many sessions is one route.
+//!   `subscribed` may return a [`Settled`] the SUBACK waits for (the other nodes know the route).
+//! * [`Peers::plan`] — for one publish on this node: which other nodes get a copy, and which of
+//!   this node's shared groups another node serves this time (each message goes to one member of
+//!   a group cluster-wide). [`Peers::forward`] then hands the copies over, after the local fan-out,
+//!   in the order the publishes were routed; its [`Settled`] resolves once every target accepted
+//!   the message into its sessions' queues (or was skipped as unreachable), and a QoS 1/2
+//!   publisher's PUBACK/PUBREC waits for it.
+//! * [`Peers::claim`] — a client id is connecting here: any other node's connection with it gets
+//!   DISCONNECT 0x8E. Awaited before the CONNACK.
+//! * What comes from the other nodes enters through [`crate::Broker::accept_forwarded`] (fan-out
+//!   with this node's trie and only the shared groups the origin assigned here, never forwarded
+//!   again), [`crate::Broker::adopt_retained`] and [`crate::Broker::take_over_here`].
+//!
+//! Without a cluster no port is attached and none of this runs: the local publish path reads one
+//! empty `OnceLock` (decision 0044).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use crate::message::Message;
+
+/// Resolves when the other nodes took something in (or were skipped as unreachable).
+pub type Settled = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A node of the cluster, as the implementation numbers them.
+pub type PeerId = u64;
+
+/// A shared group: its topic filter (without `$share/<group>/`) and its name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GroupKey {
+    pub filter: Arc<str>,
+    pub group: Arc<str>,
+}
+
+impl GroupKey {
+    pub fn is(&self, filter: &str, group: &str) -> bool {
+        &*self.filter == filter && &*self.group == group
+    }
+}
+
+/// Where one publish goes besides this node's own non-shared subscribers.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Each other node that gets a copy, with the shared groups it serves for this message.
+    pub targets: Vec<(PeerId, Vec<GroupKey>)>,
+    /// Shared groups this node has members of that another node serves for this message.
+    pub elsewhere: Vec<GroupKey>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.targets.is_empty() && self.elsewhere.is_empty()
+    }
+}
+
+/// One publish handed to other nodes.
+pub struct Forward<'a> {
+    pub message: &'a Arc<Message>,
+    /// The publishing client (for No Local on the receiving node); `None` for a service or a will.
+    pub origin: Option<&'a str>,
+    /// Whether the caller waits for the targets to accept it (QoS 1/2).
+    pub acknowledged: bool,
+}
+
+/// The other nodes of a cluster, as the broker uses them. See the module docs for the contract.
+pub trait Peers: Send + Sync + 'static {
+    fn subscribed(&self, filter: &str, group: Option<&str>) -> Option<Settled>;
+    fn unsubscribed(&self, filter: &str, group: Option<&str>);
+    fn plan(&self, topic: &str, retain: bool) -> Plan;
+    fn forward(
+        &self,
+        targets: Vec<(PeerId, Vec<GroupKey>)>,
+        forward: Forward<'_>,
+    ) -> Option<Settled>;
+    fn claim(&self, client_id: &str) -> Option<Settled>;
+}
+
+impl crate::Broker {
+    /// Attaches the other nodes of a cluster (call once, when the cluster node starts): from now
+    /// on subscriptions are told to `peers` and publishes planned with it. What this node holds
+    /// already is told at once. Returns `false` (and changes nothing) if peers were attached.
+    pub fn attach_peers(&self, peers: Arc<dyn Peers>) -> bool {
+        self.inner.router.attach_peers(peers)
+    }
+
+    /// Fans out a publish another node forwarded: this node's subscribers with its own options
+    /// and subscription identifiers, No Local against `origin`, of its shared groups only
+    /// `groups`; a retained one updates the retained store. `age` is how long ago the origin
+    /// received it (message expiry counts from then). Resolves when what it changed is durable.
+    pub fn accept_forwarded(
+        &self,
+        message: Message,
+        origin: Option<&str>,
+        age: std::time::Duration,
+        groups: &[GroupKey],
+    ) -> Vec<crate::Durable> {
+        let received = self.received_ago(age);
+        self.inner
+            .router
+            .route_forwarded(message, origin, received, groups)
+            .durable
+    }
+
+    /// Takes in a retained message another node holds, unless one is retained on its topic here.
+    pub fn adopt_retained(
+        &self,
+        message: Message,
+        age: std::time::Duration,
+    ) -> Option<crate::Durable> {
+        let received = self.received_ago(age);
+        self.inner
+            .router
+            .adopt_retained(Arc::new(message), received)
+    }
+
+    /// Every retained message here that has not expired, with how long ago it was received.
+    pub fn retained_messages(&self) -> Vec<(Arc<Message>, std::time::Duration)> {
+        let now = self.inner.clock.now();
+        self.inner
+            .router
+            .retained_all(now)
+            .into_iter()
+            .map(|r| (r.message, now.saturating_duration_since(r.received_at)))
+            .collect()
+    }
+
+    /// Another node took `client_id` over: its connection here, if any, gets DISCONNECT 0x8E as
+    /// on a local takeover. Resolves once it detached (or the takeover timeout passed).
+    pub async fn take_over_here(&self, client_id: &str) {
+        let (done, wait) = tokio::sync::oneshot::channel();
+        let control = crate::registry::Control::TakeOver { done };
+        if self.inner.registry.send_control(client_id, control) {
+            let _ = tokio::time::timeout(self.inner.config.takeover_timeout, wait).await;
+        }
+    }
+
+    fn received_ago(&self, age: std::time::Duration) -> (std::time::Instant, u64) {
+        let (now, now_ms) = (self.inner.clock.now(), self.inner.clock.now_ms());
+        let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+        (
+            now.checked_sub(age).unwrap_or(now),
+            now_ms.saturating_sub(age_ms),
+        )
+    }
+}

@@ -1,0 +1,109 @@
+//! The receiving side: batches from the other nodes, applied in the order each sender sent them.
+
+use std::sync::Arc;
+
+use mqstate_broker::GroupKey;
+use mqstate_cluster::transport::BoxFuture;
+use mqstate_cluster::MeshHandler;
+
+use crate::wire::{self, Batch, Item, Reply};
+use crate::Shared;
+
+pub(crate) struct Inbound(pub Arc<Shared>);
+
+impl MeshHandler for Inbound {
+    fn handle(&self, request: Vec<u8>) -> BoxFuture<'_, Vec<u8>> {
+        Box::pin(async move { wire::encode(&self.apply(&request).await) })
+    }
+}
+
+impl Inbound {
+    async fn apply(&self, request: &[u8]) -> Reply {
+        let batch: Batch = match wire::decode(request) {
+            Ok(batch) => batch,
+            Err(e) => {
+                tracing::warn!(error = %e, "mesh: undecodable batch refused");
+                return Reply::Resync;
+            }
+        };
+        let shared = &self.0;
+        let from = batch.from;
+        let mut work = Vec::new();
+        {
+            let mut state = shared.lock();
+            let state = &mut *state;
+            let resync = matches!(batch.items.first(), Some(Item::Resync { .. }));
+            let known = state.inbound.get(&from).copied();
+            if !resync && known != Some((batch.incarnation, batch.seq)) {
+                return Reply::Resync;
+            }
+            if resync && known.map(|k| k.0) != Some(batch.incarnation) {
+                // A sender we did not follow: new, or restarted (and then it lost our routes).
+                tracing::info!(node = from, "mesh: following a node's stream");
+                if let Some(outbox) = state.outboxes.get_mut(&from) {
+                    outbox.want_resync();
+                }
+            }
+            state
+                .inbound
+                .insert(from, (batch.incarnation, batch.seq + 1));
+            for item in batch.items {
+                match item {
+                    Item::Resync { routes, retained } => {
+                        state.tables.replace_remote(from, routes);
+                        work.extend(retained.into_iter().map(Work::Retained));
+                    }
+                    Item::Added(route) => state.tables.remote_added(from, route),
+                    Item::Removed(route) => state.tables.remote_removed(from, &route),
+                    Item::Publish(p) => work.push(Work::Publish(p)),
+                    Item::Claim(client_id) => work.push(Work::Claim(client_id)),
+                }
+            }
+        }
+        // The broker is called with the mesh unlocked: it calls the mesh under its trie lock.
+        let broker = &shared.broker;
+        let mut durable = Vec::new();
+        for w in work {
+            match w {
+                Work::Retained(message) => {
+                    if let Some((message, age)) = message.into_message() {
+                        durable.extend(broker.adopt_retained(message, age));
+                    }
+                }
+                Work::Publish(p) => {
+                    let Some((message, age)) = p.message.into_message() else {
+                        tracing::warn!(node = from, "mesh: publish with an unknown QoS dropped");
+                        continue;
+                    };
+                    let groups: Vec<GroupKey> = p
+                        .groups
+                        .into_iter()
+                        .map(|(filter, group)| GroupKey {
+                            filter: filter.into(),
+                            group: group.into(),
+                        })
+                        .collect();
+                    durable.extend(broker.accept_forwarded(
+                        message,
+                        p.origin.as_deref(),
+                        age,
+                        &groups,
+                    ));
+                }
+                Work::Claim(client_id) => broker.take_over_here(&client_id).await,
+            }
+        }
+        for d in durable {
+            if let Err(error) = d.await {
+                tracing::error!(%error, node = from, "mesh: a forwarded message is not durable here");
+            }
+        }
+        Reply::Accepted
+    }
+}
+
+enum Work {
+    Retained(wire::WireMessage),
+    Publish(wire::WirePublish),
+    Claim(String),
+}

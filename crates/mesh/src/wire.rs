@@ -1,0 +1,206 @@
+//! What brokers send each other inside `Request::Mesh` / `Response::Mesh` (postcard, like the
+//! control plane's and the chains' messages).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use bytestring::ByteString;
+use mqstate_broker::{GroupKey, Message, PublishProperties, QoS};
+use mqstate_cluster::NodeId;
+use serde::{Deserialize, Serialize};
+
+/// One batch from one node to another: the items of its ordered stream since the last batch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    pub from: NodeId,
+    /// The sender's run: a restarted sender starts a new one (and resyncs).
+    pub incarnation: u64,
+    /// Consecutive within an incarnation; a receiver that missed one asks for a resync.
+    pub seq: u64,
+    pub items: Vec<Item>,
+}
+
+/// A route: a filter this node's sessions hold, in a shared group or not.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Route {
+    pub filter: String,
+    pub group: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Item {
+    /// Every route the sender holds, replacing what the receiver knew of it, and its retained
+    /// messages (the receiver adopts those on topics it holds none for).
+    Resync {
+        routes: Vec<Route>,
+        retained: Vec<WireMessage>,
+    },
+    Added(Route),
+    Removed(Route),
+    Publish(WirePublish),
+    /// A client id connected on the sender: the receiver's connection with it is taken over.
+    Claim(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePublish {
+    pub message: WireMessage,
+    /// The publishing client, for No Local.
+    pub origin: Option<String>,
+    /// Shared groups (filter, name) the receiver serves for this message.
+    pub groups: Vec<(String, String)>,
+}
+
+/// A message with how long ago its origin received it (expiry counts from then).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireMessage {
+    pub topic: String,
+    pub payload: Vec<u8>,
+    pub qos: u8,
+    pub retain: bool,
+    pub age_ms: u64,
+    pub payload_is_utf8: bool,
+    pub message_expiry_interval: Option<u32>,
+    pub content_type: Option<String>,
+    pub response_topic: Option<String>,
+    pub correlation_data: Option<Vec<u8>>,
+    pub user_properties: Vec<(String, String)>,
+}
+
+/// The answer to a [`Batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Applied; every publish in it is in the receiver's session queues (durable where they are).
+    Accepted,
+    /// Not applied: the receiver does not follow the sender's stream (it restarted, or a batch
+    /// was lost); send again starting with a [`Item::Resync`].
+    Resync,
+}
+
+impl WireMessage {
+    pub fn from_message(message: &Message, age: Duration) -> WireMessage {
+        let p = &message.properties;
+        WireMessage {
+            topic: message.topic.to_string(),
+            payload: message.payload.to_vec(),
+            qos: message.qos as u8,
+            retain: message.retain,
+            age_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
+            payload_is_utf8: p.payload_is_utf8,
+            message_expiry_interval: p.message_expiry_interval,
+            content_type: p.content_type.as_ref().map(ToString::to_string),
+            response_topic: p.response_topic.as_ref().map(ToString::to_string),
+            correlation_data: p.correlation_data.as_ref().map(|c| c.to_vec()),
+            user_properties: p
+                .user_properties
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    /// The message and its age; `None` for a QoS the broker does not know.
+    pub fn into_message(self) -> Option<(Message, Duration)> {
+        let qos = match self.qos {
+            0 => QoS::AtMostOnce,
+            1 => QoS::AtLeastOnce,
+            2 => QoS::ExactlyOnce,
+            _ => return None,
+        };
+        let message = Message {
+            topic: ByteString::from(self.topic),
+            payload: Bytes::from(self.payload),
+            qos,
+            retain: self.retain,
+            properties: PublishProperties {
+                payload_is_utf8: self.payload_is_utf8,
+                message_expiry_interval: self.message_expiry_interval,
+                content_type: self.content_type.map(ByteString::from),
+                response_topic: self.response_topic.map(ByteString::from),
+                correlation_data: self.correlation_data.map(Bytes::from),
+                user_properties: self
+                    .user_properties
+                    .into_iter()
+                    .map(|(k, v)| (ByteString::from(k), ByteString::from(v)))
+                    .collect(),
+            },
+        };
+        Some((message, Duration::from_millis(self.age_ms)))
+    }
+}
+
+impl Route {
+    pub fn new(filter: &str, group: Option<&str>) -> Route {
+        Route {
+            filter: filter.to_owned(),
+            group: group.map(str::to_owned),
+        }
+    }
+
+    pub fn group_key(&self) -> Option<GroupKey> {
+        self.group.as_ref().map(|group| GroupKey {
+            filter: Arc::from(self.filter.as_str()),
+            group: Arc::from(group.as_str()),
+        })
+    }
+}
+
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Our own plain data: postcard cannot fail on it but for allocation.
+    postcard::to_allocvec(value).unwrap_or_default()
+}
+
+pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, postcard::Error> {
+    postcard::from_bytes(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_message_survives_the_trip() {
+        let message = Message {
+            topic: "a/b".into(),
+            payload: Bytes::from_static(b"x"),
+            qos: QoS::ExactlyOnce,
+            retain: true,
+            properties: PublishProperties {
+                payload_is_utf8: true,
+                message_expiry_interval: Some(9),
+                content_type: Some("t".into()),
+                response_topic: Some("r".into()),
+                correlation_data: Some(Bytes::from_static(b"c")),
+                user_properties: vec![("k".into(), "v".into())],
+            },
+        };
+        let batch = Batch {
+            from: 1,
+            incarnation: 2,
+            seq: 3,
+            items: vec![Item::Publish(WirePublish {
+                message: WireMessage::from_message(&message, Duration::from_millis(1500)),
+                origin: Some("c".into()),
+                groups: vec![("f".into(), "g".into())],
+            })],
+        };
+        let back: Batch = decode(&encode(&batch)).unwrap();
+        assert_eq!(back, batch);
+        let Item::Publish(p) = &back.items[0] else {
+            panic!("{back:?}")
+        };
+        let (m, age) = p.message.clone().into_message().unwrap();
+        assert_eq!((m, age), (message, Duration::from_millis(1500)));
+    }
+
+    proptest! {
+        /// Whatever a peer (or anyone reaching the cluster port) sends decodes or fails; never panics.
+        #[test]
+        fn garbage_decodes_or_fails(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode::<Batch>(&bytes);
+            let _ = decode::<Reply>(&bytes);
+        }
+    }
+}
