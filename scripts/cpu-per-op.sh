@@ -2,7 +2,13 @@
 # Server CPU time per request of one build, for a machine too busy for wall-clock rates:
 #
 #   scripts/cpu-per-op.sh LABEL SERVER_BINARY [LOADGEN_BINARY] WORKLOAD...
-#   WORKLOAD = set-c50 | ss-16x8 | ss-64x16 | pubsub | restart | restart-nosnap
+#   WORKLOAD = set-c50 | ss-16x8 | ss-64x16 | pubsub | restart | restart-nosnap | redis-set-c50
+#
+# `redis-set-c50` is the anchor of issue 13: Redis 7 (`redis-server`, `appendfsync always`) driven by
+# `redis-benchmark -t set -c 50 -d 64 -r 10000`, the same shape as set-c50 (LABEL and the binaries are
+# then only names in the output). With SYSCALLS=1 the server runs under `strace -c -f` during the
+# counted requests and the system calls per request are printed too (strace slows the server down
+# several times over: take CPU per request from a run without it).
 #
 # Each workload runs a fixed number of requests after a warm-up of a tenth of them; CPU is the
 # server's utime + stime (/proc/PID/stat, CLK_TCK ticks) over the counted requests. `restart` loads
@@ -17,6 +23,9 @@ gen="$bin"
 if [ $# -gt 0 ] && [ -x "$1" ]; then gen=$(realpath "$1"); shift; fi
 OUT="${OUT:-target/bench-results/cpu-per-op}"; mkdir -p "$OUT"
 . scripts/lib/ports.sh
+# Context switches (voluntary + involuntary) of every thread of PID: each is a thread going to sleep
+# or being put off its core, so hand-offs between threads show up here.
+ctx() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ {s += $2} END {print s}'; }
 cpu_us() { awk -v tck="$(getconf CLK_TCK)" '{printf "%d", ($14 + $15) * 1000000 / tck}' "/proc/$1/stat"; }
 start() {
   PORT=$(free_port); DATA=$(mktemp -d -p "${TMPDIR:-/tmp}" mqstate-cpu.XXXXXX)
@@ -25,16 +34,53 @@ start() {
 }
 stop() { kill "$SPID" 2>/dev/null; wait "$SPID" 2>/dev/null; rm -rf "$DATA"; }
 trap stop EXIT
+# strace -c -f of the server while "$@" runs; prints system calls per request (of n) by kind.
+syscalls() { # name n command...
+  local name=$1 n=$2; shift 2
+  local trace="$OUT/strace-$name-$label.txt"
+  strace -c -f -q -p "$SPID" -o "$trace" & local tpid=$!
+  sleep 1
+  "$@" >/dev/null 2>&1
+  kill -INT "$tpid"; wait "$tpid" 2>/dev/null
+  awk -v n="$n" -v name="$name" -v label="$label" '
+    $1 ~ /^[0-9.]+$/ && NF >= 5 { calls = $4; sc = $NF; if (sc == "total") total = calls; else { per[sc] = calls } }
+    END { line = sprintf("%s\t%s\tsyscalls/op %.2f", name, label, total / n);
+          for (s in per) if (per[s] / n >= 0.05) line = line sprintf("\t%s %.2f", s, per[s] / n); print line }' "$trace" | tee -a "$OUT/results.tsv"
+}
 one() { # name requests serve-flags... -- bench-flags...
   local name=$1 n=$2; shift 2
   local sflags=(); while [ "$1" != "--" ]; do sflags+=("$1"); shift; done; shift
   start "${sflags[@]}"
   "$gen" bench --port "$PORT" --requests $((n / 10)) "$@" >/dev/null 2>&1
-  local c0; c0=$(cpu_us "$SPID")
+  if [ "${SYSCALLS:-0}" = 1 ]; then
+    syscalls "$name" "$n" "$gen" bench --port "$PORT" --requests "$n" "$@"
+    stop; return
+  fi
+  local c0 x0; c0=$(cpu_us "$SPID"); x0=$(ctx "$SPID")
   "$gen" bench --port "$PORT" --requests "$n" --json "$OUT/$name-$label.json" "$@" >/dev/null 2>&1
-  local c1; c1=$(cpu_us "$SPID")
+  local c1 x1; c1=$(cpu_us "$SPID"); x1=$(ctx "$SPID")
   stop
-  printf '%s\t%s\tcpu_us/op %.2f\n' "$name" "$label" "$(echo "($c1 - $c0) / $n" | bc -l)" | tee -a "$OUT/results.tsv"
+  printf '%s\t%s\tcpu_us/op %.2f\tctxsw/op %.2f\n' "$name" "$label" "$(echo "($c1 - $c0) / $n" | bc -l)" \
+    "$(echo "($x1 - $x0) / $n" | bc -l)" | tee -a "$OUT/results.tsv"
+}
+redis_set() { # name requests
+  local name=$1 n=$2
+  PORT=$(free_port); DATA=$(mktemp -d -p "${TMPDIR:-/tmp}" redis-cpu.XXXXXX)
+  redis-server --port "$PORT" --bind 127.0.0.1 --dir "$DATA" --appendonly yes --appendfsync always \
+    --save '' >>"$OUT/redis-$label.log" 2>&1 &
+  SPID=$!; wait_port "$PORT"
+  local load=(redis-benchmark -p "$PORT" -t set -c 50 -d 64 -r 10000 -q)
+  "${load[@]}" -n $((n / 10)) >/dev/null 2>&1
+  if [ "${SYSCALLS:-0}" = 1 ]; then
+    syscalls "$name" "$n" "${load[@]}" -n "$n"
+    stop; return
+  fi
+  local c0 x0; c0=$(cpu_us "$SPID"); x0=$(ctx "$SPID")
+  "${load[@]}" -n "$n" >/dev/null 2>&1
+  local c1 x1; c1=$(cpu_us "$SPID"); x1=$(ctx "$SPID")
+  stop
+  printf '%s\t%s\tcpu_us/op %.2f\tctxsw/op %.2f\n' "$name" "$label" "$(echo "($c1 - $c0) / $n" | bc -l)" \
+    "$(echo "($x1 - $x0) / $n" | bc -l)" | tee -a "$OUT/results.tsv"
 }
 restart() { # name serve-flags...
   local name=$1; shift
@@ -55,6 +101,7 @@ for w in "$@"; do
     ss-16x8) one ss-16x8 100000 --fsync always -- --connections 16 --inflight 8 --mix set=50,get=50 --keys 10000 --value-size 64 ;;
     ss-64x16) one ss-64x16 100000 --fsync always -- --connections 64 --inflight 16 --mix set=50,get=50 --keys 10000 --value-size 64 ;;
     pubsub) one pubsub-1x100 20000 -- --mode pubsub --publishers 1 --subscribers 100 --qos 1 --payload 64 --inflight 16 ;;
+    redis-set-c50) redis_set redis-set-c50 40000 ;;
     restart) restart restart-1m ;;
     restart-nosnap) restart restart-1m-nosnap --snapshot-threshold-bytes 100000000000 ;;
     *) echo "unknown workload $w" >&2; exit 2 ;;

@@ -65,6 +65,14 @@ struct ServeArgs {
     settings: settings::Settings,
 }
 
+/// A command once `serve`'s settings are resolved.
+// One value per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Run {
+    Serve(settings::Resolved),
+    Other(Command),
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(
@@ -77,6 +85,20 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::runtime(args),
         _ => tokio::runtime::Builder::new_multi_thread(),
     };
+    // `serve` sizes its runtime from its settings, so they are resolved first.
+    let command = match cli.command {
+        Command::Serve(args) => match serve::settings(args.config, args.settings) {
+            Ok(settings) => {
+                builder.worker_threads(settings.worker_threads());
+                Run::Serve(settings)
+            }
+            Err(e) => {
+                eprintln!("mqstate: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        },
+        other => Run::Other(other),
+    };
     let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -85,14 +107,20 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        match cli.command {
-            Command::Serve(args) => match serve::run(args.config, args.settings).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("mqstate: {e:#}");
-                    ExitCode::FAILURE
+        let command = match command {
+            Run::Serve(settings) => {
+                return match serve::run(settings).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("mqstate: {e:#}");
+                        ExitCode::FAILURE
+                    }
                 }
-            },
+            }
+            Run::Other(command) => command,
+        };
+        match command {
+            Command::Serve(_) => unreachable!("resolved into Run::Serve above"),
             Command::Client(cmd) => client::run(cmd).await,
             Command::Cluster(cmd) => client::cluster::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,

@@ -24,12 +24,17 @@ use crate::settings::{
 /// The one stable HLC node id of the state-store service (spec §4: clients check it does not change).
 pub const SERVICE_NODE_ID: &str = "mqstate";
 
-pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()> {
+/// The settings of `serve`: the file (if any) under the environment and the flags, resolved. Before
+/// the async runtime starts, since they size it ([`Resolved::worker_threads`]).
+pub fn settings(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<Resolved> {
     let file = match &config {
         Some(path) => Settings::from_file(path)?,
         None => Settings::default(),
     };
-    let settings = flags.layer(file).resolve()?;
+    flags.layer(file).resolve()
+}
+
+pub async fn run(settings: Resolved) -> anyhow::Result<()> {
     init_logging(settings.log_format, &settings.log)?;
     crate::auth::check_exposure(&settings)?;
     tracing::debug!(?settings, "settings");

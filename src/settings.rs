@@ -464,6 +464,12 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_STATESTORE_REQUESTS_PER_SECOND", value_name = "N")]
     pub statestore_requests_per_second: Option<u32>,
 
+    /// Threads that run connections and the state store (the async runtime's workers; the
+    /// write-ahead log writes on threads of its own). 0: one per core less one, at least one, so
+    /// the log writer and the kernel's network processing keep a core (decision 0041). Default 0.
+    #[arg(long, env = "MQSTATE_RUNTIME_THREADS", value_name = "N")]
+    pub runtime_threads: Option<usize>,
+
     /// Names this node in the lock keys of notification queues (`<id>/<cookie>`); unique per node. Default `mqstate`.
     #[arg(long, env = "MQSTATE_NOTIFY_NODE_ID", value_name = "ID")]
     pub notify_node_id: Option<String>,
@@ -813,8 +819,24 @@ pub struct Resolved {
     pub slow_consumer_timeout: Option<Duration>,
     pub server_keep_alive: Option<u16>,
     pub statestore_requests_per_second: u32,
+    /// 0: chosen from the cores ([`Resolved::worker_threads`]).
+    pub runtime_threads: usize,
     pub notify: mqstate_statestore::notify::NotifyConfig,
     pub cluster: Option<ClusterSettings>,
+}
+
+impl Resolved {
+    /// The async runtime's worker threads: `runtime_threads`, or for 0 one per core less one (at
+    /// least one). On two cores one worker and the log writer's thread use less CPU per request
+    /// than two workers, which wake each other for every burst of work (decision 0041).
+    pub fn worker_threads(&self) -> usize {
+        match self.runtime_threads {
+            0 => std::thread::available_parallelism()
+                .map_or(1, |cores| cores.get().saturating_sub(1))
+                .max(1),
+            n => n,
+        }
+    }
 }
 
 /// The notification settings with defaults applied; intervals of 0 and an invalid node id are refused.
@@ -935,6 +957,7 @@ impl Settings {
             statestore_requests_per_second: self
                 .statestore_requests_per_second
                 .or(lower.statestore_requests_per_second),
+            runtime_threads: self.runtime_threads.or(lower.runtime_threads),
             notify_node_id: self.notify_node_id.or(lower.notify_node_id),
             notify_reservation_timeout_ms: self
                 .notify_reservation_timeout_ms
@@ -1072,6 +1095,7 @@ impl Settings {
             statestore_requests_per_second: self
                 .statestore_requests_per_second
                 .unwrap_or(service.requests_per_second),
+            runtime_threads: self.runtime_threads.unwrap_or(0),
             notify: notify_config(
                 self.notify_node_id,
                 [
@@ -1481,5 +1505,16 @@ mod tests {
         assert_eq!(r.max_connections, Some(5));
         assert_eq!(r.connect_timeout, Some(Duration::from_secs(3)));
         assert_eq!(r.statestore_requests_per_second, 100);
+    }
+
+    #[test]
+    fn runtime_threads_as_given_or_one_core_left_for_the_rest() {
+        let file: Settings = toml::from_str("runtime_threads = 3").unwrap();
+        let given = Settings::default().layer(file).resolve().unwrap();
+        assert_eq!(given.worker_threads(), 3);
+        let auto = Settings::default().resolve().unwrap();
+        assert_eq!(auto.runtime_threads, 0);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(auto.worker_threads(), cores.saturating_sub(1).max(1));
     }
 }

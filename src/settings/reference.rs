@@ -308,6 +308,7 @@ fn defaults_in_use() -> std::collections::BTreeMap<&'static str, String> {
             "statestore_requests_per_second",
             single.statestore_requests_per_second.to_string(),
         ),
+        ("runtime_threads", single.runtime_threads.to_string()),
         ("notify_node_id", notify.node_id.clone()),
         (
             "notify_reservation_timeout_ms",
