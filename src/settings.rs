@@ -466,7 +466,7 @@ pub struct Settings {
 
     /// Threads that run connections and the state store (the async runtime's workers; the
     /// write-ahead log writes on threads of its own). 0: one per core less one, at least one, so
-    /// the log writer and the kernel's network processing keep a core (decision 0041). Default 0.
+    /// the log writer and the kernel's network processing keep a core (decision 0045). Default 0.
     #[arg(long, env = "MQSTATE_RUNTIME_THREADS", value_name = "N")]
     pub runtime_threads: Option<usize>,
 
@@ -828,7 +828,7 @@ pub struct Resolved {
 impl Resolved {
     /// The async runtime's worker threads: `runtime_threads`, or for 0 one per core less one (at
     /// least one). On two cores one worker and the log writer's thread use less CPU per request
-    /// than two workers, which wake each other for every burst of work (decision 0041).
+    /// than two workers, which wake each other for every burst of work (decision 0045).
     pub fn worker_threads(&self) -> usize {
         match self.runtime_threads {
             0 => std::thread::available_parallelism()
