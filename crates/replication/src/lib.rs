@@ -251,15 +251,22 @@ impl Replication {
                 (Some(_), Some(current)) => Expect::Version(current),
                 _ => Expect::Absent,
             };
+            // Read before the row moves into the chain: its deadline and change, once committed.
+            let delta = rows::delta_of(&value_to_write);
             let write = Write {
                 key: request.key.clone(),
-                value: Some(value_to_write.clone()),
+                value: Some(value_to_write),
                 version: new_version,
                 expect,
             };
             match self.driver.write(partition, write, STEP_TIMEOUT).await {
                 Answer::Written { .. } => {
-                    self.committed(partition, &value_to_write).await;
+                    match delta {
+                        Ok(delta) => self.committed(partition, &delta).await,
+                        Err(e) => {
+                            tracing::error!(partition, "a row written here does not decode: {e}")
+                        }
+                    }
                     return Ok(reply);
                 }
                 // Another write to the key came first: execute again on the row it left.
@@ -370,20 +377,13 @@ impl Replication {
 
     /// A row was committed through the chain at this head: its expiry deadline noted, its change
     /// notified to the nodes observing its key.
-    async fn committed(&self, partition: u32, row: &[u8]) {
-        let delta = match rows::delta_of(row) {
-            Ok(delta) => delta,
-            Err(e) => {
-                tracing::error!(partition, "a row written here does not decode: {e}");
-                return;
-            }
-        };
-        if let Some(deadline) = rows::deadline(&delta) {
+    async fn committed(&self, partition: u32, delta: &mqstate_store::Delta) {
+        if let Some(deadline) = rows::deadline(delta) {
             self.deadlines
                 .schedule(partition, delta.key().to_vec(), deadline);
         }
         if self.notifier.is_observed(delta.key()) {
-            self.notifier.publish(rows::committed(&delta)).await;
+            self.notifier.publish(rows::committed(delta)).await;
         }
     }
 

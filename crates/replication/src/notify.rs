@@ -49,6 +49,9 @@ struct Local {
     keys: HashMap<Vec<u8>, Option<Hlc>>,
 }
 
+/// Another member's interest: its generation and the keys observed there.
+type Interest = (u64, BTreeSet<Vec<u8>>);
+
 /// A change on its way to a peer, and who waits for its acknowledgement.
 type Outgoing = (Committed, oneshot::Sender<()>);
 
@@ -57,7 +60,7 @@ pub struct Notifier {
     node: Arc<ClusterNode>,
     local: Mutex<Local>,
     /// Other members' interest: generation and keys.
-    remote: Mutex<HashMap<u64, (u64, BTreeSet<Vec<u8>>)>>,
+    remote: Mutex<HashMap<u64, Interest>>,
     sink: OnceLock<Arc<dyn Sink>>,
     peers: Mutex<HashMap<u64, mpsc::UnboundedSender<Outgoing>>>,
 }
