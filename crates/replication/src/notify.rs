@@ -24,6 +24,7 @@ use mqstate_cluster::ClusterNode;
 use mqstate_protocol::Hlc;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 use crate::wire::{decode, encode, Committed, DataRequest, DataResponse};
 
@@ -32,6 +33,9 @@ use crate::wire::{decode, encode, Committed, DataRequest, DataResponse};
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a node sends its interest again to every member.
 pub const INTEREST_EVERY: Duration = Duration::from_secs(1);
+/// A member's interest not heard again for this long is forgotten: the member is down (its
+/// observers with it), and writes must not wait for it.
+pub const INTEREST_TTL: Duration = Duration::from_secs(5);
 /// Changes sent to one peer in one message, at most.
 const BATCH: usize = 256;
 
@@ -49,8 +53,8 @@ struct Local {
     keys: HashMap<Vec<u8>, Option<Hlc>>,
 }
 
-/// Another member's interest: its generation and the keys observed there.
-type Interest = (u64, BTreeSet<Vec<u8>>);
+/// Another member's interest: its generation, the keys observed there, when it was last heard.
+type Interest = (u64, BTreeSet<Vec<u8>>, Instant);
 
 /// A change on its way to a peer, and who waits for its acknowledgement.
 type Outgoing = (Committed, oneshot::Sender<()>);
@@ -146,27 +150,36 @@ impl Notifier {
     /// Another member's interest.
     pub fn receive_interest(&self, node: u64, generation: u64, keys: Vec<Vec<u8>>) {
         let mut remote = lock(&self.remote);
-        let entry = remote.entry(node).or_insert_with(|| (0, BTreeSet::new()));
+        let now = Instant::now();
+        let entry = remote
+            .entry(node)
+            .or_insert_with(|| (0, BTreeSet::new(), now));
         if generation > entry.0 {
-            *entry = (generation, keys.into_iter().collect());
+            *entry = (generation, keys.into_iter().collect(), now);
+        } else if generation == entry.0 {
+            entry.2 = now;
         }
     }
 
     /// Whether any node (this one included) observes `key`.
     pub fn is_observed(&self, key: &[u8]) -> bool {
+        let now = Instant::now();
         lock(&self.local).keys.contains_key(key)
             || lock(&self.remote)
                 .values()
-                .any(|(_, keys)| keys.contains(key))
+                .any(|interest| fresh(interest, now) && interest.1.contains(key))
     }
 
     /// Notifies every node observing the key of a committed change; resolves once they took it
     /// (bounded by [`ACK_TIMEOUT`]).
     pub async fn publish(&self, change: Committed) {
         let here = lock(&self.local).keys.contains_key(&change.key);
+        let now = Instant::now();
         let others: Vec<u64> = lock(&self.remote)
             .iter()
-            .filter(|(node, (_, keys))| **node != self.node.id() && keys.contains(&change.key))
+            .filter(|(node, interest)| {
+                **node != self.node.id() && fresh(interest, now) && interest.1.contains(&change.key)
+            })
             .map(|(&node, _)| node)
             .collect();
         let mut acks = Vec::with_capacity(others.len() + 1);
@@ -268,6 +281,10 @@ async fn send_to(node: Arc<ClusterNode>, to: u64, mut rx: mpsc::UnboundedReceive
             let _ = ack.send(());
         }
     }
+}
+
+fn fresh(interest: &Interest, now: Instant) -> bool {
+    now.saturating_duration_since(interest.2) < INTEREST_TTL
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
