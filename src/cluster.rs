@@ -57,6 +57,8 @@ pub struct Running {
 pub struct DataPlane {
     /// The chain log's options (`fsync` and the like, as the other logs).
     pub wal: WalOptions,
+    /// The chain log is compacted with a snapshot once it grew by this much (`snapshot_threshold_bytes`).
+    pub snapshot_threshold_bytes: u64,
     /// The store's configuration: the head executes with the same semantics as a single node.
     pub head: HeadConfig,
     pub clock: mqstate_clock::SharedClock,
@@ -102,6 +104,7 @@ pub async fn start(
     let node = Arc::new(node);
     let (log, restored) =
         ChainLog::open(data_dir, data.wal).context("cannot open the chain replicas' log")?;
+    let log = log.snapshot_every(data.snapshot_threshold_bytes);
     let replication = Replication::start(Arc::clone(&node), log, restored, data.head, data.clock);
     let mutual_tls = tls.is_some();
     let listener = tokio::spawn(tcp::serve_with(

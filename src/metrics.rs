@@ -1,6 +1,7 @@
 //! The operations endpoint of `mqstate serve` (`--metrics-listen ADDR`): Prometheus metrics on
 //! `/metrics`, liveness on `/health` (200 while the process runs) and readiness on `/ready` (200 once
-//! recovery finished and the MQTT listeners are bound, 503 before that and while shutting down).
+//! recovery finished and the MQTT listeners are bound, 503 before that and while shutting down; on
+//! a cluster node also only while it is a member caught up in its partitions, the 503 saying why).
 //!
 //! The library crates record through the `metrics` facade; this module installs the Prometheus recorder
 //! behind it, and at each scrape reads the values that are kept elsewhere anyway (sessions in the
@@ -46,8 +47,12 @@ const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8"
 pub struct Exporter {
     handle: PrometheusHandle,
     ready: AtomicBool,
+    /// A further condition of `/ready` (a cluster node's membership and catch-up): `Err` is why not.
+    ready_check: OnceLock<ReadyCheck>,
     on_scrape: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
+
+type ReadyCheck = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 impl Exporter {
     /// Installs the process-wide Prometheus recorder. Call once, before anything records.
@@ -71,6 +76,7 @@ impl Exporter {
         Exporter {
             handle,
             ready: AtomicBool::new(false),
+            ready_check: OnceLock::new(),
             on_scrape: OnceLock::new(),
         }
     }
@@ -78,6 +84,12 @@ impl Exporter {
     /// `/ready` answers 200 while this is true.
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Release);
+    }
+
+    /// `/ready` also asks `check` at each request once the flag is set, and answers 503 with its
+    /// reason while it fails. Set once; later calls are ignored.
+    pub fn ready_when(&self, check: impl Fn() -> Result<(), String> + Send + Sync + 'static) {
+        let _ = self.ready_check.set(Box::new(check));
     }
 
     /// Runs `collect` before each scrape, to read values kept elsewhere. Set once, when the server is
@@ -107,8 +119,16 @@ impl Exporter {
                 response
             }
             "/health" => text(StatusCode::OK, "ok\n"),
-            "/ready" if self.ready.load(Ordering::Acquire) => text(StatusCode::OK, "ready\n"),
-            "/ready" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+            "/ready" if !self.ready.load(Ordering::Acquire) => {
+                text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+            }
+            "/ready" => match self.ready_check.get().map_or(Ok(()), |check| check()) {
+                Ok(()) => text(StatusCode::OK, "ready\n"),
+                Err(why) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: {why}\n"),
+                ),
+            },
             _ => text(
                 StatusCode::NOT_FOUND,
                 "not found: try /metrics, /health or /ready\n",
@@ -117,8 +137,8 @@ impl Exporter {
     }
 }
 
-fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
     *response.status_mut() = status;
     response.headers_mut().insert(
         CONTENT_TYPE,
@@ -284,6 +304,39 @@ mod tests {
         exporter.set_ready(false);
         assert_eq!(status(&exporter, "/ready"), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(status(&exporter, "/health"), StatusCode::OK);
+    }
+
+    #[test]
+    fn ready_also_asks_the_check_and_says_why_not() {
+        let exporter = Exporter::new(PrometheusBuilder::new().build_recorder().handle());
+        let caught_up = Arc::new(AtomicBool::new(false));
+        let seen = Arc::clone(&caught_up);
+        exporter.ready_when(move || {
+            if seen.load(Ordering::Relaxed) {
+                Ok(())
+            } else {
+                Err("catching up in 1 partition(s): 7".into())
+            }
+        });
+        // Before recovery the flag decides, whatever the check says.
+        assert_eq!(status(&exporter, "/ready"), StatusCode::SERVICE_UNAVAILABLE);
+        exporter.set_ready(true);
+        let response = exporter.respond(&Method::GET, "/ready");
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            body_text(response.into_body()),
+            "not ready: catching up in 1 partition(s): 7\n"
+        );
+        caught_up.store(true, Ordering::Relaxed);
+        assert_eq!(status(&exporter, "/ready"), StatusCode::OK);
+        exporter.set_ready(false);
+        assert_eq!(status(&exporter, "/ready"), StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    fn body_text(body: Full<Bytes>) -> String {
+        use http_body_util::BodyExt;
+        let collected = futures::executor::block_on(body.collect()).unwrap();
+        String::from_utf8(collected.to_bytes().to_vec()).unwrap()
     }
 
     #[test]

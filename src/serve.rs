@@ -103,6 +103,7 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
         Some(cluster) => {
             let data = crate::cluster::DataPlane {
                 wal: wal_options(&settings, "chains"),
+                snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
                 head: mqstate_replication::head::HeadConfig {
                     store: store_config,
                     limits: mqstate_protocol::RequestLimits::default(),
@@ -198,6 +199,12 @@ pub async fn run(config: Option<PathBuf>, flags: Settings) -> anyhow::Result<()>
                 metrics::record_wal(log);
             }
         });
+        if let Some(running) = &cluster {
+            // A pod taken into the client Service, or the next node of a rolling restart, waits
+            // until this node serves its partitions.
+            let node = Arc::clone(&running.node);
+            exporter.ready_when(move || node.readiness().map_err(|e| e.to_string()));
+        }
         exporter.set_ready(true);
     }
     let listen: Vec<String> = settings.listen.iter().map(ToString::to_string).collect();

@@ -348,7 +348,7 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_SESSION_EXPIRY_MAX", value_name = "SECS")]
     pub session_expiry_max: Option<u32>,
 
-    /// Take a snapshot (and drop the log it covers) once the log grew by this many bytes. Default 64 MiB.
+    /// Take a snapshot (and drop the log it covers) once a log grew by this many bytes: each of the state store's, the sessions' and a cluster node's chain log. Default 64 MiB.
     #[arg(long, env = "MQSTATE_SNAPSHOT_THRESHOLD_BYTES", value_name = "BYTES")]
     pub snapshot_threshold_bytes: Option<u64>,
 
@@ -503,6 +503,13 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_NODE_ID", value_name = "N")]
     pub node_id: Option<u64>,
 
+    /// Take the node id from this host's name instead of node_id: the number after its last `-`, plus
+    /// one (a Kubernetes StatefulSet's pod `mqstate-0` is node 1, `mqstate-3` node 4). A node whose id
+    /// is not in peers then waits to be added, as with join. Default false.
+    #[arg(long, env = "MQSTATE_NODE_ID_FROM_HOSTNAME", value_name = "BOOL",
+          num_args = 0..=1, default_missing_value = "true")]
+    pub node_id_from_hostname: Option<bool>,
+
     /// Address for node-to-node traffic (control plane), e.g. 0.0.0.0:7001. Default: none (a single node).
     #[arg(long, env = "MQSTATE_CLUSTER_LISTEN", value_name = "ADDR")]
     pub cluster_listen: Option<String>,
@@ -604,14 +611,56 @@ fn is_loopback_host(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// The node id a host name stands for with `node_id_from_hostname`: the number after its last `-`,
+/// plus one, so that the ordinal 0 of a StatefulSet's first pod becomes the first id, 1.
+fn node_id_of_hostname(hostname: &str) -> anyhow::Result<u64> {
+    let name = hostname.split('.').next().unwrap_or(hostname);
+    name.rsplit_once('-')
+        .and_then(|(_, ordinal)| ordinal.parse::<u64>().ok())
+        .and_then(|ordinal| ordinal.checked_add(1))
+        .with_context(|| {
+            format!("node_id_from_hostname: the host name {hostname:?} does not end in -NUMBER (a StatefulSet pod's ordinal, as in mqstate-0); set node_id instead")
+        })
+}
+
+/// This host's name (`gethostname`): in a Kubernetes pod, the pod's name.
+fn system_hostname() -> anyhow::Result<String> {
+    let name =
+        nix::unistd::gethostname().context("node_id_from_hostname: cannot read the host name")?;
+    name.into_string().map_err(|name| {
+        anyhow::anyhow!("node_id_from_hostname: the host name {name:?} is not UTF-8")
+    })
+}
+
 impl ClusterSettings {
     fn resolve(s: &Settings) -> anyhow::Result<Option<ClusterSettings>> {
-        let join = s.join.unwrap_or(false);
-        if s.node_id.is_none() && s.cluster_listen.is_none() && s.peers.is_empty() && !join {
+        ClusterSettings::resolve_with(s, system_hostname)
+    }
+
+    /// `hostname` is asked only with `node_id_from_hostname`.
+    fn resolve_with(
+        s: &Settings,
+        hostname: impl FnOnce() -> anyhow::Result<String>,
+    ) -> anyhow::Result<Option<ClusterSettings>> {
+        let mut join = s.join.unwrap_or(false);
+        let from_hostname = s.node_id_from_hostname.unwrap_or(false);
+        if s.node_id.is_none()
+            && !from_hostname
+            && s.cluster_listen.is_none()
+            && s.peers.is_empty()
+            && !join
+        {
             return Ok(None);
         }
-        let Some(node_id) = s.node_id else {
-            bail!("a cluster node needs --node-id (a positive number, never reused)");
+        let node_id = match (s.node_id, from_hostname) {
+            (Some(_), true) => {
+                bail!("node_id and node_id_from_hostname are both set: set one of them")
+            }
+            (Some(id), false) => id,
+            (None, true) => node_id_of_hostname(&hostname()?)?,
+            (None, false) => bail!(
+                "a cluster node needs --node-id (a positive number, never reused), or --node-id-from-hostname"
+            ),
         };
         if node_id == 0 {
             bail!("node_id must be at least 1");
@@ -645,6 +694,10 @@ impl ClusterSettings {
             if peers.insert(id, addr.to_owned()).is_some() {
                 bail!("peer id {id} is listed twice in --peers");
             }
+        }
+        // One pod template for every replica: the ones beyond the founding list are new nodes.
+        if from_hostname && !peers.contains_key(&node_id) {
+            join = true;
         }
         if peers.is_empty() && !join {
             bail!("a cluster node needs --peers ID=ADDR,... (every founding node, this one included) or --join");
@@ -896,6 +949,7 @@ impl Settings {
             notify_linger_ms: self.notify_linger_ms.or(lower.notify_linger_ms),
             notify_tls_ca_file: self.notify_tls_ca_file.or(lower.notify_tls_ca_file),
             node_id: self.node_id.or(lower.node_id),
+            node_id_from_hostname: self.node_id_from_hostname.or(lower.node_id_from_hostname),
             cluster_listen: self.cluster_listen.or(lower.cluster_listen),
             peers: if self.peers.is_empty() {
                 lower.peers
@@ -1302,6 +1356,55 @@ mod tests {
         .unwrap();
         assert!(joining.join && joining.peers.is_empty());
         assert_eq!(joining.advertise, "127.0.0.1:7002");
+    }
+
+    #[test]
+    fn the_node_id_comes_from_a_statefulset_pod_name() {
+        let pod = |name: &'static str, s: &Settings| {
+            ClusterSettings::resolve_with(s, || Ok(name.to_owned())).map(|c| c.unwrap())
+        };
+        let flags = Settings {
+            node_id_from_hostname: Some(true),
+            cluster_listen: Some("127.0.0.1:7001".into()),
+            peers: vec![
+                "1=127.0.0.1:7001".into(),
+                "2=127.0.0.1:7002".into(),
+                "3=127.0.0.1:7003".into(),
+            ],
+            ..Settings::default()
+        };
+        let first = pod("mqstate-0", &flags).unwrap();
+        assert_eq!((first.node_id, first.join), (1, false));
+        assert_eq!(first.advertise, "127.0.0.1:7001");
+        let third = pod("mqstate-2.mqstate-peers.default.svc.cluster.local", &flags).unwrap();
+        assert_eq!((third.node_id, third.join), (3, false));
+        // A fourth replica of the same template is not a founder: it waits to be added.
+        let fourth = pod("mqstate-3", &flags).unwrap();
+        assert_eq!((fourth.node_id, fourth.join), (4, true));
+        let e = format!("{:#}", pod("mqstate", &flags).unwrap_err());
+        assert!(e.contains("\"mqstate\"") && e.contains("-NUMBER"), "{e}");
+        let e = format!(
+            "{:#}",
+            pod(
+                "mqstate-0",
+                &Settings {
+                    node_id: Some(1),
+                    ..flags.clone()
+                }
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("both set"), "{e}");
+        // Not asked for: the host name is not read, and a node without an id is refused as before.
+        let e = ClusterSettings::resolve_with(
+            &Settings {
+                node_id_from_hostname: None,
+                ..flags
+            },
+            || panic!("the host name is read only when asked for"),
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("--node-id-from-hostname"));
     }
 
     #[test]

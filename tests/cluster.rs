@@ -7,6 +7,10 @@
 
 mod common;
 
+/// `/ready` on a cluster node (`tests/cluster/ready.rs`).
+#[path = "cluster/ready.rs"]
+mod ready;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Instant;

@@ -339,6 +339,7 @@ fn defaults_in_use() -> std::collections::BTreeMap<&'static str, String> {
             "node_id",
             none_or(single.cluster.as_ref().map(|c| c.node_id)),
         ),
+        ("node_id_from_hostname", "false".to_owned()),
         (
             "cluster_listen",
             none_or(single.cluster.as_ref().map(|c| c.listen)),

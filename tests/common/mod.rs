@@ -167,10 +167,27 @@ impl Drop for Server {
     }
 }
 
-/// A loopback address that was free a moment ago.
+/// A loopback address that was free a moment ago, for a server process to bind.
+///
+/// Not the kernel's `bind(0)`: that hands out ports from the ephemeral range, where any client
+/// socket of any test may take the same port between our check and the server's bind (seen as a
+/// server that could not start, or a client refused by the wrong server). These come from below
+/// the ephemeral range (32768 up on Linux), each port once per test process (a counter), starting
+/// at an offset from the process id so concurrent test binaries rarely meet.
 pub fn free_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local addr")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 12_000;
+    const SPAN: u32 = 20_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let start = (std::process::id() % 97) * (SPAN / 97);
+    let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..SPAN {
+        let port = FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN;
+        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port as u16)) {
+            return listener.local_addr().expect("local addr");
+        }
+    }
+    panic!("no free loopback port in {FIRST}..{}", FIRST + SPAN)
 }
 
 /// A plain HTTP/1.1 GET (one request, then close): the status code and the body.

@@ -212,6 +212,21 @@ impl Replica {
         &self.rows
     }
 
+    /// What every record this replica asked to persist folds to ([`Restored::apply`]): a snapshot
+    /// of it stands for all of them, and [`Replica::restore`] from it is the replica a restart
+    /// would rebuild from those records. Taken between inputs, once their outputs were taken.
+    pub fn image(&self) -> Restored {
+        debug_assert!(
+            self.records.is_empty(),
+            "an image is taken after take_outputs, not with records still to persist"
+        );
+        Restored {
+            rows: self.rows.clone(),
+            joining_since: self.joining_since,
+            caught_up_view: self.caught_up_view,
+        }
+    }
+
     /// Catching up (re-entered at the tail, not yet in the read view).
     pub fn joining(&self) -> bool {
         self.joining_since.is_some()

@@ -97,8 +97,9 @@ pub enum Record {
     Readable,
 }
 
-/// A replica's durable state, folded from its log's records at restart.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// A replica's durable state, folded from its log's records at restart (or read from a snapshot
+/// of the log: [`crate::Replica::image`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Restored {
     pub rows: BTreeMap<Key, Row>,
     /// The view whose recovery copy began ([`Record::Clear`]), while not readable since. A

@@ -264,7 +264,9 @@ fn a_replica_joins_at_the_tail_and_catches_up_while_writes_continue() {
         c.sync_all();
         c.with(1, |r| r.tick());
     }
+    c.assert_images_are_their_logs();
     c.settle(50);
+    c.assert_images_are_their_logs();
     assert_eq!(c.caught_up, vec![(3, 2)]);
     for i in 0..10u64 {
         written(&mut c, 200 + i);
@@ -291,6 +293,7 @@ fn a_replica_joins_at_the_tail_and_catches_up_while_writes_continue() {
     c.with(1, |r| r.write(300, put("k00", "c", 500)));
     c.settle(10);
     written(&mut c, 300);
+    c.assert_images_are_their_logs();
 }
 
 #[test]

@@ -27,4 +27,4 @@ pub type NodeId = u64;
 
 pub use control::MapConfig;
 pub use node::{ClusterError, ClusterNode, DataHandler, NodeConfig};
-pub use status::{KeyPlacement, Status};
+pub use status::{KeyPlacement, NotReady, Status};

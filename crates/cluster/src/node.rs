@@ -204,6 +204,12 @@ impl ClusterNode {
         self.inner.status()
     }
 
+    /// Whether this node is ready for clients: a voting member, up, with a valid lease and caught
+    /// up in every partition whose chain it is in (`/ready` on a cluster node).
+    pub fn readiness(&self) -> Result<(), crate::status::NotReady> {
+        self.inner.status().readiness(self.inner.lease_valid())
+    }
+
     /// The view under which this node may act on `partition` now, if any: the partition is in a
     /// published view that has this node in its chain, and this node's lease is valid.
     pub fn acting_view(&self, partition: PartitionId) -> Option<u64> {

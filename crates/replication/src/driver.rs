@@ -4,24 +4,28 @@
 //! control plane. Views come from the control plane's acting view (the lease rule: a replica
 //! acts only while this node holds a lease for the view), checked at every tick and before every
 //! request; ticks come from a timer.
+//!
+//! Group commit: each turn takes every input already queued (up to [`MAX_INPUTS_PER_TURN`]) before
+//! it carries out the replicas' outputs, so the writes and messages that arrived together become
+//! one log batch per partition (one group-commit fsync for all of them) and one message per peer
+//! per partition, which [`Peers`] sends on in one frame per hop.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use mqstate_chain::{Answer, Config, Key, Message, Output, Replica, Restored, View, Write};
-use mqstate_cluster::transport::Request;
 use mqstate_cluster::ClusterNode;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
+use crate::batch::Peers;
 use crate::log::ChainLog;
-use crate::wire::{encode, DataRequest};
 
 /// How often replicas tick (resends, repair) and views are checked against the control plane.
 pub const TICK: Duration = Duration::from_millis(100);
-/// How long a chain message may take to hand over; a lost one is resent by the protocol.
-const SEND_TIMEOUT: Duration = Duration::from_secs(2);
+/// Inputs taken in one turn at most, so ticks and the log's durability reports are not starved.
+pub const MAX_INPUTS_PER_TURN: usize = 1024;
 
 enum Input {
     Read {
@@ -73,12 +77,13 @@ impl Driver {
         let (tx, rx) = mpsc::unbounded_channel();
         let actor = Actor {
             id: node.id(),
-            node,
+            node: Arc::clone(&node),
             log,
             restored,
             replicas: BTreeMap::new(),
             waiting: HashMap::new(),
             next_request: 1,
+            peers: Peers::new(Arc::clone(&node)),
             tx: tx.clone(),
         };
         let task = tokio::spawn(actor.run(rx, stop));
@@ -174,6 +179,7 @@ struct Actor {
     /// Requests waiting for their answer, by the replica's request id.
     waiting: HashMap<u64, (u32, oneshot::Sender<Answer>)>,
     next_request: u64,
+    peers: Peers,
     tx: mpsc::UnboundedSender<Input>,
 }
 
@@ -189,7 +195,7 @@ impl Actor {
             tokio::select! {
                 changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
                 input = rx.recv() => match input {
-                    Some(input) => self.handle(input).await,
+                    Some(input) => self.turn(input, &mut rx).await,
                     None => break,
                 },
                 _ = tick.tick() => self.tick().await,
@@ -220,8 +226,38 @@ impl Actor {
         self.replica(partition).set_view(view);
     }
 
-    async fn handle(&mut self, input: Input) {
-        let partition = match input {
+    /// `first` and every input queued behind it, then the outputs of each partition they touched.
+    async fn turn(&mut self, first: Input, rx: &mut mpsc::UnboundedReceiver<Input>) {
+        let mut touched = BTreeSet::new();
+        touched.insert(self.handle(first));
+        for _ in 1..MAX_INPUTS_PER_TURN {
+            let Ok(input) = rx.try_recv() else {
+                break;
+            };
+            touched.insert(self.handle(input));
+        }
+        for partition in touched {
+            self.carry_out(partition).await;
+        }
+        self.compact();
+    }
+
+    /// Between turns every replica's image is what the batches appended so far fold to: the
+    /// moment a snapshot of the chain log may begin ([`crate::compaction`]).
+    fn compact(&mut self) {
+        if !self.log.snapshot_due() {
+            return;
+        }
+        let mut images = self.restored.clone();
+        for (&partition, replica) in &self.replicas {
+            images.insert(partition, replica.image());
+        }
+        self.log.snapshot(images);
+    }
+
+    /// Gives `input` to its replica; returns the partition, whose outputs the caller carries out.
+    fn handle(&mut self, input: Input) -> u32 {
+        match input {
             Input::Read {
                 partition,
                 key,
@@ -274,8 +310,7 @@ impl Actor {
                 visit(replica, head);
                 partition
             }
-        };
-        self.carry_out(partition).await;
+        }
     }
 
     fn admit(&mut self, partition: u32, answer: oneshot::Sender<Answer>) -> u64 {
@@ -303,6 +338,7 @@ impl Actor {
             self.replica(partition).tick();
             self.carry_out(partition).await;
         }
+        self.compact();
     }
 
     /// Does what the replica of `partition` asks, in order.
@@ -314,6 +350,7 @@ impl Actor {
                     match self.log.append(partition, records).await {
                         Ok(commit) => {
                             let tx = self.tx.clone();
+                            let failed = self.log.failed();
                             tokio::spawn(async move {
                                 match commit.await {
                                     Ok(_) => {
@@ -321,11 +358,14 @@ impl Actor {
                                     }
                                     // Never reported durable: the replica does not advance what
                                     // depends on it; the chain treats this node as slow, then
-                                    // the control plane as failed.
-                                    Err(e) => tracing::error!(
-                                        partition,
-                                        "a chain batch could not be made durable: {e}"
-                                    ),
+                                    // the control plane as failed. No snapshot may cover it.
+                                    Err(e) => {
+                                        failed();
+                                        tracing::error!(
+                                            partition,
+                                            "a chain batch could not be made durable: {e}"
+                                        )
+                                    }
                                 }
                             });
                         }
@@ -334,7 +374,7 @@ impl Actor {
                         }
                     }
                 }
-                Output::Send { to, message } => self.send(partition, to, message),
+                Output::Send { to, message } => self.peers.send(to, partition, message),
                 Output::Reply { request, answer } => {
                     if let Some((_, waiting)) = self.waiting.remove(&request) {
                         let _ = waiting.send(answer);
@@ -346,23 +386,5 @@ impl Actor {
                 }
             }
         }
-    }
-
-    fn send(&self, partition: u32, to: u64, message: Message) {
-        let Some(addr) = self.node.addr_of(to) else {
-            tracing::debug!(partition, to, "chain message to an unknown node dropped");
-            return;
-        };
-        let transport = self.node.transport();
-        let frame = encode(&DataRequest::Chain { partition, message });
-        tokio::spawn(async move {
-            if let Err(e) = transport
-                .call(&addr, Request::Data(frame), SEND_TIMEOUT)
-                .await
-            {
-                // The protocol resends what still matters.
-                tracing::debug!(partition, to, "chain message not delivered: {e}");
-            }
-        });
     }
 }

@@ -4,10 +4,12 @@
 //!   row, with the store's own semantics (pure).
 //! * [`wire`] — the data plane's messages inside the cluster transport's frames.
 //! * [`log`] — the replicas' log on `mqstate-wal` (`<data-dir>/chains/`), restored at start.
+//! * [`compaction`] — snapshots of the replicas' images that let the log be purged.
+//! * [`batch`] — chain messages to a peer, batched per hop (one frame, one call in flight).
 //! * [`driver`] — the task that owns this node's replicas (`mqstate-chain`, sans-IO) and gives
 //!   them disk, network, views and time.
 //! * [`notify`] — KEYNOTIFY across nodes: observed keys sent to every member, committed changes
-//!   from the head to the nodes observing them (decision 0041-chainfeat15).
+//!   from the head to the nodes observing them (decision 0043).
 //! * [`expiry`] — PX deadlines of the partitions this node is head for; the expiry delete.
 //! * [`scan`] — SCAN as one part per partition at its head, merged into a page.
 //! * [`rows`] — what a chain row (a store record) says: liveness, deadline, committed change.
@@ -18,6 +20,8 @@
 //! `Written`. Architecture invariant: the protocol stays in `mqstate-chain`; this crate does I/O and
 //! knows nothing of MQTT (the binary connects it to the state-store service's router port).
 
+pub mod batch;
+pub mod compaction;
 pub mod driver;
 pub mod expiry;
 pub mod head;
@@ -296,8 +300,10 @@ impl Replication {
     /// Answers a [`DataRequest`] from another node.
     pub async fn handle_data(&self, request: Vec<u8>) -> Vec<u8> {
         let response = match decode::<DataRequest>(&request) {
-            Ok(DataRequest::Chain { partition, message }) => {
-                self.driver.receive(partition, message);
+            Ok(DataRequest::Chains(messages)) => {
+                for (partition, message) in messages {
+                    self.driver.receive(partition, message);
+                }
                 DataResponse::Received
             }
             Ok(DataRequest::Interest {

@@ -1,15 +1,21 @@
 //! The replicas' log: one `mqstate-wal` log per node in `<data-dir>/chains/`, each record one
 //! `Output::Persist` batch of one partition's replica, tagged with the partition (decision
 //! 0035). One log, so one writer thread and one fsync per group commit for
-//! every partition this node replicates.
+//! every partition this node replicates. The log is compacted by snapshots of the replicas'
+//! images ([`crate::compaction`]): at start the snapshot is read, then the records after it folded
+//! over it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use mqstate_chain::{Record, Restored};
-use mqstate_wal::{PendingCommit, Wal, WalError, WalOptions, WalWriter};
+use mqstate_wal::{Lsn, PendingCommit, Wal, WalError, WalOptions, WalWriter};
 use serde::{Deserialize, Serialize};
+
+use crate::compaction::Compactor;
 
 /// The directory under the data directory.
 pub const CHAINS_DIR: &str = "chains";
@@ -26,6 +32,8 @@ pub enum LogError {
         path: PathBuf,
         reason: String,
     },
+    #[error("the chain log's snapshot in {path} does not decode: {reason}")]
+    Snapshot { path: PathBuf, reason: String },
     #[error("cannot start the chain log's writer: {0}")]
     Writer(WalError),
 }
@@ -39,7 +47,16 @@ struct Batch {
 
 /// The open log.
 pub struct ChainLog {
-    wal: WalWriter,
+    wal: Arc<WalWriter>,
+    /// The LSN the next append gets (the writer numbers appends in the order they are queued).
+    next_lsn: Lsn,
+    /// Bytes appended since the last snapshot began.
+    logged: u64,
+    /// Cleared when an append or a commit failed: the log may then hold less than was appended
+    /// (and LSNs counted here may be off), so no snapshot is taken until a restart.
+    healthy: Arc<AtomicBool>,
+    /// Snapshots, once [`ChainLog::snapshot_every`] set a threshold.
+    compactor: Option<Compactor>,
 }
 
 impl ChainLog {
@@ -54,7 +71,16 @@ impl ChainLog {
             path: path.clone(),
             source,
         })?;
-        let mut restored: BTreeMap<u32, Restored> = BTreeMap::new();
+        let mut restored: BTreeMap<u32, Restored> = match &recovered.snapshot {
+            Some(snapshot) => {
+                crate::compaction::decode(&snapshot.state).map_err(|reason| LogError::Snapshot {
+                    path: path.clone(),
+                    reason,
+                })?
+            }
+            None => BTreeMap::new(),
+        };
+        let next_lsn = recovered.replay.end;
         for entry in recovered.records {
             let entry = entry.map_err(|source| LogError::Read {
                 path: path.clone(),
@@ -71,23 +97,89 @@ impl ChainLog {
             }
         }
         let wal = WalWriter::spawn(wal).map_err(LogError::Writer)?;
-        Ok((ChainLog { wal }, restored))
+        let log = ChainLog {
+            wal: Arc::new(wal),
+            next_lsn,
+            logged: 0,
+            healthy: Arc::new(AtomicBool::new(true)),
+            compactor: None,
+        };
+        Ok((log, restored))
     }
 
-    /// Queues one batch of `partition`'s replica; the returned commit resolves once it is durable.
-    /// Batches get their place in the log in the order this is called.
+    /// Queues one batch of `partition`'s replica; the returned commit resolves once it is durable
+    /// (call [`ChainLog::failed`] if it does not). Batches get their place in the log in the order
+    /// this is called.
     pub async fn append(
-        &self,
+        &mut self,
         partition: u32,
         records: Vec<Record>,
     ) -> Result<PendingCommit, WalError> {
         let data = postcard::to_allocvec(&Batch { partition, records }).unwrap_or_default();
-        self.wal.append(0, Bytes::from(data)).await
+        self.logged += data.len() as u64;
+        match self.wal.append(0, Bytes::from(data)).await {
+            Ok(commit) => {
+                self.next_lsn += 1;
+                Ok(commit)
+            }
+            Err(e) => {
+                self.healthy.store(false, Ordering::Relaxed);
+                Err(e)
+            }
+        }
     }
 
-    pub async fn shutdown(self) {
-        if let Err(e) = self.wal.shutdown().await {
-            tracing::warn!("the chain log did not close cleanly: {e}");
+    /// A handle to report that a commit failed (see [`ChainLog::append`]).
+    pub fn failed(&self) -> impl Fn() + Send + 'static {
+        let healthy = Arc::clone(&self.healthy);
+        move || healthy.store(false, Ordering::Relaxed)
+    }
+
+    /// Compacts the log with a snapshot once it grew by `bytes` since the last one (the server
+    /// passes `snapshot_threshold_bytes`, as for its other logs). Without it the log only grows.
+    pub fn snapshot_every(mut self, bytes: u64) -> ChainLog {
+        self.compactor = Some(Compactor::new(bytes));
+        self
+    }
+
+    /// Whether a snapshot should begin: enough was logged since the last one, every append and
+    /// commit so far succeeded, and no snapshot is under way.
+    pub fn snapshot_due(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+            && self.compactor.as_ref().is_some_and(|c| c.due(self.logged))
+    }
+
+    /// Begins a snapshot of `images`, which must be what every batch appended so far folds to,
+    /// partition by partition (each replica's [`mqstate_chain::Replica::image`]). It is written
+    /// once those batches are durable, then the log it covers is purged.
+    pub fn snapshot(&mut self, images: BTreeMap<u32, Restored>) {
+        let (Some(compactor), Some(last)) = (&mut self.compactor, self.next_lsn.checked_sub(1))
+        else {
+            return;
+        };
+        self.logged = 0;
+        compactor.start(Arc::clone(&self.wal), last, images);
+    }
+
+    /// Returns once no snapshot is under way.
+    pub async fn wait_for_snapshot(&mut self) {
+        if let Some(compactor) = &mut self.compactor {
+            compactor.stop().await;
+        }
+    }
+
+    /// Closes the log, after a snapshot under way completed or was abandoned.
+    pub async fn shutdown(mut self) {
+        self.wait_for_snapshot().await;
+        match Arc::try_unwrap(self.wal) {
+            Ok(wal) => {
+                if let Err(e) = wal.shutdown().await {
+                    tracing::warn!("the chain log did not close cleanly: {e}");
+                }
+            }
+            Err(_) => {
+                tracing::warn!("the chain log is still in use at shutdown; not closed cleanly")
+            }
         }
     }
 }
@@ -111,7 +203,7 @@ mod tests {
             locked: false,
         };
         {
-            let (log, restored) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
+            let (mut log, restored) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
             assert!(restored.is_empty());
             let key = b"k".to_vec();
             let a = log

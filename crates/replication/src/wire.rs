@@ -70,8 +70,9 @@ pub struct PartScan {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DataRequest {
-    /// A chain message for the replica of `partition` here.
-    Chain { partition: u32, message: Message },
+    /// Chain messages for the replicas here, each with its partition: what one peer had queued for
+    /// this node (`batch`: one frame per hop, not one per message).
+    Chains(Vec<(u32, Message)>),
     /// Execute at the head of the key's partition.
     Execute(Routed),
     /// The keys clients of `node` observe (all of them; a higher `generation` replaces a lower).

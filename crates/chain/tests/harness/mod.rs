@@ -268,6 +268,22 @@ impl Cluster {
         }
     }
 
+    /// Every live replica's image is what its log (durable and pending batches) folds to: what a
+    /// snapshot of the log may stand for.
+    pub fn assert_images_are_their_logs(&self) {
+        for (id, node) in &self.nodes {
+            let Some(replica) = &node.replica else {
+                continue;
+            };
+            let mut folded = Restored::default();
+            let pending = node.disk.pending.iter().flat_map(|(_, records)| records);
+            for record in node.disk.durable.iter().chain(pending).cloned() {
+                folded.apply(record);
+            }
+            assert_eq!(replica.image(), folded, "node {id}'s image is not its log");
+        }
+    }
+
     /// Starts `id` again from its durable records, acting under no view yet.
     pub fn restart(&mut self, id: NodeId) {
         let config = self.config;

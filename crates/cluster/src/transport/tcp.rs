@@ -18,8 +18,11 @@ use super::{
     MAX_FRAME_BYTES,
 };
 
-/// Idle connections kept per peer.
-const IDLE_PER_PEER: usize = 4;
+/// Idle connections kept per peer. One request is in flight per connection, and a state-store
+/// request forwarded to a partition's head holds its connection for the whole execution there, so
+/// a node forwarding tens of requests at once keeps as many to reuse rather than opening (and the
+/// peer accepting) a connection per request.
+const IDLE_PER_PEER: usize = 64;
 
 /// The stream side of [`Transport`].
 pub struct TcpTransport {
