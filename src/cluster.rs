@@ -17,11 +17,16 @@ use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig};
 use mqstate_protocol::Hlc;
 use mqstate_replication::head::HeadConfig;
 use mqstate_replication::log::ChainLog;
-use mqstate_replication::wire::Routed;
-use mqstate_replication::Replication;
-use mqstate_statestore::router::{KeyRouter, RoutedReply, RoutedRequest, Router, RouterFuture};
+use mqstate_replication::notify::Sink;
+use mqstate_replication::wire::{Committed, Routed};
+use mqstate_replication::{rows, Replication};
+use mqstate_statestore::router::{
+    ClusterChange, ClusterChanges, KeyRouter, RoutedReply, RoutedRequest, Router, RouterFuture,
+    ScanFuture, ScanRequest,
+};
 use mqstate_wal::WalOptions;
 use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::settings::{ClusterSettings, ClusterTlsFiles};
 
@@ -126,11 +131,16 @@ pub async fn start(
 }
 
 impl Running {
-    /// The state-store service's router: key commands go to their partition's head.
+    /// The state-store service's router: key commands go to their partition's head, and the
+    /// changes committed there come back for this node's observers.
     pub fn router(&self) -> Router {
-        Router(Arc::new(ChainRouter(Arc::clone(
-            &self.replication.replication,
-        ))))
+        let (tx, rx) = mpsc::unbounded_channel();
+        let replication = Arc::clone(&self.replication.replication);
+        replication.set_sink(Arc::new(ChangeSink(tx)));
+        Router(Arc::new(ChainRouter {
+            replication,
+            changes: std::sync::Mutex::new(Some(rx)),
+        }))
     }
 
     /// Makes `broker` one broker with the other nodes' (decision 0044): routes, publishes,
@@ -245,9 +255,62 @@ async fn execute(node: &ClusterNode, call: AdminCall) -> AdminReply {
 }
 
 /// The state store's router port on the data plane.
-struct ChainRouter(Arc<Replication>);
+struct ChainRouter {
+    replication: Arc<Replication>,
+    changes: std::sync::Mutex<Option<ClusterChanges>>,
+}
+
+/// Committed changes for this node's observers, handed to the state-store service.
+struct ChangeSink(mpsc::UnboundedSender<ClusterChange>);
+
+impl Sink for ChangeSink {
+    fn deliver(&self, changes: Vec<Committed>, done: oneshot::Sender<()>) {
+        let changes = changes
+            .iter()
+            .filter_map(|c| {
+                rows::delta_of_committed(c)
+                    .map_err(|e| tracing::error!("a notification from the cluster dropped: {e}"))
+                    .ok()
+            })
+            .collect();
+        // The service is gone only at shutdown: nobody is left to notify.
+        let _ = self.0.send(ClusterChange { changes, done });
+    }
+}
 
 impl KeyRouter for ChainRouter {
+    fn scan(&self, request: ScanRequest) -> ScanFuture<'_> {
+        Box::pin(async move {
+            let (keys, continuation) = self
+                .replication
+                .scan(
+                    request.pattern.to_vec(),
+                    request.continuation.map(|c| c.to_vec()),
+                    request.expiry,
+                )
+                .await?;
+            Ok((
+                keys.into_iter().map(Bytes::from).collect(),
+                continuation.map(Bytes::from),
+            ))
+        })
+    }
+
+    fn watch(
+        &self,
+        key: Bytes,
+        observed: bool,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(self.replication.notifier.watch(key.to_vec(), observed))
+    }
+
+    fn take_changes(&self) -> Option<ClusterChanges> {
+        self.changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
     fn execute(&self, request: RoutedRequest) -> RouterFuture<'_> {
         Box::pin(async move {
             let routed = Routed {
@@ -259,7 +322,7 @@ impl KeyRouter for ChainRouter {
                 fencing_token: request.fencing_token.as_ref().map(Hlc::to_string),
                 expiry_ms: u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX),
             };
-            let executed = self.0.execute(routed).await;
+            let executed = self.replication.execute(routed).await;
             RoutedReply {
                 payload: Bytes::from(executed.payload),
                 // The head wrote it: it parses (a damaged one is left off rather than guessed).

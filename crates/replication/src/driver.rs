@@ -50,7 +50,15 @@ enum Input {
         partition: u32,
         index: u64,
     },
+    /// Look at the replica of `partition` (its rows) under the control plane's current view.
+    Visit {
+        partition: u32,
+        visit: Visitor,
+    },
 }
+
+/// A look at a replica: called with it and whether it acts as its partition's head now.
+type Visitor = Box<dyn FnOnce(&Replica, bool) + Send>;
 
 /// A handle on the driver task.
 #[derive(Clone)]
@@ -137,6 +145,22 @@ impl Driver {
                 Answer::Unavailable
             }
         }
+    }
+
+    /// Runs `look` on the replica of `partition` in the driver task (after giving it the current
+    /// view), with whether it acts as the head; `None` if the driver is gone. For scans of the
+    /// rows (SCAN, expiry deadlines, a new head's take-over): `look` must be quick.
+    pub async fn visit<R: Send + 'static>(
+        &self,
+        partition: u32,
+        look: impl FnOnce(&Replica, bool) -> R + Send + 'static,
+    ) -> Option<R> {
+        let (tx, rx) = oneshot::channel();
+        let visit: Visitor = Box::new(move |replica, head| {
+            let _ = tx.send(look(replica, head));
+        });
+        self.tx.send(Input::Visit { partition, visit }).ok()?;
+        rx.await.ok()
     }
 
     /// A chain message from a peer.
@@ -274,6 +298,16 @@ impl Actor {
             }
             Input::Durable { partition, index } => {
                 self.replica(partition).durable(index);
+                partition
+            }
+            Input::Visit { partition, visit } => {
+                self.refresh_view(partition);
+                let id = self.id;
+                let replica = self.replica(partition);
+                let head = replica
+                    .view()
+                    .is_some_and(|v| v.clone().readable_first().head() == Some(id));
+                visit(replica, head);
                 partition
             }
         }

@@ -8,6 +8,11 @@
 //! * [`batch`] — chain messages to a peer, batched per hop (one frame, one call in flight).
 //! * [`driver`] — the task that owns this node's replicas (`mqstate-chain`, sans-IO) and gives
 //!   them disk, network, views and time.
+//! * [`notify`] — KEYNOTIFY across nodes: observed keys sent to every member, committed changes
+//!   from the head to the nodes observing them (decision 0043).
+//! * [`expiry`] — PX deadlines of the partitions this node is head for; the expiry delete.
+//! * [`scan`] — SCAN as one part per partition at its head, merged into a page.
+//! * [`rows`] — what a chain row (a store record) says: liveness, deadline, committed change.
 //!
 //! [`Replication`] ties them together: a request received at any node goes to its key's
 //! partition head (here, or forwarded over the cluster transport); the head reads the committed
@@ -18,27 +23,37 @@
 pub mod batch;
 pub mod compaction;
 pub mod driver;
+pub mod expiry;
 pub mod head;
 pub mod log;
+pub mod notify;
+pub mod rows;
+pub mod scan;
 pub mod wire;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use mqstate_chain::{Answer, Expect, Restored, View, Write};
+use mqstate_chain::{Key, Version};
 use mqstate_clock::SharedClock;
 use mqstate_cluster::partition::partition_of;
 use mqstate_cluster::transport::{BoxFuture, Request, Response};
 use mqstate_cluster::{ClusterNode, DataHandler};
-use mqstate_protocol::Hlc;
+use mqstate_protocol::{Glob, Hlc};
+use mqstate_store::{Change, RequestId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::driver::Driver;
+use crate::expiry::Deadlines;
 use crate::head::{HeadConfig, Step};
 use crate::log::ChainLog;
-use crate::wire::{decode, encode, DataRequest, DataResponse, Executed, Routed};
+use crate::notify::Notifier;
+use crate::wire::{
+    decode, encode, DataRequest, DataResponse, Executed, PartScan, Routed, ScanPage,
+};
 
 /// A request is retried (head unknown, no view yet, head changing) this often within its expiry.
 const RETRY_EVERY: Duration = Duration::from_millis(100);
@@ -57,6 +72,10 @@ pub struct Replication {
     clock: SharedClock,
     /// The highest HLC this node handed out at a head.
     floor: Mutex<Option<Hlc>>,
+    pub notifier: Notifier,
+    deadlines: Deadlines,
+    /// The view under which this node last took each partition over as its head.
+    taken_over: Mutex<HashMap<u32, u64>>,
 }
 
 /// The running data plane; stop it with [`Running::stop`].
@@ -64,11 +83,14 @@ pub struct Running {
     pub replication: Arc<Replication>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
+    background: JoinHandle<()>,
 }
 
 impl Running {
     /// Stops the driver and closes the chain log (requests still waiting get `Unavailable`).
     pub async fn stop(self) {
+        self.background.abort();
+        let _ = self.background.await;
         let _ = self.stop.send(true);
         let _ = self.task.await;
     }
@@ -99,19 +121,25 @@ impl Replication {
     ) -> Running {
         let (stop, stopped) = watch::channel(false);
         let (driver, task) = Driver::start(Arc::clone(&node), log, restored, stopped);
+        let notifier = Notifier::new(Arc::clone(&node), clock.now_ms());
         let replication = Arc::new(Replication {
             node: Arc::clone(&node),
             driver,
             config,
             clock,
             floor: Mutex::new(None),
+            notifier,
+            deadlines: Deadlines::default(),
+            taken_over: Mutex::new(HashMap::new()),
         });
         // Weak: the node outlives nothing it hands requests to, and shuts down once we are gone.
         node.set_data_handler(Arc::new(Attached(Arc::downgrade(&replication))));
+        let background = tokio::spawn(background(Arc::downgrade(&replication)));
         Running {
             replication,
             stop,
             task,
+            background,
         }
     }
 
@@ -211,7 +239,12 @@ impl Replication {
                 }
             }
             let (value_to_write, new_version, reply) = match step {
-                Step::Reply(reply) => return Ok(reply),
+                Step::Reply(reply) => {
+                    if let Some(row) = &value {
+                        self.renotify_retry(request, row).await;
+                    }
+                    return Ok(reply);
+                }
                 Step::Write {
                     value,
                     version,
@@ -222,6 +255,8 @@ impl Replication {
                 (Some(_), Some(current)) => Expect::Version(current),
                 _ => Expect::Absent,
             };
+            // Read before the row moves into the chain: its deadline and change, once committed.
+            let delta = rows::delta_of(&value_to_write);
             let write = Write {
                 key: request.key.clone(),
                 value: Some(value_to_write),
@@ -229,7 +264,15 @@ impl Replication {
                 expect,
             };
             match self.driver.write(partition, write, STEP_TIMEOUT).await {
-                Answer::Written { .. } => return Ok(reply),
+                Answer::Written { .. } => {
+                    match delta {
+                        Ok(delta) => self.committed(partition, &delta).await,
+                        Err(e) => {
+                            tracing::error!(partition, "a row written here does not decode: {e}")
+                        }
+                    }
+                    return Ok(reply);
+                }
                 // Another write to the key came first: execute again on the row it left.
                 Answer::ConditionFailed { .. } | Answer::StaleVersion { .. } => continue,
                 other => return Err(not_served(partition, &other)),
@@ -263,6 +306,23 @@ impl Replication {
                 }
                 DataResponse::Received
             }
+            Ok(DataRequest::Interest {
+                node,
+                generation,
+                keys,
+            }) => {
+                self.notifier.receive_interest(node, generation, keys);
+                DataResponse::Received
+            }
+            Ok(DataRequest::Notify(changes)) => {
+                if let Some(queued) = self.notifier.deliver_here(changes) {
+                    let _ = queued.await;
+                }
+                DataResponse::Received
+            }
+            Ok(DataRequest::Scan { partitions, page }) => {
+                DataResponse::Scanned(self.scan_here(partitions, &page).await)
+            }
             Ok(DataRequest::Execute(routed)) => {
                 let partition = self
                     .node
@@ -279,5 +339,338 @@ impl Replication {
             Err(e) => DataResponse::Refused(format!("data request does not decode: {e}")),
         };
         encode(&response)
+    }
+}
+
+/// Partitions' expiry deadlines and take-overs checked this often (in driver ticks).
+const TAKE_OVER_EVERY: u32 = 5;
+/// Expiry deletes started per tick, at most.
+const EXPIRE_PER_TICK: usize = 256;
+
+/// What a node does besides answering requests: expiry deletes as their deadlines pass, taking
+/// over partitions it became head of, sending its observed keys again.
+async fn background(replication: Weak<Replication>) {
+    let mut tick = tokio::time::interval(driver::TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let interest_every = (notify::INTEREST_EVERY.as_millis() / driver::TICK.as_millis()).max(1);
+    for round in 0u64.. {
+        tick.tick().await;
+        let Some(replication) = replication.upgrade() else {
+            return;
+        };
+        let due = replication
+            .deadlines
+            .take_due(replication.clock.now_ms(), EXPIRE_PER_TICK);
+        for (partition, key) in due {
+            let replication = Arc::clone(&replication);
+            tokio::spawn(async move { replication.expire(partition, key).await });
+        }
+        if round % u64::from(TAKE_OVER_EVERY) == 0 {
+            replication.take_over().await;
+        }
+        if round % interest_every as u64 == 0 {
+            let replication = Arc::clone(&replication);
+            tokio::spawn(async move { replication.notifier.send_interest().await });
+        }
+    }
+}
+
+impl Replication {
+    /// Connects this node's observers (the state-store service) to the changes committed anywhere.
+    pub fn set_sink(&self, sink: Arc<dyn notify::Sink>) {
+        self.notifier.set_sink(sink);
+    }
+
+    /// A row was committed through the chain at this head: its expiry deadline noted, its change
+    /// notified to the nodes observing its key.
+    async fn committed(&self, partition: u32, delta: &mqstate_store::Delta) {
+        if let Some(deadline) = rows::deadline(delta) {
+            self.deadlines
+                .schedule(partition, delta.key().to_vec(), deadline);
+        }
+        if self.notifier.is_observed(delta.key()) {
+            self.notifier.publish(rows::committed(delta)).await;
+        }
+    }
+
+    /// A retry answered from the row it made (its first reply): its change is notified again, in
+    /// case the head that wrote it failed before notifying (observers drop what they had).
+    async fn renotify_retry(&self, request: &Routed, row: &[u8]) {
+        if !self.notifier.is_observed(&request.key) {
+            return;
+        }
+        let Ok(change) = Change::decode(row) else {
+            return;
+        };
+        let id = RequestId::of(&request.client_id, &request.correlation);
+        if change.request().is_some_and(|first| first.id == id) {
+            if let Ok(delta) = rows::delta_of(row) {
+                self.notifier.publish(rows::committed(&delta)).await;
+            }
+        }
+    }
+
+    fn raise_floor(&self, high: &Hlc) {
+        let mut floor = self.floor.lock().unwrap_or_else(|p| p.into_inner());
+        if floor.as_ref().is_none_or(|f| high > f) {
+            *floor = Some(high.clone());
+        }
+    }
+
+    /// The expiry of `key` at its deadline, if this node is still its partition's head and the
+    /// row still holds that expired value: the store's delete through the chain, then notified.
+    async fn expire(&self, partition: u32, key: Key) {
+        for _ in 0..MAX_ATTEMPTS {
+            let (row, version) = match self.driver.read(partition, key.clone(), STEP_TIMEOUT).await
+            {
+                Answer::Value {
+                    value: Some(row),
+                    version: Some(version),
+                } => (row, version),
+                // Deleted meanwhile, or not the head any more (the new head took the deadline over).
+                Answer::Value { value: None, .. } | Answer::NotHead { .. } => return,
+                _ => {
+                    // No view held for a moment (a lease renewal, a change): try again later.
+                    let retry = self.clock.now_ms().saturating_add(1_000);
+                    self.deadlines.schedule(partition, key, retry);
+                    return;
+                }
+            };
+            let now_ms = self.clock.now_ms();
+            match rows::delta_of(&row).ok().and_then(|d| rows::deadline(&d)) {
+                Some(deadline) if deadline <= now_ms => {}
+                Some(deadline) => return self.deadlines.schedule(partition, key, deadline),
+                None => return,
+            }
+            let floor = self.floor.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let Some((value, delete)) =
+                expiry::delete_of(&self.config.store, &row, now_ms, floor.as_ref())
+            else {
+                return;
+            };
+            self.raise_floor(delete.version());
+            let write = Write {
+                key: key.clone(),
+                value: Some(value),
+                version: Version {
+                    wall_ms: delete.version().wall_ms,
+                    counter: delete.version().counter,
+                    node: self.config.node,
+                },
+                expect: Expect::Version(version),
+            };
+            match self.driver.write(partition, write, STEP_TIMEOUT).await {
+                Answer::Written { .. } => {
+                    if self.notifier.is_observed(&key) {
+                        self.notifier.publish(rows::committed(&delete)).await;
+                    }
+                    return;
+                }
+                Answer::ConditionFailed { .. } | Answer::StaleVersion { .. } => continue,
+                other => {
+                    tracing::debug!(partition, "expiry delete not written now: {other:?}");
+                    let retry = self.clock.now_ms().saturating_add(1_000);
+                    self.deadlines.schedule(partition, key, retry);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// For each partition this node became the head of (a new view): the deadlines of its rows,
+    /// and the writes its predecessor left locked — completed by the chain's repair, then notified
+    /// here, since the head that started them never answered them.
+    async fn take_over(&self) {
+        let Some(count) = self.node.partition_count() else {
+            return;
+        };
+        for partition in 0..count {
+            let Some(p) = self.node.partition(partition) else {
+                continue;
+            };
+            if self.head_of(partition) != Some(self.node.id()) {
+                continue;
+            }
+            let view = p.view;
+            let seen = self
+                .taken_over
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&partition)
+                == Some(&view);
+            if seen {
+                continue;
+            }
+            let looked = self
+                .driver
+                .visit(partition, move |replica, head| {
+                    let acting = replica.view().map(|v| v.id);
+                    (head && acting == Some(view)).then(|| {
+                        let mut deadlines = Vec::new();
+                        let mut locked = Vec::new();
+                        for (key, row) in replica.rows() {
+                            if row.locked {
+                                locked.push(key.clone());
+                            }
+                            let deadline = row
+                                .value
+                                .as_deref()
+                                .and_then(|v| rows::delta_of(v).ok())
+                                .and_then(|d| rows::deadline(&d));
+                            if let Some(deadline) = deadline {
+                                deadlines.push((key.clone(), deadline));
+                            }
+                        }
+                        (deadlines, locked)
+                    })
+                })
+                .await
+                .flatten();
+            let Some((deadlines, locked)) = looked else {
+                continue;
+            };
+            self.taken_over
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(partition, view);
+            tracing::debug!(
+                partition,
+                view,
+                deadlines = deadlines.len(),
+                locked = locked.len(),
+                "partition taken over as its head"
+            );
+            for (key, deadline) in deadlines {
+                self.deadlines.schedule(partition, key, deadline);
+            }
+            for key in locked {
+                if !self.notifier.is_observed(&key) {
+                    continue;
+                }
+                // The read flushes the locked row through the chain (Flush2pc), then answers it.
+                if let Answer::Value {
+                    value: Some(row), ..
+                } = self.driver.read(partition, key, STEP_TIMEOUT).await
+                {
+                    if let Ok(delta) = rows::delta_of(&row) {
+                        self.notifier.publish(rows::committed(&delta)).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One SCAN page over every partition, each part at its partition's head (here or asked of
+    /// the node that is), tried again while some partition has no head acting, within `budget`.
+    /// `pattern` was checked by the node that received the request; pages and visits per
+    /// partition are the store's SCAN limits.
+    pub async fn scan(
+        &self,
+        pattern: Vec<u8>,
+        after: Option<Vec<u8>>,
+        budget: Duration,
+    ) -> Result<(Vec<Key>, Option<Key>), String> {
+        let limits = &self.config.store.limits;
+        let page = ScanPage {
+            pattern,
+            after,
+            page_keys: u32::try_from(limits.scan_page_keys).unwrap_or(u32::MAX),
+            visit_max: u32::try_from(limits.scan_visit_max).unwrap_or(u32::MAX),
+        };
+        let started = Instant::now();
+        let budget = budget.min(MAX_TRY);
+        let count = self
+            .node
+            .partition_count()
+            .ok_or("the cluster has not formed yet")?;
+        let mut parts: BTreeMap<u32, PartScan> = BTreeMap::new();
+        loop {
+            let missing: Vec<u32> = (0..count).filter(|p| !parts.contains_key(p)).collect();
+            if missing.is_empty() {
+                let page_keys = page.page_keys as usize;
+                return Ok(scan::merge(parts.into_values().collect(), page_keys));
+            }
+            let mut by_head: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+            for partition in &missing {
+                if let Some(head) = self.head_of(*partition) {
+                    by_head.entry(head).or_default().push(*partition);
+                }
+            }
+            let mut calls = tokio::task::JoinSet::new();
+            for (head, partitions) in by_head {
+                if head == self.node.id() {
+                    for (partition, part) in self.scan_here(partitions, &page).await {
+                        if let Some(part) = part {
+                            parts.insert(partition, part);
+                        }
+                    }
+                    continue;
+                }
+                let Some(addr) = self.node.addr_of(head) else {
+                    continue;
+                };
+                let transport = self.node.transport();
+                let frame = encode(&DataRequest::Scan {
+                    partitions,
+                    page: page.clone(),
+                });
+                calls.spawn(async move {
+                    transport
+                        .call(&addr, Request::Data(frame), STEP_TIMEOUT)
+                        .await
+                });
+            }
+            while let Some(answer) = calls.join_next().await {
+                if let Ok(Ok(Response::Data(bytes))) = answer {
+                    if let Ok(DataResponse::Scanned(answered)) = decode::<DataResponse>(&bytes) {
+                        for (partition, part) in answered {
+                            if let Some(part) = part {
+                                parts.insert(partition, part);
+                            }
+                        }
+                    }
+                }
+            }
+            if parts.len() as u32 == count {
+                continue;
+            }
+            if started.elapsed() + RETRY_EVERY >= budget {
+                return Err(format!(
+                    "{} of {count} partitions had no head acting",
+                    count as usize - parts.len()
+                ));
+            }
+            tokio::time::sleep(RETRY_EVERY).await;
+        }
+    }
+
+    /// The parts of a SCAN page of `partitions` whose head this node is now.
+    async fn scan_here(
+        &self,
+        partitions: Vec<u32>,
+        page: &ScanPage,
+    ) -> Vec<(u32, Option<PartScan>)> {
+        let glob = match Glob::new(&page.pattern) {
+            Ok(glob) => glob,
+            Err(e) => {
+                // The receiving node checked the pattern: a bug, or a node of another version.
+                tracing::warn!("SCAN pattern refused at the head: {e}");
+                return partitions.into_iter().map(|p| (p, None)).collect();
+            }
+        };
+        let now_ms = self.clock.now_ms();
+        let mut answered = Vec::with_capacity(partitions.len());
+        for partition in partitions {
+            let (glob, page) = (glob.clone(), page.clone());
+            let part = self
+                .driver
+                .visit(partition, move |replica, head| {
+                    head.then(|| scan::part(replica.rows(), &glob, &page, now_ms))
+                })
+                .await
+                .flatten();
+            answered.push((partition, part));
+        }
+        answered
     }
 }

@@ -39,6 +39,35 @@ impl Executed {
     }
 }
 
+/// A change committed through a partition's chain, for the nodes whose clients observe its key
+/// (KEYNOTIFY): the key, its new version (HLC text) and value (`None`: deleted or expired).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Committed {
+    pub key: Vec<u8>,
+    pub version: String,
+    pub value: Option<Vec<u8>>,
+}
+
+/// One page of a SCAN, asked of the heads of some partitions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScanPage {
+    pub pattern: Vec<u8>,
+    /// Keys strictly after this one (the client's continuation).
+    pub after: Option<Vec<u8>>,
+    /// At most this many keys per partition.
+    pub page_keys: u32,
+    /// At most this many rows examined per partition.
+    pub visit_max: u32,
+}
+
+/// One partition's part of a SCAN page: the matching live keys in key order and, if it stopped
+/// before its last row, the last key it examined.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartScan {
+    pub keys: Vec<Vec<u8>>,
+    pub stopped_at: Option<Vec<u8>>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DataRequest {
     /// Chain messages for the replicas here, each with its partition: what one peer had queued for
@@ -46,6 +75,19 @@ pub enum DataRequest {
     Chains(Vec<(u32, Message)>),
     /// Execute at the head of the key's partition.
     Execute(Routed),
+    /// The keys clients of `node` observe (all of them; a higher `generation` replaces a lower).
+    Interest {
+        node: u64,
+        generation: u64,
+        keys: Vec<Vec<u8>>,
+    },
+    /// Committed changes of keys observed at the receiving node, in commit order.
+    Notify(Vec<Committed>),
+    /// A SCAN page of each of `partitions`, at their head.
+    Scan {
+        partitions: Vec<u32>,
+        page: ScanPage,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +100,8 @@ pub enum DataResponse {
     Retry(String),
     /// The request did not decode.
     Refused(String),
+    /// The parts of a SCAN page, per partition; `None` where this node is not the head now.
+    Scanned(Vec<(u32, Option<PartScan>)>),
 }
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {

@@ -3,6 +3,12 @@
 //! VDEL are checked here (envelope, duplicates, rate, key access, syntax) and then handed to the
 //! router, which runs them at the head of the key's partition; the reply is released through the
 //! completer like any other. The single-node path is untouched when there is no router.
+//!
+//! KEYNOTIFY registrations stay on the node the observer is connected to (session state); the
+//! router is told which keys are observed here ([`KeyRouter::watch`]) and hands back the changes
+//! of those keys committed at any partition's head ([`ClusterChanges`]), which the service turns
+//! into notifications for its observers. SCAN pages are assembled over every partition
+//! ([`KeyRouter::scan`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,6 +17,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use mqstate_protocol::Hlc;
+use mqstate_store::Delta;
+use tokio::sync::{mpsc, oneshot};
 
 /// A key command that passed this node's checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,9 +44,43 @@ pub struct RoutedReply {
 
 pub type RouterFuture<'a> = Pin<Box<dyn Future<Output = RoutedReply> + Send + 'a>>;
 
+/// A SCAN page that passed this node's checks (the pattern is a valid glob within the limits).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScanRequest {
+    pub pattern: Bytes,
+    pub continuation: Option<Bytes>,
+    /// What remains of the request's message expiry.
+    pub expiry: Duration,
+}
+
+/// A SCAN page over every partition (keys in order, the continuation) or why there is none.
+pub type ScanFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<(Vec<Bytes>, Option<Bytes>), String>> + Send + 'a>>;
+
+/// Changes committed at a partition's head for keys observed here (a `Put` or a `Delete` with the
+/// new version), in commit order per key; `done` is signalled once their notifications are queued.
+#[derive(Debug)]
+pub struct ClusterChange {
+    pub changes: Vec<Delta>,
+    pub done: oneshot::Sender<()>,
+}
+
+/// Where a cluster node's service takes [`ClusterChange`]s from.
+pub type ClusterChanges = mpsc::UnboundedReceiver<ClusterChange>;
+
 /// Executes key commands where their data lives.
 pub trait KeyRouter: Send + Sync + 'static {
     fn execute(&self, request: RoutedRequest) -> RouterFuture<'_>;
+
+    /// One SCAN page over every partition.
+    fn scan(&self, request: ScanRequest) -> ScanFuture<'_>;
+
+    /// `key` is observed by some client here now (`true`) or by none any more (`false`); resolves
+    /// once every node that may execute its writes knows (bounded).
+    fn watch(&self, key: Bytes, observed: bool) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+
+    /// The changes for this node's observers; the service takes it once, at start.
+    fn take_changes(&self) -> Option<ClusterChanges>;
 }
 
 /// A shared router, as the configuration holds it.

@@ -254,6 +254,7 @@ impl Executor {
         let mut sweep = tokio::time::interval(DEDUP_SWEEP_INTERVAL);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let (mut internal, mut admin) = self.notify_inboxes();
+        let mut changes = self.config.router.as_ref().and_then(|r| r.0.take_changes());
         loop {
             let stale_at = self.stale_reservation_deadline();
             let deadline = self.machine.next_deadline().map(|ms| {
@@ -271,7 +272,7 @@ impl Executor {
                     // Spec §6 (AIO behaviour): registrations end with the connection; clients
                     // re-register after reconnecting.
                     Ok(ClientEvent::Disconnected { client_id } | ClientEvent::SessionEnded { client_id }) => {
-                        self.machine.drop_client(&client_id);
+                        self.drop_client(&client_id);
                         self.rates.forget(&client_id);
                     }
                     Ok(_) => {}
@@ -282,6 +283,7 @@ impl Executor {
                 },
                 Some(epoch) = self.log.next_failure() => self.roll_back_undurable(epoch),
                 Some(request) = recv_some(&mut internal) => self.handle_internal(request).await,
+                Some(change) = recv_change(&mut changes) => self.notify_cluster_change(change).await,
                 Some(request) = recv_some(&mut admin) => self.handle_admin(request).await,
                 () = sleep_until(stale_at) => self.abort_stale_reservations().await,
                 () = sleep_until(deadline) => self.expire().await,
@@ -300,6 +302,50 @@ impl Executor {
             }
             self.advance_snapshot().await;
         }
+    }
+
+    /// A client's registrations end; on a cluster node, keys no client here observes any more are
+    /// no longer asked of the other nodes.
+    fn drop_client(&mut self, client_id: &str) {
+        let Some(router) = self.config.router.clone() else {
+            self.machine.drop_client(client_id);
+            return;
+        };
+        let keys = self.machine.registered_keys(client_id);
+        self.machine.drop_client(client_id);
+        let unobserved: Vec<_> = keys
+            .into_iter()
+            .filter(|key| !self.machine.is_observed(key))
+            .collect();
+        if !unobserved.is_empty() {
+            tokio::spawn(async move {
+                for key in unobserved {
+                    router.0.watch(key, false).await;
+                }
+            });
+        }
+    }
+
+    /// Changes committed at a partition's head for keys observed here: notifications queued like
+    /// a local write's (ahead of any reply released after them), then `done`.
+    async fn notify_cluster_change(&mut self, change: crate::router::ClusterChange) {
+        let notifications: Vec<_> = change
+            .changes
+            .iter()
+            .flat_map(|delta| self.machine.notifications_of(delta))
+            .collect();
+        if !notifications.is_empty() {
+            let notifications = self.notifications(&notifications);
+            self.send_stateless(Outcome::Reply {
+                commit: None,
+                notifications,
+                reply: None,
+                acker: None,
+                timing: None,
+            })
+            .await;
+        }
+        let _ = change.done.send(());
     }
 
     fn report_keyspace_size(&self) {
@@ -366,6 +412,16 @@ impl Executor {
         if self.tx.send(Queued { epoch, outcome }).await.is_err() {
             tracing::error!("state store completer stopped; outcome dropped");
         }
+    }
+}
+
+/// The next change of a cluster node's inbox; never resolves on a single node.
+async fn recv_change(
+    inbox: &mut Option<crate::router::ClusterChanges>,
+) -> Option<crate::router::ClusterChange> {
+    match inbox {
+        Some(inbox) => inbox.recv().await,
+        None => std::future::pending().await,
     }
 }
 

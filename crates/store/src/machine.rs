@@ -365,6 +365,27 @@ impl StateMachine {
         self.registrations.drop_client(client_id)
     }
 
+    /// Whether any client observes `key` (a cluster node asks the partition heads for changes of
+    /// the keys observed here).
+    pub fn is_observed(&self, key: &[u8]) -> bool {
+        self.registrations.observers(key).next().is_some()
+    }
+
+    /// The keys `client_id` observes, in key order.
+    pub fn registered_keys(&self, client_id: &str) -> Vec<Bytes> {
+        self.registrations.keys_of(client_id)
+    }
+
+    /// The notifications of a change committed elsewhere (a cluster's partition head) for the
+    /// clients observing its key here.
+    pub fn notifications_of(&self, delta: &Delta) -> Vec<KeyNotification> {
+        let payload = match delta {
+            Delta::Put { value, .. } => NotifyPayload::Set(value.clone()),
+            Delta::Delete { .. } => NotifyPayload::Delete,
+        };
+        self.notifications(delta, payload)
+    }
+
     /// How many keys `client_id` observes.
     pub fn registration_count(&self, client_id: &str) -> usize {
         self.registrations.count(client_id)

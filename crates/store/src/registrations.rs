@@ -76,6 +76,14 @@ impl Registrations {
         self.by_key.get(key).into_iter().flatten()
     }
 
+    /// The keys `client` observes, in key order.
+    pub(crate) fn keys_of(&self, client: &str) -> Vec<Bytes> {
+        self.by_client
+            .get(client)
+            .map(|keys| keys.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
     pub(crate) fn count(&self, client: &str) -> usize {
         self.by_client.get(client).map_or(0, BTreeSet::len)
     }

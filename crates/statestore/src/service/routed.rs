@@ -1,16 +1,25 @@
 //! Key commands of a cluster node: checked here, executed at their partition's head through the
 //! [`Router`], answered through the completer (so the duplicate cache completes and the reply
 //! goes out like any other). The executor does not wait: each routed request waits in its own task.
+//!
+//! KEYNOTIFY and KEYNOTIFY STOP register here (the observer's session is here); when a key becomes
+//! observed here, the reply waits until the router told the other nodes, so a write executed at
+//! any head after the reply is notified. SCAN is checked here by this node's own state machine
+//! (which holds no keys: only the pattern's checks apply) and assembled over every partition.
+
+use std::future::Future;
+use std::sync::Arc;
 
 use bytes::Bytes;
-use mqstate_broker::{service::Acker, Identity};
-use mqstate_protocol::{Command, Reply};
+use mqstate_broker::{service::Acker, Identity, Principal};
+use mqstate_protocol::{Command, Hlc, Reply};
+use mqstate_store::RequestContext;
 
 use super::completer::{Outcome, Queued, ReplyTo, Timing};
 use super::request::Admitted;
 use super::Executor;
 use crate::envelope::Request;
-use crate::router::{RoutedRequest, Router};
+use crate::router::{RoutedRequest, Router, ScanRequest};
 
 impl Executor {
     pub(super) async fn route(
@@ -58,14 +67,86 @@ impl Executor {
             | Command::Set { key, .. }
             | Command::Del { key }
             | Command::VDel { key, .. } => key,
-            // Not replicated yet (issue 15): a clear error rather than this node's own answer.
-            Command::Scan { .. } | Command::KeyNotify { .. } | Command::KeyNotifyStop { .. } => {
-                let text = format!(
-                    "-ERR {} is not available on a cluster node yet\r\n",
-                    label.to_ascii_uppercase()
-                );
-                let queued = reply_now(self, label, Bytes::from(text));
+            Command::KeyNotify { ref key } | Command::KeyNotifyStop { ref key } => {
+                let key = key.clone();
+                let was_observed = self.machine.is_observed(&key);
+                let context = RequestContext {
+                    client_id: request.client_id.clone(),
+                    ts,
+                    fencing_token,
+                    now_ms: self.clock.now_ms(),
+                };
+                let execution = self.machine.execute(command, &context);
+                let payload = execution.reply.encode();
+                let observed = self.machine.is_observed(&key);
+                if observed && !was_observed {
+                    // Answered once the nodes that may execute its writes know of it.
+                    return self.reply_later(request, label, started, acker, async move {
+                        router.0.watch(key, true).await;
+                        (payload, None)
+                    });
+                }
+                if was_observed && !observed {
+                    tokio::spawn(async move { router.0.watch(key, false).await });
+                }
+                let mut queued = reply_now(self, label, payload);
+                if let Outcome::Reply {
+                    timing: Some(t), ..
+                } = &mut queued.outcome
+                {
+                    t.result = result_of(&execution.reply);
+                }
                 return self.queue_routed(queued, acker).await;
+            }
+            Command::Scan {
+                pattern,
+                continuation,
+            } => {
+                // The checks of the pattern (length, syntax), by the store's own SCAN on this
+                // node's machine, which holds no keys.
+                let context = RequestContext {
+                    client_id: request.client_id.clone(),
+                    ts,
+                    fencing_token,
+                    now_ms: self.clock.now_ms(),
+                };
+                let check = Command::Scan {
+                    pattern: pattern.clone(),
+                    continuation: continuation.clone(),
+                };
+                let checked = self.machine.execute(check, &context);
+                if let Reply::Error(_) = checked.reply {
+                    let queued = reply_now(self, label, checked.reply.encode());
+                    return self.queue_routed(queued, acker).await;
+                }
+                let scan = ScanRequest {
+                    pattern,
+                    continuation,
+                    expiry: request.expiry,
+                };
+                let keys = Arc::clone(&self.config.key_access.0);
+                let identity = identity.clone();
+                let client_id = request.client_id.clone();
+                return self.reply_later(request, label, started, acker, async move {
+                    let reply = match router.0.scan(scan).await {
+                        Ok((mut found, continuation)) => {
+                            let who = Principal {
+                                client_id: &client_id,
+                                identity: &identity,
+                            };
+                            found.retain(|key| keys.may_read(who, key));
+                            Reply::Keys {
+                                keys: found,
+                                continuation,
+                            }
+                            .encode()
+                        }
+                        Err(reason) => Bytes::from(format!(
+                            "-ERR the cluster could not serve the request in time ({reason}); retry\r\n"
+                        )),
+                    };
+                    (reply, None)
+                });
             }
         };
         let routed = RoutedRequest {
@@ -77,20 +158,36 @@ impl Executor {
             fencing_token,
             expiry: request.expiry,
         };
+        self.reply_later(request, label, started, acker, async move {
+            let reply = router.0.execute(routed).await;
+            (reply.payload, reply.ts)
+        });
+    }
+
+    /// Answers `request` with what `reply` resolves to, from a task of its own, through the
+    /// completer.
+    fn reply_later(
+        &mut self,
+        request: crate::envelope::Request,
+        label: &'static str,
+        started: std::time::Instant,
+        acker: Acker,
+        reply: impl Future<Output = (Bytes, Option<Hlc>)> + Send + 'static,
+    ) {
         let tx = self.tx.clone();
         let replies = self.replies.clone();
         let clock = self.clock.clone();
         tokio::spawn(async move {
-            let reply = router.0.execute(routed).await;
+            let (payload, ts) = reply.await;
             let expiry_left = request
                 .expiry
                 .saturating_sub(clock.now().saturating_duration_since(started));
-            let result = if reply.payload.starts_with(b"-") {
+            let result = if payload.starts_with(b"-") {
                 "error"
             } else {
                 "ok"
             };
-            let reply = ReplyTo::new(&replies, &request, reply.payload, reply.ts, expiry_left);
+            let reply = ReplyTo::new(&replies, &request, payload, ts, expiry_left);
             let queued = Queued {
                 epoch: None,
                 outcome: Outcome::Reply {
@@ -118,5 +215,12 @@ impl Executor {
         if self.tx.send(queued).await.is_err() {
             tracing::error!("state store completer stopped; outcome dropped");
         }
+    }
+}
+
+fn result_of(reply: &Reply) -> &'static str {
+    match reply {
+        Reply::Error(_) => "error",
+        _ => "ok",
     }
 }
