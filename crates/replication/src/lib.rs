@@ -9,7 +9,7 @@
 //! * [`driver`] — the task that owns this node's replicas (`mqstate-chain`, sans-IO) and gives
 //!   them disk, network, views and time.
 //! * [`notify`] — KEYNOTIFY across nodes: observed keys sent to every member, committed changes
-//!   from the head to the nodes observing them (decision 0043).
+//!   from the head to the nodes observing them (decision 0046).
 //! * [`expiry`] — PX deadlines of the partitions this node is head for; the expiry delete.
 //! * [`scan`] — SCAN as one part per partition at its head, merged into a page.
 //! * [`rows`] — what a chain row (a store record) says: liveness, deadline, committed change.

@@ -1,4 +1,4 @@
-//! KEYNOTIFY across nodes (decision 0043): registrations stay where the observer is
+//! KEYNOTIFY across nodes (decision 0046): registrations stay where the observer is
 //! connected (session state, in that node's state machine); what crosses nodes is *interest* —
 //! the set of keys some client of a node observes — and *committed changes* of those keys.
 //!
