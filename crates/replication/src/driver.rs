@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::log::ChainLog;
+use crate::space::{self, CatchUp};
 use crate::wire::{encode, DataRequest};
 
 /// How often replicas tick (resends, repair) and views are checked against the control plane.
@@ -72,6 +73,7 @@ impl Driver {
             waiting: HashMap::new(),
             next_request: 1,
             tx: tx.clone(),
+            catch_up: CatchUp::default(),
         };
         let task = tokio::spawn(actor.run(rx, stop));
         (Driver { tx }, task)
@@ -151,6 +153,8 @@ struct Actor {
     waiting: HashMap<u64, (u32, oneshot::Sender<Answer>)>,
     next_request: u64,
     tx: mpsc::UnboundedSender<Input>,
+    /// Catch-up of the two replicas (key spaces) of each partition.
+    catch_up: CatchUp,
 }
 
 impl Actor {
@@ -188,11 +192,14 @@ impl Actor {
     /// Gives the replica the control plane's current answer: the view this node may act under
     /// now, or none.
     fn refresh_view(&mut self, partition: u32) {
-        let view = self.node.acting_partition(partition).map(|p| View {
-            id: p.view,
-            chain: p.chain,
-            read_view: p.read_view,
-        });
+        let view = self
+            .node
+            .acting_partition(space::control(partition))
+            .map(|p| View {
+                id: p.view,
+                chain: p.chain,
+                read_view: p.read_view,
+            });
         self.replica(partition).set_view(view);
     }
 
@@ -255,12 +262,12 @@ impl Actor {
         let Some(count) = self.node.partition_count() else {
             return;
         };
-        for partition in 0..count {
+        for partition in (0..count).flat_map(space::replicas) {
             let involved = self.replicas.contains_key(&partition)
                 || self.restored.contains_key(&partition)
                 || self
                     .node
-                    .partition(partition)
+                    .partition(space::control(partition))
                     .is_some_and(|p| p.chain.contains(&self.id));
             if !involved {
                 continue;
@@ -307,6 +314,9 @@ impl Actor {
                     }
                 }
                 Output::CaughtUp { view } => {
+                    let Some(partition) = self.catch_up.reached(partition, view) else {
+                        continue;
+                    };
                     let node = Arc::clone(&self.node);
                     tokio::spawn(async move { node.report_caught_up(partition, view).await });
                 }
