@@ -14,113 +14,13 @@ use std::time::{Duration, Instant};
 
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::state_store::{SetCondition, SetOptions};
+use common::cluster::{
+    agreed, cli, eventually, member_ids, member_state, start_founders, start_node, status, Node,
+    AGREEMENT_TIMEOUT,
+};
 use common::sdk::SdkClient;
 use common::{free_addr, Server};
 use serde_json::Value;
-
-/// Generous: the machine running the tests may be loaded. Timings are measured and printed, not
-/// asserted.
-const AGREEMENT_TIMEOUT: Duration = Duration::from_secs(90);
-
-struct Node {
-    id: u64,
-    cluster_addr: SocketAddr,
-    server: Server,
-}
-
-/// Nodes 1, 2 and 3 founding a cluster on the first three of `addrs`.
-fn start_founders(root: &Path, addrs: &[SocketAddr]) -> Vec<Node> {
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    (1..=3)
-        .map(|id| start_node(root, id, addrs[id as usize - 1], &["--peers", &peers]))
-        .collect()
-}
-
-fn start_node(root: &Path, id: u64, cluster_addr: SocketAddr, membership: &[&str]) -> Node {
-    let id_text = id.to_string();
-    let listen = cluster_addr.to_string();
-    let mut args = vec!["--node-id", &id_text, "--cluster-listen", &listen];
-    args.extend_from_slice(membership);
-    let server = Server::start_in(&root.join(format!("n{id}")), &args, &[]);
-    Node {
-        id,
-        cluster_addr,
-        server,
-    }
-}
-
-fn cli(port: u16, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mqstate"))
-        .args(args)
-        .args(["--port", &port.to_string(), "--timeout", "5"])
-        .env_remove("AIO_BROKER_HOSTNAME")
-        .env_remove("AIO_BROKER_TCP_PORT")
-        .output()
-        .expect("run mqstate")
-}
-
-fn status(node: &Node) -> Option<Value> {
-    let out = cli(node.server.port(), &["cluster", "status", "--json"]);
-    if !out.status.success() {
-        return None;
-    }
-    serde_json::from_slice(&out.stdout).ok()
-}
-
-fn member_ids(status: &Value) -> Vec<u64> {
-    status["members"]
-        .as_array()
-        .map(|members| members.iter().filter_map(|m| m["id"].as_u64()).collect())
-        .unwrap_or_default()
-}
-
-fn member_state(status: &Value, id: u64) -> Option<String> {
-    status["members"]
-        .as_array()?
-        .iter()
-        .find(|m| m["id"].as_u64() == Some(id))
-        .and_then(|m| m["state"].as_str().map(str::to_owned))
-}
-
-/// Every node reports the same leader and the same members (`expected`, all up), and a settled
-/// partition map (no pending view).
-fn agreed(nodes: &[&Node], expected: &[u64]) -> Option<u64> {
-    let statuses: Vec<Value> = nodes.iter().map(|n| status(n)).collect::<Option<_>>()?;
-    let leader = statuses[0]["leader"].as_u64()?;
-    for s in &statuses {
-        if s["leader"].as_u64() != Some(leader) || member_ids(s) != expected {
-            return None;
-        }
-        if expected
-            .iter()
-            .any(|&id| member_state(s, id).as_deref() != Some("up"))
-        {
-            return None;
-        }
-        let partitions = s["partitions"].as_array()?;
-        if partitions.is_empty() || partitions.iter().any(|p| p["pending"] != false) {
-            return None;
-        }
-        if s["partitions"] != statuses[0]["partitions"] {
-            return None;
-        }
-    }
-    Some(leader)
-}
-
-fn eventually<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> (T, Duration) {
-    let started = Instant::now();
-    loop {
-        if let Some(value) = check() {
-            return (value, started.elapsed());
-        }
-        assert!(
-            started.elapsed() < AGREEMENT_TIMEOUT,
-            "not within {AGREEMENT_TIMEOUT:?}: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 #[test]
 fn three_processes_form_a_cluster_survive_kill_9_and_change_membership() {
