@@ -60,7 +60,7 @@ pub enum Located {
     Here,
     /// Taken from elsewhere (now owned here): it replaces any copy this broker holds, and the
     /// client resumes it with Session Present.
-    Taken(StoredSession),
+    Taken(Box<StoredSession>),
     /// No session exists anywhere: a copy this broker holds is stale; drop it.
     Gone,
 }

@@ -400,7 +400,7 @@ async fn locate(
                 },
             );
             match rows.write(&client_id, Some(value), read.version).await? {
-                Ok(version) => (Some(version), Located::Taken(row.session)),
+                Ok(version) => (Some(version), Located::Taken(Box::new(row.session))),
                 Err(_) => return Err("the session changed while it was taken over".into()),
             }
         }
@@ -431,4 +431,161 @@ async fn locate(
         },
     );
     Ok(located)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use bytestring::ByteString;
+    use mqstate_broker::session::SubscriptionOptions;
+    use mqstate_broker::QoS;
+
+    use super::*;
+
+    /// Rows in memory with the chain head's compare-and-set (the real chain runs in
+    /// `tests/cluster_sessions.rs`).
+    type Stored = (Option<Vec<u8>>, Version);
+
+    #[derive(Default)]
+    struct MemoryRows(Mutex<HashMap<String, Stored>>);
+
+    impl SessionRows for MemoryRows {
+        fn read<'a>(&'a self, client_id: &'a str) -> RowFuture<'a, ReadRow> {
+            let rows = self.0.lock().unwrap();
+            let row = rows.get(client_id).cloned();
+            Box::pin(async move {
+                Ok(
+                    row.map_or_else(ReadRow::default, |(value, version)| ReadRow {
+                        value,
+                        version: Some(version),
+                    }),
+                )
+            })
+        }
+
+        fn write<'a>(
+            &'a self,
+            client_id: &'a str,
+            value: Option<Vec<u8>>,
+            base: Option<Version>,
+        ) -> RowFuture<'a, Result<Version, Option<Version>>> {
+            let mut rows = self.0.lock().unwrap();
+            let current = rows.get(client_id).cloned();
+            let holds = match (&current, base) {
+                (None, None) => true,
+                (Some((value, _)), None) => value.is_none(),
+                (Some((_, version)), Some(base)) => *version == base,
+                (None, Some(_)) => false,
+            };
+            let outcome = if holds {
+                let wall_ms = current.as_ref().map_or(0, |(_, v)| v.wall_ms) + 1;
+                let version = Version {
+                    wall_ms,
+                    counter: 0,
+                    node: 0,
+                };
+                rows.insert(client_id.to_owned(), (value, version));
+                Ok(version)
+            } else {
+                Err(current.map(|(_, v)| v))
+            };
+            Box::pin(async move { Ok(outcome) })
+        }
+    }
+
+    struct Local;
+
+    impl SessionJournal for Local {
+        fn record(&self, _: Vec<SessionChange>) -> Durable {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn node(id: u64, rows: &Arc<MemoryRows>) -> ReplicatedSessions {
+        let sessions = ReplicatedSessions::new(id, Arc::new(Local));
+        sessions.attach_rows(rows.clone());
+        sessions
+    }
+
+    fn subscribed(filter: &str) -> SessionChange {
+        SessionChange::Subscribed {
+            client_id: "c".into(),
+            filter: ByteString::from(filter),
+            options: SubscriptionOptions {
+                qos: QoS::AtLeastOnce,
+                no_local: false,
+                retain_as_published: false,
+                retain_handling: 0,
+                subscription_id: None,
+            },
+        }
+    }
+
+    fn row_of(rows: &MemoryRows) -> SessionRow {
+        let value = rows.0.lock().unwrap()["c"].0.clone().expect("a row");
+        row::decode("c", &value).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_session_taken_over_is_fenced_on_its_old_node() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+
+        assert_eq!(a.locate("c", false, false).await, Ok(Located::Gone));
+        let created = SessionChange::Created {
+            client_id: "c".into(),
+            expiry_secs: 60,
+        };
+        a.record(vec![created.clone(), subscribed("a/#")])
+            .await
+            .unwrap();
+        let row = row_of(&rows);
+        assert_eq!((row.owner, row.subscriptions_len()), (1, 1));
+        // Node 1 asked again while it owns the row: its own copy is the session.
+        assert_eq!(a.locate("c", false, true).await, Ok(Located::Here));
+
+        let Ok(Located::Taken(session)) = b.locate("c", false, false).await else {
+            panic!("node 2 takes the session over");
+        };
+        assert!(session.subscriptions.contains_key("a/#"));
+        let taken = row_of(&rows);
+        assert_eq!(taken.owner, 2);
+        assert!(taken.epoch > row.epoch);
+        b.record(row::image_of(&"c".into(), &session))
+            .await
+            .unwrap();
+
+        // Node 1 still thinks it owns it: its write is refused and nothing it says lands.
+        let refused = a.record(vec![subscribed("stale/#")]).await;
+        assert!(refused.is_err(), "a fenced write is not durable");
+        assert!(a.record(vec![subscribed("later/#")]).await.is_err());
+        b.record(vec![subscribed("b/#")]).await.unwrap();
+        let now = row_of(&rows);
+        assert_eq!(now.owner, 2);
+        let filters: Vec<&str> = now.session.subscriptions.keys().map(|f| &**f).collect();
+        assert_eq!(filters, ["a/#", "b/#"]);
+    }
+
+    #[tokio::test]
+    async fn a_clean_start_deletes_the_row() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        a.locate("c", false, false).await.unwrap();
+        a.record(vec![SessionChange::Created {
+            client_id: "c".into(),
+            expiry_secs: 60,
+        }])
+        .await
+        .unwrap();
+        assert_eq!(b.locate("c", true, false).await, Ok(Located::Gone));
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
+        assert_eq!(a.locate("c", false, true).await, Ok(Located::Gone));
+    }
+
+    impl SessionRow {
+        fn subscriptions_len(&self) -> usize {
+            self.session.subscriptions.len()
+        }
+    }
 }

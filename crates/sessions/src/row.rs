@@ -170,8 +170,8 @@ mod tests {
                 subscription_ids: vec![7],
                 received_at_ms: 1_000 + seq,
             },
-            packet_id: (seq % 2 == 0).then_some(seq as u16 + 1),
-            released: seq % 4 == 0 && qos == QoS::ExactlyOnce,
+            packet_id: seq.is_multiple_of(2).then_some(seq as u16 + 1),
+            released: seq.is_multiple_of(4) && qos == QoS::ExactlyOnce,
         }
     }
 
@@ -195,7 +195,7 @@ mod tests {
         }
         session.inbound_qos2.insert(42);
         for seq in 0..messages {
-            let qos = if seq % 3 == 0 {
+            let qos = if seq.is_multiple_of(3) {
                 QoS::ExactlyOnce
             } else {
                 QoS::AtLeastOnce

@@ -67,7 +67,7 @@ impl Connection {
             }
         }
         let Some(stored) = taken else { return true };
-        let durable = match self.inner.take_in(self.client_id.clone(), stored) {
+        let durable = match self.inner.take_in(self.client_id.clone(), *stored) {
             Ok(durable) => durable,
             Err(error) => {
                 // Another CONNECT of the same client put a session here meanwhile.
