@@ -9,14 +9,12 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::state_store::{SetCondition, SetOptions};
 use common::cluster::{
-    agreed, cli, eventually, member_ids, member_state, start_founders, start_node, status, Node,
-    AGREEMENT_TIMEOUT,
+    agreed, cli, eventually, member_state, start_founders, start_node, status, Node,
 };
 use common::sdk::SdkClient;
 use common::{free_addr, Server};
