@@ -71,8 +71,15 @@ pub enum Located {
 /// fresh session in place of one that exists.
 pub trait SessionSource: Send + Sync {
     /// Where `client_id`'s session is. `clean_start`: the client discards any session (the
-    /// source drops it everywhere); `held_here`: this broker holds a copy.
-    fn locate(&self, client_id: &str, clean_start: bool, held_here: bool) -> Locating;
+    /// source drops it everywhere); `persistent`: the new connection's session expiry is above 0;
+    /// `held_here`: this broker holds a copy.
+    fn locate(
+        &self,
+        client_id: &str,
+        clean_start: bool,
+        persistent: bool,
+        held_here: bool,
+    ) -> Locating;
 }
 
 /// A message in a session queue, with its per-subscriber QoS, retain flag and subscription ids.

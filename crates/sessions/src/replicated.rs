@@ -350,9 +350,27 @@ fn lose(shared: &Shared, client_id: &Arc<str>) {
 }
 
 impl SessionSource for ReplicatedSessions {
-    fn locate(&self, client_id: &str, clean_start: bool, held_here: bool) -> Locating {
+    fn locate(
+        &self,
+        client_id: &str,
+        clean_start: bool,
+        persistent: bool,
+        held_here: bool,
+    ) -> Locating {
         let shared = Arc::clone(&self.shared);
         let client_id: Arc<str> = client_id.into();
+        if clean_start && !persistent && !held_here {
+            // A clean session is not replicated, and its CONNACK does not wait for the chains
+            // (state-store clients, the admin CLI: they must connect while a partition fails
+            // over or the cluster forms): a row held elsewhere is deleted in the background.
+            // (With a copy here, the delete is waited for, as for a persistent session.)
+            tokio::spawn(async move {
+                if let Err(e) = locate(&shared, client_id.clone(), true, false).await {
+                    tracing::warn!(%client_id, "a clean start could not discard the session's row: {e}");
+                }
+            });
+            return Box::pin(async { Ok(Located::Here) });
+        }
         Box::pin(async move {
             locate(&shared, client_id, clean_start, held_here)
                 .await
@@ -532,7 +550,7 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
 
-        assert_eq!(a.locate("c", false, false).await, Ok(Located::Gone));
+        assert_eq!(a.locate("c", false, true, false).await, Ok(Located::Gone));
         let created = SessionChange::Created {
             client_id: "c".into(),
             expiry_secs: 60,
@@ -543,9 +561,9 @@ mod tests {
         let row = row_of(&rows);
         assert_eq!((row.owner, row.subscriptions_len()), (1, 1));
         // Node 1 asked again while it owns the row: its own copy is the session.
-        assert_eq!(a.locate("c", false, true).await, Ok(Located::Here));
+        assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Here));
 
-        let Ok(Located::Taken(session)) = b.locate("c", false, false).await else {
+        let Ok(Located::Taken(session)) = b.locate("c", false, true, false).await else {
             panic!("node 2 takes the session over");
         };
         assert!(session.subscriptions.contains_key("a/#"));
@@ -571,16 +589,16 @@ mod tests {
     async fn a_clean_start_deletes_the_row() {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
-        a.locate("c", false, false).await.unwrap();
+        a.locate("c", false, true, false).await.unwrap();
         a.record(vec![SessionChange::Created {
             client_id: "c".into(),
             expiry_secs: 60,
         }])
         .await
         .unwrap();
-        assert_eq!(b.locate("c", true, false).await, Ok(Located::Gone));
+        assert_eq!(b.locate("c", true, true, false).await, Ok(Located::Gone));
         assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
-        assert_eq!(a.locate("c", false, true).await, Ok(Located::Gone));
+        assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
     }
 
     impl SessionRow {

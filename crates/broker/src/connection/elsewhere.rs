@@ -24,7 +24,12 @@ impl Connection {
         };
         let held_here = self.inner.registry.contains(&self.client_id);
         let located = source
-            .locate(&self.client_id, self.connect.clean_start, held_here)
+            .locate(
+                &self.client_id,
+                self.connect.clean_start,
+                self.session_expiry_secs > 0,
+                held_here,
+            )
             .await;
         let taken = match located {
             Ok(Located::Here) => return true,
