@@ -18,12 +18,13 @@ use mqstate_protocol::Hlc;
 use mqstate_replication::head::HeadConfig;
 use mqstate_replication::log::ChainLog;
 use mqstate_replication::notify::Sink;
-use mqstate_replication::wire::{Committed, Routed};
+use mqstate_replication::wire::{Committed, Routed, RowExpect, RowWritten};
 use mqstate_replication::{rows, Replication};
 use mqstate_statestore::router::{
     ClusterChange, ClusterChanges, KeyRouter, RoutedReply, RoutedRequest, Router, RouterFuture,
     ScanFuture, ScanRequest,
 };
+use mqstate_sessions::replicated::{ReadRow, RowFuture, SessionRows, Version, ROW_BUDGET};
 use mqstate_wal::WalOptions;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -131,6 +132,11 @@ pub async fn start(
 }
 
 impl Running {
+    /// The broker's persistent sessions as rows on the data plane.
+    pub fn session_rows(&self) -> Arc<ChainSessionRows> {
+        Arc::new(ChainSessionRows(Arc::clone(&self.replication.replication)))
+    }
+
     /// The state-store service's router: key commands go to their partition's head, and the
     /// changes committed there come back for this node's observers.
     pub fn router(&self) -> Router {
@@ -327,6 +333,40 @@ impl KeyRouter for ChainRouter {
                 payload: Bytes::from(executed.payload),
                 // The head wrote it: it parses (a damaged one is left off rather than guessed).
                 ts: executed.ts.as_deref().and_then(|ts| Hlc::parse(ts).ok()),
+            }
+        })
+    }
+}
+
+/// The broker's persistent sessions as rows on the data plane (decision 0047).
+pub struct ChainSessionRows(pub Arc<Replication>);
+
+impl SessionRows for ChainSessionRows {
+    fn read<'a>(&'a self, client_id: &'a str) -> RowFuture<'a, ReadRow> {
+        Box::pin(async move {
+            let row = self.0.session_read(client_id, ROW_BUDGET).await?;
+            Ok(ReadRow {
+                value: row.value,
+                version: row.version,
+            })
+        })
+    }
+
+    fn write<'a>(
+        &'a self,
+        client_id: &'a str,
+        value: Option<Vec<u8>>,
+        base: Option<Version>,
+    ) -> RowFuture<'a, Result<Version, Option<Version>>> {
+        Box::pin(async move {
+            let expect = base.map_or(RowExpect::Absent, RowExpect::Version);
+            match self
+                .0
+                .session_write(client_id, value, expect, ROW_BUDGET)
+                .await?
+            {
+                RowWritten::Written(version) => Ok(Ok(version)),
+                RowWritten::Conflict(current) => Ok(Err(current)),
             }
         })
     }

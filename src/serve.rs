@@ -81,11 +81,28 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
         settings.snapshot_threshold_bytes,
     )?;
     let session_log = Arc::new(session_log);
-    let broker = Broker::builder(broker_config(&settings))
+    let mut restored = restored;
+    let mut builder = Broker::builder(broker_config(&settings))
         .security(policy.security)
-        .journal(session_log.clone())
-        .clock(clock.clone())
-        .build();
+        .clock(clock.clone());
+    // A cluster node keeps persistent sessions on the chains (decision 0047): its own
+    // log keeps retained messages only, and what it held of sessions before is the chains' now.
+    let replicated_sessions = settings.cluster.as_ref().map(|cluster| {
+        mqstate_sessions::replicated::ReplicatedSessions::new(cluster.node_id, session_log.clone())
+    });
+    builder = match &replicated_sessions {
+        Some(replicated) => {
+            restored.sessions.clear();
+            builder
+                .journal(Arc::new(replicated.clone()))
+                .sessions_elsewhere(Arc::new(replicated.clone()))
+        }
+        None => builder.journal(session_log.clone()),
+    };
+    let broker = builder.build();
+    if let Some(replicated) = &replicated_sessions {
+        replicated.attach_broker(broker.clone());
+    }
     let report = broker.restore(restored);
     tracing::info!(
         sessions = report.sessions,
@@ -118,6 +135,9 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
             };
             let mut running = crate::cluster::start(cluster, &settings.data_dir, data).await?;
             running.attach_mesh(&broker, &clock);
+            if let Some(replicated) = &replicated_sessions {
+                replicated.attach_rows(running.session_rows());
+            }
             Some(running)
         }
         None => None,

@@ -25,6 +25,8 @@ pub(crate) mod reason {
     pub const UNSUPPORTED_PROTOCOL_VERSION: u8 = 0x84;
     pub const CLIENT_ID_NOT_VALID: u8 = 0x85;
     pub const NOT_AUTHORIZED: u8 = 0x87;
+    pub const SERVER_UNAVAILABLE: u8 = 0x88;
+    pub const SERVER_BUSY: u8 = 0x89;
     pub const SERVER_SHUTTING_DOWN: u8 = 0x8B;
     pub const KEEP_ALIVE_TIMEOUT: u8 = 0x8D;
     pub const SESSION_TAKEN_OVER: u8 = 0x8E;

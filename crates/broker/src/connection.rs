@@ -3,6 +3,8 @@
 //! obeys control requests (takeover, disconnect, shutdown). Writes are batched: everything produced
 //! in one loop turn is flushed with one `write_all`.
 
+mod elsewhere;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
@@ -727,6 +729,10 @@ impl Connection {
             claimed.await;
         }
         let deadline = self.inner.clock.tokio_now() + self.inner.config.takeover_timeout;
+        // A cluster node: the session may live on another node (decision 0047).
+        if self.inner.elsewhere.is_some() && !self.locate_elsewhere(deadline).await {
+            return false;
+        }
         let (handle, session_present, effects, durable) = loop {
             let owner = Owner {
                 conn_id: self.conn_id,

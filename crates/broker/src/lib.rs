@@ -66,7 +66,10 @@ pub use message::{Message, PublishProperties, QoS};
 pub use mqstate_clock::{Clock, SharedClock};
 pub use peers::{Forward, GroupKey, PeerId, Peers, Plan, Settled};
 pub use persist::StoredSession;
-pub use persist::{Durable, JournalError, Restored, SessionChange, SessionJournal};
+pub use persist::{
+    Durable, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
+    SessionSource,
+};
 pub use server::{serve, Listener};
 pub use service::{
     Acker, Adoption, Broker, BrokerBuilder, ClientEvent, RestoreReport, ServiceInbox,

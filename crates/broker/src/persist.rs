@@ -50,6 +50,38 @@ pub trait SessionJournal: Send + Sync {
     fn record(&self, changes: Vec<SessionChange>) -> Durable;
 }
 
+/// What a [`SessionSource`] found.
+pub type Locating = Pin<Box<dyn Future<Output = Result<Located, JournalError>> + Send>>;
+
+/// Where a client's session is, as a [`SessionSource`] answers on CONNECT.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Located {
+    /// This broker's copy (if it holds one) is the session: attach as usual.
+    Here,
+    /// Taken from elsewhere (now owned here): it replaces any copy this broker holds, and the
+    /// client resumes it with Session Present.
+    Taken(Box<StoredSession>),
+    /// No session exists anywhere: a copy this broker holds is stale; drop it.
+    Gone,
+}
+
+/// Where a cluster node finds the persistent sessions other nodes held (decision
+/// 0047). Asked on every CONNECT before the client attaches; the CONNACK waits for the
+/// answer, and an error refuses the CONNECT with 0x88 Server unavailable (retry), never with a
+/// fresh session in place of one that exists.
+pub trait SessionSource: Send + Sync {
+    /// Where `client_id`'s session is. `clean_start`: the client discards any session (the
+    /// source drops it everywhere); `persistent`: the new connection's session expiry is above 0;
+    /// `held_here`: this broker holds a copy.
+    fn locate(
+        &self,
+        client_id: &str,
+        clean_start: bool,
+        persistent: bool,
+        held_here: bool,
+    ) -> Locating;
+}
+
 /// A message in a session queue, with its per-subscriber QoS, retain flag and subscription ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {

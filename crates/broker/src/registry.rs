@@ -382,6 +382,11 @@ impl Registry {
     }
 
     /// Number of sessions, connected or not.
+    /// Whether `client_id` has a session here.
+    pub(crate) fn contains(&self, client_id: &str) -> bool {
+        self.lock().by_client.contains_key(client_id)
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.lock().by_client.len()
     }

@@ -50,7 +50,9 @@ use crate::config::BrokerConfig;
 use crate::error::BrokerError;
 use crate::limits::{Connections, MAX_REFUSALS_IN_PROGRESS};
 use crate::message::{Message, QoS};
-use crate::persist::{wall, Durable, Restored, SessionChange, SessionJournal, StoredSession};
+use crate::persist::{
+    wall, Durable, Restored, SessionChange, SessionJournal, SessionSource, StoredSession,
+};
 use crate::queue::QueueLimit;
 use crate::registry::{Control, Effects, Registry, Taken, Timer, Untaken};
 use crate::router::Router;
@@ -141,6 +143,7 @@ pub struct BrokerBuilder {
     config: BrokerConfig,
     security: Security,
     journal: Option<Arc<dyn SessionJournal>>,
+    elsewhere: Option<Arc<dyn SessionSource>>,
     clock: SharedClock,
     client_ids: ClientIds,
 }
@@ -156,6 +159,13 @@ impl BrokerBuilder {
     /// what is recorded only once it is durable (default: memory only).
     pub fn journal(mut self, journal: Arc<dyn SessionJournal>) -> Self {
         self.journal = Some(journal);
+        self
+    }
+
+    /// Ask `source` on every CONNECT whether the client's session lives elsewhere (a cluster
+    /// node; decision 0047). Default: sessions are this broker's only.
+    pub fn sessions_elsewhere(mut self, source: Arc<dyn SessionSource>) -> Self {
+        self.elsewhere = Some(source);
         self
     }
 
@@ -199,6 +209,8 @@ pub(crate) struct Inner {
     events: broadcast::Sender<ClientEvent>,
     next_conn_id: AtomicU64,
     journal: Option<Arc<dyn SessionJournal>>,
+    /// Where sessions held by other nodes are found (a cluster node), asked on CONNECT.
+    pub elsewhere: Option<Arc<dyn SessionSource>>,
     pub clock: SharedClock,
     pub client_ids: ClientIds,
 }
@@ -216,6 +228,7 @@ impl Broker {
             config,
             security: Security::default(),
             journal: None,
+            elsewhere: None,
             clock: mqstate_clock::system(),
             client_ids: ClientIds::random(),
         }
@@ -226,6 +239,7 @@ impl Broker {
             config,
             security,
             journal,
+            elsewhere,
             clock,
             client_ids,
         } = builder;
@@ -260,6 +274,7 @@ impl Broker {
             events,
             next_conn_id: AtomicU64::new(1),
             journal,
+            elsewhere,
             clock,
             client_ids,
         };
@@ -448,6 +463,25 @@ impl Broker {
         let exported = restored.sessions.remove(client_id);
         debug_assert!(exported.is_some(), "an image starts with Created");
         Ok(exported.unwrap_or_default())
+    }
+
+    /// Drops this broker's copy of `client_id`'s session without recording anything: another
+    /// node owns the session now (a cluster node learnt it when its write was fenced). A
+    /// connected session is disconnected with 0x8E Session taken over first, and dropped when
+    /// the next CONNECT of the client finds it. Returns whether a copy was dropped.
+    pub fn forget_session(&self, client_id: &str) -> bool {
+        match self.inner.forget(client_id) {
+            Ok(dropped) => dropped,
+            Err(Untaken::Connected) => {
+                self.disconnect(
+                    client_id,
+                    crate::codec::reason::SESSION_TAKEN_OVER,
+                    Some("the session moved to another node"),
+                );
+                false
+            }
+            Err(Untaken::Missing) => false,
+        }
     }
 
     /// Puts a session handed over by another node ([`Broker::export_session`]) into this running
@@ -650,6 +684,38 @@ impl Inner {
             expire_at: expire_at_ms.map(|at| now + Duration::from_millis(at - now_ms)),
         };
         Ok((Some(timer), durable))
+    }
+
+    /// Takes `client_id`'s session out without recording anything (another node owns it): its
+    /// pending delayed will goes with it, its timers find nothing. `Ok(false)` if there was none.
+    pub(crate) fn forget(&self, client_id: &str) -> Result<bool, Untaken> {
+        let handle = match self.registry.take(client_id) {
+            Ok(Taken { handle, .. }) => handle,
+            Err(Untaken::Missing) => return Ok(false),
+            Err(why) => return Err(why),
+        };
+        self.router.remove_handed_over(&handle);
+        let mut state = handle.lock();
+        // Not ours to delete: the owner's copy lives on.
+        state.in_journal = false;
+        state.end();
+        debug_assert!(state.changes.is_empty());
+        tracing::debug!(client_id, "stale copy of a session dropped");
+        Ok(true)
+    }
+
+    /// Puts a session taken from elsewhere into the registry (it must hold none for the
+    /// client): the journal records it whole; resolves when that is durable.
+    pub(crate) fn take_in(
+        self: &Arc<Self>,
+        client_id: Arc<str>,
+        stored: StoredSession,
+    ) -> Result<Option<Durable>, BrokerError> {
+        Broker {
+            inner: Arc::clone(self),
+        }
+        .adopt_session(client_id, stored)
+        .map(|adoption| adoption.durable)
     }
 
     /// Publishes the wills that came due and arms the timers of sessions put back.

@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 
 use crate::batch::Peers;
 use crate::log::ChainLog;
+use crate::space::{self, CatchUp};
 
 /// How often replicas tick (resends, repair) and views are checked against the control plane.
 pub const TICK: Duration = Duration::from_millis(100);
@@ -85,6 +86,7 @@ impl Driver {
             next_request: 1,
             peers: Peers::new(Arc::clone(&node)),
             tx: tx.clone(),
+            catch_up: CatchUp::default(),
         };
         let task = tokio::spawn(actor.run(rx, stop));
         (Driver { tx }, task)
@@ -181,6 +183,8 @@ struct Actor {
     next_request: u64,
     peers: Peers,
     tx: mpsc::UnboundedSender<Input>,
+    /// Catch-up of the two replicas (key spaces) of each partition.
+    catch_up: CatchUp,
 }
 
 impl Actor {
@@ -218,11 +222,14 @@ impl Actor {
     /// Gives the replica the control plane's current answer: the view this node may act under
     /// now, or none.
     fn refresh_view(&mut self, partition: u32) {
-        let view = self.node.acting_partition(partition).map(|p| View {
-            id: p.view,
-            chain: p.chain,
-            read_view: p.read_view,
-        });
+        let view = self
+            .node
+            .acting_partition(space::control(partition))
+            .map(|p| View {
+                id: p.view,
+                chain: p.chain,
+                read_view: p.read_view,
+            });
         self.replica(partition).set_view(view);
     }
 
@@ -324,12 +331,12 @@ impl Actor {
         let Some(count) = self.node.partition_count() else {
             return;
         };
-        for partition in 0..count {
+        for partition in (0..count).flat_map(space::replicas) {
             let involved = self.replicas.contains_key(&partition)
                 || self.restored.contains_key(&partition)
                 || self
                     .node
-                    .partition(partition)
+                    .partition(space::control(partition))
                     .is_some_and(|p| p.chain.contains(&self.id));
             if !involved {
                 continue;
@@ -381,6 +388,9 @@ impl Actor {
                     }
                 }
                 Output::CaughtUp { view } => {
+                    let Some(partition) = self.catch_up.reached(partition, view) else {
+                        continue;
+                    };
                     let node = Arc::clone(&self.node);
                     tokio::spawn(async move { node.report_caught_up(partition, view).await });
                 }

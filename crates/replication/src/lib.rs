@@ -29,6 +29,8 @@ pub mod log;
 pub mod notify;
 pub mod rows;
 pub mod scan;
+pub mod sessions;
+pub mod space;
 pub mod wire;
 
 use std::collections::{BTreeMap, HashMap};
@@ -56,13 +58,13 @@ use crate::wire::{
 };
 
 /// A request is retried (head unknown, no view yet, head changing) this often within its expiry.
-const RETRY_EVERY: Duration = Duration::from_millis(100);
+pub(crate) const RETRY_EVERY: Duration = Duration::from_millis(100);
 /// Longest a request is tried, whatever its expiry.
 const MAX_TRY: Duration = Duration::from_secs(30);
 /// How long one step at the head (a read, a chain write) may take.
-const STEP_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const STEP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Executions at the head of one request, when other writes to its key keep winning.
-const MAX_ATTEMPTS: usize = 16;
+pub(crate) const MAX_ATTEMPTS: usize = 16;
 
 /// The data plane of a cluster node.
 pub struct Replication {
@@ -335,6 +337,9 @@ impl Replication {
                     },
                     None => DataResponse::Retry("the cluster has not formed yet".into()),
                 }
+            }
+            Ok(request @ (DataRequest::SessionRead { .. } | DataRequest::SessionWrite { .. })) => {
+                self.handle_session(request).await
             }
             Err(e) => DataResponse::Refused(format!("data request does not decode: {e}")),
         };

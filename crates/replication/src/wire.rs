@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use mqstate_chain::Message;
+use mqstate_chain::{Message, Version};
 
 /// A state-store request as the node that received it hands it to a partition's head: the
 /// envelope's checks (response topic, `__ts`/`__ft` syntax, key access, rate) were made there.
@@ -88,6 +88,39 @@ pub enum DataRequest {
         partitions: Vec<u32>,
         page: ScanPage,
     },
+    /// Read a session row at the head of the client id's partition (sessions space).
+    SessionRead { client_id: String },
+    /// Write (`None`: delete) a session row at the head, if the row is as `expect` says.
+    SessionWrite {
+        client_id: String,
+        value: Option<Vec<u8>>,
+        expect: RowExpect,
+    },
+}
+
+/// The condition of a session row write: compare-and-set on the row's version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RowExpect {
+    /// No value (never written, or deleted).
+    Absent,
+    /// The row is at exactly this version.
+    Version(Version),
+}
+
+/// A session row as the head read it: its committed value (`None`: none) and version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionRow {
+    pub value: Option<Vec<u8>>,
+    pub version: Option<Version>,
+}
+
+/// What became of a session row write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RowWritten {
+    /// Committed through the chain (every replica of the write view fsynced it) at this version.
+    Written(Version),
+    /// Not written: the row is not as expected; its version now.
+    Conflict(Option<Version>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +135,8 @@ pub enum DataResponse {
     Refused(String),
     /// The parts of a SCAN page, per partition; `None` where this node is not the head now.
     Scanned(Vec<(u32, Option<PartScan>)>),
+    SessionRow(SessionRow),
+    SessionWritten(RowWritten),
 }
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
@@ -129,6 +164,16 @@ mod tests {
             expiry_ms: 10_000,
         });
         assert_eq!(decode::<DataRequest>(&encode(&request)).unwrap(), request);
+        let write = DataRequest::SessionWrite {
+            client_id: "c".into(),
+            value: Some(vec![9]),
+            expect: RowExpect::Version(Version {
+                wall_ms: 5,
+                counter: 1,
+                node: 2,
+            }),
+        };
+        assert_eq!(decode::<DataRequest>(&encode(&write)).unwrap(), write);
         assert!(decode::<DataRequest>(&[0xff, 0xff, 0xff]).is_err());
         assert!(decode::<DataResponse>(&[]).is_err());
     }

@@ -18,6 +18,9 @@
 //! back in memory: the broker's state stays ahead of the disk, and the callers that were refused
 //! know it.
 
+pub mod replicated;
+pub mod row;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -1,0 +1,102 @@
+//! CONNECT on a cluster node: before the client attaches, ask the broker's `SessionSource`
+//! whether its session lives elsewhere, and put what it found in place (decision
+//! 0047). Kept apart from the handshake so the cluster-wide client-id claim, which
+//! runs before it, merges next to it.
+
+use tokio::time::Instant;
+
+use super::Connection;
+use crate::codec::reason;
+use crate::persist::Located;
+use crate::registry::Untaken;
+
+/// How long to wait between tries to drop a stale copy that a connection here still holds.
+const RETAKE_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
+impl Connection {
+    /// Asks where the session is and makes this broker hold the right copy before `attach`.
+    /// Returns `false` (with the refusing CONNACK written) if the connection must close: the
+    /// session could not be located (0x88 Server unavailable: retry) or a stale copy is still
+    /// held by a connection here past `deadline` (0x89 Server busy: retry).
+    pub(super) async fn locate_elsewhere(&mut self, deadline: Instant) -> bool {
+        let Some(source) = self.inner.elsewhere.clone() else {
+            return true;
+        };
+        let held_here = self.inner.registry.contains(&self.client_id);
+        let located = source
+            .locate(
+                &self.client_id,
+                self.connect.clean_start,
+                self.session_expiry_secs > 0,
+                held_here,
+            )
+            .await;
+        let taken = match located {
+            Ok(Located::Here) => return true,
+            Ok(Located::Gone) => None,
+            Ok(Located::Taken(stored)) => Some(stored),
+            Err(error) => {
+                tracing::warn!(client_id = %self.client_id, %error, "CONNECT refused: the session could not be located in the cluster");
+                self.codec.refuse_connack(
+                    reason::SERVER_UNAVAILABLE,
+                    Some("the session's replicas are not reachable now; retry"),
+                    &mut self.out,
+                );
+                return false;
+            }
+        };
+        // The copy here (if any) is stale: drop it, unrecorded; a connection still on it is
+        // told the session moved.
+        loop {
+            match self.inner.forget(&self.client_id) {
+                Ok(_) => break,
+                Err(Untaken::Missing) => break,
+                Err(Untaken::Connected) if self.inner.clock.tokio_now() < deadline => {
+                    self.inner.registry.send_control(
+                        &self.client_id,
+                        crate::registry::Control::Disconnect {
+                            reason_code: reason::SESSION_TAKEN_OVER,
+                            reason_string: Some("the session moved to another node".into()),
+                        },
+                    );
+                    tokio::time::sleep(RETAKE_EVERY).await;
+                }
+                Err(Untaken::Connected) => {
+                    self.codec.refuse_connack(
+                        reason::SERVER_BUSY,
+                        Some("an earlier connection still holds the session; retry"),
+                        &mut self.out,
+                    );
+                    return false;
+                }
+            }
+        }
+        let Some(stored) = taken else { return true };
+        let durable = match self.inner.take_in(self.client_id.clone(), *stored) {
+            Ok(durable) => durable,
+            Err(error) => {
+                // Another CONNECT of the same client put a session here meanwhile.
+                tracing::warn!(client_id = %self.client_id, %error, "CONNECT refused: a session raced it");
+                self.codec.refuse_connack(
+                    reason::SERVER_BUSY,
+                    Some("another connection of this client is being set up; retry"),
+                    &mut self.out,
+                );
+                return false;
+            }
+        };
+        if let Some(durable) = durable {
+            if let Err(error) = durable.await {
+                tracing::warn!(client_id = %self.client_id, %error, "CONNECT refused: the restored session is not durable here");
+                self.codec.refuse_connack(
+                    reason::SERVER_UNAVAILABLE,
+                    Some("the session could not be stored; retry"),
+                    &mut self.out,
+                );
+                return false;
+            }
+        }
+        tracing::info!(client_id = %self.client_id, "session restored from the cluster");
+        true
+    }
+}

@@ -1,0 +1,609 @@
+//! Persistent sessions on the chains of a cluster node (decision 0047).
+//!
+//! [`ReplicatedSessions`] is both the broker's journal and its `SessionSource`:
+//!
+//! * `record` applies a session's changes to a mirror of the sessions this node owns (the same
+//!   `Restored` model recovery uses) and has the session's row written through its chain — one
+//!   row per session, keyed by client id, holding the session's whole image ([`crate::row`]).
+//!   While a write of a session is under way, its further changes accumulate and go in the next
+//!   write (per-session group commit). A change counts as durable once a row write that
+//!   includes it was answered `Written`: every replica of the write view fsynced it. Retained
+//!   messages stay in the node's own session log.
+//! * `locate` (every CONNECT) reads the client's row at its partition's head. A row another node
+//!   owns, or this node under an older epoch, is taken over: written back with this node as
+//!   owner and the epoch raised (compare-and-set on the version read), then handed to the broker
+//!   to adopt. A clean start deletes the row.
+//! * Every write is a compare-and-set on the version this node last wrote or read: a node that
+//!   lost the session (another took it over) finds its write refused, stops writing the session
+//!   and drops its copy (`Broker::forget_session`).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use mqstate_broker::{
+    Broker, Durable, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
+    SessionSource,
+};
+pub use mqstate_chain::Version;
+use tokio::sync::watch;
+
+use crate::row::{self, SessionRow};
+
+/// How long a row read or write may wait for its partition to have a head.
+pub const ROW_BUDGET: Duration = Duration::from_secs(10);
+/// A failed row write (partition unavailable) is tried again this often.
+const REWRITE_EVERY: Duration = Duration::from_millis(500);
+
+pub type RowFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, String>> + Send + 'a>>;
+
+/// A session row as read at its partition's head.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ReadRow {
+    pub value: Option<Vec<u8>>,
+    pub version: Option<Version>,
+}
+
+/// The session rows of the cluster (the binary implements it over `mqstate-replication`).
+pub trait SessionRows: Send + Sync {
+    /// The committed row of `client_id` (linearizable).
+    fn read<'a>(&'a self, client_id: &'a str) -> RowFuture<'a, ReadRow>;
+    /// Writes the row (`None` deletes it) if its version is `base` (`None`: no value). `Ok(Ok)`
+    /// with the new version, `Ok(Err)` with the row's version if it was not at `base`.
+    fn write<'a>(
+        &'a self,
+        client_id: &'a str,
+        value: Option<Vec<u8>>,
+        base: Option<Version>,
+    ) -> RowFuture<'a, Result<Version, Option<Version>>>;
+}
+
+/// This node's relation to a client's session row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Taken over (or cleared) by `locate`: the broker's next `Created` makes it owned.
+    Claimed,
+    /// Owned: changes are applied and written.
+    Owned,
+    /// Another node took it over: nothing more is written.
+    Lost,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Status {
+    /// Every change up to this generation is in a written row.
+    written: u64,
+    /// Changes up to this generation were in a write that failed (unless `written` covers them).
+    failed: u64,
+    lost: bool,
+}
+
+struct Entry {
+    role: Role,
+    /// The row's version this node knows (the base of its next write); `None`: no row.
+    base: Option<Version>,
+    epoch: u64,
+    /// Changes applied to the mirror so far.
+    generation: u64,
+    status: watch::Sender<Status>,
+    flushing: bool,
+}
+
+#[derive(Default)]
+struct State {
+    /// The sessions this node owns, as their rows will hold them.
+    mirror: Restored,
+    entries: HashMap<Arc<str>, Entry>,
+}
+
+struct Shared {
+    node: u64,
+    rows: OnceLock<Arc<dyn SessionRows>>,
+    broker: OnceLock<Broker>,
+    state: Mutex<State>,
+}
+
+/// The journal and session source of a cluster node; retained messages go to `local`.
+#[derive(Clone)]
+pub struct ReplicatedSessions {
+    shared: Arc<Shared>,
+    local: Arc<dyn SessionJournal>,
+}
+
+impl ReplicatedSessions {
+    /// For node `node`; rows and broker are attached once they exist.
+    pub fn new(node: u64, local: Arc<dyn SessionJournal>) -> Self {
+        ReplicatedSessions {
+            shared: Arc::new(Shared {
+                node,
+                rows: OnceLock::new(),
+                broker: OnceLock::new(),
+                state: Mutex::new(State::default()),
+            }),
+            local,
+        }
+    }
+
+    /// The cluster's session rows (before this, every CONNECT is refused retryably).
+    pub fn attach_rows(&self, rows: Arc<dyn SessionRows>) {
+        let _ = self.shared.rows.set(rows);
+    }
+
+    /// The broker whose copies of sessions lost to other nodes are dropped.
+    pub fn attach_broker(&self, broker: Broker) {
+        let _ = self.shared.broker.set(broker);
+    }
+}
+
+fn client_of(change: &SessionChange) -> Option<&Arc<str>> {
+    use SessionChange::*;
+    match change {
+        Created { client_id, .. }
+        | Attached { client_id, .. }
+        | Detached { client_id, .. }
+        | Subscribed { client_id, .. }
+        | Unsubscribed { client_id, .. }
+        | Appended { client_id, .. }
+        | Sent { client_id, .. }
+        | Released { client_id, .. }
+        | Removed { client_id, .. }
+        | Deleted { client_id }
+        | Qos2Received { client_id, .. }
+        | Qos2Released { client_id, .. }
+        | WillScheduled { client_id, .. }
+        | WillCancelled { client_id } => Some(client_id),
+        RetainedSet { .. } | RetainedCleared { .. } => None,
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn rows(&self) -> Result<Arc<dyn SessionRows>, String> {
+        self.rows
+            .get()
+            .cloned()
+            .ok_or_else(|| "the cluster's data plane has not started yet".to_owned())
+    }
+}
+
+impl SessionJournal for ReplicatedSessions {
+    fn record(&self, changes: Vec<SessionChange>) -> Durable {
+        let mut retained = Vec::new();
+        let mut waits = Vec::new();
+        let mut refused = None;
+        {
+            let mut state = self.shared.lock();
+            let State { mirror, entries } = &mut *state;
+            for change in changes {
+                let Some(client_id) = client_of(&change).cloned() else {
+                    retained.push(change);
+                    continue;
+                };
+                let Some(entry) = entries.get_mut(&client_id) else {
+                    refused = Some(format!("session {client_id} is not held by this node"));
+                    continue;
+                };
+                if matches!(change, SessionChange::Created { .. }) && entry.role == Role::Claimed {
+                    entry.role = Role::Owned;
+                }
+                if entry.role != Role::Owned {
+                    refused = Some(format!("session {client_id} moved to another node"));
+                    continue;
+                }
+                mirror.apply(change);
+                entry.generation += 1;
+                let generation = entry.generation;
+                match waits.last_mut() {
+                    Some((id, _, g)) if *id == client_id => *g = generation,
+                    _ => waits.push((client_id, entry.status.subscribe(), generation)),
+                }
+            }
+            for (client_id, _, _) in &waits {
+                if let Some(entry) = entries.get_mut(client_id) {
+                    if !entry.flushing {
+                        entry.flushing = true;
+                        tokio::spawn(flush(Arc::clone(&self.shared), client_id.clone()));
+                    }
+                }
+            }
+        }
+        let local = (!retained.is_empty()).then(|| self.local.record(retained));
+        Box::pin(async move {
+            if let Some(reason) = refused {
+                return Err(JournalError(reason));
+            }
+            if let Some(local) = local {
+                local.await?;
+            }
+            for (client_id, mut status, generation) in waits {
+                let outcome = status
+                    .wait_for(|s| s.written >= generation || s.failed >= generation || s.lost)
+                    .await
+                    .map(|s| *s);
+                match outcome {
+                    Ok(s) if s.written >= generation => {}
+                    Ok(s) if s.lost => {
+                        return Err(JournalError(format!(
+                            "session {client_id} moved to another node"
+                        )))
+                    }
+                    _ => {
+                        return Err(JournalError(format!(
+                            "session {client_id} could not be written to its replicas"
+                        )))
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Writes `client_id`'s row until it holds every change applied to the mirror.
+async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
+    loop {
+        let (value, base, generation) = {
+            let mut state = shared.lock();
+            let State { mirror, entries } = &mut *state;
+            let Some(entry) = entries.get_mut(&client_id) else {
+                return;
+            };
+            if entry.role != Role::Owned || entry.status.borrow().written >= entry.generation {
+                entry.flushing = false;
+                return;
+            }
+            let value = mirror.sessions.get(&client_id).map(|session| {
+                row::encode(
+                    &client_id,
+                    &SessionRow {
+                        owner: shared.node,
+                        epoch: entry.epoch,
+                        session: session.clone(),
+                    },
+                )
+            });
+            (value, entry.base, entry.generation)
+        };
+        let outcome = match shared.rows() {
+            Ok(rows) => rows.write(&client_id, value, base).await,
+            Err(reason) => Err(reason),
+        };
+        match outcome {
+            Ok(Ok(version)) => {
+                let mut state = shared.lock();
+                if let Some(entry) = state.entries.get_mut(&client_id) {
+                    entry.base = Some(version);
+                    entry.status.send_modify(|s| s.written = generation);
+                }
+            }
+            Ok(Err(current)) => {
+                // Our own earlier write whose answer was lost, or another node's take-over.
+                if !still_ours(&shared, &client_id, current).await {
+                    lose(&shared, &client_id);
+                    return;
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(%client_id, "a session row could not be written: {reason}");
+                {
+                    let state = shared.lock();
+                    if let Some(entry) = state.entries.get(&client_id) {
+                        entry.status.send_modify(|s| s.failed = generation);
+                    }
+                }
+                tokio::time::sleep(REWRITE_EVERY).await;
+            }
+        }
+    }
+}
+
+/// After a refused write: reads the row; if this node under its epoch wrote it, adopts its
+/// version as the base and returns `true`.
+async fn still_ours(shared: &Shared, client_id: &Arc<str>, current: Option<Version>) -> bool {
+    let Ok(rows) = shared.rows() else {
+        return false;
+    };
+    let read = match rows.read(client_id).await {
+        Ok(read) => read,
+        // Unknown: try the write again later (it will be refused again if we lost it).
+        Err(_) => return true,
+    };
+    let mine = read
+        .value
+        .as_deref()
+        .map(|value| row::decode(client_id, value))
+        .and_then(Result::ok)
+        .map(|row| (row.owner, row.epoch));
+    let mut state = shared.lock();
+    let Some(entry) = state.entries.get_mut(client_id) else {
+        return false;
+    };
+    if mine == Some((shared.node, entry.epoch)) {
+        tracing::debug!(%client_id, ?current, "a session row write of ours landed unanswered");
+        entry.base = read.version;
+        true
+    } else {
+        false
+    }
+}
+
+/// Another node owns the session now: stop writing it, fail what waits, drop the copy here.
+fn lose(shared: &Shared, client_id: &Arc<str>) {
+    {
+        let mut state = shared.lock();
+        state.mirror.sessions.remove(client_id);
+        if let Some(entry) = state.entries.get_mut(client_id) {
+            entry.role = Role::Lost;
+            entry.flushing = false;
+            entry.status.send_modify(|s| s.lost = true);
+        }
+    }
+    tracing::info!(%client_id, "session taken over by another node; the copy here is dropped");
+    if let Some(broker) = shared.broker.get() {
+        broker.forget_session(client_id);
+    }
+}
+
+impl SessionSource for ReplicatedSessions {
+    fn locate(
+        &self,
+        client_id: &str,
+        clean_start: bool,
+        persistent: bool,
+        held_here: bool,
+    ) -> Locating {
+        let shared = Arc::clone(&self.shared);
+        let client_id: Arc<str> = client_id.into();
+        if clean_start && !persistent && !held_here {
+            // A clean session is not replicated, and its CONNACK does not wait for the chains
+            // (state-store clients, the admin CLI: they must connect while a partition fails
+            // over or the cluster forms): a row held elsewhere is deleted in the background.
+            // (With a copy here, the delete is waited for, as for a persistent session.)
+            tokio::spawn(async move {
+                if let Err(e) = locate(&shared, client_id.clone(), true, false).await {
+                    tracing::warn!(%client_id, "a clean start could not discard the session's row: {e}");
+                }
+            });
+            return Box::pin(async { Ok(Located::Here) });
+        }
+        Box::pin(async move {
+            locate(&shared, client_id, clean_start, held_here)
+                .await
+                .map_err(JournalError)
+        })
+    }
+}
+
+async fn locate(
+    shared: &Shared,
+    client_id: Arc<str>,
+    clean_start: bool,
+    held_here: bool,
+) -> Result<Located, String> {
+    let rows = shared.rows()?;
+    let read = rows.read(&client_id).await?;
+    let row = match read.value.as_deref().map(|v| row::decode(&client_id, v)) {
+        Some(Ok(row)) => Some(row),
+        Some(Err(e)) => {
+            // A damaged row is not a session that does not exist: refuse (an operator looks).
+            tracing::error!(%client_id, "the session row does not decode: {e}");
+            return Err(format!("the session row of {client_id} is damaged: {e}"));
+        }
+        None => None,
+    };
+    let known_epoch = {
+        let state = shared.lock();
+        let entry = state.entries.get(&client_id);
+        if let (Some(entry), Some(row), false, true) = (entry, &row, clean_start, held_here) {
+            if entry.role == Role::Owned && row.owner == shared.node && row.epoch == entry.epoch {
+                return Ok(Located::Here);
+            }
+        }
+        entry.map_or(0, |e| e.epoch)
+    };
+    let epoch = known_epoch.max(row.as_ref().map_or(0, |r| r.epoch)) + 1;
+    let (base, located) = match row {
+        Some(row) if !clean_start => {
+            let value = row::encode(
+                &client_id,
+                &SessionRow {
+                    owner: shared.node,
+                    epoch,
+                    session: row.session.clone(),
+                },
+            );
+            match rows.write(&client_id, Some(value), read.version).await? {
+                Ok(version) => (Some(version), Located::Taken(Box::new(row.session))),
+                Err(_) => return Err("the session changed while it was taken over".into()),
+            }
+        }
+        // A clean start discards the session everywhere.
+        Some(_) => match rows.write(&client_id, None, read.version).await? {
+            Ok(version) => (Some(version), Located::Gone),
+            Err(_) => return Err("the session changed while it was discarded".into()),
+        },
+        None => (read.version, Located::Gone),
+    };
+    let mut state = shared.lock();
+    state.mirror.sessions.remove(&client_id);
+    let previous = state.entries.remove(&client_id);
+    if let Some(previous) = previous {
+        // Whoever waits on the copy this replaces is told it is gone.
+        previous.status.send_modify(|s| s.lost = true);
+    }
+    let (status, _) = watch::channel(Status::default());
+    state.entries.insert(
+        client_id,
+        Entry {
+            role: Role::Claimed,
+            base,
+            epoch,
+            generation: 0,
+            status,
+            flushing: false,
+        },
+    );
+    Ok(located)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use bytestring::ByteString;
+    use mqstate_broker::session::SubscriptionOptions;
+    use mqstate_broker::QoS;
+
+    use super::*;
+
+    /// Rows in memory with the chain head's compare-and-set (the real chain runs in
+    /// `tests/cluster_sessions.rs`).
+    type Stored = (Option<Vec<u8>>, Version);
+
+    #[derive(Default)]
+    struct MemoryRows(Mutex<HashMap<String, Stored>>);
+
+    impl SessionRows for MemoryRows {
+        fn read<'a>(&'a self, client_id: &'a str) -> RowFuture<'a, ReadRow> {
+            let rows = self.0.lock().unwrap();
+            let row = rows.get(client_id).cloned();
+            Box::pin(async move {
+                Ok(
+                    row.map_or_else(ReadRow::default, |(value, version)| ReadRow {
+                        value,
+                        version: Some(version),
+                    }),
+                )
+            })
+        }
+
+        fn write<'a>(
+            &'a self,
+            client_id: &'a str,
+            value: Option<Vec<u8>>,
+            base: Option<Version>,
+        ) -> RowFuture<'a, Result<Version, Option<Version>>> {
+            let mut rows = self.0.lock().unwrap();
+            let current = rows.get(client_id).cloned();
+            let holds = match (&current, base) {
+                (None, None) => true,
+                (Some((value, _)), None) => value.is_none(),
+                (Some((_, version)), Some(base)) => *version == base,
+                (None, Some(_)) => false,
+            };
+            let outcome = if holds {
+                let wall_ms = current.as_ref().map_or(0, |(_, v)| v.wall_ms) + 1;
+                let version = Version {
+                    wall_ms,
+                    counter: 0,
+                    node: 0,
+                };
+                rows.insert(client_id.to_owned(), (value, version));
+                Ok(version)
+            } else {
+                Err(current.map(|(_, v)| v))
+            };
+            Box::pin(async move { Ok(outcome) })
+        }
+    }
+
+    struct Local;
+
+    impl SessionJournal for Local {
+        fn record(&self, _: Vec<SessionChange>) -> Durable {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn node(id: u64, rows: &Arc<MemoryRows>) -> ReplicatedSessions {
+        let sessions = ReplicatedSessions::new(id, Arc::new(Local));
+        sessions.attach_rows(rows.clone());
+        sessions
+    }
+
+    fn subscribed(filter: &str) -> SessionChange {
+        SessionChange::Subscribed {
+            client_id: "c".into(),
+            filter: ByteString::from(filter),
+            options: SubscriptionOptions {
+                qos: QoS::AtLeastOnce,
+                no_local: false,
+                retain_as_published: false,
+                retain_handling: 0,
+                subscription_id: None,
+            },
+        }
+    }
+
+    fn row_of(rows: &MemoryRows) -> SessionRow {
+        let value = rows.0.lock().unwrap()["c"].0.clone().expect("a row");
+        row::decode("c", &value).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_session_taken_over_is_fenced_on_its_old_node() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+
+        assert_eq!(a.locate("c", false, true, false).await, Ok(Located::Gone));
+        let created = SessionChange::Created {
+            client_id: "c".into(),
+            expiry_secs: 60,
+        };
+        a.record(vec![created.clone(), subscribed("a/#")])
+            .await
+            .unwrap();
+        let row = row_of(&rows);
+        assert_eq!((row.owner, row.subscriptions_len()), (1, 1));
+        // Node 1 asked again while it owns the row: its own copy is the session.
+        assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Here));
+
+        let Ok(Located::Taken(session)) = b.locate("c", false, true, false).await else {
+            panic!("node 2 takes the session over");
+        };
+        assert!(session.subscriptions.contains_key("a/#"));
+        let taken = row_of(&rows);
+        assert_eq!(taken.owner, 2);
+        assert!(taken.epoch > row.epoch);
+        b.record(row::image_of(&"c".into(), &session))
+            .await
+            .unwrap();
+
+        // Node 1 still thinks it owns it: its write is refused and nothing it says lands.
+        let refused = a.record(vec![subscribed("stale/#")]).await;
+        assert!(refused.is_err(), "a fenced write is not durable");
+        assert!(a.record(vec![subscribed("later/#")]).await.is_err());
+        b.record(vec![subscribed("b/#")]).await.unwrap();
+        let now = row_of(&rows);
+        assert_eq!(now.owner, 2);
+        let filters: Vec<&str> = now.session.subscriptions.keys().map(|f| &**f).collect();
+        assert_eq!(filters, ["a/#", "b/#"]);
+    }
+
+    #[tokio::test]
+    async fn a_clean_start_deletes_the_row() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        a.locate("c", false, true, false).await.unwrap();
+        a.record(vec![SessionChange::Created {
+            client_id: "c".into(),
+            expiry_secs: 60,
+        }])
+        .await
+        .unwrap();
+        assert_eq!(b.locate("c", true, true, false).await, Ok(Located::Gone));
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
+        assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
+    }
+
+    impl SessionRow {
+        fn subscriptions_len(&self) -> usize {
+            self.session.subscriptions.len()
+        }
+    }
+}

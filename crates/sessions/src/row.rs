@@ -1,0 +1,253 @@
+//! A persistent session as one chain row (decision 0047): who owns it, under which
+//! epoch, and the session's image in the journal's own change encoding
+//! (`mqstate_broker::persist::encode_changes`, documented in `docs/storage-format.md`).
+//!
+//! ```text
+//! row   = version u8 (= 1), owner u64, epoch u64, image
+//! image = the change list that recreates the session from nothing (Created first)
+//! ```
+//!
+//! Big-endian like every other format. The bytes come from other nodes and from the chain log on
+//! disk: decoding never panics (proptest below, fuzz target `session_row`).
+
+use std::sync::Arc;
+
+use bytes::{BufMut, BytesMut};
+use mqstate_broker::persist::{decode_changes, encode_changes, DecodeError};
+use mqstate_broker::{Restored, SessionChange, StoredSession};
+
+/// Version byte at the start of a session row.
+pub const ROW_VERSION: u8 = 1;
+const HEADER: usize = 1 + 8 + 8;
+
+/// A session row, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionRow {
+    /// The node that owns the session: the only one that writes it.
+    pub owner: u64,
+    /// Raised by every node that takes the session over (and every clean start), so an owner can
+    /// tell its own write from another's.
+    pub epoch: u64,
+    pub session: StoredSession,
+}
+
+/// Bytes that are not a session row of the expected client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RowError {
+    #[error("session row too short ({0} bytes)")]
+    Short(usize),
+    #[error("session row format {0} is not supported (this build reads {ROW_VERSION})")]
+    Version(u8),
+    #[error("session row image: {0}")]
+    Image(#[from] DecodeError),
+    #[error("session row does not hold the session of its client id")]
+    OtherClient,
+}
+
+/// Encodes `row` for `client_id`.
+pub fn encode(client_id: &Arc<str>, row: &SessionRow) -> Vec<u8> {
+    let image = encode_changes(&image_of(client_id, &row.session));
+    let mut out = BytesMut::with_capacity(HEADER + image.len());
+    out.put_u8(ROW_VERSION);
+    out.put_u64(row.owner);
+    out.put_u64(row.epoch);
+    out.extend_from_slice(&image);
+    out.to_vec()
+}
+
+/// Decodes the row of `client_id`.
+pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
+    if data.len() < HEADER {
+        return Err(RowError::Short(data.len()));
+    }
+    if data[0] != ROW_VERSION {
+        return Err(RowError::Version(data[0]));
+    }
+    let word = |at: usize| {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&data[at..at + 8]);
+        u64::from_be_bytes(bytes)
+    };
+    let (owner, epoch) = (word(1), word(9));
+    let mut restored = Restored::default();
+    for change in decode_changes(&data[HEADER..])? {
+        restored.apply(change);
+    }
+    let session = restored
+        .sessions
+        .remove(client_id)
+        .ok_or(RowError::OtherClient)?;
+    if !restored.sessions.is_empty() || !restored.retained.is_empty() {
+        return Err(RowError::OtherClient);
+    }
+    Ok(SessionRow {
+        owner,
+        epoch,
+        session,
+    })
+}
+
+/// The changes that recreate `session` from nothing, as a journal snapshot holds it.
+pub fn image_of(client_id: &Arc<str>, session: &StoredSession) -> Vec<SessionChange> {
+    let id = || client_id.clone();
+    let mut image = vec![SessionChange::Created {
+        client_id: id(),
+        expiry_secs: session.expiry_secs,
+    }];
+    if let Some(at_ms) = session.detached_at_ms {
+        image.push(SessionChange::Detached {
+            client_id: id(),
+            expiry_secs: session.expiry_secs,
+            at_ms,
+        });
+    }
+    for (filter, options) in &session.subscriptions {
+        image.push(SessionChange::Subscribed {
+            client_id: id(),
+            filter: filter.clone(),
+            options: *options,
+        });
+    }
+    for &packet_id in &session.inbound_qos2 {
+        image.push(SessionChange::Qos2Received {
+            client_id: id(),
+            packet_id,
+        });
+    }
+    for (&seq, entry) in &session.messages {
+        image.push(SessionChange::Appended {
+            client_id: id(),
+            seq,
+            message: entry.message.clone(),
+        });
+        if let Some(packet_id) = entry.packet_id {
+            image.push(SessionChange::Sent {
+                client_id: id(),
+                seq,
+                packet_id,
+            });
+        }
+        if entry.released {
+            image.push(SessionChange::Released {
+                client_id: id(),
+                seq,
+            });
+        }
+    }
+    if let Some((will, at_ms)) = &session.will {
+        image.push(SessionChange::WillScheduled {
+            client_id: id(),
+            will: will.clone(),
+            at_ms: *at_ms,
+        });
+    }
+    image
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use bytestring::ByteString;
+    use mqstate_broker::persist::{StoredEntry, StoredMessage};
+    use mqstate_broker::session::SubscriptionOptions;
+    use mqstate_broker::{Message, QoS};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn message(seq: u64, qos: QoS) -> StoredEntry {
+        StoredEntry {
+            message: StoredMessage {
+                message: Arc::new(Message {
+                    topic: ByteString::from(format!("t/{seq}")),
+                    payload: Bytes::from(vec![seq as u8; 3]),
+                    qos,
+                    retain: false,
+                    properties: Default::default(),
+                }),
+                qos,
+                retain: false,
+                subscription_ids: vec![7],
+                received_at_ms: 1_000 + seq,
+            },
+            packet_id: seq.is_multiple_of(2).then_some(seq as u16 + 1),
+            released: seq.is_multiple_of(4) && qos == QoS::ExactlyOnce,
+        }
+    }
+
+    fn session(messages: u64) -> StoredSession {
+        let mut session = StoredSession {
+            expiry_secs: 300,
+            detached_at_ms: Some(5_000),
+            ..StoredSession::default()
+        };
+        for (filter, qos) in [("a/#", QoS::AtLeastOnce), ("b/+", QoS::ExactlyOnce)] {
+            session.subscriptions.insert(
+                ByteString::from(filter),
+                SubscriptionOptions {
+                    qos,
+                    no_local: false,
+                    retain_as_published: true,
+                    retain_handling: 0,
+                    subscription_id: Some(7),
+                },
+            );
+        }
+        session.inbound_qos2.insert(42);
+        for seq in 0..messages {
+            let qos = if seq.is_multiple_of(3) {
+                QoS::ExactlyOnce
+            } else {
+                QoS::AtLeastOnce
+            };
+            session.messages.insert(seq, message(seq, qos));
+        }
+        session
+    }
+
+    #[test]
+    fn a_session_row_round_trips() {
+        let client_id: Arc<str> = "sub-1".into();
+        let row = SessionRow {
+            owner: 3,
+            epoch: 9,
+            session: session(6),
+        };
+        let bytes = encode(&client_id, &row);
+        assert_eq!(decode("sub-1", &bytes), Ok(row));
+    }
+
+    #[test]
+    fn a_row_is_only_its_own_clients() {
+        let row = SessionRow {
+            owner: 1,
+            epoch: 1,
+            session: session(1),
+        };
+        let bytes = encode(&"a".into(), &row);
+        assert_eq!(decode("b", &bytes), Err(RowError::OtherClient));
+        assert_eq!(decode("a", &bytes[..5]), Err(RowError::Short(5)));
+        let mut other = bytes.clone();
+        other[0] = 2;
+        assert_eq!(decode("a", &other), Err(RowError::Version(2)));
+    }
+
+    proptest! {
+        #[test]
+        fn rows_round_trip(owner in any::<u64>(), epoch in any::<u64>(), messages in 0u64..20, expiry in any::<u32>()) {
+            let client_id: Arc<str> = "c".into();
+            let mut s = session(messages);
+            s.expiry_secs = expiry;
+            let row = SessionRow { owner, epoch, session: s };
+            prop_assert_eq!(decode("c", &encode(&client_id, &row)), Ok(row));
+        }
+
+        #[test]
+        fn any_bytes_decode_or_fail_without_panicking(body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Ok(row) = decode("c", &body) {
+                let again = encode(&"c".into(), &row);
+                prop_assert_eq!(decode("c", &again), Ok(row));
+            }
+        }
+    }
+}
