@@ -20,11 +20,11 @@ use mqstate_replication::log::ChainLog;
 use mqstate_replication::notify::Sink;
 use mqstate_replication::wire::{Committed, Routed, RowExpect, RowWritten};
 use mqstate_replication::{rows, Replication};
+use mqstate_sessions::replicated::{ReadRow, RowFuture, SessionRows, Version, ROW_BUDGET};
 use mqstate_statestore::router::{
     ClusterChange, ClusterChanges, KeyRouter, RoutedReply, RoutedRequest, Router, RouterFuture,
     ScanFuture, ScanRequest,
 };
-use mqstate_sessions::replicated::{ReadRow, RowFuture, SessionRows, Version, ROW_BUDGET};
 use mqstate_wal::WalOptions;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};

@@ -2,8 +2,8 @@
 //! on real `mqstate serve` processes with a raw MQTT 5 client (rumqttc's packet codec over a
 //! socket, so the test decides when to acknowledge and sees Session Present and reason codes):
 //!
-//! * a persistent subscriber (QoS 1 and 2) leaves node 1, messages are published on node 1, node
-//!   1 is killed with `kill -9`, the subscriber reconnects to node 3: Session Present, every
+//! * a persistent subscriber (QoS 1 and 2) leaves node 1, messages are published on node 2 (routed
+//!   to node 1, which holds the session, and stored on the session's chain), node 1 is killed with `kill -9`, the subscriber reconnects to node 3: Session Present, every
 //!   message, the one left in flight again with DUP, its subscriptions in force; with two nodes
 //!   down its partition has no head, and a reconnect is refused with 0x88 (retry), never given
 //!   a fresh session;
@@ -87,30 +87,6 @@ impl Raw {
             },
             Packet::ConnAck(ack) => Connected::Refused(ack.code),
             other => panic!("expected CONNACK, got {other:?}"),
-        }
-    }
-
-    /// Connects, retrying while the server refuses with a retryable code (0x88, 0x89); returns
-    /// the client and Session Present.
-    async fn connect_retrying(addr: SocketAddr, id: &str, clean_start: bool) -> (Raw, bool) {
-        let started = Instant::now();
-        loop {
-            match Raw::connect(addr, id, clean_start, 3600).await {
-                Connected::Accepted {
-                    client,
-                    session_present,
-                } => return (client, session_present),
-                Connected::Refused(
-                    code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
-                ) => {
-                    assert!(
-                        started.elapsed() < RECONNECT_WITHIN,
-                        "{id} still refused ({code:?}) after {RECONNECT_WITHIN:?}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
-            }
         }
     }
 
@@ -263,13 +239,27 @@ fn pubrec_code(reason: PubRecReason) -> u8 {
     }
 }
 
+/// Connects as a client should: retrying while the server refuses retryably (0x88 while the
+/// session's partition is between heads, 0x89), within [`RECONNECT_WITHIN`].
 async fn accepted(addr: SocketAddr, id: &str, clean_start: bool, expiry: u32) -> (Raw, bool) {
-    match Raw::connect(addr, id, clean_start, expiry).await {
-        Connected::Accepted {
-            client,
-            session_present,
-        } => (client, session_present),
-        Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
+    let started = Instant::now();
+    loop {
+        match Raw::connect(addr, id, clean_start, expiry).await {
+            Connected::Accepted {
+                client,
+                session_present,
+            } => return (client, session_present),
+            Connected::Refused(
+                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
+            ) => {
+                assert!(
+                    started.elapsed() < RECONNECT_WITHIN,
+                    "{id} still refused ({code:?}) after {RECONNECT_WITHIN:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
+        }
     }
 }
 
@@ -287,7 +277,7 @@ fn cluster(root: &std::path::Path) -> Vec<Node> {
 async fn a_persistent_session_survives_kill_9_of_its_node() {
     let root = tempfile::tempdir().unwrap();
     let mut nodes = tokio::task::block_in_place(|| cluster(root.path()));
-    let [n1, _, n3] = [
+    let [n1, n2, n3] = [
         nodes[0].server.addr,
         nodes[1].server.addr,
         nodes[2].server.addr,
@@ -299,7 +289,8 @@ async fn a_persistent_session_survives_kill_9_of_its_node() {
     sub.subscribe("s/q2", QoS::ExactlyOnce).await;
     sub.disconnect().await;
 
-    let (mut publisher, _) = accepted(n1, "publisher-1", true, 0).await;
+    // Published on another node than the session's: routed there, acknowledged once stored.
+    let (mut publisher, _) = accepted(n2, "publisher-2", true, 0).await;
     let mut want = BTreeSet::new();
     for i in 0..8 {
         let (topic, qos) = if i % 2 == 0 {
@@ -341,7 +332,7 @@ async fn a_persistent_session_survives_kill_9_of_its_node() {
 
     tokio::task::block_in_place(|| nodes[0].server.kill9());
     let killed = Instant::now();
-    let (mut sub, present) = Raw::connect_retrying(n3, "survivor", false).await;
+    let (mut sub, present) = accepted(n3, "survivor", false, 3600).await;
     eprintln!(
         "reconnected to node 3 {:?} after kill -9 of node 1",
         killed.elapsed()
@@ -413,22 +404,14 @@ async fn a_session_moves_between_live_nodes_and_a_clean_start_discards_it() {
     sub.receive_all(&BTreeSet::from(["on-2".to_owned()])).await;
     sub.disconnect().await;
 
-    // Node 1 still holds its stale copy until a write shows it that node 2 owns the session:
-    // that publish is refused (not stored: 0x80), node 1 stops writing the session and drops its
-    // copy, and the next publish there matches nothing (this broker answers 0x00 then).
+    // Node 1 dropped its copy when node 2 claimed the client id: a publish on node 1 is routed
+    // to the session on node 2 and queued there (acknowledged once stored), as is one on node 2.
     let (mut publisher1, _) = accepted(n1, "publisher-1", true, 0).await;
     assert_eq!(
         publisher1.publish("m/t", QoS::AtLeastOnce, "on-1").await,
-        0x80,
-        "node 1 must not acknowledge a message for a session it lost as stored"
+        0x00,
+        "routed to the session's node 2 and stored there"
     );
-    assert_eq!(
-        publisher1
-            .publish("m/t", QoS::AtLeastOnce, "on-1 again")
-            .await,
-        0x00
-    );
-    // Queued on node 2 while the client is away.
     assert_eq!(
         publisher2
             .publish("m/t", QoS::AtLeastOnce, "queued-2")
@@ -436,16 +419,15 @@ async fn a_session_moves_between_live_nodes_and_a_clean_start_discards_it() {
         0x00
     );
 
-    // Back to node 1: it takes the row, with what node 2 queued, not its old copy.
+    // Back to node 1: it takes the row, with what node 2 queued, not an old copy of its own.
     let (mut sub, present) = accepted(n1, "mover", false, 3600).await;
     assert!(present);
-    let got = sub
-        .receive_all(&BTreeSet::from(["queued-2".to_owned()]))
-        .await;
+    let want = BTreeSet::from(["on-1".to_owned(), "queued-2".to_owned()]);
+    let got = sub.receive_all(&want).await;
     assert_eq!(
         got.received,
-        ["queued-2"],
-        "the row's queue, not node 1's copy"
+        ["on-1", "queued-2"],
+        "the row's queue, in order, each once"
     );
     assert_eq!(sub.nothing_queued().await, Vec::<String>::new());
     sub.disconnect().await;

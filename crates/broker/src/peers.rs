@@ -137,11 +137,19 @@ impl crate::Broker {
 
     /// Another node took `client_id` over: its connection here, if any, gets DISCONNECT 0x8E as
     /// on a local takeover. Resolves once it detached (or the takeover timeout passed).
+    ///
+    /// Where sessions live elsewhere too (replicated, decision 0047), this node's copy is then
+    /// dropped: the claiming node reads the session from its replicas, and a copy kept here would
+    /// keep its subscriptions routed to this node, whose next write of it would be fenced (a
+    /// publisher answered 0x80 for a session that had moved).
     pub async fn take_over_here(&self, client_id: &str) {
         let (done, wait) = tokio::sync::oneshot::channel();
         let control = crate::registry::Control::TakeOver { done };
         if self.inner.registry.send_control(client_id, control) {
             let _ = tokio::time::timeout(self.inner.config.takeover_timeout, wait).await;
+        }
+        if self.inner.elsewhere.is_some() {
+            self.forget_session(client_id);
         }
     }
 
