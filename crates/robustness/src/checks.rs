@@ -69,7 +69,7 @@ fn check_ops<'a>(history: &History, ops: &[&'a Op]) -> Vec<CheckOp<'a>> {
     ops.iter()
         .map(|op| CheckOp {
             cmd: &op.cmd,
-            outcome: if op.outcome.is_known() {
+            outcome: if op.effect_known(history.cluster) {
                 &op.outcome
             } else {
                 &Outcome::Unknown
@@ -77,6 +77,7 @@ fn check_ops<'a>(history: &History, ops: &[&'a Op]) -> Vec<CheckOp<'a>> {
             invoked_us: op.invoked_us,
             ends_us: op
                 .returned_us
+                .filter(|_| op.effect_known(history.cluster))
                 .unwrap_or_else(|| history.effect_deadline_us(op.incarnation))
                 .max(op.invoked_us),
         })
