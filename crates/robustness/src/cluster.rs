@@ -206,9 +206,8 @@ pub fn start(
         ];
         if net.is_some() {
             // Private addresses of our own namespaces, reached only from this machine.
-            extra_args.extend(
-                ["--cluster-plaintext", "--allow-anonymous", "true"].map(str::to_owned),
-            );
+            extra_args
+                .extend(["--cluster-plaintext", "--allow-anonymous", "true"].map(str::to_owned));
         }
         extra_args.extend(CLUSTER_ARGS.iter().map(|s| (*s).to_owned()));
         let launch = Launch {
