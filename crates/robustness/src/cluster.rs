@@ -31,13 +31,14 @@ impl Net {
     /// `ip`), so the caller runs on loopback instead.
     pub fn create(nodes: usize) -> anyhow::Result<Option<Net>> {
         let pid = std::process::id();
-        let prefix = format!("mqr{}", pid % 100_000);
+        let prefix = format!("mqr{pid}");
         let subnet = u8::try_from(pid % 250).unwrap_or(0);
         let probe = format!("{prefix}probe");
         if !quiet(&["ip", "netns", "add", &probe]) {
             return Ok(None);
         }
         quiet(&["ip", "netns", "del", &probe]);
+        remove_stale();
         let net = Net {
             prefix,
             subnet,
@@ -136,6 +137,27 @@ impl Net {
 impl Drop for Net {
     fn drop(&mut self) {
         self.teardown();
+    }
+}
+
+/// Removes the namespaces and bridges of drivers that ended without cleaning up (killed): those
+/// named `mqr<pid>…` whose process is gone.
+fn remove_stale() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    let listing = String::from_utf8_lossy(&out.stdout);
+    for name in listing.lines().filter_map(|l| l.split_whitespace().next()) {
+        let Some(rest) = name.strip_prefix("mqr") else {
+            continue;
+        };
+        let Some((pid, _)) = rest.split_once('n') else {
+            continue;
+        };
+        if pid.parse::<u32>().is_ok() && !Path::new(&format!("/proc/{pid}")).exists() {
+            quiet(&["ip", "netns", "del", name]);
+            quiet(&["ip", "link", "del", &format!("mqr{pid}br")]);
+        }
     }
 }
 
