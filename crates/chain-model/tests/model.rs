@@ -200,7 +200,6 @@ impl State {
                 },
             );
         }
-        let _ = value;
     }
 }
 
