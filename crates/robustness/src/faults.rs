@@ -29,6 +29,9 @@ pub enum Fault {
     PowerLoss,
     /// Clients' clocks (`__ts`) jump ahead or behind for a while.
     ClockSkew,
+    /// Cluster only: a node killed and restarted with its wall clock 0.5–5 s ahead or behind
+    /// (the server's hidden `--test-clock-offset-ms`), for the rest of the run.
+    ClockOffset,
     /// Cluster only: links between nodes cut (one node isolated from the others, or one link
     /// between two nodes) for longer than a lease, then healed. Clients still reach every node.
     Partition,
@@ -47,11 +50,12 @@ impl Fault {
             Fault::PowerLoss => "power_loss",
             Fault::ClockSkew => "clock_skew",
             Fault::Partition => "partition",
+            Fault::ClockOffset => "clock_offset",
         }
     }
 }
 
-const WEIGHTED: [(Fault, u32); 9] = [
+const WEIGHTED: [(Fault, u32); 10] = [
     (Fault::Kill9, 3),
     (Fault::Pause, 2),
     (Fault::DiskFull, 2),
@@ -61,6 +65,7 @@ const WEIGHTED: [(Fault, u32); 9] = [
     (Fault::PowerLoss, 3),
     (Fault::ClockSkew, 1),
     (Fault::Partition, 4),
+    (Fault::ClockOffset, 1),
 ];
 
 /// The fault kinds by report name, for `--faults`.
@@ -73,11 +78,13 @@ pub fn kinds() -> impl Iterator<Item = Fault> {
 const NODE_LEASE_MS: u64 = 3000 + 1000;
 
 /// One to three faults at times in the middle of the run (offsets from its start), drawn from
-/// `allowed` (every kind when empty) among those `partitions` allows (the cluster's namespaces).
+/// `allowed` (every kind when empty) among those a `cluster` (clock offsets) and `partitions`
+/// (the cluster's namespaces) allow.
 pub fn schedule(
     seed: u64,
     duration: Duration,
     allowed: &[Fault],
+    cluster: bool,
     partitions: bool,
 ) -> Vec<(Duration, Fault)> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xFA17);
@@ -86,6 +93,7 @@ pub fn schedule(
         .iter()
         .filter(|(f, _)| allowed.is_empty() || allowed.contains(f))
         .filter(|(f, _)| partitions || *f != Fault::Partition)
+        .filter(|(f, _)| cluster || *f != Fault::ClockOffset)
         .copied()
         .collect();
     if weighted.is_empty() {
@@ -178,6 +186,19 @@ pub fn inject(
             std::thread::sleep(window);
             shared.skew_ms.store(0, Ordering::Relaxed);
             format!("client clocks {skew:+} ms for {} ms", window.as_millis())
+        }
+        Fault::ClockOffset => {
+            let magnitude: i64 = rng.gen_range(500..5_000);
+            let offset = if rng.gen_bool(0.5) {
+                magnitude
+            } else {
+                -magnitude
+            };
+            server.kill9();
+            shared.end_incarnation();
+            server.clock_offset_ms = offset;
+            server.restart().context("restart with a clock offset")?;
+            format!("killed and restarted with its clock {offset:+} ms")
         }
         Fault::Partition => {
             let net = net.context("a partition needs the nodes' network namespaces")?;

@@ -259,7 +259,7 @@ fn run_one(
     };
     let shared = Shared::new(servers.iter().map(|s| s.addr).collect());
     let duration = Duration::from_secs(args.duration);
-    let schedule = faults::schedule(seed, duration, allowed, net.is_some());
+    let schedule = faults::schedule(seed, duration, allowed, args.nodes > 1, net.is_some());
     let started = Instant::now();
 
     let (writers, observers) = runtime.block_on(async { workload::spawn_clients(&shared, seed) });

@@ -32,6 +32,8 @@ pub struct Server {
     extra_args: Vec<String>,
     /// The network namespace the process runs in (a cluster node under `cluster::Net`).
     netns: Option<String>,
+    /// Added to the process's wall clock from its next start (`--test-clock-offset-ms`).
+    pub clock_offset_ms: i64,
     child: Option<Child>,
 }
 
@@ -84,6 +86,7 @@ impl Server {
             fsync: fsync.to_owned(),
             extra_args: launch.extra_args,
             netns: launch.netns,
+            clock_offset_ms: 0,
             child: None,
         })
     }
@@ -143,6 +146,10 @@ impl Server {
                 "262144",
             ])
             .args(&self.extra_args)
+            .args(
+                (self.clock_offset_ms != 0)
+                    .then(|| format!("--test-clock-offset-ms={}", self.clock_offset_ms)),
+            )
             .env("MQSTATE_FAILPOINT", self.failpoint_spec())
             .env("MQSTATE_LOG", "warn")
             .stdin(Stdio::null())
