@@ -80,6 +80,7 @@ fn check_ops<'a>(history: &History, ops: &[&'a Op]) -> Vec<CheckOp<'a>> {
                 .filter(|_| op.effect_known(history.cluster))
                 .unwrap_or_else(|| history.effect_deadline_us(op.incarnation))
                 .max(op.invoked_us),
+            clock_slack_ms: crate::model::CLOCK_SLACK_MS + history.clock_spread_ms(),
         })
         .collect()
 }

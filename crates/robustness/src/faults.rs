@@ -197,6 +197,7 @@ pub fn inject(
             server.kill9();
             shared.end_incarnation();
             server.clock_offset_ms = offset;
+            shared.record_clock_offset(offset);
             server.restart().context("restart with a clock offset")?;
             format!("killed and restarted with its clock {offset:+} ms")
         }

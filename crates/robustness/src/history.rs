@@ -194,9 +194,30 @@ pub struct History {
     pub incarnations: Vec<Incarnation>,
     /// Reconnections of a persistent session that the server answered with Session Present = 0.
     pub sessions_lost: Vec<String>,
+    /// Every clock offset a node was restarted with (the `clock_offset` fault), in ms.
+    pub clock_offsets_ms: Vec<i64>,
 }
 
 impl History {
+    /// The widest gap there can have been between two nodes' clocks (every node starts at 0).
+    pub fn clock_spread_ms(&self) -> u64 {
+        let high = self
+            .clock_offsets_ms
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(0);
+        let low = self
+            .clock_offsets_ms
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(0)
+            .min(0);
+        high.abs_diff(low)
+    }
+
     /// The latest instant an operation sent to `incarnation` can have taken effect.
     pub fn effect_deadline_us(&self, incarnation: u32) -> u64 {
         if self.cluster {

@@ -92,6 +92,10 @@ impl Shared {
         self.incarnation.fetch_add(1, Ordering::SeqCst);
     }
 
+    pub fn record_clock_offset(&self, offset_ms: i64) {
+        self.history().clock_offsets_ms.push(offset_ms);
+    }
+
     pub fn record_fault(&self, fault: crate::history::FaultRecord) {
         self.history().faults.push(fault);
     }
