@@ -8,7 +8,7 @@
 #   set-c50  durable SET, 50 clients × 1 request in flight, 64-byte values, 10,000 keys, `--fsync always`
 #   ss-16x8  the 50/50 state-store workload (SET/GET, 16 connections × 8 in flight, 10,000 keys)
 #   etcd     put, 50 clients over 50 connections (`benchmark put --clients 50 --conns 50 --val-size 64
-#            --key-space-size 10000` in etcd's tool), by our etcd-bench (tools/etcd-bench, decision 0041)
+#            --key-space-size 10000` in etcd's tool), by our etcd-bench (tools/etcd-bench, decision 0042)
 # For the cluster the clients are spread over the three nodes (a bench process per node, its share of
 # the connections); rates add up, the p99 reported is the worst of the three.
 # Printed per run: ops/s, p50/p99 ms, the servers' CPU per operation (utime+stime of every server

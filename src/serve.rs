@@ -60,7 +60,19 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
     };
 
     // The node's one clock: the broker, the state store and the session journal read time from it.
-    let clock = mqstate_clock::system();
+    let clock: mqstate_clock::SharedClock = match settings.clock_offset_ms {
+        0 => mqstate_clock::system(),
+        offset => {
+            tracing::warn!(
+                offset_ms = offset,
+                "the wall clock is skewed (test_clock_offset_ms)"
+            );
+            Arc::new(mqstate_clock::OffsetClock::new(
+                mqstate_clock::system(),
+                offset,
+            ))
+        }
+    };
     let store_config = StoreConfig {
         node_id: SERVICE_NODE_ID.into(),
         limits: store_limits(&settings),

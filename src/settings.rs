@@ -578,6 +578,17 @@ pub struct Settings {
     #[arg(long, env = "MQSTATE_CLUSTER_PLAINTEXT", value_name = "BOOL",
           num_args = 0..=1, default_missing_value = "true")]
     pub cluster_plaintext: Option<bool>,
+
+    /// Testing only: milliseconds added to this node's wall clock (negative: behind), to run a
+    /// node with a skewed clock (the robustness suite's per-node clock offset). Default 0.
+    #[arg(
+        long,
+        env = "MQSTATE_TEST_CLOCK_OFFSET_MS",
+        value_name = "MS",
+        hide = true,
+        allow_negative_numbers = true
+    )]
+    pub test_clock_offset_ms: Option<i64>,
 }
 
 /// Mutual TLS between nodes: the files as given (read when the node starts).
@@ -784,6 +795,8 @@ impl ClusterSettings {
 /// Settings with every default applied and every value checked.
 #[derive(Debug, Clone)]
 pub struct Resolved {
+    /// Added to the node's wall clock (`test_clock_offset_ms`; testing only).
+    pub clock_offset_ms: i64,
     pub listen: Vec<ListenerSpec>,
     pub metrics_listen: Option<SocketAddr>,
     pub data_dir: PathBuf,
@@ -991,6 +1004,7 @@ impl Settings {
             cluster_tls_key: self.cluster_tls_key.or(lower.cluster_tls_key),
             cluster_tls_ca: self.cluster_tls_ca.or(lower.cluster_tls_ca),
             cluster_plaintext: self.cluster_plaintext.or(lower.cluster_plaintext),
+            test_clock_offset_ms: self.test_clock_offset_ms.or(lower.test_clock_offset_ms),
         }
     }
 
@@ -1054,6 +1068,7 @@ impl Settings {
             );
         }
         Ok(Resolved {
+            clock_offset_ms: self.test_clock_offset_ms.unwrap_or(0),
             listen,
             metrics_listen,
             data_dir: self
@@ -1269,6 +1284,21 @@ mod tests {
         assert_eq!(t.client_auth, TlsClientAuth::Optional);
         assert_eq!(t.identity, TlsIdentity::San);
         assert!(t.use_identity_as_client_id);
+    }
+
+    /// The robustness suite starts a node with its clock behind: a negative flag value parses,
+    /// and no setting means no offset.
+    #[test]
+    fn a_test_clock_offset_may_be_negative_and_defaults_to_none() {
+        use clap::Parser;
+        let cli =
+            crate::Cli::try_parse_from(["mqstate", "serve", "--test-clock-offset-ms", "-1500"])
+                .expect("a negative offset parses");
+        let crate::Command::Serve(args) = cli.command else {
+            panic!("serve parses as serve");
+        };
+        assert_eq!(args.settings.resolve().unwrap().clock_offset_ms, -1500);
+        assert_eq!(Settings::default().resolve().unwrap().clock_offset_ms, 0);
     }
 
     #[test]

@@ -374,6 +374,7 @@ fn defaults_in_use() -> std::collections::BTreeMap<&'static str, String> {
             none_or(cluster.tls.as_ref().map(|t| t.ca.display())),
         ),
         ("cluster_plaintext", cluster.plaintext.to_string()),
+        ("test_clock_offset_ms", single.clock_offset_ms.to_string()),
     ]
     .into_iter()
     .collect()

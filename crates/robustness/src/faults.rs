@@ -7,6 +7,7 @@ use anyhow::Context;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::cluster::Net;
 use crate::history::{now_us, FaultRecord};
 use crate::server::Server;
 use crate::workload::{Shared, LEASE_MS};
@@ -28,6 +29,12 @@ pub enum Fault {
     PowerLoss,
     /// Clients' clocks (`__ts`) jump ahead or behind for a while.
     ClockSkew,
+    /// Cluster only: a node killed and restarted with its wall clock 0.5–5 s ahead or behind
+    /// (the server's hidden `--test-clock-offset-ms`), for the rest of the run.
+    ClockOffset,
+    /// Cluster only: links between nodes cut (one node isolated from the others, or one link
+    /// between two nodes) for longer than a lease, then healed. Clients still reach every node.
+    Partition,
 }
 
 impl Fault {
@@ -42,11 +49,13 @@ impl Fault {
             Fault::Crash(_) => "crash_before_rename",
             Fault::PowerLoss => "power_loss",
             Fault::ClockSkew => "clock_skew",
+            Fault::Partition => "partition",
+            Fault::ClockOffset => "clock_offset",
         }
     }
 }
 
-const WEIGHTED: [(Fault, u32); 8] = [
+const WEIGHTED: [(Fault, u32); 10] = [
     (Fault::Kill9, 3),
     (Fault::Pause, 2),
     (Fault::DiskFull, 2),
@@ -55,6 +64,8 @@ const WEIGHTED: [(Fault, u32); 8] = [
     (Fault::Crash("before-rename"), 1),
     (Fault::PowerLoss, 3),
     (Fault::ClockSkew, 1),
+    (Fault::Partition, 4),
+    (Fault::ClockOffset, 1),
 ];
 
 /// The fault kinds by report name, for `--faults`.
@@ -62,16 +73,32 @@ pub fn kinds() -> impl Iterator<Item = Fault> {
     WEIGHTED.iter().map(|(f, _)| *f)
 }
 
+/// The control plane's lease and clock factor at their defaults (`mqstate serve`): a node that
+/// is paused or cut off longer than this loses its chains.
+const NODE_LEASE_MS: u64 = 3000 + 1000;
+
 /// One to three faults at times in the middle of the run (offsets from its start), drawn from
-/// `allowed` (every kind when empty).
-pub fn schedule(seed: u64, duration: Duration, allowed: &[Fault]) -> Vec<(Duration, Fault)> {
+/// `allowed` (every kind when empty) among those a `cluster` (clock offsets) and `partitions`
+/// (the cluster's namespaces) allow.
+pub fn schedule(
+    seed: u64,
+    duration: Duration,
+    allowed: &[Fault],
+    cluster: bool,
+    partitions: bool,
+) -> Vec<(Duration, Fault)> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xFA17);
     let count = rng.gen_range(1..=3);
     let weighted: Vec<(Fault, u32)> = WEIGHTED
         .iter()
         .filter(|(f, _)| allowed.is_empty() || allowed.contains(f))
+        .filter(|(f, _)| partitions || *f != Fault::Partition)
+        .filter(|(f, _)| cluster || *f != Fault::ClockOffset)
         .copied()
         .collect();
+    if weighted.is_empty() {
+        return Vec::new();
+    }
     let total: u32 = weighted.iter().map(|(_, w)| w).sum();
     let mut faults: Vec<(Duration, Fault)> = (0..count)
         .map(|_| {
@@ -92,15 +119,21 @@ pub fn schedule(seed: u64, duration: Duration, allowed: &[Fault]) -> Vec<(Durati
     faults
 }
 
-/// Injects `fault` now; blocks until it is over (the server runs again).
+/// Injects `fault` now into one of `servers` (chosen from `rng`; links between them for a
+/// partition, through `net`); blocks until it is over (every server runs again).
 pub fn inject(
     fault: Fault,
-    server: &mut Server,
+    servers: &mut [Server],
+    net: Option<&mut Net>,
     shared: &Shared,
     rng: &mut StdRng,
 ) -> anyhow::Result<()> {
     let started_us = now_us();
     let mut kind = fault.name();
+    let target = rng.gen_range(0..servers.len());
+    let n = servers.len();
+    let cluster = n > 1;
+    let server = &mut servers[target];
     let detail = match fault {
         Fault::Kill9 => {
             server.kill9();
@@ -110,7 +143,12 @@ pub fn inject(
             "killed and restarted".to_owned()
         }
         Fault::Pause => {
-            let pause = Duration::from_millis(rng.gen_range(LEASE_MS + 100..3 * LEASE_MS));
+            let range = if cluster {
+                NODE_LEASE_MS - 500..NODE_LEASE_MS + 3000
+            } else {
+                LEASE_MS + 100..3 * LEASE_MS
+            };
+            let pause = Duration::from_millis(rng.gen_range(range));
             server.signal("STOP");
             std::thread::sleep(pause);
             server.signal("CONT");
@@ -149,6 +187,43 @@ pub fn inject(
             shared.skew_ms.store(0, Ordering::Relaxed);
             format!("client clocks {skew:+} ms for {} ms", window.as_millis())
         }
+        Fault::ClockOffset => {
+            let magnitude: i64 = rng.gen_range(500..5_000);
+            let offset = if rng.gen_bool(0.5) {
+                magnitude
+            } else {
+                -magnitude
+            };
+            server.kill9();
+            shared.end_incarnation();
+            server.clock_offset_ms = offset;
+            shared.record_clock_offset(offset);
+            server.restart().context("restart with a clock offset")?;
+            format!("killed and restarted with its clock {offset:+} ms")
+        }
+        Fault::Partition => {
+            let net = net.context("a partition needs the nodes' network namespaces")?;
+            let window =
+                Duration::from_millis(rng.gen_range(NODE_LEASE_MS - 1000..NODE_LEASE_MS + 4000));
+            let detail = if rng.gen_bool(0.5) {
+                for other in (0..n).filter(|&o| o != target) {
+                    net.cut(target, other)?;
+                }
+                format!("node {} cut off from the others", target + 1)
+            } else {
+                let other = (target + rng.gen_range(1..n)) % n;
+                net.cut(target, other)?;
+                format!("link between nodes {} and {} cut", target + 1, other + 1)
+            };
+            std::thread::sleep(window);
+            net.heal()?;
+            format!("{detail} for {} ms", window.as_millis())
+        }
+    };
+    let detail = if cluster && fault != Fault::Partition {
+        format!("node {}: {detail}", target + 1)
+    } else {
+        detail
     };
     shared.record_fault(FaultRecord {
         kind: kind.to_owned(),

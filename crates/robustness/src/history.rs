@@ -183,6 +183,10 @@ pub struct Incarnation {
 /// Everything one run recorded.
 #[derive(Debug, Default, Serialize)]
 pub struct History {
+    /// A cluster run: a request may be forwarded to another node's head and completed there (or
+    /// repaired forward under a new view) after the node it was sent to died, so an unknown
+    /// operation may take effect at any time until the end of the run.
+    pub cluster: bool,
     pub ops: Vec<Op>,
     pub notifications: Vec<Notified>,
     pub registrations: Vec<Registration>,
@@ -190,14 +194,54 @@ pub struct History {
     pub incarnations: Vec<Incarnation>,
     /// Reconnections of a persistent session that the server answered with Session Present = 0.
     pub sessions_lost: Vec<String>,
+    /// Every clock offset a node was restarted with (the `clock_offset` fault), in ms.
+    pub clock_offsets_ms: Vec<i64>,
 }
 
 impl History {
+    /// The widest gap there can have been between two nodes' clocks (every node starts at 0).
+    pub fn clock_spread_ms(&self) -> u64 {
+        let high = self
+            .clock_offsets_ms
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(0);
+        let low = self
+            .clock_offsets_ms
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(0)
+            .min(0);
+        high.abs_diff(low)
+    }
+
     /// The latest instant an operation sent to `incarnation` can have taken effect.
     pub fn effect_deadline_us(&self, incarnation: u32) -> u64 {
+        if self.cluster {
+            return u64::MAX;
+        }
         self.incarnations
             .get(incarnation as usize)
             .and_then(|i| i.ended_us)
             .unwrap_or(u64::MAX)
+    }
+}
+
+/// The start of a cluster node's error when it gave up on a request it may have handed to its
+/// partition's head (`crates/replication`): the write may still complete, so the checks treat the
+/// operation as unknown rather than refused.
+pub const CLUSTER_GAVE_UP: &str = "the cluster could not serve the request in time";
+
+impl Op {
+    /// Whether the effect of the operation is known: unknown ones, and the errors of a cluster
+    /// node that gave up waiting, may or may not have happened.
+    pub fn effect_known(&self, cluster: bool) -> bool {
+        match &self.outcome {
+            Outcome::Error(text) if cluster => !text.starts_with(CLUSTER_GAVE_UP),
+            outcome => outcome.is_known(),
+        }
     }
 }

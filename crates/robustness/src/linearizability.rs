@@ -21,6 +21,8 @@ pub struct CheckOp<'a> {
     pub invoked_us: u64,
     /// Return, or the latest moment an unknown outcome can have taken effect (`u64::MAX`: never ends).
     pub ends_us: u64,
+    /// Tolerance of expiry judgements (`model::Step::clock_slack_ms`).
+    pub clock_slack_ms: u64,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -119,6 +121,7 @@ fn step_all(states: &[KeyState], op: &CheckOp<'_>) -> Vec<KeyState> {
         } else {
             op.ends_us / 1000
         },
+        clock_slack_ms: op.clock_slack_ms,
     };
     let mut next: Vec<KeyState> = states.iter().flat_map(|s| step(s, &model_step)).collect();
     next.sort_unstable();
@@ -240,6 +243,7 @@ mod tests {
                 outcome,
                 invoked_us: *i,
                 ends_us: *r,
+                clock_slack_ms: crate::model::CLOCK_SLACK_MS,
             })
             .collect();
         check(&ops, &budget())

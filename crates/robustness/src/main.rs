@@ -4,6 +4,7 @@
 
 mod checks;
 mod client;
+mod cluster;
 mod faults;
 mod history;
 mod linearizability;
@@ -15,7 +16,6 @@ mod workload;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -32,7 +32,7 @@ use workload::Shared;
 #[derive(Parser, Debug)]
 #[command(about = "Fault-injected robustness runs against mqstate serve, with history checks")]
 struct Args {
-    /// Server processes per run; only 1 exists today (the cluster is not built yet).
+    /// Server processes per run: 1 (a single node) or 3 (a cluster founded by three nodes).
     #[arg(long, default_value_t = 1)]
     nodes: u32,
     #[arg(long, default_value_t = 5)]
@@ -66,6 +66,8 @@ struct Args {
 #[derive(Serialize)]
 struct Report {
     nodes: u32,
+    /// Whether partitions between nodes could be injected (a cluster in network namespaces).
+    partitions: bool,
     runs: u32,
     duration_seconds: u64,
     first_seed: u64,
@@ -114,10 +116,9 @@ fn main() {
 }
 
 fn run_all(args: &Args) -> anyhow::Result<i32> {
-    if args.nodes != 1 {
+    if args.nodes != 1 && args.nodes != 3 {
         bail!(
-            "--nodes {}: only a single node can be tested today; the 3-node cluster does not exist yet \
-             (issue 18 grows with the cluster issues)",
+            "--nodes {}: a single node (1) or a 3-node cluster (3) can be tested",
             args.nodes
         );
     }
@@ -148,8 +149,22 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         .enable_all()
         .build()
         .context("starting the runtime")?;
+    // The cluster's nodes each in a network namespace (so links can be cut), made once for all runs.
+    let mut net = if args.nodes > 1 {
+        let net = cluster::Net::create(args.nodes as usize)?;
+        if net.is_none() {
+            eprintln!(
+                "robustness: no network namespaces here (root and `ip` needed): the nodes run on \
+                 loopback and no partitions are injected"
+            );
+        }
+        net
+    } else {
+        None
+    };
     let mut report = Report {
         nodes: args.nodes,
+        partitions: net.is_some(),
         runs: 0,
         duration_seconds: args.duration,
         first_seed,
@@ -167,7 +182,7 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
     for i in 0..args.runs {
         let seed = first_seed.wrapping_add(u64::from(i));
         let run_dir = work_dir.join(seed.to_string());
-        let summary = run_one(args, &runtime, seed, &run_dir, &allowed)?;
+        let summary = run_one(args, &runtime, seed, &run_dir, &allowed, net.as_mut())?;
         eprintln!(
             "robustness: run {}/{} seed {seed}: {} ops ({} unknown), {} notifications, faults [{}], {} violation(s), {} incomplete, checked in {} ms",
             i + 1,
@@ -228,25 +243,35 @@ fn run_one(
     seed: u64,
     run_dir: &Path,
     allowed: &[faults::Fault],
+    net: Option<&mut cluster::Net>,
 ) -> anyhow::Result<RunSummary> {
     let _ = std::fs::remove_dir_all(run_dir);
+    let mut net = net;
+    if let Some(net) = net.as_deref_mut() {
+        net.heal()?;
+    }
     std::fs::create_dir_all(run_dir)?;
-    let server = Server::start(&args.server, run_dir, &args.fsync)?;
-    let shared = Shared::new(server.addr);
+    let servers = if args.nodes == 1 {
+        vec![Server::start(&args.server, run_dir, &args.fsync)?]
+    } else {
+        let net = net.as_deref();
+        cluster::start(&args.server, run_dir, &args.fsync, args.nodes as usize, net)?
+    };
+    let shared = Shared::new(servers.iter().map(|s| s.addr).collect());
     let duration = Duration::from_secs(args.duration);
-    let schedule = faults::schedule(seed, duration, allowed);
+    let schedule = faults::schedule(seed, duration, allowed, args.nodes > 1, net.is_some());
     let started = Instant::now();
 
     let (writers, observers) = runtime.block_on(async { workload::spawn_clients(&shared, seed) });
-    let injector = {
-        let shared = Arc::clone(&shared);
-        std::thread::spawn(move || inject_all(server, &shared, schedule, started, duration, seed))
-    };
-    std::thread::sleep(duration);
-    shared.stop_writers.store(true, Ordering::SeqCst);
-    let (mut server, mut errors) = injector
-        .join()
-        .map_err(|_| anyhow::anyhow!("the fault injector panicked"))?;
+    let (mut servers, mut errors) = std::thread::scope(|scope| {
+        let shared = &shared;
+        let injector = scope
+            .spawn(move || inject_all(servers, net, shared, schedule, started, duration, seed));
+        std::thread::sleep(duration);
+        shared.stop_writers.store(true, Ordering::SeqCst);
+        injector.join()
+    })
+    .map_err(|_| anyhow::anyhow!("the fault injector panicked"))?;
     runtime.block_on(async {
         for task in writers {
             let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
@@ -259,18 +284,21 @@ fn run_one(
         }
     });
 
-    // The final crash and recovery: everything acknowledged must be there afterwards.
-    if server.pid().is_some() {
+    // The final crash and recovery (of every node at once): everything acknowledged must be
+    // there afterwards.
+    if servers.iter().all(|s| s.pid().is_some()) {
         let crashed = now_us();
-        server.kill9();
+        for server in &mut servers {
+            server.kill9();
+        }
         shared.end_incarnation();
         shared.record_fault(FaultRecord {
             kind: "kill9".into(),
             started_us: crashed,
             ended_us: now_us(),
-            detail: "final kill -9 before the reads after recovery".into(),
+            detail: "final kill -9 (of every node) before the reads after recovery".into(),
         });
-        match server.restart() {
+        match restart_all(&mut servers) {
             Ok(()) => {
                 if let Err(e) = runtime.block_on(workload::final_reads(&shared)) {
                     errors.push(format!("reads after recovery failed: {e}"));
@@ -279,8 +307,15 @@ fn run_one(
             Err(e) => errors.push(format!("{e:#}")),
         }
     }
-    server.stop();
+    for server in &mut servers {
+        server.stop();
+    }
     shared.end_incarnation();
+    let server_logs = servers
+        .iter()
+        .map(|s| s.log_path().display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
 
     let history = std::mem::take(&mut *shared.history.lock().unwrap_or_else(|p| p.into_inner()));
     let checking = Instant::now();
@@ -290,7 +325,7 @@ fn run_one(
         findings.violations.push(Violation {
             check: "availability",
             key: String::new(),
-            detail: format!("{error} (server log: {})", server.log_path().display()),
+            detail: format!("{error} (server logs: {server_logs})"),
             ops: Vec::new(),
         });
     }
@@ -344,51 +379,66 @@ fn run_one(
     })
 }
 
-/// The fault injector's thread: the scheduled faults, each at its time. Returns the server and
-/// any failure to bring it back (itself a finding).
+/// Restarts every stopped server: all spawned first, then each waited for (a cluster node may
+/// wait for the others before it listens).
+fn restart_all(servers: &mut [Server]) -> anyhow::Result<()> {
+    for server in servers.iter_mut().filter(|s| s.pid().is_none()) {
+        server.spawn_only()?;
+    }
+    for server in servers.iter_mut() {
+        server.wait_ready()?;
+    }
+    Ok(())
+}
+
+/// The fault injector's thread: the scheduled faults, each at its time. Returns the servers and
+/// any failure to bring one back (itself a finding).
 fn inject_all(
-    mut server: Server,
+    mut servers: Vec<Server>,
+    mut net: Option<&mut cluster::Net>,
     shared: &Shared,
     schedule: Vec<(Duration, faults::Fault)>,
     started: Instant,
     duration: Duration,
     seed: u64,
-) -> (Server, Vec<String>) {
+) -> (Vec<Server>, Vec<String>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x1A7E);
     let mut errors = Vec::new();
     for (at, fault) in schedule {
         let due = started + at;
-        if let Err(e) = watch(&mut server, shared, due, &mut errors) {
+        if let Err(e) = watch(&mut servers, shared, due, &mut errors) {
             errors.push(e);
-            return (server, errors);
+            return (servers, errors);
         }
-        if let Err(e) = faults::inject(fault, &mut server, shared, &mut rng) {
+        if let Err(e) = faults::inject(fault, &mut servers, net.as_deref_mut(), shared, &mut rng) {
             errors.push(format!("{}: {e:#}", fault.name()));
-            return (server, errors);
+            return (servers, errors);
         }
     }
     let end = started + duration;
-    if let Err(e) = watch(&mut server, shared, end, &mut errors) {
+    if let Err(e) = watch(&mut servers, shared, end, &mut errors) {
         errors.push(e);
     }
-    (server, errors)
+    (servers, errors)
 }
 
-/// Until `until`: checks every 50 ms that the server has not died on its own; if it has, that is
-/// a finding, and it is restarted so the run goes on.
+/// Until `until`: checks every 50 ms that no server has died on its own; if one has, that is a
+/// finding, and it is restarted so the run goes on.
 fn watch(
-    server: &mut Server,
+    servers: &mut [Server],
     shared: &Shared,
     until: Instant,
     errors: &mut Vec<String>,
 ) -> Result<(), String> {
     while Instant::now() < until && !shared.stop_writers.load(Ordering::SeqCst) {
-        if let Some(status) = server.exited() {
-            shared.end_incarnation();
-            errors.push(format!("the server exited on its own ({status})"));
-            server
-                .restart()
-                .map_err(|e| format!("restart after an unexpected exit: {e:#}"))?;
+        for (i, server) in servers.iter_mut().enumerate() {
+            if let Some(status) = server.exited() {
+                shared.end_incarnation();
+                errors.push(format!("server {} exited on its own ({status})", i + 1));
+                server
+                    .restart()
+                    .map_err(|e| format!("restart after an unexpected exit: {e:#}"))?;
+            }
         }
         std::thread::sleep(Duration::from_millis(50));
     }

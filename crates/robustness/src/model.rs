@@ -9,7 +9,7 @@
 use crate::history::{Cmd, Condition, Outcome, Version};
 
 /// Milliseconds of tolerance between the client's and the server's reading of the same clock.
-const CLOCK_SLACK_MS: u64 = 2;
+pub const CLOCK_SLACK_MS: u64 = 2;
 
 /// Text of the fencing errors (spec §3): deterministic refusals the model predicts.
 const FENCE_REQUIRED: &str = "a fencing token is required for this request";
@@ -42,6 +42,10 @@ pub struct Step<'a> {
     pub invoked_ms: u64,
     /// The latest moment it can have taken effect (wall ms; `u64::MAX` if unbounded).
     pub effect_end_ms: u64,
+    /// How far the clock that judges an expiry may be from the client's: `CLOCK_SLACK_MS`, plus
+    /// the spread of the nodes' clock offsets on a cluster whose nodes were skewed (a key's
+    /// deadline is stamped by one head and may be judged by another after a fail-over).
+    pub clock_slack_ms: u64,
 }
 
 /// What the sequential specification answers in one state.
@@ -72,8 +76,8 @@ fn expiry_views(state: &KeyState, step: &Step<'_>) -> Vec<KeyState> {
         return vec![state.clone()];
     };
     // Live if it ran at some t before the deadline d, expired if at some t at or after it.
-    let live = step.invoked_ms < hi.saturating_add(CLOCK_SLACK_MS);
-    let expired = step.effect_end_ms.saturating_add(CLOCK_SLACK_MS) >= lo;
+    let live = step.invoked_ms < hi.saturating_add(step.clock_slack_ms);
+    let expired = step.effect_end_ms.saturating_add(step.clock_slack_ms) >= lo;
     let mut views = Vec::with_capacity(2);
     if live {
         views.push(state.clone());
@@ -255,6 +259,7 @@ mod tests {
             outcome,
             invoked_ms: t,
             effect_end_ms: t + 1,
+            clock_slack_ms: CLOCK_SLACK_MS,
         }
     }
 

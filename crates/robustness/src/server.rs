@@ -28,25 +28,67 @@ pub struct Server {
     markers: PathBuf,
     log: PathBuf,
     fsync: String,
+    /// More `serve` arguments (a cluster node's `--node-id`, `--peers`, …).
+    extra_args: Vec<String>,
+    /// The network namespace the process runs in (a cluster node under `cluster::Net`).
+    netns: Option<String>,
+    /// Added to the process's wall clock from its next start (`--test-clock-offset-ms`).
+    pub clock_offset_ms: i64,
     child: Option<Child>,
+}
+
+/// Where and how a cluster node runs (`Server::start_node`).
+pub struct Launch {
+    pub addr: SocketAddr,
+    pub extra_args: Vec<String>,
+    pub netns: Option<String>,
 }
 
 impl Server {
     /// Starts a server on a free loopback port; its data and marker files live under `run_dir`.
     pub fn start(binary: &Path, run_dir: &Path, fsync: &str) -> anyhow::Result<Server> {
-        let markers = run_dir.join("markers");
-        fs::create_dir_all(&markers).context("creating the marker directory")?;
-        let mut server = Server {
-            binary: binary.to_path_buf(),
+        let launch = Launch {
             addr: free_addr()?,
-            data_dir: run_dir.join("data"),
-            markers,
-            log: run_dir.join("server.log"),
-            fsync: fsync.to_owned(),
-            child: None,
+            extra_args: Vec::new(),
+            netns: None,
         };
+        Server::start_node(binary, run_dir, fsync, launch)
+    }
+
+    /// Starts a server as `launch` says; its data, log and marker files live under `dir`.
+    pub fn start_node(
+        binary: &Path,
+        dir: &Path,
+        fsync: &str,
+        launch: Launch,
+    ) -> anyhow::Result<Server> {
+        let mut server = Server::prepare(binary, dir, fsync, launch)?;
         server.spawn()?;
         Ok(server)
+    }
+
+    /// A server not started yet (`restart` starts it): the nodes of a cluster are spawned
+    /// together and waited for together, since none answers before the others are up.
+    pub fn prepare(
+        binary: &Path,
+        dir: &Path,
+        fsync: &str,
+        launch: Launch,
+    ) -> anyhow::Result<Server> {
+        let markers = dir.join("markers");
+        fs::create_dir_all(&markers).context("creating the marker directory")?;
+        Ok(Server {
+            binary: binary.to_path_buf(),
+            addr: launch.addr,
+            data_dir: dir.join("data"),
+            markers,
+            log: dir.join("server.log"),
+            fsync: fsync.to_owned(),
+            extra_args: launch.extra_args,
+            netns: launch.netns,
+            clock_offset_ms: 0,
+            child: None,
+        })
     }
 
     fn failpoint_spec(&self) -> String {
@@ -71,12 +113,27 @@ impl Server {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
+        self.spawn_only()?;
+        self.wait_ready()
+    }
+
+    /// Starts the process without waiting for it to accept connections.
+    pub fn spawn_only(&mut self) -> anyhow::Result<()> {
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.log)
             .context("opening the server log")?;
-        let child = Command::new(&self.binary)
+        // `ip netns exec` execs the server in place: the child's pid is the server's.
+        let mut command = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.binary);
+                c
+            }
+            None => Command::new(&self.binary),
+        };
+        let child = command
             .arg("serve")
             .arg("--listen")
             .arg(self.addr.to_string())
@@ -88,6 +145,11 @@ impl Server {
                 "--snapshot-threshold-bytes",
                 "262144",
             ])
+            .args(&self.extra_args)
+            .args(
+                (self.clock_offset_ms != 0)
+                    .then(|| format!("--test-clock-offset-ms={}", self.clock_offset_ms)),
+            )
             .env("MQSTATE_FAILPOINT", self.failpoint_spec())
             .env("MQSTATE_LOG", "warn")
             .stdin(Stdio::null())
@@ -96,10 +158,10 @@ impl Server {
             .spawn()
             .with_context(|| format!("starting {}", self.binary.display()))?;
         self.child = Some(child);
-        self.wait_ready()
+        Ok(())
     }
 
-    fn wait_ready(&mut self) -> anyhow::Result<()> {
+    pub fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)).is_ok() {
@@ -195,7 +257,7 @@ impl Drop for Server {
     }
 }
 
-fn free_addr() -> anyhow::Result<SocketAddr> {
+pub fn free_addr() -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
     Ok(listener.local_addr()?)
 }

@@ -43,7 +43,8 @@ pub fn all_keys() -> Vec<String> {
 
 /// What the clients, the fault injector and the driver share.
 pub struct Shared {
-    pub addr: SocketAddr,
+    /// Every node's MQTT address (one on a single node); clients spread over them.
+    pub addrs: Vec<SocketAddr>,
     pub stop_writers: AtomicBool,
     pub stop_observers: AtomicBool,
     /// The server process requests go to now (bumped the moment one ends, before the next starts).
@@ -54,8 +55,9 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn new(addr: SocketAddr) -> Arc<Shared> {
+    pub fn new(addrs: Vec<SocketAddr>) -> Arc<Shared> {
         let history = History {
+            cluster: addrs.len() > 1,
             incarnations: vec![Incarnation {
                 started_us: now_us(),
                 ended_us: None,
@@ -63,7 +65,7 @@ impl Shared {
             ..History::default()
         };
         Arc::new(Shared {
-            addr,
+            addrs,
             stop_writers: AtomicBool::new(false),
             stop_observers: AtomicBool::new(false),
             incarnation: AtomicU32::new(0),
@@ -90,6 +92,10 @@ impl Shared {
         self.incarnation.fetch_add(1, Ordering::SeqCst);
     }
 
+    pub fn record_clock_offset(&self, offset_ms: i64) {
+        self.history().clock_offsets_ms.push(offset_ms);
+    }
+
     pub fn record_fault(&self, fault: crate::history::FaultRecord) {
         self.history().faults.push(fault);
     }
@@ -108,10 +114,16 @@ struct Conn {
     incarnation: u32,
 }
 
-async fn connect(shared: &Shared, options: Options<'_>) -> Result<(Conn, bool), String> {
+/// Connects to node `node` (modulo the node count).
+async fn connect(
+    shared: &Shared,
+    options: Options<'_>,
+    node: usize,
+) -> Result<(Conn, bool), String> {
     let incarnation = shared.incarnation.load(Ordering::SeqCst);
+    let addr = shared.addrs[node % shared.addrs.len()];
     let (client, present) =
-        Client::connect(shared.addr, options, Instant::now() + CONNECT_TIMEOUT).await?;
+        Client::connect(addr, options, Instant::now() + CONNECT_TIMEOUT).await?;
     Ok((
         Conn {
             client,
@@ -231,16 +243,31 @@ fn interpret(cmd: &Cmd, payload: &Bytes, ts: Option<&str>) -> Outcome {
     }
 }
 
-async fn ensure_connected(shared: &Shared, conn: &mut Option<Conn>, client: &str) {
+/// Connects when not connected: to `node`, and on a failure to the next node (a client whose
+/// node died goes on through another).
+async fn ensure_connected(
+    shared: &Shared,
+    conn: &mut Option<Conn>,
+    client: &str,
+    node: &mut usize,
+) {
+    if conn.is_none() {
+        // Lost (or never had) a connection: the next node first, so clients of a node that
+        // died move on and the first connections spread over the nodes.
+        *node += 1;
+    }
     while conn.is_none() && !shared.stop_writers.load(Ordering::Relaxed) {
         let options = Options {
             client_id: client,
             clean_start: true,
             session_expiry_secs: 0,
         };
-        match connect(shared, options).await {
+        match connect(shared, options, *node).await {
             Ok((c, _)) => *conn = Some(c),
-            Err(_) => sleep(Duration::from_millis(50)).await,
+            Err(_) => {
+                *node += 1;
+                sleep(Duration::from_millis(50)).await;
+            }
         }
     }
 }
@@ -250,10 +277,11 @@ pub async fn writer(shared: Arc<Shared>, index: usize, seed: u64) {
     let name = format!("w{index}");
     let mut rng = StdRng::seed_from_u64(seed);
     let mut conn = None;
+    let mut node = index;
     let mut seq = 0u64;
     let mut last_seen: HashMap<String, String> = HashMap::new();
     while !shared.stop_writers.load(Ordering::Relaxed) {
-        ensure_connected(&shared, &mut conn, &name).await;
+        ensure_connected(&shared, &mut conn, &name, &mut node).await;
         let key = format!("reg/{}", rng.gen_range(0..REGISTER_KEYS));
         seq += 1;
         let fresh = format!("{name}-{seq}");
@@ -314,6 +342,7 @@ pub async fn lock_holder(shared: Arc<Shared>, index: usize, seed: u64) {
     let name = format!("l{index}");
     let mut rng = StdRng::seed_from_u64(seed);
     let mut conn = None;
+    let mut node = index;
     let mut seq = 0u64;
     let mut holding: Option<(usize, Version)> = None;
     let lease = |name: &str| Cmd::Set {
@@ -323,7 +352,7 @@ pub async fn lock_holder(shared: Arc<Shared>, index: usize, seed: u64) {
         fencing_token: None,
     };
     while !shared.stop_writers.load(Ordering::Relaxed) {
-        ensure_connected(&shared, &mut conn, &name).await;
+        ensure_connected(&shared, &mut conn, &name, &mut node).await;
         seq += 1;
         let Some((j, token)) = holding.clone() else {
             let j = rng.gen_range(0..LOCKS);
@@ -402,7 +431,7 @@ pub async fn observer(shared: Arc<Shared>, index: usize) {
             clean_start: first,
             session_expiry_secs: SESSION_EXPIRY_SECS,
         };
-        let mut client = match connect(&shared, options).await {
+        let mut client = match connect(&shared, options, index).await {
             Ok((conn, present)) => {
                 if !first && !present {
                     shared.history().sessions_lost.push(name.clone());
@@ -500,22 +529,55 @@ fn decode_hex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// The reads after the final recovery: one GET of every key, recorded like any operation.
+/// How long the final reads may wait for a cluster to serve again after its full restart.
+const FINAL_READS_BOUND: Duration = Duration::from_secs(90);
+
+/// The reads after the final recovery: one GET of every key that answers with a value or a miss,
+/// recorded like any operation. A cluster that is still forming answers errors (or nothing): the
+/// read is tried again, through the next node, within `FINAL_READS_BOUND`.
 pub async fn final_reads(shared: &Shared) -> Result<(), String> {
     let client = crate::checks::FINAL_CLIENT;
-    let options = Options {
-        client_id: client,
-        clean_start: true,
-        session_expiry_secs: 0,
-    };
-    let (conn, _) = connect(shared, options).await?;
-    let mut conn = Some(conn);
+    let deadline = Instant::now() + FINAL_READS_BOUND;
+    let mut node = 0;
+    let mut conn: Option<Conn> = None;
     for key in all_keys() {
-        if !invoke(shared, &mut conn, client, &key, Cmd::Get)
-            .await
-            .is_known()
-        {
-            return Err(format!("the final GET {key} got no reply"));
+        loop {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the final GET {key} got no value or miss within {FINAL_READS_BOUND:?}"
+                ));
+            }
+            if conn.is_none() {
+                let options = Options {
+                    client_id: client,
+                    clean_start: true,
+                    session_expiry_secs: 0,
+                };
+                match connect(shared, options, node).await {
+                    Ok((c, _)) => conn = Some(c),
+                    Err(_) => {
+                        node += 1;
+                        sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                }
+            }
+            match invoke(shared, &mut conn, client, &key, Cmd::Get).await {
+                Outcome::Hit { .. } | Outcome::Miss => break,
+                Outcome::Error(_) if shared.addrs.len() > 1 => {
+                    sleep(Duration::from_millis(200)).await;
+                }
+                outcome if shared.addrs.len() == 1 => {
+                    if outcome.is_known() {
+                        break;
+                    }
+                    return Err(format!("the final GET {key} got no reply"));
+                }
+                _ => {
+                    node += 1;
+                    conn = None;
+                }
+            }
         }
     }
     if let Some(c) = conn {
@@ -547,7 +609,14 @@ pub fn spawn_clients(
             seed ^ (0x100 + i as u64),
         )));
     }
-    let observers = (0..OBSERVERS)
+    // KEYNOTIFY answers -ERR on a cluster node today (notifications are not released from the
+    // chains yet): observers run on a single node only, until they are.
+    let observers = if shared.addrs.len() == 1 {
+        OBSERVERS
+    } else {
+        0
+    };
+    let observers = (0..observers)
         .map(|i| tokio::spawn(observer(shared.clone(), i)))
         .collect();
     (writers, observers)
