@@ -2,6 +2,7 @@
 //! with its own data directory, and stops it (gracefully or with SIGKILL) on demand.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod cluster;
 pub mod mqtt;
 pub mod sdk;
 pub mod state;
