@@ -37,7 +37,7 @@ const BOOTSTRAP_RETRY: Duration = Duration::from_millis(300);
 /// How long `add-node` waits for the new node to copy the log before making it a voter.
 const LEARNER_CATCH_UP: Duration = Duration::from_secs(10);
 /// The leader's step (failure detection, publishing views) runs this often.
-const LEADER_STEP: Duration = Duration::from_millis(100);
+const LEADER_STEP: Duration = Duration::from_millis(50);
 /// How often the lease task looks for a pending view change to confirm between renewals.
 const CONFIRM_LOOK: Duration = Duration::from_millis(25);
 /// Raft snapshots after this many entries; older entries are then purged.

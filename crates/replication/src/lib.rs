@@ -37,7 +37,7 @@ use crate::log::ChainLog;
 use crate::wire::{decode, encode, DataRequest, DataResponse, Executed, Routed};
 
 /// A request is retried (head unknown, no view yet, head changing) this often within its expiry.
-const RETRY_EVERY: Duration = Duration::from_millis(100);
+const RETRY_EVERY: Duration = Duration::from_millis(50);
 /// Longest a request is tried, whatever its expiry.
 const MAX_TRY: Duration = Duration::from_secs(30);
 /// How long one step at the head (a read, a chain write) may take.
