@@ -250,7 +250,7 @@ impl Worker {
                     failures += 1;
                     self.shared.recorder.count("reconnect refused", true, 1);
                     // A full round refused: pause before the next, as an SDK's backoff would.
-                    if failures % self.dialers.len() == 0 {
+                    if failures.is_multiple_of(self.dialers.len()) {
                         tokio::time::sleep(RECONNECT_PAUSE).await;
                     }
                 }
