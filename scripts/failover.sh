@@ -59,7 +59,8 @@ round() { # case (head|leader), round number
   for i in 1 2 3; do peers+="${peers:+,}$i=127.0.0.1:${cports[$((i - 1))]}"; done
   PIDS=()
   for i in 1 2 3; do
-    local data; data=$(mktemp -d)
+    local data="$OUT/$case-$n.node$i.data"
+    rm -rf "$data"
     "$SERVER" serve --listen "127.0.0.1:${ports[$((i - 1))]}" --data-dir "$data" --node-id "$i" \
       --cluster-listen "127.0.0.1:${cports[$((i - 1))]}" --peers "$peers" "${EXTRA[@]}" \
       >"$OUT/$case-$n.node$i.log" 2>&1 &
@@ -85,6 +86,8 @@ round() { # case (head|leader), round number
   echo "$(date -u +%T) round $n: killed node $victim ($case; leader was $leader)" >>"$OUT/$case-$n.bench.txt"
   wait "$bench" || true
   stop_all
+  # The data directories are kept (KEEP_DATA=1) for `mqstate data inspect`.
+  [ -n "${KEEP_DATA:-}" ] || rm -rf "$OUT/$case-$n".node?.data
   python3 -c '
 import json, sys
 u = json.load(open(sys.argv[1]))["unavailability"]
