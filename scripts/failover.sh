@@ -9,7 +9,8 @@
 # head: kills a node that is not the Raft leader (it heads a third of the partitions); leader: kills
 # the leader (it heads a third too). Env: SERVER (the server binary, default the release build; set
 # it to a baseline to compare), DURATION (bench seconds, 14), KILL_AT (seconds into the run, 5),
-# CLIENTS (12, one request in flight each), SERVE_FLAGS (extra flags for every node), OUT.
+# CLIENTS (12, one request in flight each), SERVE_FLAGS (extra flags for every node), OUT (reports,
+# timelines, node logs; default target/failover), KEEP_DATA=1 (keep the nodes' data directories).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
