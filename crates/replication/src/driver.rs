@@ -72,6 +72,7 @@ impl Driver {
             waiting: HashMap::new(),
             next_request: 1,
             tx: tx.clone(),
+            failpoints: mqstate_wal::Failpoints::from_env(),
         };
         let task = tokio::spawn(actor.run(rx, stop));
         (Driver { tx }, task)
@@ -151,6 +152,7 @@ struct Actor {
     waiting: HashMap<u64, (u32, oneshot::Sender<Answer>)>,
     next_request: u64,
     tx: mpsc::UnboundedSender<Input>,
+    failpoints: mqstate_wal::Failpoints,
 }
 
 impl Actor {
@@ -232,6 +234,7 @@ impl Actor {
                 partition
             }
             Input::Receive { partition, message } => {
+                crate::failpoint::on_receive(&self.failpoints, &message);
                 self.refresh_view(partition);
                 self.replica(partition).receive(message);
                 partition
@@ -315,6 +318,15 @@ impl Actor {
     }
 
     fn send(&self, partition: u32, to: u64, message: Message) {
+        if self.failpoints.is_armed() {
+            let chain = self
+                .node
+                .partition(partition)
+                .map(|p| p.chain)
+                .unwrap_or_default();
+            let position = chain.iter().position(|&n| n == self.id);
+            crate::failpoint::before_send(&self.failpoints, position, chain.len(), &message);
+        }
         let Some(addr) = self.node.addr_of(to) else {
             tracing::debug!(partition, to, "chain message to an unknown node dropped");
             return;

@@ -14,6 +14,7 @@
 //! knows nothing of MQTT (the binary connects it to the state-store service's router port).
 
 pub mod driver;
+pub mod failpoint;
 pub mod head;
 pub mod log;
 pub mod wire;
