@@ -31,11 +31,13 @@ pub mod defaults {
     /// Replicas per partition (capped by the node count).
     pub const REPLICATION_FACTOR: u32 = 3;
     /// How long a control-plane lease lets a node act, in seconds.
-    pub const CLUSTER_LEASE_SECS: u64 = 3;
+    /// Short: a lost node is detected lease + clock factor after its last grant, and the fail-over
+    /// window is about that (decision 0049).
+    pub const CLUSTER_LEASE_SECS: u64 = 1;
     /// Bound on clock drift between nodes over one lease, in seconds.
     pub const CLUSTER_CLOCK_FACTOR_SECS: u64 = 1;
     /// Raft election timeout (the low end; the high end is twice this), in milliseconds.
-    pub const CLUSTER_ELECTION_TIMEOUT_MS: u64 = 1000;
+    pub const CLUSTER_ELECTION_TIMEOUT_MS: u64 = 500;
 }
 
 /// `fsync` policy of the write-ahead log.
@@ -545,7 +547,7 @@ pub struct Settings {
     pub replication_factor: Option<u32>,
 
     /// Seconds a control-plane lease lets a node act on its partitions; a node that misses its
-    /// renewals for lease + clock factor is taken out of its chains. Default 3.
+    /// renewals for lease + clock factor is taken out of its chains. Default 1.
     #[arg(long, env = "MQSTATE_CLUSTER_LEASE", value_name = "SECS")]
     pub cluster_lease: Option<u64>,
 
@@ -555,7 +557,7 @@ pub struct Settings {
     pub cluster_clock_factor: Option<u64>,
 
     /// Raft election timeout in milliseconds (a leader is replaced within about twice this).
-    /// Default 1000.
+    /// Default 500.
     #[arg(long, env = "MQSTATE_CLUSTER_ELECTION_TIMEOUT", value_name = "MS")]
     pub cluster_election_timeout: Option<u64>,
 

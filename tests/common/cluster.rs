@@ -52,7 +52,12 @@ pub fn cli(port: u16, args: &[&str]) -> Output {
 }
 
 pub fn status(node: &Node) -> Option<Value> {
-    let out = cli(node.server.port(), &["cluster", "status", "--json"]);
+    status_at(node.server.port())
+}
+
+/// `mqstate cluster status --json` through the node listening for MQTT on `port`.
+pub fn status_at(port: u16) -> Option<Value> {
+    let out = cli(port, &["cluster", "status", "--json"]);
     if !out.status.success() {
         return None;
     }
@@ -130,4 +135,36 @@ pub fn ids(value: &Value) -> Vec<u64> {
         .as_array()
         .map(|ids| ids.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default()
+}
+
+/// The chain (head first) of `key`'s partition, as the node at `port` sees it.
+pub fn chain_of(port: u16, key: &str) -> Option<Vec<u64>> {
+    let out = cli(port, &["cluster", "partition-of", key, "--json"]);
+    if !out.status.success() {
+        return None;
+    }
+    let placed: Value = serde_json::from_slice(&out.stdout).ok()?;
+    Some(ids(&placed["chain"]))
+}
+
+/// Every node at `ports` names the same leader and the same settled map, in which every partition's
+/// chain is `full` nodes long and its read view is the whole chain: every replica caught up.
+pub fn settled(ports: &[u16], full: usize) -> Option<u64> {
+    let statuses: Vec<Value> = ports.iter().map(|&p| status_at(p)).collect::<Option<_>>()?;
+    let leader = statuses[0]["leader"].as_u64()?;
+    for s in &statuses {
+        if s["leader"].as_u64() != Some(leader) || s["partitions"] != statuses[0]["partitions"] {
+            return None;
+        }
+        let partitions = s["partitions"].as_array()?;
+        let whole = |p: &Value| {
+            p["pending"] == false
+                && ids(&p["chain"]).len() == full
+                && ids(&p["read_view"]) == ids(&p["chain"])
+        };
+        if partitions.is_empty() || !partitions.iter().all(whole) {
+            return None;
+        }
+    }
+    Some(leader)
 }

@@ -24,6 +24,7 @@ mod pubsub;
 mod responder;
 mod statestore;
 mod stats;
+mod timeline;
 mod workload;
 
 use std::path::PathBuf;
@@ -118,6 +119,16 @@ pub struct BenchArgs {
     /// Draw throughput over time and the latency distribution to this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+    /// Write the run second by second to this file (state-store mode): replies ok, errors, timeouts,
+    /// p50 and p99 of each second; JSON if the name ends in `.json` (with the unavailability
+    /// figures), CSV otherwise.
+    #[arg(long, value_name = "FILE")]
+    pub timeline: Option<PathBuf>,
+    /// Servers of a cluster, `HOST:PORT,...` (instead of --host/--port): connections are spread over
+    /// them, and a connection that dies reconnects to the next one, as an SDK client would; the
+    /// requests it had outstanding count as errors.
+    #[arg(long, value_name = "HOST:PORT,...", value_delimiter = ',')]
+    pub servers: Vec<String>,
     #[command(flatten)]
     pub conn: ConnectionArgs,
 }
@@ -177,6 +188,7 @@ fn write_json(path: &std::path::Path, report: &impl serde::Serialize) -> Result<
 /// State shared by every task of a measured run.
 pub struct Shared {
     pub recorder: Recorder,
+    pub timeline: timeline::Timeline,
     pub started: Instant,
     /// Replies to requests sent before this instant are not measured.
     pub measure_from: Instant,
@@ -192,6 +204,7 @@ impl Shared {
         let started = Instant::now();
         Shared {
             recorder: Recorder::new(),
+            timeline: timeline::Timeline::new(started),
             started,
             measure_from: started + warmup,
             budget,
@@ -308,6 +321,24 @@ async fn measure(args: &BenchArgs) -> Result<Report, CliError> {
     }
     if let Some(path) = &args.plot {
         plot::draw(path, &report, &shared.recorder.percentile_curve())?;
+    }
+    let unavailability = shared.timeline.unavailability();
+    if let Some(path) = &args.timeline {
+        let rows = shared.timeline.rows();
+        let text = if path.extension().is_some_and(|e| e == "json") {
+            timeline::json(&rows, &unavailability)
+        } else {
+            timeline::csv(&rows)
+        };
+        std::fs::write(path, text).map_err(|source| CliError::Input {
+            what: format!("--timeline {} (writing)", path.display()),
+            source,
+        })?;
+    }
+    if let Some(line) = timeline::describe(&unavailability) {
+        if !args.servers.is_empty() || args.timeline.is_some() {
+            println!("{line}");
+        }
     }
     Ok(report)
 }

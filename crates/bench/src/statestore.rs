@@ -29,11 +29,19 @@ struct Opened {
     client_id: String,
     response_topic: String,
     notify_prefix: String,
+    filters: Vec<Filter>,
+    /// Index in `Prepared::dialers` of the server it is connected to.
+    server: usize,
     link: Connection,
 }
 
 pub struct Prepared {
     connections: Vec<Opened>,
+    /// One per server (`--servers`), or the one of `--host`/`--port`.
+    dialers: Arc<Vec<Dialer>>,
+    /// Whether a connection that dies reconnects (`--servers` given).
+    reconnect: bool,
+    window: u16,
     mix: Mix,
     chooser: Arc<KeyChooser>,
     value_size: usize,
@@ -47,7 +55,7 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         KeyChooser::new(args.distribution, args.keys).map_err(|e| CliError::usage("--keys", e))?;
     let inflight = usize::from(args.inflight);
     let prefix = args.conn.client_id("mqstate-bench");
-    let dialer = Arc::new(Dialer::new(&args.conn)?);
+    let dialers = Arc::new(dialers(args)?);
     let mut opening = JoinSet::new();
     for i in 0..args.connections {
         let client_id = format!("{prefix}-{i}");
@@ -60,14 +68,19 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         if args.mix.contains(Op::KeyNotify) {
             filters.push(Filter::new(format!("{notify_prefix}+"), QoS::AtLeastOnce));
         }
-        let dialer = Arc::clone(&dialer);
+        let dialers = Arc::clone(&dialers);
+        let server = i as usize % dialers.len();
         let window = args.inflight;
         opening.spawn(async move {
-            let link = dialer.open(&client_id, filters, window).await?;
+            let link = dialers[server]
+                .open(&client_id, filters.clone(), window)
+                .await?;
             Ok::<_, CliError>(Opened {
                 client_id,
                 response_topic,
                 notify_prefix,
+                filters,
+                server,
                 link,
             })
         });
@@ -78,6 +91,9 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
     }
     Ok(super::Prepared::Statestore(Prepared {
         connections,
+        dialers,
+        reconnect: !args.servers.is_empty(),
+        window: args.inflight,
         mix: args.mix.clone(),
         chooser: Arc::new(chooser),
         value_size: args.value_size,
@@ -85,6 +101,32 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         timeout: args.conn.timeout(),
     }))
 }
+
+/// A dialer per `--servers` entry, or the one of `--host`/`--port`.
+fn dialers(args: &BenchArgs) -> Result<Vec<Dialer>, CliError> {
+    if args.servers.is_empty() {
+        return Ok(vec![Dialer::new(&args.conn)?]);
+    }
+    args.servers
+        .iter()
+        .map(|server| {
+            let (host, port) = server
+                .rsplit_once(':')
+                .and_then(|(host, port)| Some((host, port.parse::<u16>().ok()?)))
+                .filter(|(host, _)| !host.is_empty())
+                .ok_or_else(|| {
+                    CliError::usage("--servers", format!("{server:?} is not HOST:PORT"))
+                })?;
+            let mut conn = args.conn.clone();
+            conn.host = host.to_owned();
+            conn.port = port;
+            Dialer::new(&conn)
+        })
+        .collect()
+}
+
+/// Pause after every server refused a reconnect.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 
 /// Requests sent and not yet answered: correlation sequence → (send time, operation).
 type Pending = HashMap<u64, (Instant, Op)>;
@@ -95,6 +137,11 @@ impl Prepared {
         for (i, opened) in self.connections.into_iter().enumerate() {
             let worker = Worker {
                 shared: Arc::clone(&shared),
+                dialers: Arc::clone(&self.dialers),
+                reconnect: self.reconnect,
+                window: self.window,
+                filters: opened.filters,
+                server: opened.server,
                 mix: self.mix.clone(),
                 chooser: Arc::clone(&self.chooser),
                 value_size: self.value_size,
@@ -112,9 +159,14 @@ impl Prepared {
     }
 }
 
-/// The task that owns one connection.
+/// The task that owns one connection (and its successors, after a reconnect).
 struct Worker {
     shared: Arc<Shared>,
+    dialers: Arc<Vec<Dialer>>,
+    reconnect: bool,
+    window: u16,
+    filters: Vec<Filter>,
+    server: usize,
     mix: Mix,
     chooser: Arc<KeyChooser>,
     value_size: usize,
@@ -126,51 +178,114 @@ struct Worker {
     notify_prefix: String,
 }
 
+/// What a client keeps across its connections: correlation data must never repeat under one client
+/// id (the store would answer a reused one with its first reply), and its unavailability is measured
+/// from its last successful reply, whichever connection brought it.
+struct Client {
+    seq: u64,
+    rng: StdRng,
+    clock: HybridClock,
+    last_ok: Option<Instant>,
+}
+
 impl Worker {
-    async fn run(self, mut link: Connection) {
+    async fn run(mut self, link: Connection) {
+        let mut client = Client {
+            seq: 0,
+            rng: StdRng::seed_from_u64(self.seed ^ rand::random::<u64>()),
+            clock: rpc::client_clock(&self.client_id),
+            last_ok: None,
+        };
+        let mut link = Some(link);
         let mut pending = Pending::new();
-        let driven = self.drive(&mut link, &mut pending).await;
-        if let Err(reason) = &driven {
-            self.shared
-                .recorder
-                .count(&format!("connection: {reason}"), true, 1);
+        while let Some(mut current) = link.take() {
+            let driven = self.drive(&mut current, &mut pending, &mut client).await;
+            match driven {
+                Ok(()) => {
+                    // Unanswered when the run's wait for replies ran out.
+                    self.lose(&mut pending, true);
+                    let _ = tokio::time::timeout(self.timeout, current.disconnect()).await;
+                }
+                Err(reason) => {
+                    self.shared
+                        .recorder
+                        .count(&format!("connection: {reason}"), true, 1);
+                    self.lose(&mut pending, false);
+                    if self.reconnect {
+                        drop(current);
+                        link = self.reopen().await;
+                    }
+                }
+            }
         }
-        // Unanswered when the run's wait for replies ran out, or when the connection failed.
-        if !pending.is_empty() {
-            self.shared
-                .recorder
-                .count("timeout", true, pending.len() as u64);
+    }
+
+    /// Counts the outstanding requests as lost: timed out, or gone with their connection.
+    fn lose(&self, pending: &mut Pending, timed_out: bool) {
+        if pending.is_empty() {
+            return;
         }
-        if driven.is_ok() {
-            let _ = tokio::time::timeout(self.timeout, link.disconnect()).await;
+        let n = pending.len() as u64;
+        let label = if timed_out {
+            "timeout"
+        } else {
+            "lost with the connection"
+        };
+        self.shared.recorder.count(label, true, n);
+        self.shared.timeline.lost(Instant::now(), n, timed_out);
+        pending.clear();
+    }
+
+    /// Connects to the next server, and the next, until one accepts or the run is over.
+    async fn reopen(&mut self) -> Option<Connection> {
+        let mut failures = 0usize;
+        while !self.shared.is_stopped() {
+            self.server = (self.server + 1) % self.dialers.len();
+            match self.dialers[self.server]
+                .open(&self.client_id, self.filters.clone(), self.window)
+                .await
+            {
+                Ok(link) => return Some(link),
+                Err(_) => {
+                    failures += 1;
+                    self.shared.recorder.count("reconnect refused", true, 1);
+                    // A full round refused: pause before the next, as an SDK's backoff would.
+                    if failures.is_multiple_of(self.dialers.len()) {
+                        tokio::time::sleep(RECONNECT_PAUSE).await;
+                    }
+                }
+            }
         }
+        None
     }
 
     /// Turns until the run is over and the outstanding replies are in (or one reply timeout passed):
     /// take in what arrived, top the window up, send it all in one write, wait for more.
-    async fn drive(&self, link: &mut Connection, pending: &mut Pending) -> Result<(), String> {
-        let mut rng = StdRng::seed_from_u64(self.seed ^ rand::random::<u64>());
-        let value: Bytes = value_of_size(self.value_size, &mut rng);
-        let mut clock: HybridClock = rpc::client_clock(&self.client_id);
+    async fn drive(
+        &self,
+        link: &mut Connection,
+        pending: &mut Pending,
+        client: &mut Client,
+    ) -> Result<(), String> {
+        let value: Bytes = value_of_size(self.value_size, &mut client.rng);
         // One PUBLISH for every request: only payload, correlation data and timestamp change.
         let properties = rpc::request_properties(
             &self.client_id,
             &self.response_topic,
             Bytes::new(),
-            &clock.now(rpc::now_ms()),
+            &client.clock.now(rpc::now_ms()),
             None,
             self.timeout,
         );
         let invoke = Bytes::from_static(INVOKE_TOPIC.as_bytes());
         let mut request = wire::publish(&invoke, QoS::AtLeastOnce, Bytes::new(), Some(properties));
-        let mut seq = 0u64;
         // Set once the run is over: the last moment to wait for outstanding replies.
         let mut deadline: Option<Instant> = None;
         loop {
             while let Some(publish) = link.next()? {
                 link.acknowledge(&publish)?;
                 if publish.topic.as_ref() == self.response_topic.as_bytes() {
-                    self.on_reply(pending, &publish);
+                    self.on_reply(pending, &publish, client);
                 } else if publish.topic.starts_with(self.notify_prefix.as_bytes()) {
                     self.shared.recorder.count("notification", false, 1);
                 }
@@ -180,17 +295,17 @@ impl Worker {
                     deadline = Some(Instant::now() + self.timeout);
                     break;
                 }
-                let op = self.mix.pick(&mut rng);
-                let key = key_name(self.chooser.pick(&mut rng));
-                seq += 1;
+                let op = self.mix.pick(&mut client.rng);
+                let key = key_name(self.chooser.pick(&mut client.rng));
+                client.seq += 1;
                 request.payload = encode_request(&op.request(&key, &value));
                 restamp(
                     &mut request,
-                    rpc::correlation(seq),
-                    &clock.now(rpc::now_ms()),
+                    rpc::correlation(client.seq),
+                    &client.clock.now(rpc::now_ms()),
                 );
                 link.publish(&mut request)?;
-                pending.insert(seq, (Instant::now(), op));
+                pending.insert(client.seq, (Instant::now(), op));
             }
             link.flush().await?;
             if let Some(deadline) = deadline {
@@ -199,13 +314,29 @@ impl Worker {
                 }
             }
             let turn = link.read().await?;
-            if turn == Turn::Tick && deadline.is_none() && self.shared.is_stopped() {
-                deadline = Some(Instant::now() + self.timeout);
+            if turn == Turn::Tick {
+                if deadline.is_none() && self.shared.is_stopped() {
+                    deadline = Some(Instant::now() + self.timeout);
+                }
+                self.expire(pending);
             }
         }
     }
 
-    fn on_reply(&self, pending: &mut Pending, publish: &Publish) {
+    /// Gives up on requests unanswered for a whole reply timeout (their message expiry has passed:
+    /// the server will not answer them either), freeing their place in the window.
+    fn expire(&self, pending: &mut Pending) {
+        let now = Instant::now();
+        let before = pending.len();
+        pending.retain(|_, (sent, _)| now.saturating_duration_since(*sent) < self.timeout);
+        let expired = (before - pending.len()) as u64;
+        if expired > 0 {
+            self.shared.recorder.count("timeout", true, expired);
+            self.shared.timeline.lost(now, expired, true);
+        }
+    }
+
+    fn on_reply(&self, pending: &mut Pending, publish: &Publish, client: &mut Client) {
         let now = Instant::now();
         let properties = publish.properties.as_ref();
         let Some(seq) = properties
@@ -228,6 +359,14 @@ impl Worker {
             rpc::user_property(properties, rpc::STATUS),
             &publish.payload,
         );
+        self.shared
+            .timeline
+            .reply(now, now - sent, outcome.is_error);
+        if !outcome.is_error {
+            if let Some(last) = client.last_ok.replace(now) {
+                self.shared.timeline.client_gap(last, now);
+            }
+        }
         if self.shared.measuring(sent) {
             self.shared.recorder.record(now - sent, &outcome);
             self.shared.completed_at(now);

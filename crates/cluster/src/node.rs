@@ -37,7 +37,9 @@ const BOOTSTRAP_RETRY: Duration = Duration::from_millis(300);
 /// How long `add-node` waits for the new node to copy the log before making it a voter.
 const LEARNER_CATCH_UP: Duration = Duration::from_secs(10);
 /// The leader's step (failure detection, publishing views) runs this often.
-const LEADER_STEP: Duration = Duration::from_millis(100);
+const LEADER_STEP: Duration = Duration::from_millis(50);
+/// How often the lease task looks for a pending view change to confirm between renewals.
+const CONFIRM_LOOK: Duration = Duration::from_millis(25);
 /// Raft snapshots after this many entries; older entries are then purged.
 const SNAPSHOT_EVERY_ENTRIES: u64 = 1000;
 
@@ -743,9 +745,23 @@ async fn lead(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
 /// Renews this node's lease every third of a lease (so two renewals can fail before it lapses),
 /// confirming the state it has applied; and, when no data plane is attached (nothing to copy),
 /// reports itself caught up on partitions whose write view it entered.
+///
+/// A pending view change of a partition this node holds is confirmed at once, not at the next
+/// period: its publication waits for every holder's confirmation, and the partition has no head
+/// acting until then (decision 0049).
 async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
     let period = Duration::from_millis((inner.config.map.lease_ms / 3).max(50));
-    while pause(&mut stopped, period).await {
+    let look = period.min(CONFIRM_LOOK);
+    let mut last_renewal: Option<Instant> = None;
+    // The epoch of the last renewal asked: pending changes up to it are confirmed (or were tried).
+    let mut confirmed_epoch = 0u64;
+    while pause(&mut stopped, look).await {
+        let due = last_renewal.is_none_or(|at| {
+            inner.config.clock.now().saturating_duration_since(at) + look / 2 >= period
+        });
+        if !due && !unconfirmed(&inner, confirmed_epoch) {
+            continue;
+        }
         let (seen_epoch, catching_up) = {
             let applied = inner.state.read();
             let catching_up: Vec<(PartitionId, u64)> = applied
@@ -762,6 +778,8 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
             (applied.state.epoch, catching_up)
         };
         let asked_at = inner.config.clock.now();
+        last_renewal = Some(asked_at);
+        confirmed_epoch = seen_epoch;
         let renewed = inner
             .propose(Command::Renew {
                 node: inner.id(),
@@ -800,6 +818,17 @@ async fn renew_lease(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
             }
         }
     }
+}
+
+/// Whether a partition this node holds has a view change pending since after `confirmed_epoch`.
+fn unconfirmed(inner: &Inner, confirmed_epoch: u64) -> bool {
+    let me = inner.id();
+    inner.state.read().state.partitions.iter().any(|p| {
+        p.pending
+            .as_ref()
+            .is_some_and(|pending| pending.since_epoch > confirmed_epoch)
+            && (p.chain.contains(&me) || p.read_view.contains(&me))
+    })
 }
 
 /// Publishes the control plane's figures through the `metrics` facade.

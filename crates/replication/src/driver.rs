@@ -87,6 +87,7 @@ impl Driver {
             peers: Peers::new(Arc::clone(&node)),
             tx: tx.clone(),
             catch_up: CatchUp::default(),
+            failpoints: mqstate_wal::Failpoints::from_env(),
         };
         let task = tokio::spawn(actor.run(rx, stop));
         (Driver { tx }, task)
@@ -185,6 +186,7 @@ struct Actor {
     tx: mpsc::UnboundedSender<Input>,
     /// Catch-up of the two replicas (key spaces) of each partition.
     catch_up: CatchUp,
+    failpoints: mqstate_wal::Failpoints,
 }
 
 impl Actor {
@@ -299,6 +301,7 @@ impl Actor {
                 partition
             }
             Input::Receive { partition, message } => {
+                crate::failpoint::on_receive(&self.failpoints, &message);
                 self.refresh_view(partition);
                 self.replica(partition).receive(message);
                 partition
@@ -381,7 +384,10 @@ impl Actor {
                         }
                     }
                 }
-                Output::Send { to, message } => self.peers.send(to, partition, message),
+                Output::Send { to, message } => {
+                    self.before_send(partition, &message);
+                    self.peers.send(to, partition, message)
+                }
                 Output::Reply { request, answer } => {
                     if let Some((_, waiting)) = self.waiting.remove(&request) {
                         let _ = waiting.send(answer);
@@ -395,6 +401,19 @@ impl Actor {
                     tokio::spawn(async move { node.report_caught_up(partition, view).await });
                 }
             }
+        }
+    }
+
+    /// The chain failpoints (`crate::failpoint`), checked before a chain message leaves.
+    fn before_send(&self, partition: u32, message: &Message) {
+        if self.failpoints.is_armed() {
+            let chain = self
+                .node
+                .partition(space::control(partition))
+                .map(|p| p.chain)
+                .unwrap_or_default();
+            let position = chain.iter().position(|&n| n == self.id);
+            crate::failpoint::before_send(&self.failpoints, position, chain.len(), message);
         }
     }
 }

@@ -24,6 +24,7 @@ pub mod batch;
 pub mod compaction;
 pub mod driver;
 pub mod expiry;
+pub mod failpoint;
 pub mod head;
 pub mod log;
 pub mod notify;
@@ -58,7 +59,7 @@ use crate::wire::{
 };
 
 /// A request is retried (head unknown, no view yet, head changing) this often within its expiry.
-pub(crate) const RETRY_EVERY: Duration = Duration::from_millis(100);
+pub(crate) const RETRY_EVERY: Duration = Duration::from_millis(50);
 /// Longest a request is tried, whatever its expiry.
 const MAX_TRY: Duration = Duration::from_secs(30);
 /// How long one step at the head (a read, a chain write) may take.

@@ -45,6 +45,18 @@ struct Batch {
     records: Vec<Record>,
 }
 
+/// One record's data: a batch of `partition`'s replica.
+pub fn encode_batch(partition: u32, records: Vec<Record>) -> Vec<u8> {
+    postcard::to_allocvec(&Batch { partition, records }).unwrap_or_default()
+}
+
+/// One record's data as the offline tools read it: the partition and the replica's records.
+pub fn decode_batch(data: &[u8]) -> Result<(u32, Vec<Record>), String> {
+    postcard::from_bytes::<Batch>(data)
+        .map(|batch| (batch.partition, batch.records))
+        .map_err(|e| e.to_string())
+}
+
 /// The open log.
 pub struct ChainLog {
     wal: Arc<WalWriter>,
@@ -115,7 +127,7 @@ impl ChainLog {
         partition: u32,
         records: Vec<Record>,
     ) -> Result<PendingCommit, WalError> {
-        let data = postcard::to_allocvec(&Batch { partition, records }).unwrap_or_default();
+        let data = encode_batch(partition, records);
         self.logged += data.len() as u64;
         match self.wal.append(0, Bytes::from(data)).await {
             Ok(commit) => {

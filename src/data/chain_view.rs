@@ -1,0 +1,149 @@
+//! The chain log's records (`<data-dir>/chains/`, decision 0035) as `mqstate data` shows them: per
+//! record its partition, then each replica record — a row's key, version, lock bit and view, with
+//! the store change its value holds (the request and key change the head made), or a replica's
+//! re-entry (`clear`), its copy complete (`caught-up`) or it being readable again.
+
+use mqstate_chain::{Record, Row};
+use mqstate_replication::log::decode_batch;
+use mqstate_store::Change;
+use serde_json::{json, Value};
+
+use super::{DeltaView, RequestShown, Shown};
+
+/// One record, as text (`; `-separated records) or as JSON text.
+pub(super) fn describe(data: &[u8], max_bytes: usize, as_json: bool) -> String {
+    match decode_batch(data) {
+        Ok((partition, records)) if as_json => json!({
+            "partition": partition,
+            "records": records.iter().map(|r| record_json(r, max_bytes)).collect::<Vec<_>>(),
+        })
+        .to_string(),
+        Ok((partition, records)) => format!(
+            "partition {partition}: {}",
+            records
+                .iter()
+                .map(|r| record_text(r, max_bytes))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        Err(e) if as_json => json!({"op": "undecodable", "error": e}).to_string(),
+        Err(e) => format!("UNDECODABLE: {e}"),
+    }
+}
+
+/// Why a record's data is not a replica's batch; `None` if it is.
+pub(super) fn decode_error(data: &[u8]) -> Option<String> {
+    decode_batch(data).err()
+}
+
+fn version(row: &Row) -> String {
+    let v = row.version;
+    format!("{}:{}:{}", v.wall_ms, v.counter, v.node)
+}
+
+fn record_text(record: &Record, max_bytes: usize) -> String {
+    match record {
+        Record::Row { key, row } => {
+            let value = match &row.value {
+                None => "tombstone".to_owned(),
+                Some(value) => {
+                    let change = Change::decode(value);
+                    let request = RequestShown::of(&change, max_bytes);
+                    let view = DeltaView::of(change, max_bytes);
+                    match request {
+                        Some(request) => format!("{view} {request}"),
+                        None => view.to_string(),
+                    }
+                }
+            };
+            format!(
+                "row {} version {} view {} {}: {value}",
+                Shown::new(key, max_bytes),
+                version(row),
+                row.view,
+                if row.locked { "LOCKED" } else { "unlocked" },
+            )
+        }
+        Record::Clear { view } => format!("clear (re-enters at the tail of view {view})"),
+        Record::CaughtUp { view } => format!("caught-up (copy complete in view {view})"),
+        Record::Readable => "readable".to_owned(),
+    }
+}
+
+fn record_json(record: &Record, max_bytes: usize) -> Value {
+    match record {
+        Record::Row { key, row } => {
+            let key = Shown::new(key, max_bytes);
+            let value = row.value.as_ref().map(|value| {
+                let change = Change::decode(value);
+                let request = RequestShown::of(&change, max_bytes);
+                let mut view = DeltaView::of(change, max_bytes).to_json();
+                if let (Value::Object(fields), Some(request)) = (&mut view, request) {
+                    fields.insert("request".to_owned(), request.to_json());
+                }
+                view
+            });
+            json!({
+                "op": "row",
+                "key": key.text, "key_len": key.len,
+                "version": version(row),
+                "view": row.view,
+                "locked": row.locked,
+                "tombstone": row.value.is_none(),
+                "change": value,
+            })
+        }
+        Record::Clear { view } => json!({"op": "clear", "view": view}),
+        Record::CaughtUp { view } => json!({"op": "caught-up", "view": view}),
+        Record::Readable => json!({"op": "readable"}),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mqstate_chain::Version;
+
+    #[test]
+    fn a_row_shows_partition_key_version_lock_and_view() {
+        let value = mqstate_store::Delta::Delete {
+            key: bytes::Bytes::from_static(b"k1"),
+            version: mqstate_protocol::Hlc::new(1_700_000_000_000, 2, "n1".into()),
+        }
+        .encode()
+        .unwrap();
+        let data = mqstate_replication::log::encode_batch(
+            7,
+            vec![
+                Record::Clear { view: 4 },
+                Record::Row {
+                    key: b"k1".to_vec(),
+                    row: Row {
+                        value: Some(value.to_vec()),
+                        version: Version {
+                            wall_ms: 1_700_000_000_000,
+                            counter: 2,
+                            node: 3,
+                        },
+                        view: 5,
+                        locked: true,
+                    },
+                },
+            ],
+        );
+        assert_eq!(decode_error(&data), None);
+        let text = describe(&data, 64, false);
+        assert!(text.starts_with("partition 7: clear"), "{text}");
+        assert!(
+            text.contains("row \"k1\" version 1700000000000:2:3 view 5 LOCKED: "),
+            "{text}"
+        );
+        assert!(text.contains("delete"), "{text}");
+        let json: Value = serde_json::from_str(&describe(&data, 64, true)).unwrap();
+        assert_eq!(json["partition"], 7);
+        assert_eq!(json["records"][1]["locked"], true);
+        assert_eq!(json["records"][1]["view"], 5);
+        assert_eq!(json["records"][1]["key"], "k1");
+        assert!(describe(b"\xff\xff\xff\xff\xff\xff", 64, false).starts_with("UNDECODABLE"));
+    }
+}
