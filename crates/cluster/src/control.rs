@@ -407,6 +407,13 @@ impl ControlState {
                 .copied()
                 .filter(|n| current_read.contains(n))
                 .collect();
+            if read_view.is_empty() && !current_read.is_empty() {
+                // Every replica that holds all of the partition's rows is down (all leases can
+                // lapse together, say while no leader renews them). A view without them could
+                // never serve the partition again — a newcomer can only be copied from them — so
+                // keep the view and wait for one of them to renew: no change is always safe.
+                continue;
+            }
             if chain != current || read_view != current_read {
                 self.propose(p.id, chain, read_view);
             }
@@ -657,6 +664,44 @@ mod tests {
         assert!(p0.pending.is_none());
         assert_eq!(p0.chain, [1, 2], "the readable survivor leads");
         assert_eq!(p0.read_view, [1]);
+    }
+
+    #[test]
+    fn when_every_readable_replica_lapses_the_view_is_kept_for_their_return() {
+        let mut state = cluster(&[1, 2, 3], 3);
+        renew_all(&mut state, &[1, 2, 3], 1_000);
+        state.apply(&Command::Tick { now_ms: 1_100 });
+        let before: Vec<_> = state
+            .partitions
+            .iter()
+            .map(|p| (p.chain.clone(), p.read_view.clone(), p.view))
+            .collect();
+        // Nobody renews (no leader for longer than a lease): every member lapses at once.
+        state.apply(&Command::Tick {
+            now_ms: 1_000 + LEASE + CF,
+        });
+        assert!(state.members.values().all(|m| !m.up));
+        for (p, (chain, read_view, view)) in state.partitions.iter().zip(&before) {
+            assert!(
+                p.pending.is_none(),
+                "no view without a full copy is proposed"
+            );
+            assert_eq!((&p.chain, &p.read_view, p.view), (chain, read_view, *view));
+        }
+        // They come back one by one: the first readable replica back leads (the others re-enter
+        // at the tail and are copied from it), so every partition is served again.
+        let back = 1_000 + LEASE + CF + 100;
+        renew_all(&mut state, &[1, 2, 3], back);
+        renew_all(&mut state, &[1, 2, 3], back + 100);
+        state.apply(&Command::Tick { now_ms: back + 200 });
+        for p in &state.partitions {
+            assert!(p.pending.is_none());
+            let mut members = p.chain.clone();
+            members.sort_unstable();
+            assert_eq!(members, [1, 2, 3]);
+            assert_eq!(p.read_view.first(), p.chain.first(), "a readable head");
+            assert_eq!(state.acting_view(p.chain[0], p.id), Some(p.view));
+        }
     }
 
     #[test]
