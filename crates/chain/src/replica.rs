@@ -123,6 +123,8 @@ pub struct Replica {
     /// Restarted from the log and not yet given its successor's rows: it may have lost rows it
     /// had forwarded before its fsync (decision 0043).
     resync: bool,
+    /// When the last `Resync` was sent (its answer carries every row: not asked for every tick).
+    resync_sent: Option<u64>,
 
     /// The batch being collected (`records`), numbered from 1.
     batch: u64,
@@ -199,6 +201,7 @@ impl Replica {
             joining_since: restored.joining_since,
             caught_up_view: restored.caught_up_view,
             resync: true,
+            resync_sent: None,
             batch: 1,
             durable: 0,
             records: Vec::new(),
@@ -585,6 +588,8 @@ impl Replica {
         interrupted.extend(self.inflight.keys().cloned());
         self.repair = interrupted.into_iter().collect();
         self.last_sent.clear();
+        // A new chain may have a new successor: ask it now.
+        self.resync_sent = None;
         self.drive_resync();
         self.drive_repair();
         self.drive_copies();
@@ -774,8 +779,15 @@ impl Replica {
         if !self.resync {
             return;
         }
+        let due = self
+            .resync_sent
+            .is_none_or(|at| self.now.saturating_sub(at) >= self.config.resend_ticks);
         match self.neighbour(1) {
-            Some(succ) => self.send(succ, Item::Resync),
+            Some(succ) if due => {
+                self.resync_sent = Some(self.now);
+                self.send(succ, Item::Resync);
+            }
+            Some(_) => {}
             None => self.resync = false,
         }
     }
