@@ -38,6 +38,20 @@ pub enum Item {
     CopyDone,
     /// The catching-up replica recorded that it caught up.
     CopyDoneAck,
+    /// Successor → predecessor: this replica holds `version` of `key`, above the one the
+    /// predecessor prepared, or one it may have lost. Phase 1 is pipelined (a replica forwards
+    /// before its own fsync), so a predecessor that lost power before its fsync can be behind its
+    /// successor; it takes a later row and rolls it forward (decision 0043).
+    Ahead {
+        key: Key,
+        value: Option<Vec<u8>>,
+        version: Version,
+    },
+    /// Predecessor → successor, from a replica restarted from its log until it is answered: send
+    /// me every row you hold (`Ahead` each), then `Synced`.
+    Resync,
+    /// Successor → predecessor: every row this replica holds was sent before this.
+    Synced,
 }
 
 /// A committed row in a recovery copy.
@@ -53,8 +67,8 @@ pub struct CopiedRow {
 pub enum Output {
     /// Append these records to the replica's log as batch `index` (batches are numbered 1, 2, …
     /// per replica incarnation, appended in order) and call [`crate::Replica::durable`] with
-    /// `index` once they are fsynced. Nothing this replica sends or answers depends on a batch
-    /// before it is reported durable.
+    /// `index` once they are fsynced. Only a `Prepare` goes out before its row's batch is durable
+    /// (phase 1 is pipelined); a commit, an answer or an acknowledgement waits for it.
     Persist { index: u64, records: Vec<Record> },
     /// Send to a peer (any transport; loss, duplication and reordering are tolerated).
     Send { to: NodeId, message: Message },

@@ -5,11 +5,18 @@
 //!
 //! The rules, each in one place:
 //!
-//! * A row is *advanced* once it is durable here ([`Replica::advance`]): a non-tail forwards it
-//!   (phase 1) to its successor; the tail — which commits at once and never holds a lock bit —
-//!   sends the commit (phase 2) to its predecessor, or, when it is also the head, completes it.
-//! * A commit from the successor unlocks the row and goes on to the predecessor; at the head it
-//!   completes the write: the client is answered, then the key's next waiting request runs.
+//! * A row is *advanced* ([`Replica::advance`]): a non-tail forwards it (phase 1) to its successor
+//!   at once, in parallel with its own fsync (decision 0043); the tail — which commits at once and
+//!   never holds a lock bit — sends the commit (phase 2) to its predecessor once the row is durable
+//!   here, or, when it is also the head, completes it.
+//! * A commit from the successor unlocks the row and goes on to the predecessor once the row is
+//!   durable here too (a commit that arrives first is remembered and acted on in
+//!   [`Replica::durable`]); at the head it completes the write: the client is answered, then the
+//!   key's next waiting request runs. So an answered write is durable on every replica.
+//! * A predecessor that lost a row in a crash before its fsync can be behind its successor: a
+//!   replica restarted from its log asks its successor for its rows (`Resync`, until `Synced`),
+//!   and a successor answers a stale prepare with its later row (`Ahead`); the predecessor takes a
+//!   later row and rolls it forward.
 //! * Per key, one write at a time: requests wait at the head while the row is locked (or not yet
 //!   durable there). A read of a locked row waits for the write to complete (Flush2pc).
 //! * Roll-forward only: on entering a view every locked row goes onto the repair queue and is
@@ -83,6 +90,16 @@ struct Chunk {
     sent_at: u64,
 }
 
+/// A row whose latest record is in a batch not yet durable.
+#[derive(Debug, Clone, Copy)]
+struct Unsynced {
+    batch: u64,
+    /// Advance once durable (the tail's commit; a non-tail has forwarded already).
+    advance: bool,
+    /// A commit from the successor that arrived before this row was durable here.
+    commit: Option<crate::Version>,
+}
+
 /// A send (and perhaps an output) held until a batch is durable.
 struct AfterDurable {
     index: u64,
@@ -103,13 +120,18 @@ pub struct Replica {
     locked: BTreeSet<Key>,
     joining_since: Option<u64>,
     caught_up_view: Option<u64>,
+    /// Restarted from the log and not yet given its successor's rows: it may have lost rows it
+    /// had forwarded before its fsync (decision 0043).
+    resync: bool,
+    /// When the last `Resync` was sent (its answer carries every row: not asked for every tick).
+    resync_sent: Option<u64>,
 
     /// The batch being collected (`records`), numbered from 1.
     batch: u64,
     durable: u64,
     records: Vec<Record>,
-    /// Rows whose latest value is in a batch not yet durable: (batch, advance once durable).
-    unsynced: BTreeMap<Key, (u64, bool)>,
+    /// Rows whose latest value is in a batch not yet durable.
+    unsynced: BTreeMap<Key, Unsynced>,
     /// The keys recorded in each batch not yet durable (an entry is stale when `unsynced` has the
     /// key at a later batch).
     by_batch: BTreeMap<u64, Vec<Key>>,
@@ -139,6 +161,7 @@ impl std::fmt::Debug for Replica {
             .field("view", &self.view)
             .field("acting", &self.acting)
             .field("joining_since", &self.joining_since)
+            .field("resync", &self.resync)
             .field("rows", &self.rows.len())
             .field("locked", &self.locked)
             .field("inflight", &self.inflight)
@@ -151,9 +174,13 @@ impl std::fmt::Debug for Replica {
 }
 
 impl Replica {
-    /// A replica with no data (a node that never held this partition).
+    /// A replica with no data, on a node that never held this partition (nothing to resync; a
+    /// node restarted with no records of it uses [`Replica::restore`]).
     pub fn new(id: NodeId, config: Config) -> Replica {
-        Replica::restore(id, config, Restored::default())
+        Replica {
+            resync: false,
+            ..Replica::restore(id, config, Restored::default())
+        }
     }
 
     /// A replica from its log's durable records. It acts again only once given a view.
@@ -173,6 +200,8 @@ impl Replica {
             locked,
             joining_since: restored.joining_since,
             caught_up_view: restored.caught_up_view,
+            resync: true,
+            resync_sent: None,
             batch: 1,
             durable: 0,
             records: Vec::new(),
@@ -237,9 +266,10 @@ impl Replica {
     }
 
     /// Nothing started and not finished here: no lock, no write in flight, nothing waiting, no
-    /// copy under way.
+    /// copy or resync under way.
     pub fn is_quiet(&self) -> bool {
-        self.locked.is_empty()
+        !self.resync
+            && self.locked.is_empty()
             && self.inflight.is_empty()
             && self.waiting.is_empty()
             && self.repair.is_empty()
@@ -358,6 +388,13 @@ impl Replica {
                         copy.finished = true;
                     }
                 }
+                Item::Ahead {
+                    key,
+                    value,
+                    version,
+                } if Some(from) == succ => self.on_ahead(key, value, version),
+                Item::Resync if Some(from) == pred => self.on_resync(from),
+                Item::Synced if Some(from) == succ => self.resync = false,
                 _ => self.stats.rejected_messages += 1,
             }
         }
@@ -374,10 +411,17 @@ impl Replica {
         let ready = std::mem::replace(&mut self.by_batch, later);
         for (batch, keys) in ready {
             for key in keys {
-                if self.unsynced.get(&key).is_some_and(|&(b, _)| b == batch) {
-                    if let Some((_, true)) = self.unsynced.remove(&key) {
-                        self.advance(&key);
-                    }
+                if self.unsynced.get(&key).is_none_or(|u| u.batch != batch) {
+                    continue;
+                }
+                let Some(synced) = self.unsynced.remove(&key) else {
+                    continue;
+                };
+                let current = self.rows.get(&key).map(|row| row.version);
+                match synced.commit {
+                    Some(version) if Some(version) == current => self.on_commit(key, version),
+                    _ if synced.advance => self.advance(&key),
+                    _ => {}
                 }
             }
         }
@@ -390,12 +434,15 @@ impl Replica {
         if !self.acting {
             return;
         }
+        self.drive_resync();
         self.drive_repair();
         // Rows still in the repair queue wait for their turn (or for a read to flush them).
         let queued: BTreeSet<&Key> = self.repair.iter().collect();
-        let stale: Vec<Key> = self
-            .locked
-            .iter()
+        // A head's write whose row is not locked (started while the head was also the tail, then
+        // the chain grew) is resent like a locked row until its commit comes back.
+        let started: BTreeSet<&Key> = self.locked.iter().chain(self.inflight.keys()).collect();
+        let stale: Vec<Key> = started
+            .into_iter()
             .filter(|key| !queued.contains(key))
             .filter(|key| {
                 self.last_sent
@@ -493,6 +540,11 @@ impl Replica {
         self.view = Some(view);
         self.acting = true;
         self.after_durable.retain(|a| a.view == view_id);
+        // A commit remembered from the old chain vouches for replicas that may not be in this one:
+        // the repair below asks the new chain again.
+        for entry in self.unsynced.values_mut() {
+            entry.commit = None;
+        }
 
         if readable {
             if self.joining_since.is_some() {
@@ -536,6 +588,9 @@ impl Replica {
         interrupted.extend(self.inflight.keys().cloned());
         self.repair = interrupted.into_iter().collect();
         self.last_sent.clear();
+        // A new chain may have a new successor: ask it now.
+        self.resync_sent = None;
+        self.drive_resync();
         self.drive_repair();
         self.drive_copies();
     }
@@ -580,12 +635,13 @@ impl Replica {
         let Some(row) = self.rows.get(key) else {
             return;
         };
-        if let Some(entry) = self.unsynced.get_mut(key) {
-            entry.1 = true;
-            return;
-        }
         let version = row.version;
         if pos + 1 == len {
+            // The tail's commit promises durability from here on: it waits for the fsync.
+            if let Some(entry) = self.unsynced.get_mut(key) {
+                entry.advance = true;
+                return;
+            }
             if row.locked {
                 // Promoted to tail with a locked row: the tail commits at once.
                 self.unlock(key);
@@ -617,8 +673,18 @@ impl Replica {
 
     fn on_prepare(&mut self, key: Key, value: Option<Vec<u8>>, version: crate::Version) {
         match self.rows.get(&key) {
-            // A stale duplicate: a later write to the key already passed here.
-            Some(row) if row.version > version => {}
+            // A stale duplicate (a later write to the key already passed here), or the predecessor
+            // lost that later write in a crash before its fsync: show it the row, it catches up.
+            Some(row) if row.version > version => {
+                if let Some(pred) = self.neighbour(-1) {
+                    let item = Item::Ahead {
+                        key: key.clone(),
+                        value: row.value.clone(),
+                        version: row.version,
+                    };
+                    self.send(pred, item);
+                }
+            }
             // A resend (or a repair): pass it on again.
             Some(row) if row.version == version => self.advance(&key),
             _ => {
@@ -636,12 +702,18 @@ impl Replica {
     }
 
     fn on_commit(&mut self, key: Key, version: crate::Version) {
+        // A version not held here was lost in a crash before the fsync: the resync brings it.
+        if self.rows.get(&key).map(|row| row.version) != Some(version) {
+            return;
+        }
+        if let Some(entry) = self.unsynced.get_mut(&key) {
+            // Passing the commit on promises durability here: wait for the fsync.
+            entry.commit = Some(version);
+            return;
+        }
         let Some(row) = self.rows.get(&key) else {
             return;
         };
-        if row.version != version || self.unsynced.contains_key(&key) {
-            return;
-        }
         let was_locked = row.locked;
         if was_locked {
             self.unlock(&key);
@@ -652,6 +724,71 @@ impl Replica {
             }
         } else if let Some(pred) = self.neighbour(-1) {
             self.send(pred, Item::Commit { key, version });
+        }
+    }
+
+    /// The successor holds a later version of `key` than this replica (which lost it before its
+    /// fsync, see [`Item::Ahead`]): take it, locked, and roll it forward like a repair. A write
+    /// the head started at a lower version in the meantime is superseded, never executed: its
+    /// client is told to restamp above the row.
+    fn on_ahead(&mut self, key: Key, value: Option<Vec<u8>>, version: crate::Version) {
+        if self
+            .rows
+            .get(&key)
+            .is_some_and(|row| row.version >= version)
+        {
+            return;
+        }
+        if let Some(slot) = self.inflight.get_mut(&key) {
+            if let Some(request) = slot.take() {
+                self.reply(request, Answer::StaleVersion { current: version });
+            }
+        }
+        let view = self.view().map_or(0, |v| v.id);
+        let row = Row {
+            value,
+            version,
+            view,
+            locked: true,
+        };
+        self.persist_row(key.clone(), row, true);
+    }
+
+    /// The predecessor restarted and may have lost rows this replica holds: send them all, unless
+    /// this replica is waiting for its own successor's (the predecessor asks again).
+    fn on_resync(&mut self, pred: NodeId) {
+        if self.resync {
+            return;
+        }
+        let rows: Vec<Item> = self
+            .rows
+            .iter()
+            .map(|(key, row)| Item::Ahead {
+                key: key.clone(),
+                value: row.value.clone(),
+                version: row.version,
+            })
+            .collect();
+        self.outbox.entry(pred).or_default().extend(rows);
+        self.send(pred, Item::Synced);
+    }
+
+    /// Asks the successor for its rows while this replica may be behind it; a tail has nobody
+    /// ahead of it.
+    fn drive_resync(&mut self) {
+        if !self.resync {
+            return;
+        }
+        let due = self
+            .resync_sent
+            .is_none_or(|at| self.now.saturating_sub(at) >= self.config.resend_ticks);
+        match self.neighbour(1) {
+            Some(succ) if due => {
+                self.resync_sent = Some(self.now);
+                self.send(succ, Item::Resync);
+            }
+            Some(_) => {}
+            None => self.resync = false,
         }
     }
 
@@ -671,6 +808,7 @@ impl Replica {
 
     /// The head's write of `key` is committed through the whole chain.
     fn complete(&mut self, key: &Key) {
+        self.last_sent.remove(key);
         if let Some(Some(request)) = self.inflight.remove(key) {
             if let Some(row) = self.rows.get(key) {
                 let answer = Answer::Written {
@@ -756,14 +894,24 @@ impl Replica {
         });
         let batch = self.batch;
         match self.unsynced.get_mut(&key) {
-            Some(entry) if entry.0 == batch => entry.1 |= advance,
+            Some(entry) if entry.batch == batch => {}
             _ => {
-                let advance = advance || self.unsynced.get(&key).is_some_and(|e| e.1);
-                self.unsynced.insert(key.clone(), (batch, advance));
+                let earlier = self.unsynced.get(&key).copied();
+                let entry = Unsynced {
+                    batch,
+                    advance: earlier.is_some_and(|e| e.advance),
+                    commit: earlier.and_then(|e| e.commit),
+                };
+                self.unsynced.insert(key.clone(), entry);
                 self.by_batch.entry(batch).or_default().push(key.clone());
             }
         }
-        self.rows.insert(key, row);
+        self.rows.insert(key.clone(), row);
+        if advance {
+            // Phase 1 is pipelined: a non-tail forwards now, in parallel with its own fsync; the
+            // tail's commit waits for it (`advance`).
+            self.advance(&key);
+        }
     }
 
     fn value_of(&self, key: &[u8]) -> Answer {

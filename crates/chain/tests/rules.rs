@@ -34,25 +34,28 @@ fn a_write_goes_head_to_tail_and_back_before_it_is_answered() {
     c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
     c.with(1, |r| r.write(10, put("k", "v", 5)));
     assert!(c.replica(1).row(b"k").is_some_and(|r| r.locked));
-    // Nothing is forwarded before the head's fsync.
-    assert!(c.net.is_empty());
-    c.sync(1, None);
+    // Phase 1 is pipelined: each hop forwards at once, in parallel with its own fsync.
+    assert_eq!(
+        c.net.len(),
+        1,
+        "the prepare leaves the head before its fsync"
+    );
     c.deliver_all(10);
     assert!(c.replica(2).row(b"k").is_some_and(|r| r.locked));
-    c.sync(2, None);
-    c.deliver_all(10);
     let tail = c.replica(3).row(b"k").cloned().unwrap();
     assert!(!tail.locked, "the tail commits at once");
-    // The tail answers only once its own copy is durable.
+    // The tail sends the commit back only once its own copy is durable.
     assert!(c.net.is_empty());
     c.sync(3, None);
     c.deliver_all(1);
-    assert!(
-        c.answer(10).is_none(),
-        "not before phase 2 reached the head"
-    );
+    // The commit reached the middle before its fsync: remembered, not passed on yet.
+    assert!(c.net.is_empty());
+    assert!(c.replica(2).row(b"k").unwrap().locked);
+    c.sync(2, None);
     assert!(!c.replica(2).row(b"k").unwrap().locked);
-    c.deliver_all(10);
+    c.deliver_all(1);
+    assert!(c.answer(10).is_none(), "not before the head's own fsync");
+    c.sync(1, None);
     assert_eq!(written(&mut c, 10), version(5));
     assert!(!c.replica(1).row(b"k").unwrap().locked);
     // Not the head: forward.
@@ -180,9 +183,9 @@ fn a_write_interrupted_by_a_mid_chain_crash_is_repaired_forward() {
     c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
     c.with(1, |r| r.write(1, put("k", "v", 1)));
     c.sync(1, None);
-    c.deliver_all(10);
+    c.deliver_all(1);
     c.sync(2, None);
-    // The middle dies after its fsync, before forwarding reached the tail.
+    // The middle dies after its fsync, before its forward reached the tail.
     c.crash(2);
     c.net.clear();
     assert!(c.replica(3).row(b"k").is_none());
@@ -402,17 +405,14 @@ fn writes_to_different_keys_travel_together_one_batch_and_one_message_per_hop() 
     for i in 0..100u64 {
         replica.write(i, put(&format!("k{i}"), "v", 1));
     }
-    let outputs = replica.take_outputs();
+    // One batch to persist and, pipelined, one message forwarding all of it at once.
+    let mut outputs = replica.take_outputs();
     assert!(
-        matches!(&outputs[..], [mqstate_chain::Output::Persist { index: 1, records }] if records.len() == 100),
+        matches!(&outputs[..], [mqstate_chain::Output::Persist { index: 1, records }, mqstate_chain::Output::Send { to: 2, message }] if records.len() == 100 && message.items.len() == 100),
         "{outputs:?}"
     );
+    outputs.remove(0);
     replica.durable(1);
-    let outputs = replica.take_outputs();
-    assert!(
-        matches!(&outputs[..], [mqstate_chain::Output::Send { to: 2, message }] if message.items.len() == 100),
-        "{outputs:?}"
-    );
     c.net.push((
         2,
         match outputs.into_iter().next() {
@@ -469,7 +469,7 @@ fn arbitrary_messages_never_panic_or_move_a_version_backwards() {
         for step in 0..300u64 {
             let key = format!("k{}", rng.below(4)).into_bytes();
             let version = version(rng.below(20) as u64);
-            let item = match rng.below(7) {
+            let item = match rng.below(10) {
                 0 => Item::Prepare {
                     key,
                     value: Some(vec![1]),
@@ -489,6 +489,13 @@ fn arbitrary_messages_never_panic_or_move_a_version_backwards() {
                 },
                 4 => Item::CopyDone,
                 5 => Item::CopyDoneAck,
+                6 => Item::Ahead {
+                    key,
+                    value: Some(vec![2]),
+                    version,
+                },
+                7 => Item::Resync,
+                8 => Item::Synced,
                 _ => {
                     c.with(1, |r| r.write(step, put("k0", "w", 100 + step)));
                     continue;
@@ -545,4 +552,118 @@ fn a_cancelled_request_is_forgotten() {
     written(&mut c, 1);
     assert_eq!(c.answer(2), None);
     assert_eq!(value(&mut c, 3), Some(b"a".to_vec()));
+}
+
+/// Pipelined fsyncs (decision 0043): a commit may reach a replica before its own fsync of the row.
+/// It is remembered, not dropped, and acted on once the row is durable there; the head answers only
+/// then, so every replica of the chain holds the write on disk when it is answered.
+#[test]
+fn a_commit_that_arrives_before_the_own_fsync_waits_for_it() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    c.with(1, |r| r.write(1, put("k", "v", 5)));
+    c.deliver_all(10);
+    c.sync(3, None);
+    c.deliver_all(10);
+    c.sync(2, None);
+    c.deliver_all(10);
+    // The commit is at the head, whose own record is not durable yet.
+    assert!(c.net.is_empty());
+    assert!(c.replica(1).row(b"k").unwrap().locked);
+    assert!(
+        c.answer(1).is_none(),
+        "not answered before the head's fsync"
+    );
+    c.with(1, |r| r.read(2, b"k".to_vec()));
+    assert!(c.answer(2).is_none(), "a read waits for the write");
+    // Resends while waiting change nothing.
+    for _ in 0..4 {
+        c.tick_all();
+        c.deliver_all(20);
+    }
+    assert!(c.answer(1).is_none());
+    c.sync(1, None);
+    assert_eq!(written(&mut c, 1), version(5));
+    assert_eq!(value(&mut c, 2), Some(b"v".to_vec()));
+    for id in [1, 2, 3] {
+        assert_eq!(
+            c.nodes[&id].disk.durable_versions.get(b"k".as_slice()),
+            Some(&version(5)),
+            "node {id} holds the answered write on disk"
+        );
+    }
+}
+
+/// Pipelined fsyncs: the head forwarded a write and lost power before its own fsync, while its
+/// successors made it durable and committed it. The write was never answered. Back under the same
+/// view, the head holds the older row; restarted from its log, it asks its successor for its rows
+/// (`Resync`), takes the later one and rolls it forward, so the replicas agree again.
+#[test]
+fn a_head_that_lost_a_forwarded_row_before_its_fsync_takes_it_back_from_its_successor() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    let v1 = view(1, &[1, 2, 3], &[1, 2, 3]);
+    c.publish(&v1);
+    c.with(1, |r| r.write(1, put("k", "old", 1)));
+    c.settle(10);
+    written(&mut c, 1);
+    c.with(1, |r| r.write(2, put("k", "new", 5)));
+    c.deliver_all(10);
+    c.sync(3, None);
+    c.deliver_all(10);
+    c.sync(2, None);
+    // The commit is on its way to the head, which dies before its fsync.
+    c.crash(1);
+    c.restart(1);
+    c.set_view(1, Some(v1.clone()));
+    assert_eq!(c.replica(1).row(b"k").unwrap().version, version(1));
+    c.settle(20);
+    assert!(c.answer(2).is_none(), "the head never answered it");
+    for id in [1, 2, 3] {
+        let row = c.replica(id).row(b"k").unwrap();
+        assert_eq!((row.version, row.locked), (version(5), false), "node {id}");
+    }
+    c.with(1, |r| r.read(3, b"k".to_vec()));
+    assert_eq!(value(&mut c, 3), Some(b"new".to_vec()));
+}
+
+/// As above, but the commit was lost too and the next write to the key at the restarted head is
+/// stamped between the row it kept and the one it lost: the successor refuses the stale prepare
+/// and shows the later row (`Ahead`); the head takes it, and the write is answered `StaleVersion`
+/// (not executed: restamp and retry), never `Written` below a version a replica holds.
+#[test]
+fn a_write_below_a_row_the_head_lost_is_refused_as_stale_and_the_row_rolls_forward() {
+    let mut c = Cluster::new(&[1, 2, 3], Config::default());
+    let v1 = view(1, &[1, 2, 3], &[1, 2, 3]);
+    c.publish(&v1);
+    c.with(1, |r| r.write(1, put("k", "old", 1)));
+    c.settle(10);
+    written(&mut c, 1);
+    c.with(1, |r| r.write(2, put("k", "lost", 5)));
+    c.deliver_all(10);
+    c.sync(3, None);
+    c.deliver_all(10);
+    c.sync(2, None);
+    c.crash(1);
+    c.net.clear();
+    c.restart(1);
+    c.set_view(1, Some(v1.clone()));
+    c.with(1, |r| r.write(3, put("k", "between", 3)));
+    c.settle(20);
+    assert_eq!(
+        c.answer(3),
+        Some(Answer::StaleVersion {
+            current: version(5)
+        })
+    );
+    for id in [1, 2, 3] {
+        let row = c.replica(id).row(b"k").unwrap();
+        assert_eq!((row.version, row.locked), (version(5), false), "node {id}");
+    }
+    c.with(1, |r| r.write(4, put("k", "after", 6)));
+    c.settle(20);
+    assert_eq!(written(&mut c, 4), version(6));
+    assert_eq!(
+        c.replica(3).row(b"k").unwrap().value,
+        Some(b"after".to_vec())
+    );
 }

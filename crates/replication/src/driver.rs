@@ -215,9 +215,11 @@ impl Actor {
         let restored = &mut self.restored;
         self.replicas
             .entry(partition)
-            .or_insert_with(|| match restored.remove(&partition) {
-                Some(restored) => Replica::restore(id, Config::default(), restored),
-                None => Replica::new(id, Config::default()),
+            // Restored even with no records: this node may have forwarded rows of the partition
+            // and lost them before their fsync, which the replica asks its successor for.
+            .or_insert_with(|| {
+                let restored = restored.remove(&partition).unwrap_or_default();
+                Replica::restore(id, Config::default(), restored)
             })
     }
 
