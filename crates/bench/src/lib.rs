@@ -125,8 +125,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     pub timeline: Option<PathBuf>,
     /// Servers of a cluster, `HOST:PORT,...` (instead of --host/--port): connections are spread over
-    /// them, and a connection that dies reconnects to the next one, as an SDK client would; the
-    /// requests it had outstanding count as errors.
+    /// them. State-store mode: a connection that dies reconnects to the next one, as an SDK client
+    /// would; the requests it had outstanding count as errors. Pub/sub mode: subscribers and
+    /// publishers take the servers in turn (publishers one further along).
     #[arg(long, value_name = "HOST:PORT,...", value_delimiter = ',')]
     pub servers: Vec<String>,
     #[command(flatten)]

@@ -56,18 +56,25 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         QoS::AtLeastOnce
     };
     let timeout = args.conn.timeout();
-    let dialer = Dialer::new(&args.conn)?;
+    // With `--servers`, subscribers and publishers take the servers in turn, publishers starting
+    // one further along, so that on a cluster most copies cross between nodes.
+    let dialers = super::statestore::dialers(args)?;
+    let dialer = |i: usize| &dialers[i % dialers.len()];
     let mut subscribers = Vec::new();
     for i in 0..args.subscribers {
         let filter = Filter::new(format!("{topic_root}/#"), qos);
         let client_id = format!("{prefix}-sub-{i}");
         // Subscribers publish nothing: the window is irrelevant.
-        subscribers.push(dialer.open(&client_id, vec![filter], 1).await?);
+        subscribers.push(dialer(i as usize).open(&client_id, vec![filter], 1).await?);
     }
     let mut publishers = Vec::new();
     for i in 0..args.publishers {
         let client_id = format!("{prefix}-pub-{i}");
-        publishers.push(dialer.open(&client_id, Vec::new(), args.inflight).await?);
+        publishers.push(
+            dialer(i as usize + 1)
+                .open(&client_id, Vec::new(), args.inflight)
+                .await?,
+        );
     }
     Ok(super::Prepared::Pubsub(Prepared {
         topic_root,

@@ -103,7 +103,7 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
 }
 
 /// A dialer per `--servers` entry, or the one of `--host`/`--port`.
-fn dialers(args: &BenchArgs) -> Result<Vec<Dialer>, CliError> {
+pub(crate) fn dialers(args: &BenchArgs) -> Result<Vec<Dialer>, CliError> {
     if args.servers.is_empty() {
         return Ok(vec![Dialer::new(&args.conn)?]);
     }
