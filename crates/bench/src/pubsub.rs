@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 
 use super::stats::Outcome;
 use super::{BenchArgs, Shared};
-use mqstate_cli::dial::{Connection, Dialer};
+use mqstate_cli::dial::Connection;
 use mqstate_cli::error::CliError;
 use mqstate_cli::wire::{self, Turn};
 
