@@ -467,8 +467,9 @@ pub struct Settings {
     pub statestore_requests_per_second: Option<u32>,
 
     /// Threads that run connections and the state store (the async runtime's workers; the
-    /// write-ahead log writes on threads of its own). 0: one per core less one, at least one, so
-    /// the log writer and the kernel's network processing keep a core (decision 0045). Default 0.
+    /// write-ahead log writes on threads of its own). 0: one per core. Fewer spend less CPU per
+    /// durable write but carry less load (on two cores, 1 cuts CPU per durable SET by a quarter
+    /// and state-store throughput at 64 connections by as much; decision 0045). Default 0.
     #[arg(long, env = "MQSTATE_RUNTIME_THREADS", value_name = "N")]
     pub runtime_threads: Option<usize>,
 
@@ -841,14 +842,11 @@ pub struct Resolved {
 }
 
 impl Resolved {
-    /// The async runtime's worker threads: `runtime_threads`, or for 0 one per core less one (at
-    /// least one). On two cores one worker and the log writer's thread use less CPU per request
-    /// than two workers, which wake each other for every burst of work (decision 0045).
+    /// The async runtime's worker threads: `runtime_threads`, or for 0 one per core (decision
+    /// 0045: one worker less saves CPU per request but costs throughput under load).
     pub fn worker_threads(&self) -> usize {
         match self.runtime_threads {
-            0 => std::thread::available_parallelism()
-                .map_or(1, |cores| cores.get().saturating_sub(1))
-                .max(1),
+            0 => std::thread::available_parallelism().map_or(1, |cores| cores.get()),
             n => n,
         }
     }
@@ -1540,13 +1538,13 @@ mod tests {
     }
 
     #[test]
-    fn runtime_threads_as_given_or_one_core_left_for_the_rest() {
+    fn runtime_threads_as_given_or_one_per_core() {
         let file: Settings = toml::from_str("runtime_threads = 3").unwrap();
         let given = Settings::default().layer(file).resolve().unwrap();
         assert_eq!(given.worker_threads(), 3);
         let auto = Settings::default().resolve().unwrap();
         assert_eq!(auto.runtime_threads, 0);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        assert_eq!(auto.worker_threads(), cores.saturating_sub(1).max(1));
+        assert_eq!(auto.worker_threads(), cores);
     }
 }
