@@ -6,6 +6,7 @@
 //! * [`log`] — the replicas' log on `mqstate-wal` (`<data-dir>/chains/`), restored at start.
 //! * [`compaction`] — snapshots of the replicas' images that let the log be purged.
 //! * [`batch`] — chain messages to a peer, batched per hop (one frame, one call in flight).
+//! * [`forward`] — state-store requests forwarded to their head, batched per peer.
 //! * [`driver`] — the task that owns this node's replicas (`mqstate-chain`, sans-IO) and gives
 //!   them disk, network, views and time.
 //! * [`notify`] — KEYNOTIFY across nodes: observed keys sent to every member, committed changes
@@ -25,6 +26,7 @@ pub mod compaction;
 pub mod driver;
 pub mod expiry;
 pub mod failpoint;
+pub mod forward;
 pub mod head;
 pub mod log;
 pub mod notify;
@@ -51,6 +53,7 @@ use tokio::task::JoinHandle;
 
 use crate::driver::Driver;
 use crate::expiry::Deadlines;
+use crate::forward::Forwarder;
 use crate::head::{HeadConfig, Step};
 use crate::log::ChainLog;
 use crate::notify::Notifier;
@@ -71,6 +74,7 @@ pub(crate) const MAX_ATTEMPTS: usize = 16;
 pub struct Replication {
     node: Arc<ClusterNode>,
     driver: Driver,
+    forwarder: Forwarder,
     config: HeadConfig,
     clock: SharedClock,
     /// The highest HLC this node handed out at a head.
@@ -128,6 +132,7 @@ impl Replication {
         let replication = Arc::new(Replication {
             node: Arc::clone(&node),
             driver,
+            forwarder: Forwarder::new(Arc::clone(&node)),
             config,
             clock,
             floor: Mutex::new(None),
@@ -179,28 +184,7 @@ impl Replication {
         if head == self.node.id() {
             return self.execute_here(partition, request).await;
         }
-        let addr = self.node.addr_of(head).ok_or_else(|| {
-            format!("the head of partition {partition}, node {head}, has no address")
-        })?;
-        let frame = encode(&DataRequest::Execute(request.clone()));
-        let timeout = STEP_TIMEOUT * 2;
-        match self
-            .node
-            .transport()
-            .call(&addr, Request::Data(frame), timeout)
-            .await
-        {
-            Ok(Response::Data(bytes)) => match decode::<DataResponse>(&bytes) {
-                Ok(DataResponse::Executed(executed)) => Ok(executed),
-                Ok(DataResponse::Retry(reason)) => Err(format!("node {head}: {reason}")),
-                Ok(other) => Err(format!("node {head} answered {other:?}")),
-                Err(e) => Err(format!(
-                    "node {head} answered a frame that does not decode: {e}"
-                )),
-            },
-            Ok(other) => Err(format!("node {head} answered {other:?}")),
-            Err(e) => Err(e.to_string()),
-        }
+        self.forwarder.execute(head, request.clone()).await
     }
 
     /// The head of `partition` as this node last learnt it: the published chain, read view first
@@ -338,6 +322,18 @@ impl Replication {
                     },
                     None => DataResponse::Retry("the cluster has not formed yet".into()),
                 }
+            }
+            Ok(DataRequest::ExecuteMany(requests)) => {
+                // Together, so their reads and chain writes share the driver's turns and batches.
+                let executions = requests.iter().map(|routed| async move {
+                    let count = self
+                        .node
+                        .partition_count()
+                        .ok_or_else(|| "the cluster has not formed yet".to_owned())?;
+                    self.execute_here(partition_of(&routed.key, count), routed)
+                        .await
+                });
+                DataResponse::ExecutedMany(futures::future::join_all(executions).await)
             }
             Ok(request @ (DataRequest::SessionRead { .. } | DataRequest::SessionWrite { .. })) => {
                 self.handle_session(request).await

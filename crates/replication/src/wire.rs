@@ -73,7 +73,8 @@ pub enum DataRequest {
     /// Chain messages for the replicas here, each with its partition: what one peer had queued for
     /// this node (`batch`: one frame per hop, not one per message).
     Chains(Vec<(u32, Message)>),
-    /// Execute at the head of the key's partition.
+    /// Execute at the head of the key's partition: one request per call, as nodes of the previous
+    /// release forward (still answered; this release sends [`DataRequest::ExecuteMany`]).
     Execute(Routed),
     /// The keys clients of `node` observe (all of them; a higher `generation` replaces a lower).
     Interest {
@@ -96,6 +97,10 @@ pub enum DataRequest {
         value: Option<Vec<u8>>,
         expect: RowExpect,
     },
+    /// Execute each at the head of its key's partition: the requests one node had queued for
+    /// this one (`forward`: one frame per batch, not one call per request). Answered by
+    /// [`DataResponse::ExecutedMany`], in the same order.
+    ExecuteMany(Vec<Routed>),
 }
 
 /// The condition of a session row write: compare-and-set on the row's version.
@@ -137,6 +142,9 @@ pub enum DataResponse {
     Scanned(Vec<(u32, Option<PartScan>)>),
     SessionRow(SessionRow),
     SessionWritten(RowWritten),
+    /// The outcome of each request of an [`DataRequest::ExecuteMany`], in its order: the reply,
+    /// or why it was not executed here (the sender retries it within its expiry).
+    ExecutedMany(Vec<Result<Executed, String>>),
 }
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
@@ -164,6 +172,14 @@ mod tests {
             expiry_ms: 10_000,
         });
         assert_eq!(decode::<DataRequest>(&encode(&request)).unwrap(), request);
+        let DataRequest::Execute(routed) = request else {
+            unreachable!()
+        };
+        let many = DataRequest::ExecuteMany(vec![routed.clone(), routed]);
+        assert_eq!(decode::<DataRequest>(&encode(&many)).unwrap(), many);
+        let answers =
+            DataResponse::ExecutedMany(vec![Ok(Executed::error("x")), Err("not the head".into())]);
+        assert_eq!(decode::<DataResponse>(&encode(&answers)).unwrap(), answers);
         let write = DataRequest::SessionWrite {
             client_id: "c".into(),
             value: Some(vec![9]),

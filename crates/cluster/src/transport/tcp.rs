@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use super::socket::{Accept, BoxStream, Connect, TokioTcp};
 use super::tls::NodeTls;
@@ -24,11 +24,15 @@ use super::{
 /// peer accepting) a connection per request.
 const IDLE_PER_PEER: usize = 64;
 
+/// A connection with its read buffer: a frame's length and body (and often the next frame) come
+/// in one read from the socket, not one each.
+type Buffered = BufReader<BoxStream>;
+
 /// The stream side of [`Transport`].
 pub struct TcpTransport {
     connect: Arc<dyn Connect>,
     tls: Option<NodeTls>,
-    idle: Mutex<HashMap<String, Vec<BoxStream>>>,
+    idle: Mutex<HashMap<String, Vec<Buffered>>>,
     refusals: Refusals,
 }
 
@@ -62,7 +66,7 @@ impl TcpTransport {
         }
     }
 
-    fn take_idle(&self, addr: &str) -> Option<BoxStream> {
+    fn take_idle(&self, addr: &str) -> Option<Buffered> {
         self.idle
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -70,7 +74,7 @@ impl TcpTransport {
             .and_then(Vec::pop)
     }
 
-    fn put_idle(&self, addr: &str, stream: BoxStream) {
+    fn put_idle(&self, addr: &str, stream: Buffered) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let list = idle.entry(addr.to_owned()).or_default();
         if list.len() < IDLE_PER_PEER {
@@ -78,7 +82,7 @@ impl TcpTransport {
         }
     }
 
-    async fn exchange(stream: &mut BoxStream, frame: &[u8]) -> Result<Response, std::io::Error> {
+    async fn exchange(stream: &mut Buffered, frame: &[u8]) -> Result<Response, std::io::Error> {
         stream.write_all(frame).await?;
         stream.flush().await?;
         read_frame(stream).await
@@ -123,7 +127,7 @@ impl TcpTransport {
                 return Ok(response);
             }
         }
-        let mut stream = self.open(addr).await?;
+        let mut stream = BufReader::new(self.open(addr).await?);
         let response = Self::exchange(&mut stream, &frame)
             .await
             .map_err(|e| match e.kind() {
@@ -277,10 +281,11 @@ pub async fn serve_with(
 }
 
 async fn serve_connection(
-    mut stream: BoxStream,
+    stream: BoxStream,
     peer: &str,
     handler: Arc<dyn Handler>,
 ) -> std::io::Result<()> {
+    let mut stream = BufReader::new(stream);
     loop {
         let request: Request = match read_frame(&mut stream).await {
             Ok(request) => request,
