@@ -393,6 +393,33 @@ async fn the_sdk_state_store_through_every_node_of_three() {
         assert_eq!(&again[..], b"+OK\r\n", "the first reply, not NX's -1");
         assert_eq!(again_ts, ts);
 
+        // The same retry after another write replaced the row it made (robustness seeds 7112,
+        // 60003: a paused head's front end re-sent its request seconds later): still its first
+        // reply, and no second execution over the later write.
+        let mut other = StateClient::connect(nodes[1].server.addr, "cl-other").await;
+        let (set_b, _) = other
+            .request_as(
+                &[b"SET", b"retry/k", b"b"],
+                &Bytes::from_static(b"other-1"),
+                hlc_now(),
+            )
+            .await;
+        assert_eq!(&set_b[..], b"+OK\r\n");
+        let mut late = StateClient::connect(nodes[2].server.addr, "cl-retry").await;
+        let (late_reply, late_ts) = late
+            .request_as(&[b"SET", b"retry/k", b"a", b"NX"], &correlation, hlc_now())
+            .await;
+        assert_eq!(&late_reply[..], b"+OK\r\n", "the first reply, not NX's -1");
+        assert_eq!(late_ts, ts);
+        let (value, _) = other
+            .request_as(
+                &[b"GET", b"retry/k"],
+                &Bytes::from_static(b"other-2"),
+                hlc_now(),
+            )
+            .await;
+        assert_eq!(&value[..], b"$1\r\nb\r\n", "the later write stands");
+
         for c in clients {
             c.shutdown().await;
         }

@@ -12,6 +12,7 @@
 //!   from the head to the nodes observing them (decision 0046).
 //! * [`expiry`] — PX deadlines of the partitions this node is head for; the expiry delete.
 //! * [`scan`] — SCAN as one part per partition at its head, merged into a page.
+//! * [`recent`] — the requests each partition ran lately, so a retry gets its first reply.
 //! * [`rows`] — what a chain row (a store record) says: liveness, deadline, committed change.
 //!
 //! [`Replication`] ties them together: a request received at any node goes to its key's
@@ -28,6 +29,7 @@ pub mod failpoint;
 pub mod head;
 pub mod log;
 pub mod notify;
+pub mod recent;
 pub mod rows;
 pub mod scan;
 pub mod sessions;
@@ -54,6 +56,7 @@ use crate::expiry::Deadlines;
 use crate::head::{HeadConfig, Step};
 use crate::log::ChainLog;
 use crate::notify::Notifier;
+use crate::recent::Recent;
 use crate::wire::{
     decode, encode, DataRequest, DataResponse, Executed, PartScan, Routed, ScanPage,
 };
@@ -79,6 +82,8 @@ pub struct Replication {
     deadlines: Deadlines,
     /// The view under which this node last took each partition over as its head.
     taken_over: Mutex<HashMap<u32, u64>>,
+    /// The requests this node's replicas saw executed lately ([`recent`]).
+    recent: Arc<Recent>,
 }
 
 /// The running data plane; stop it with [`Running::stop`].
@@ -123,7 +128,18 @@ impl Replication {
         clock: SharedClock,
     ) -> Running {
         let (stop, stopped) = watch::channel(false);
-        let (driver, task) = Driver::start(Arc::clone(&node), log, restored, stopped);
+        let recent = Arc::new(Recent::default());
+        for (&partition, image) in &restored {
+            recent.note_restored(partition, image, clock.now_ms());
+        }
+        let (driver, task) = Driver::start(
+            Arc::clone(&node),
+            log,
+            restored,
+            Arc::clone(&recent),
+            Arc::clone(&clock),
+            stopped,
+        );
         let notifier = Notifier::new(Arc::clone(&node), clock.now_ms());
         let replication = Arc::new(Replication {
             node: Arc::clone(&node),
@@ -134,6 +150,7 @@ impl Replication {
             notifier,
             deadlines: Deadlines::default(),
             taken_over: Mutex::new(HashMap::new()),
+            recent,
         });
         // Weak: the node outlives nothing it hands requests to, and shuts down once we are gone.
         node.set_data_handler(Arc::new(Attached(Arc::downgrade(&replication))));
@@ -227,6 +244,16 @@ impl Replication {
                 Answer::Value { value, version } => (value, version),
                 other => return Err(not_served(partition, &other)),
             };
+            // A retry of a request the chain ran before (its front end lost the answer in a
+            // fail-over or a pause), though later writes replaced its row: its first reply. The
+            // read above committed every write of the key so far, that request's included.
+            let id = RequestId::of(&request.client_id, &request.correlation);
+            if let Some(first) = self.recent.first_reply(partition, &id, self.clock.now_ms()) {
+                return Ok(Executed {
+                    payload: first.reply.to_vec(),
+                    ts: first.reply_ts.as_ref().map(Hlc::to_string),
+                });
+            }
             let floor = self.floor.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let (step, high) = head::step(
                 &self.config,
