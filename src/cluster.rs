@@ -327,6 +327,8 @@ impl KeyRouter for ChainRouter {
                 ts: request.ts.as_ref().map(Hlc::to_string),
                 fencing_token: request.fencing_token.as_ref().map(Hlc::to_string),
                 expiry_ms: u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX),
+                // Set by `Replication::execute` from its retry budget.
+                deadline_ms: 0,
             };
             let executed = self.replication.execute(routed).await;
             RoutedReply {

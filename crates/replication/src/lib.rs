@@ -166,21 +166,25 @@ impl Replication {
     /// Executes a state-store request for one key, at whichever node holds its partition's head,
     /// trying again while the partition has no head acting (a view change, a lease renewal), up to
     /// the request's expiry.
-    pub async fn execute(&self, request: Routed) -> Executed {
+    pub async fn execute(&self, mut request: Routed) -> Executed {
         let started = Instant::now();
         let budget = Duration::from_millis(request.expiry_ms).min(MAX_TRY);
+        let budget_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
+        request.deadline_ms = self.clock.now_ms().saturating_add(budget_ms);
         loop {
             let last = match self.try_once(&request).await {
                 Ok(executed) => return executed,
                 Err(reason) => reason,
             };
-            if started.elapsed() + RETRY_EVERY >= budget {
+            tokio::time::sleep(RETRY_EVERY).await;
+            // Checked after the sleep, right before the next attempt: a node paused in between
+            // wakes up past its budget and must not send the request again (seed 80144).
+            if started.elapsed() >= budget || self.clock.now_ms() >= request.deadline_ms {
                 tracing::debug!(client_id = %request.client_id, "state-store request not served in time: {last}");
                 return Executed::error(&format!(
                     "the cluster could not serve the request in time ({last}); retry"
                 ));
             }
-            tokio::time::sleep(RETRY_EVERY).await;
         }
     }
 

@@ -25,6 +25,11 @@ use mqstate_store::{Change, RequestId, RequestRecord};
 /// this (a longer message expiry only stretches how long a row's own record answers).
 pub const KEEP_AT_MOST_MS: u64 = 120_000;
 
+/// Entries are kept this much longer than their request's expiry: the head that ran a request and
+/// the head that sees its retry judge the time by different clocks, and a request may still start
+/// a little past its deadline ([`crate::head::DEADLINE_SLACK_MS`]).
+pub const CLOCK_MARGIN_MS: u64 = 10_000;
+
 /// Sweeps of expired entries happen at most this often per partition.
 const SWEEP_EVERY_MS: u64 = 1_000;
 
@@ -67,7 +72,7 @@ impl Recent {
     }
 
     /// The first reply of request `id` if this replica saw a row of `partition` made by it and
-    /// the request has not expired.
+    /// the request has not expired (give or take [`CLOCK_MARGIN_MS`]).
     pub fn first_reply(
         &self,
         partition: u32,
@@ -76,7 +81,7 @@ impl Recent {
     ) -> Option<RequestRecord> {
         let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
         let (until, record) = partitions.get(&partition)?.requests.get(id)?;
-        (*until > now_ms && record.expires_at_ms > now_ms).then(|| record.clone())
+        (*until > now_ms).then(|| record.clone())
     }
 
     /// How many requests are remembered (all partitions).
@@ -94,12 +99,13 @@ fn insert(partitions: &mut HashMap<u32, Table>, partition: u32, row: &Row, now_m
     let Some(request) = row.value.as_deref().and_then(request_of) else {
         return;
     };
-    if request.expires_at_ms <= now_ms {
+    if request.expires_at_ms.saturating_add(CLOCK_MARGIN_MS) <= now_ms {
         return;
     }
     let until = request
         .expires_at_ms
-        .min(now_ms.saturating_add(KEEP_AT_MOST_MS));
+        .min(now_ms.saturating_add(KEEP_AT_MOST_MS))
+        .saturating_add(CLOCK_MARGIN_MS);
     partitions
         .entry(partition)
         .or_default()
@@ -186,13 +192,14 @@ mod tests {
     fn an_expired_request_is_a_new_one() {
         let recent = Recent::default();
         recent.note(3, &[row_of("c", b"1", 2_000)], 1_000);
+        let id = RequestId::of("c", b"1");
         assert!(recent
-            .first_reply(3, &RequestId::of("c", b"1"), 1_999)
+            .first_reply(3, &id, 2_000 + CLOCK_MARGIN_MS - 1)
             .is_some());
         assert!(recent
-            .first_reply(3, &RequestId::of("c", b"1"), 2_000)
+            .first_reply(3, &id, 2_000 + CLOCK_MARGIN_MS)
             .is_none());
-        recent.note(3, &[], 5_000);
+        recent.note(3, &[], 5_000 + CLOCK_MARGIN_MS);
         assert!(recent.is_empty(), "swept once expired");
     }
 
@@ -215,11 +222,8 @@ mod tests {
         let recent = Recent::default();
         recent.note(3, &[row_of("c", b"1", u64::MAX / 2)], 1_000);
         let id = RequestId::of("c", b"1");
-        assert!(recent
-            .first_reply(3, &id, 1_000 + KEEP_AT_MOST_MS - 1)
-            .is_some());
-        assert!(recent
-            .first_reply(3, &id, 1_000 + KEEP_AT_MOST_MS)
-            .is_none());
+        let end = 1_000 + KEEP_AT_MOST_MS + CLOCK_MARGIN_MS;
+        assert!(recent.first_reply(3, &id, end - 1).is_some());
+        assert!(recent.first_reply(3, &id, end).is_none());
     }
 }

@@ -20,6 +20,10 @@ pub struct Routed {
     pub fencing_token: Option<String>,
     /// How long the request stays valid (its message expiry), from when it was received.
     pub expiry_ms: u64,
+    /// Unix ms, on the receiving node's clock, after which no head starts executing it: its front
+    /// end has given up by then, and a copy that waited out a pause in a socket must not run
+    /// after the retry window of [`crate::recent`] closed (0: no deadline).
+    pub deadline_ms: u64,
 }
 
 /// The reply the client gets: RESP payload and the response `__ts`.
@@ -162,6 +166,7 @@ mod tests {
             ts: Some("1:0:n".into()),
             fencing_token: None,
             expiry_ms: 10_000,
+            deadline_ms: 1_700_000_010_000,
         });
         assert_eq!(decode::<DataRequest>(&encode(&request)).unwrap(), request);
         let write = DataRequest::SessionWrite {
