@@ -248,6 +248,11 @@ impl Replication {
                 Answer::Value { value, version } => (value, version),
                 other => return Err(not_served(partition, &other)),
             };
+            if self.recent.is_unsynced(partition, self.clock.now_ms()) {
+                return Err(format!(
+                    "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
+                ));
+            }
             // A retry of a request the chain ran before (its front end lost the answer in a
             // fail-over or a pause), though later writes replaced its row: its first reply. The
             // read above committed every write of the key so far, that request's included.
@@ -370,6 +375,9 @@ impl Replication {
                     None => DataResponse::Retry("the cluster has not formed yet".into()),
                 }
             }
+            Ok(DataRequest::Recent { partition }) => {
+                DataResponse::Recent(self.recent.export(partition, self.clock.now_ms()))
+            }
             Ok(request @ (DataRequest::SessionRead { .. } | DataRequest::SessionWrite { .. })) => {
                 self.handle_session(request).await
             }
@@ -405,6 +413,10 @@ async fn background(replication: Weak<Replication>) {
         if round % u64::from(TAKE_OVER_EVERY) == 0 {
             replication.take_over().await;
         }
+        if round % u64::from(TAKE_OVER_EVERY) == 0 {
+            let replication = Arc::clone(&replication);
+            tokio::spawn(async move { replication.sync_recent().await });
+        }
         if round % interest_every as u64 == 0 {
             let replication = Arc::clone(&replication);
             tokio::spawn(async move { replication.notifier.send_interest().await });
@@ -416,6 +428,44 @@ impl Replication {
     /// Connects this node's observers (the state-store service) to the changes committed anywhere.
     pub fn set_sink(&self, sink: Arc<dyn notify::Sink>) {
         self.notifier.set_sink(sink);
+    }
+
+    /// The partitions whose replica here re-entered its chain get the requests the other members
+    /// remember ([`recent`]): every member that can vouch for its entries is asked, and their
+    /// union is what the chain ran.
+    async fn sync_recent(&self) {
+        for partition in self.recent.unsynced() {
+            let Some(p) = self.node.partition(space::control(partition)) else {
+                continue;
+            };
+            let mut merged = Vec::new();
+            let mut answered = false;
+            for member in p.chain.iter().copied().filter(|&m| m != self.node.id()) {
+                let Some(addr) = self.node.addr_of(member) else {
+                    continue;
+                };
+                let frame = encode(&DataRequest::Recent { partition });
+                let answer = self
+                    .node
+                    .transport()
+                    .call(&addr, Request::Data(frame), STEP_TIMEOUT)
+                    .await;
+                if let Ok(Response::Data(bytes)) = answer {
+                    if let Ok(DataResponse::Recent(Some(entries))) = decode(&bytes) {
+                        merged.extend(entries);
+                        answered = true;
+                    }
+                }
+            }
+            if answered {
+                tracing::debug!(
+                    partition,
+                    entries = merged.len(),
+                    "remembered requests synced from the chain"
+                );
+                self.recent.import(partition, merged);
+            }
+        }
     }
 
     /// A row was committed through the chain at this head: its expiry deadline noted, its change

@@ -13,12 +13,22 @@
 //! forgets the partition's entries too: a write that was never committed must not answer a retry.
 //! A hit is only a reply once the key's row is committed at the head (the caller reads the key
 //! first, which flushes an interrupted write through the chain).
+//!
+//! A replica that re-entered therefore starts with nothing, though the chain ran requests it may
+//! be asked about once it is head (robustness seed 70169: a head that had re-entered ran a retry a
+//! second time). Until it has the entries of the other members of its chain ([`Recent::export`],
+//! merged by [`Recent::import`]), the partition is *unsynced*: it must not execute as head, which
+//! the caller checks with [`Recent::is_unsynced`]. Once the longest a request is remembered has
+//! passed since the re-entry, nothing it could have missed matters, and it is synced by itself.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use bytes::Bytes;
 use mqstate_chain::{Record, Restored, Row};
+use mqstate_protocol::Hlc;
 use mqstate_store::{Change, RequestId, RequestRecord};
+use serde::{Deserialize, Serialize};
 
 /// Entries are kept no longer than this, whatever the request's own expiry says: the cluster's
 /// front ends retry for at most 30 s, and a client's own re-send of a request comes well within
@@ -38,11 +48,24 @@ pub struct Recent {
     partitions: Mutex<HashMap<u32, Table>>,
 }
 
+/// One remembered request as another replica sends it ([`Recent::export`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exported {
+    pub id: [u8; 16],
+    pub until_ms: u64,
+    pub expires_at_ms: u64,
+    pub reply: Vec<u8>,
+    pub reply_ts: Option<String>,
+}
+
 #[derive(Default)]
 struct Table {
     /// Request → (kept until, first reply).
     requests: HashMap<RequestId, (u64, RequestRecord)>,
     next_sweep_ms: u64,
+    /// Since this replica re-entered at the tail (Unix ms), until the other members' entries are
+    /// merged in.
+    unsynced_since: Option<u64>,
 }
 
 impl Recent {
@@ -53,7 +76,16 @@ impl Recent {
             match record {
                 Record::Row { row, .. } => insert(&mut partitions, partition, row, now_ms),
                 Record::Clear { .. } => {
-                    partitions.remove(&partition);
+                    // The sessions' space holds no store records: nothing to sync there.
+                    let unsynced_since =
+                        (partition & crate::space::SESSIONS == 0).then_some(now_ms);
+                    partitions.insert(
+                        partition,
+                        Table {
+                            unsynced_since,
+                            ..Table::default()
+                        },
+                    );
                 }
                 Record::CaughtUp { .. } | Record::Readable => {}
             }
@@ -82,6 +114,86 @@ impl Recent {
         let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
         let (until, record) = partitions.get(&partition)?.requests.get(id)?;
         (*until > now_ms).then(|| record.clone())
+    }
+
+    /// Whether this replica of `partition` re-entered and has not got the other members'
+    /// entries yet, so must not execute requests as head.
+    pub fn is_unsynced(&self, partition: u32, now_ms: u64) -> bool {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(table) = partitions.get_mut(&partition) else {
+            return false;
+        };
+        match table.unsynced_since {
+            Some(since) if now_ms < since.saturating_add(KEEP_AT_MOST_MS + CLOCK_MARGIN_MS) => true,
+            Some(_) => {
+                table.unsynced_since = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// The partitions waiting for their entries.
+    pub fn unsynced(&self) -> Vec<u32> {
+        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        partitions
+            .iter()
+            .filter(|(_, t)| t.unsynced_since.is_some())
+            .map(|(&p, _)| p)
+            .collect()
+    }
+
+    /// This replica's live entries of `partition`, for a member that re-entered; `None` while it
+    /// is unsynced itself (it cannot vouch for what it may have missed).
+    pub fn export(&self, partition: u32, now_ms: u64) -> Option<Vec<Exported>> {
+        if self.is_unsynced(partition, now_ms) {
+            return None;
+        }
+        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(table) = partitions.get(&partition) else {
+            return Some(Vec::new());
+        };
+        Some(
+            table
+                .requests
+                .iter()
+                .filter(|(_, (until, _))| *until > now_ms)
+                .map(|(id, (until, record))| Exported {
+                    id: id.0,
+                    until_ms: *until,
+                    expires_at_ms: record.expires_at_ms,
+                    reply: record.reply.to_vec(),
+                    reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
+                })
+                .collect(),
+        )
+    }
+
+    /// Merges another member's entries of `partition` (from [`Recent::export`]) and ends its
+    /// unsynced state. An entry whose `__ts` does not parse is left out, with a log line.
+    pub fn import(&self, partition: u32, entries: Vec<Exported>) {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let table = partitions.entry(partition).or_default();
+        for entry in entries {
+            let reply_ts = match entry.reply_ts.as_deref().map(Hlc::parse).transpose() {
+                Ok(ts) => ts,
+                Err(e) => {
+                    tracing::warn!(partition, "a remembered request's __ts does not parse: {e}");
+                    continue;
+                }
+            };
+            let id = RequestId(entry.id);
+            table.requests.entry(id).or_insert((
+                entry.until_ms,
+                RequestRecord {
+                    id,
+                    expires_at_ms: entry.expires_at_ms,
+                    reply: Bytes::from(entry.reply),
+                    reply_ts,
+                },
+            ));
+        }
+        table.unsynced_since = None;
     }
 
     /// How many requests are remembered (all partitions).
@@ -201,6 +313,41 @@ mod tests {
             .is_none());
         recent.note(3, &[], 5_000 + CLOCK_MARGIN_MS);
         assert!(recent.is_empty(), "swept once expired");
+    }
+
+    #[test]
+    fn a_re_entry_waits_for_the_other_members_entries() {
+        let head = Recent::default();
+        head.note(3, &[row_of("c", b"1", 10_000)], 1_000);
+        let rejoined = Recent::default();
+        rejoined.note(3, &[row_of("c", b"0", 10_000)], 900);
+        rejoined.note(3, &[Record::Clear { view: 4 }], 1_100);
+        assert!(rejoined.is_unsynced(3, 1_200));
+        assert_eq!(rejoined.unsynced(), vec![3]);
+        assert!(
+            rejoined.export(3, 1_200).is_none(),
+            "cannot vouch for others"
+        );
+        let entries = head.export(3, 1_200).expect("the head is synced");
+        rejoined.import(3, entries);
+        assert!(!rejoined.is_unsynced(3, 1_200));
+        let first = rejoined.first_reply(3, &RequestId::of("c", b"1"), 1_300);
+        assert_eq!(
+            first.map(|r| r.reply_ts),
+            Some(Some(Hlc::new(1_000, 0, Arc::from("n"))))
+        );
+        // Long after a re-entry with nobody to ask, nothing missed matters any more.
+        let alone = Recent::default();
+        alone.note(3, &[Record::Clear { view: 4 }], 1_000);
+        assert!(alone.is_unsynced(3, 1_000 + KEEP_AT_MOST_MS));
+        assert!(!alone.is_unsynced(3, 1_000 + KEEP_AT_MOST_MS + CLOCK_MARGIN_MS));
+        // The sessions' space has nothing to sync.
+        alone.note(
+            3 | crate::space::SESSIONS,
+            &[Record::Clear { view: 4 }],
+            1_000,
+        );
+        assert!(!alone.is_unsynced(3 | crate::space::SESSIONS, 1_000));
     }
 
     #[test]

@@ -100,6 +100,9 @@ pub enum DataRequest {
         value: Option<Vec<u8>>,
         expect: RowExpect,
     },
+    /// The requests this member remembers for `partition` ([`crate::recent`]), for one that
+    /// re-entered its chain.
+    Recent { partition: u32 },
 }
 
 /// The condition of a session row write: compare-and-set on the row's version.
@@ -141,6 +144,8 @@ pub enum DataResponse {
     Scanned(Vec<(u32, Option<PartScan>)>),
     SessionRow(SessionRow),
     SessionWritten(RowWritten),
+    /// `None`: this member re-entered too and cannot vouch for its entries yet.
+    Recent(Option<Vec<crate::recent::Exported>>),
 }
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
