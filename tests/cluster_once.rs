@@ -86,6 +86,12 @@ fn a_write_whose_head_paused_mid_chain_is_not_executed_again_after_a_newer_write
         last.response.as_deref().map(String::from_utf8_lossy),
         last.version
     );
+    runtime.block_on(writer.shutdown());
+    runtime.block_on(other.shutdown());
+    // The servers go before the verdict: a failing assertion must not leave them running.
+    for node in &mut nodes {
+        node.server.kill9();
+    }
     if seen_value.as_deref() == Some(b"v2".as_slice()) {
         assert_eq!(
             last.response.as_deref(),
@@ -97,6 +103,4 @@ fn a_write_whose_head_paused_mid_chain_is_not_executed_again_after_a_newer_write
         // v2 never reached the middle node: it may take effect once, before or after v3.
         eprintln!("v2 was not repaired forward; the run did not pause the head mid-chain");
     }
-    runtime.block_on(writer.shutdown());
-    runtime.block_on(other.shutdown());
 }
