@@ -63,6 +63,10 @@ enum Input {
 /// A look at a replica: called with it and whether it acts as its partition's head now.
 type Visitor = Box<dyn FnOnce(&Replica, bool) + Send>;
 
+/// No answer from the replica in time: a write's outcome is unknown (a read's is harmless).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unanswered;
+
 /// A handle on the driver task.
 #[derive(Clone)]
 pub struct Driver {
@@ -114,11 +118,17 @@ impl Driver {
             timeout,
         )
         .await
+        .unwrap_or(Answer::Unavailable)
     }
 
-    /// A write through the chain; `Unavailable` if no answer within `timeout` (its outcome is then
-    /// unknown: it may still complete).
-    pub async fn write(&self, partition: u32, write: Write, timeout: Duration) -> Answer {
+    /// A write through the chain: the replica's answer, or [`Unanswered`] if none came within
+    /// `timeout` (the write may have entered the chain, which completes or repairs it forward).
+    pub async fn write(
+        &self,
+        partition: u32,
+        write: Write,
+        timeout: Duration,
+    ) -> Result<Answer, Unanswered> {
         let (answer, rx) = oneshot::channel();
         self.ask(
             partition,
@@ -133,25 +143,27 @@ impl Driver {
         .await
     }
 
+    /// The replica's answer; [`Unanswered`] if it gave none in time (or the driver stopped).
     async fn ask(
         &self,
         partition: u32,
         input: Input,
         rx: oneshot::Receiver<Answer>,
         timeout: Duration,
-    ) -> Answer {
+    ) -> Result<Answer, Unanswered> {
         if self.tx.send(input).is_err() {
-            return Answer::Unavailable;
+            // The driver is gone: the request never reached a replica.
+            return Ok(Answer::Unavailable);
         }
         let mut rx = rx;
         match tokio::time::timeout(timeout, &mut rx).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Answer::Unavailable,
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(_)) => Err(Unanswered),
             Err(_) => {
                 // The driver finds the answer channel closed and the replica forgets the request.
                 drop(rx);
                 let _ = self.tx.send(Input::Cancel { partition });
-                Answer::Unavailable
+                Err(Unanswered)
             }
         }
     }

@@ -9,6 +9,7 @@ mod faults;
 mod history;
 mod linearizability;
 mod model;
+mod recheck;
 mod server;
 mod timeline;
 mod workload;
@@ -31,7 +32,10 @@ use workload::Shared;
 
 #[derive(Parser, Debug)]
 #[command(about = "Fault-injected robustness runs against mqstate serve, with history checks")]
+#[command(args_conflicts_with_subcommands = true)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Server processes per run: 1 (a single node) or 3 (a cluster founded by three nodes).
     #[arg(long, default_value_t = 1)]
     nodes: u32,
@@ -45,9 +49,9 @@ struct Args {
     seed: Option<u64>,
     #[arg(long, default_value = "target/robustness/report.json")]
     report: PathBuf,
-    /// The `mqstate` binary under test.
+    /// The `mqstate` binary under test (required for runs).
     #[arg(long)]
-    server: PathBuf,
+    server: Option<PathBuf>,
     /// Seconds the linearizability search may spend on one key.
     #[arg(long, default_value_t = 20)]
     check_budget: u64,
@@ -61,6 +65,25 @@ struct Args {
     /// Keep the data directory, server log and history of passing runs too.
     #[arg(long)]
     keep: bool,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Reruns every check on a saved history (a failing run's `history.json`): exit 1 when a
+    /// check fails. For iterating on the checker without rerunning servers.
+    Check {
+        #[arg(long)]
+        history: PathBuf,
+        /// Seconds the linearizability search may spend on one key.
+        #[arg(long, default_value_t = 20)]
+        check_budget: u64,
+        /// Check only the operations on this key, and print them in invocation order.
+        #[arg(long)]
+        key: Option<String>,
+        /// Also draw the timeline of the checked history to this HTML file.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
+    },
 }
 
 #[derive(Serialize)]
@@ -106,7 +129,16 @@ struct RunSummary {
 
 fn main() {
     let args = Args::parse();
-    match run_all(&args) {
+    let result = match &args.command {
+        Some(Command::Check {
+            history,
+            check_budget,
+            key,
+            timeline,
+        }) => recheck::run(history, *check_budget, key.as_deref(), timeline.as_deref()),
+        None => run_all(&args),
+    };
+    match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("robustness: {e:#}");
@@ -137,6 +169,9 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
                     .join(", ")
             ),
         }
+    }
+    if args.server.is_none() {
+        bail!("--server: the mqstate binary to test is required for runs");
     }
     let first_seed = args.seed.unwrap_or_else(|| now_us() ^ 0x5EED);
     let work_dir = args
@@ -251,11 +286,15 @@ fn run_one(
         net.heal()?;
     }
     std::fs::create_dir_all(run_dir)?;
+    let server = args
+        .server
+        .as_deref()
+        .context("--server is required for runs")?;
     let servers = if args.nodes == 1 {
-        vec![Server::start(&args.server, run_dir, &args.fsync)?]
+        vec![Server::start(server, run_dir, &args.fsync)?]
     } else {
         let net = net.as_deref();
-        cluster::start(&args.server, run_dir, &args.fsync, args.nodes as usize, net)?
+        cluster::start(server, run_dir, &args.fsync, args.nodes as usize, net)?
     };
     let shared = Shared::new(servers.iter().map(|s| s.addr).collect());
     let duration = Duration::from_secs(args.duration);

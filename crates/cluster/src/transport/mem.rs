@@ -107,7 +107,10 @@ impl Transport for MemTransport {
                 .cut
                 .contains(&(addr.to_owned(), self.from.clone()))
             {
-                return Err(unreachable("link cut"));
+                return Err(TransportError::Lost {
+                    addr: addr.to_owned(),
+                    reason: "link cut".to_owned(),
+                });
             }
             let frame = encode_frame(&response).map_err(frame_error)?;
             decode_body(&frame[4..]).map_err(frame_error)
