@@ -63,6 +63,10 @@ struct Args {
     /// Keep the data directory, server log and history of passing runs too.
     #[arg(long)]
     keep: bool,
+    /// On a cluster, run the KEYNOTIFY observers too (notifications across nodes, decision 0046;
+    /// off by default until they pass: docs/robustness.md).
+    #[arg(long)]
+    cluster_observers: bool,
 }
 
 #[derive(Serialize)]
@@ -280,7 +284,9 @@ fn run_one(
     let schedule = faults::schedule(seed, duration, allowed, args.nodes > 1, net.is_some());
     let started = Instant::now();
 
-    let (writers, observers) = runtime.block_on(async { workload::spawn_clients(&shared, seed) });
+    let (writers, observers) = runtime.block_on(async {
+        workload::spawn_clients(&shared, seed, args.nodes == 1 || args.cluster_observers)
+    });
     let (mut servers, mut errors) = std::thread::scope(|scope| {
         let shared = &shared;
         let injector = scope

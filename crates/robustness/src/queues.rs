@@ -430,11 +430,13 @@ fn nothing_lost(
                             "queue-lost",
                             key,
                             format!(
-                                "{} #{} by {} deleted the key (acknowledged), no delete between \
-                                 {after:?} and {before:?} delivered",
+                                "{} #{} by {} deleted the key (acknowledged), no delete after {} \
+                                 and before {} delivered",
                                 op.cmd.name(),
                                 op.id,
-                                op.client
+                                op.client,
+                                after.map_or_else(|| "the start".to_owned(), ToString::to_string),
+                                before.map_or_else(|| "the end".to_owned(), ToString::to_string),
                             ),
                             vec![op.id],
                         ));
