@@ -324,3 +324,33 @@ fn crash_at(server: &mut Server, shared: &Shared, point: &str) -> anyhow::Result
     };
     Ok((reached, detail))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_is_drawn_only_where_it_can_act() {
+        let run = Duration::from_secs(10);
+        let mut drawn = Vec::new();
+        for seed in 0..500 {
+            for (_, fault) in schedule(seed, run, &[], false, false) {
+                assert!(
+                    !fault.needs_net() && fault != Fault::ClockOffset,
+                    "{fault:?}"
+                );
+                drawn.push(fault);
+            }
+            for (_, fault) in schedule(seed, run, &[], true, true) {
+                assert_ne!(fault, Fault::Crash(NOTIFY_AFTER_RESERVE));
+                drawn.push(fault);
+            }
+            for (_, fault) in schedule(seed, run, &[], true, false) {
+                assert!(!fault.needs_net(), "{fault:?} without namespaces");
+            }
+        }
+        for fault in kinds() {
+            assert!(drawn.contains(&fault), "{} never drawn", fault.name());
+        }
+    }
+}
