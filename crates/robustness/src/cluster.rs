@@ -11,6 +11,8 @@ use anyhow::{bail, Context};
 
 use crate::server::{free_addr, Launch, Server};
 
+mod shaping;
+
 /// The MQTT and cluster ports of a node inside its own namespace (each has its own address).
 const MQTT_PORT: u16 = 1883;
 const CLUSTER_PORT: u16 = 7001;
@@ -134,8 +136,9 @@ impl Net {
         Ok(())
     }
 
-    /// Restores every cut link.
+    /// Restores every cut link and removes every loss rule and rate limit (`shaping`).
     pub fn heal(&mut self) -> anyhow::Result<()> {
+        self.unshape();
         for (a, b) in std::mem::take(&mut self.cut) {
             self.route("del", a, b)?;
             self.route("del", b, a)?;

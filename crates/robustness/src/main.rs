@@ -5,10 +5,12 @@
 mod checks;
 mod client;
 mod cluster;
+mod endpoint;
 mod faults;
 mod history;
 mod linearizability;
 mod model;
+mod queues;
 mod recheck;
 mod server;
 mod timeline;
@@ -65,6 +67,10 @@ struct Args {
     /// Keep the data directory, server log and history of passing runs too.
     #[arg(long)]
     keep: bool,
+    /// On a cluster, run the KEYNOTIFY observers too (notifications across nodes, decision 0046;
+    /// off by default until they pass: docs/robustness.md).
+    #[arg(long)]
+    cluster_observers: bool,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -98,6 +104,8 @@ struct Report {
     /// Operations whose outcome is unknown (timeouts, lost connections).
     unknown_operations: usize,
     notifications: usize,
+    /// Records the persistent notification queue delivered (distinct `seq`s; single node).
+    queue_records: usize,
     violations: usize,
     acked_lost: usize,
     faults: BTreeMap<String, u64>,
@@ -115,6 +123,7 @@ struct RunSummary {
     operations: usize,
     unknown_operations: usize,
     notifications: usize,
+    queue_records: usize,
     faults: Vec<FaultRecord>,
     violations: Vec<Violation>,
     acked_lost: usize,
@@ -206,6 +215,7 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         operations: 0,
         unknown_operations: 0,
         notifications: 0,
+        queue_records: 0,
         violations: 0,
         acked_lost: 0,
         faults: BTreeMap::new(),
@@ -237,6 +247,7 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         report.operations += summary.operations;
         report.unknown_operations += summary.unknown_operations;
         report.notifications += summary.notifications;
+        report.queue_records += summary.queue_records;
         report.violations += summary.violations.len();
         report.acked_lost += summary.acked_lost;
         report.incomplete_checks += summary.incomplete_checks.len();
@@ -291,17 +302,30 @@ fn run_one(
         .as_deref()
         .context("--server is required for runs")?;
     let servers = if args.nodes == 1 {
-        vec![Server::start(server, run_dir, &args.fsync)?]
+        vec![Server::start(
+            server,
+            run_dir,
+            &args.fsync,
+            &queues::SERVER_ARGS,
+        )?]
     } else {
         let net = net.as_deref();
         cluster::start(server, run_dir, &args.fsync, args.nodes as usize, net)?
     };
     let shared = Shared::new(servers.iter().map(|s| s.addr).collect());
+    // A persistent notification topic over the register keys, pushed to our endpoint.
+    let queue = if args.nodes == 1 {
+        Some(queues::QueueRun::start(runtime, &shared, seed)?)
+    } else {
+        None
+    };
     let duration = Duration::from_secs(args.duration);
     let schedule = faults::schedule(seed, duration, allowed, args.nodes > 1, net.is_some());
     let started = Instant::now();
 
-    let (writers, observers) = runtime.block_on(async { workload::spawn_clients(&shared, seed) });
+    let (writers, observers) = runtime.block_on(async {
+        workload::spawn_clients(&shared, seed, args.nodes == 1 || args.cluster_observers)
+    });
     let (mut servers, mut errors) = std::thread::scope(|scope| {
         let shared = &shared;
         let injector = scope
@@ -346,6 +370,8 @@ fn run_one(
             Err(e) => errors.push(format!("{e:#}")),
         }
     }
+    let running = servers.iter().all(|s| s.pid().is_some());
+    let queue = queue.map(|q| q.finish(runtime, &shared, running));
     for server in &mut servers {
         server.stop();
     }
@@ -368,6 +394,9 @@ fn run_one(
             ops: Vec::new(),
         });
     }
+    if let Some(queue) = &queue {
+        findings.violations.extend(queue.violations(&history));
+    }
     let check_millis = checking.elapsed().as_millis();
     let failing = !findings.violations.is_empty();
     let timeline = if failing {
@@ -377,6 +406,9 @@ fn run_one(
             run_dir.join("history.json"),
             serde_json::to_string(&history)?,
         )?;
+        if let Some(queue) = &queue {
+            queue.save(&run_dir.join("deliveries.json"))?;
+        }
         Some(path)
     } else {
         if args.keep {
@@ -409,6 +441,7 @@ fn run_one(
             .filter(|op| !op.outcome.is_known())
             .count(),
         notifications: history.notifications.len(),
+        queue_records: queue.as_ref().map_or(0, queues::QueueOutcome::records),
         faults: history.faults,
         violations: findings.violations,
         acked_lost: findings.acked_lost,
