@@ -10,6 +10,7 @@
 mod common;
 
 mod clock;
+mod cluster_failover;
 mod cluster_sdk;
 mod notify;
 mod statestore_flood;
