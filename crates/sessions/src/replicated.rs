@@ -691,8 +691,11 @@ mod tests {
         assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
     }
 
+    /// A client id and the keys handed back for it.
+    type Handed = (Arc<str>, Vec<Vec<u8>>);
+
     #[derive(Default)]
-    struct Restored(Mutex<Vec<(Arc<str>, Vec<Vec<u8>>)>>);
+    struct Restored(Mutex<Vec<Handed>>);
 
     impl Observers for Restored {
         fn restore(
