@@ -142,7 +142,7 @@ impl Running {
     /// The state-store service's router: key commands go to their partition's head, and the
     /// changes committed there come back for this node's observers. KEYNOTIFY registrations of
     /// persistent sessions are kept with the session's row in `sessions`, and come back to the
-    /// state store when a session is taken over here (decision 0050).
+    /// state store when a session is taken over here (decision 0054).
     pub fn router(&self, sessions: Option<&ReplicatedSessions>) -> Router {
         let (tx, rx) = mpsc::unbounded_channel();
         let replication = Arc::clone(&self.replication.replication);

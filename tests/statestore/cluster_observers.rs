@@ -1,4 +1,4 @@
-//! KEYNOTIFY observers with persistent sessions on a cluster (issue 16, decision 0050): a
+//! KEYNOTIFY observers with persistent sessions on a cluster (issue 16, decision 0054): a
 //! client's registrations are kept with its replicated session, so they follow it to another
 //! node — when it moves, and when its node is killed — without registering again; changes made
 //! while it was away from a live node are queued in its session like any QoS 1 message.

@@ -10,7 +10,7 @@
 //! ```
 //!
 //! A session whose client observes no state-store key is written as version 1, which nodes of
-//! the previous release read; version 2 carries its registrations with it (decision 0050).
+//! the previous release read; version 2 carries its registrations with it (decision 0054).
 //!
 //! Big-endian like every other format. The bytes come from other nodes and from the chain log on
 //! disk: decoding never panics (proptest below, fuzz target `session_row`).

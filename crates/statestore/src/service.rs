@@ -275,7 +275,7 @@ impl Executor {
                 },
                 event = events.recv() => match event {
                     // On a cluster node a client's registrations end with its session: they are
-                    // kept with a persistent session and follow it to another node (decision 0050).
+                    // kept with a persistent session and follow it to another node (decision 0054).
                     Ok(ClientEvent::Disconnected { client_id }) if self.config.router.is_some() => {
                         self.rates.forget(&client_id);
                     }

@@ -5,7 +5,7 @@
 //! KEYNOTIFY and KEYNOTIFY STOP register here (the observer's session is here); when a key becomes
 //! observed here, the reply waits until the router told the other nodes, so a write executed at
 //! any head after the reply is notified, and until the client's set of keys is kept with its
-//! session (decision 0050). SCAN is checked here by this node's own state machine
+//! session (decision 0054). SCAN is checked here by this node's own state machine
 //! (which holds no keys: only the pattern's checks apply) and assembled over every partition.
 
 use std::future::Future;
