@@ -18,7 +18,8 @@ use std::time::Instant;
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::state_store::{SetCondition, SetOptions};
 use common::cluster::{
-    agreed, cli, eventually, ids, member_state, placement, start_founders, start_node, status, Node,
+    agreed, cli, eventually, formed_cluster, ids, member_state, placement, start_founders,
+    start_node, status, Node,
 };
 use common::sdk::SdkClient;
 use common::{free_addr, Server};
@@ -176,10 +177,7 @@ fn hlc(version: Option<&HybridLogicalClock>) -> (std::time::SystemTime, u64, Str
 #[test]
 fn the_state_store_on_chains_reads_everywhere_and_survives_kill_9_of_a_head() {
     let root = tempfile::tempdir().unwrap();
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let mut nodes = start_founders(root.path(), &addrs);
-    let refs: Vec<&Node> = nodes.iter().collect();
-    eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
+    let mut nodes = formed_cluster(root.path());
 
     let key = "chain/k1";
     let (placed, _) = eventually("the key's chain", || placement(&nodes[0], key));

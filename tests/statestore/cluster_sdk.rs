@@ -16,8 +16,7 @@ use azure_iot_operations_services::state_store::{
     self, ErrorKind, KeyObservation, Operation, ServiceError, SetCondition, SetOptions,
 };
 use bytes::Bytes;
-use common::cluster::{agreed, eventually, ids, placement, start_founders, Node};
-use common::free_addr;
+use common::cluster::{eventually, formed_cluster, ids, placement};
 use common::sdk::{within, SdkClient, REQUEST_TIMEOUT};
 use common::state::{hlc_now, StateClient};
 
@@ -333,10 +332,7 @@ async fn scan_all(addr: SocketAddr, id: &str, glob: &[u8]) -> Vec<Vec<u8>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sdk_state_store_through_every_node_of_three() {
     let root = tempfile::tempdir().unwrap();
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let nodes: Vec<Node> = start_founders(root.path(), &addrs);
-    let refs: Vec<&Node> = nodes.iter().collect();
-    tokio::task::block_in_place(|| eventually("three nodes agree", || agreed(&refs, &[1, 2, 3])));
+    let nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
     bounded(async {
         let clients: Vec<SdkClient> = {
             let mut clients = Vec::new();
@@ -406,10 +402,7 @@ async fn the_sdk_state_store_through_every_node_of_three() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_head_takes_over_expiry_and_answers_retries() {
     let root = tempfile::tempdir().unwrap();
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let mut nodes: Vec<Node> = start_founders(root.path(), &addrs);
-    let refs: Vec<&Node> = nodes.iter().collect();
-    tokio::task::block_in_place(|| eventually("three nodes agree", || agreed(&refs, &[1, 2, 3])));
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
     let k = b"failover/k";
     let chain = tokio::task::block_in_place(|| {
         eventually("the key's chain", || {
