@@ -148,14 +148,8 @@ pub enum DataResponse {
     Recent(Option<Vec<crate::recent::Exported>>),
 }
 
-pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    // Encoding into a Vec fails only for types postcard cannot express; ours are plain data.
-    postcard::to_allocvec(value).unwrap_or_default()
-}
-
-pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, postcard::Error> {
-    postcard::from_bytes(bytes)
-}
+/// How these messages are encoded and decoded: as every message inside the cluster transport.
+pub use mqstate_cluster::transport::{decode_body as decode, encode_body as encode};
 
 #[cfg(test)]
 mod tests {
