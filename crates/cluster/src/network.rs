@@ -62,7 +62,7 @@ impl Peer {
             ))),
             Ok(response) => Ok(response),
             // Unreachable makes openraft back off instead of retrying at once.
-            Err(e @ (TransportError::Unreachable { .. } | TransportError::Lost { .. })) => {
+            Err(e @ TransportError::Unreachable { .. }) => {
                 Err(RPCError::Unreachable(Unreachable::new(&e)))
             }
             Err(e) => Err(RPCError::Network(NetworkError::new(&e))),

@@ -63,10 +63,6 @@ enum Input {
 /// A look at a replica: called with it and whether it acts as its partition's head now.
 type Visitor = Box<dyn FnOnce(&Replica, bool) + Send>;
 
-/// No answer from the replica in time: a write's outcome is unknown (a read's is harmless).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Unanswered;
-
 /// A handle on the driver task.
 #[derive(Clone)]
 pub struct Driver {
@@ -118,17 +114,11 @@ impl Driver {
             timeout,
         )
         .await
-        .unwrap_or(Answer::Unavailable)
     }
 
-    /// A write through the chain: the replica's answer, or [`Unanswered`] if none came within
-    /// `timeout` (the write may have entered the chain, which completes or repairs it forward).
-    pub async fn write(
-        &self,
-        partition: u32,
-        write: Write,
-        timeout: Duration,
-    ) -> Result<Answer, Unanswered> {
+    /// A write through the chain; `Unavailable` if no answer within `timeout` (its outcome is then
+    /// unknown: it may still complete).
+    pub async fn write(&self, partition: u32, write: Write, timeout: Duration) -> Answer {
         let (answer, rx) = oneshot::channel();
         self.ask(
             partition,
@@ -143,27 +133,25 @@ impl Driver {
         .await
     }
 
-    /// The replica's answer; [`Unanswered`] if it gave none in time (or the driver stopped).
     async fn ask(
         &self,
         partition: u32,
         input: Input,
         rx: oneshot::Receiver<Answer>,
         timeout: Duration,
-    ) -> Result<Answer, Unanswered> {
+    ) -> Answer {
         if self.tx.send(input).is_err() {
-            // The driver is gone: the request never reached a replica.
-            return Ok(Answer::Unavailable);
+            return Answer::Unavailable;
         }
         let mut rx = rx;
         match tokio::time::timeout(timeout, &mut rx).await {
-            Ok(Ok(answer)) => Ok(answer),
-            Ok(Err(_)) => Err(Unanswered),
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Answer::Unavailable,
             Err(_) => {
                 // The driver finds the answer channel closed and the replica forgets the request.
                 drop(rx);
                 let _ = self.tx.send(Input::Cancel { partition });
-                Err(Unanswered)
+                Answer::Unavailable
             }
         }
     }

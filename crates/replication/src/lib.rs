@@ -44,14 +44,14 @@ use mqstate_chain::{Answer, Expect, Restored, View, Write};
 use mqstate_chain::{Key, Version};
 use mqstate_clock::SharedClock;
 use mqstate_cluster::partition::partition_of;
-use mqstate_cluster::transport::{BoxFuture, Request, Response, TransportError};
+use mqstate_cluster::transport::{BoxFuture, Request, Response};
 use mqstate_cluster::{ClusterNode, DataHandler};
 use mqstate_protocol::{Glob, Hlc};
 use mqstate_store::{Change, RequestId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::driver::{Driver, Unanswered};
+use crate::driver::Driver;
 use crate::expiry::Deadlines;
 use crate::head::{HeadConfig, Step};
 use crate::log::ChainLog;
@@ -165,10 +165,8 @@ impl Replication {
 
     /// Executes a state-store request for one key, at whichever node holds its partition's head,
     /// trying again while the partition has no head acting (a view change, a lease renewal), up to
-    /// the request's expiry — but only while no attempt may have executed it: a request is
-    /// executed at most once (a second execution after other writes to its key would apply it
-    /// again, out of order; seed 7112 in docs/robustness.md). A head that sees a retry anyway (a
-    /// client's own re-send) answers it from [`recent`].
+    /// the request's expiry. A retry reaching a head after its first run, however many writes
+    /// followed, gets the first reply ([`recent`]); no head starts it past its deadline.
     pub async fn execute(&self, mut request: Routed) -> Executed {
         let started = Instant::now();
         let budget = Duration::from_millis(request.expiry_ms).min(MAX_TRY);
@@ -177,8 +175,7 @@ impl Replication {
         loop {
             let last = match self.try_once(&request).await {
                 Ok(executed) => return executed,
-                Err(Failed::Unknown(reason)) => return outcome_unknown(&reason),
-                Err(Failed::NotExecuted(reason)) => reason,
+                Err(reason) => reason,
             };
             tokio::time::sleep(RETRY_EVERY).await;
             // Checked after the sleep, right before the next attempt: a node paused in between
@@ -192,23 +189,20 @@ impl Replication {
         }
     }
 
-    async fn try_once(&self, request: &Routed) -> Result<Executed, Failed> {
-        let not_executed = |reason: String| Failed::NotExecuted(reason);
+    async fn try_once(&self, request: &Routed) -> Result<Executed, String> {
         let count = self
             .node
             .partition_count()
-            .ok_or_else(|| not_executed("the cluster has not formed yet".into()))?;
+            .ok_or("the cluster has not formed yet")?;
         let partition = partition_of(&request.key, count);
         let head = self
             .head_of(partition)
-            .ok_or_else(|| not_executed(format!("partition {partition} has no replica up")))?;
+            .ok_or_else(|| format!("partition {partition} has no replica up"))?;
         if head == self.node.id() {
             return self.execute_here(partition, request).await;
         }
         let addr = self.node.addr_of(head).ok_or_else(|| {
-            not_executed(format!(
-                "the head of partition {partition}, node {head}, has no address"
-            ))
+            format!("the head of partition {partition}, node {head}, has no address")
         })?;
         let frame = encode(&DataRequest::Execute(request.clone()));
         let timeout = STEP_TIMEOUT * 2;
@@ -218,23 +212,16 @@ impl Replication {
             .call(&addr, Request::Data(frame), timeout)
             .await
         {
-            // The head answers `Retry` only for what it did not execute; a write whose outcome
-            // it does not know comes back `Executed` with the error that says so.
             Ok(Response::Data(bytes)) => match decode::<DataResponse>(&bytes) {
                 Ok(DataResponse::Executed(executed)) => Ok(executed),
-                Ok(DataResponse::Retry(reason)) => {
-                    Err(not_executed(format!("node {head}: {reason}")))
-                }
-                Ok(other) => Err(not_executed(format!("node {head} answered {other:?}"))),
-                Err(e) => Err(Failed::Unknown(format!(
+                Ok(DataResponse::Retry(reason)) => Err(format!("node {head}: {reason}")),
+                Ok(other) => Err(format!("node {head} answered {other:?}")),
+                Err(e) => Err(format!(
                     "node {head} answered a frame that does not decode: {e}"
-                ))),
+                )),
             },
-            Ok(other) => Err(not_executed(format!("node {head} answered {other:?}"))),
-            // Never delivered: the head cannot have executed it.
-            Err(e @ TransportError::Unreachable { .. }) => Err(not_executed(e.to_string())),
-            // Delivered, maybe executed, answer lost or late.
-            Err(e) => Err(Failed::Unknown(e.to_string())),
+            Ok(other) => Err(format!("node {head} answered {other:?}")),
+            Err(e) => Err(e.to_string()),
         }
     }
 
@@ -252,7 +239,7 @@ impl Replication {
     }
 
     /// At the head: read the committed row, execute, write the new row through the chain.
-    async fn execute_here(&self, partition: u32, request: &Routed) -> Result<Executed, Failed> {
+    async fn execute_here(&self, partition: u32, request: &Routed) -> Result<Executed, String> {
         for _ in 0..MAX_ATTEMPTS {
             let (value, version) = match self
                 .driver
@@ -260,12 +247,12 @@ impl Replication {
                 .await
             {
                 Answer::Value { value, version } => (value, version),
-                other => return Err(Failed::NotExecuted(not_served(partition, &other))),
+                other => return Err(not_served(partition, &other)),
             };
             if self.recent.is_unsynced(partition, self.clock.now_ms()) {
-                return Err(Failed::NotExecuted(format!(
+                return Err(format!(
                     "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
-                )));
+                ));
             }
             // A retry of a request the chain ran before (its front end lost the answer in a
             // fail-over or a pause), though later writes replaced its row: its first reply. The
@@ -317,7 +304,7 @@ impl Replication {
                 expect,
             };
             match self.driver.write(partition, write, STEP_TIMEOUT).await {
-                Ok(Answer::Written { .. }) => {
+                Answer::Written { .. } => {
                     match delta {
                         Ok(delta) => self.committed(partition, &delta).await,
                         Err(e) => {
@@ -327,41 +314,14 @@ impl Replication {
                     return Ok(reply);
                 }
                 // Another write to the key came first: execute again on the row it left.
-                Ok(Answer::ConditionFailed { .. } | Answer::StaleVersion { .. }) => continue,
-                // Refused before it entered the chain (this replica no longer acts as the head).
-                Ok(other) => return Err(Failed::NotExecuted(not_served(partition, &other))),
-                // In the chain, unanswered (this node paused or lost its lease meanwhile): the
-                // chain may still commit it, or a new head repair it forward.
-                Err(Unanswered) => {
-                    return Err(Failed::Unknown(format!(
-                        "partition {partition}: the write entered the chain and got no answer within {STEP_TIMEOUT:?}"
-                    )))
-                }
+                Answer::ConditionFailed { .. } | Answer::StaleVersion { .. } => continue,
+                other => return Err(not_served(partition, &other)),
             }
         }
-        Err(Failed::NotExecuted(format!(
+        Err(format!(
             "partition {partition}: the key kept changing under {MAX_ATTEMPTS} attempts"
-        )))
+        ))
     }
-}
-
-/// Why an attempt at a request gave no reply.
-#[derive(Debug)]
-enum Failed {
-    /// It was not executed (no head known or acting, no view, the key kept changing): it may be
-    /// tried again.
-    NotExecuted(String),
-    /// It may have been executed (its write entered a chain unanswered, or its answer from the
-    /// head was lost): trying again could apply it twice.
-    Unknown(String),
-}
-
-/// The reply to a request that may or may not have taken effect: the error of a node that gave
-/// up waiting, which clients (and the robustness checks) take as an unknown outcome.
-fn outcome_unknown(reason: &str) -> Executed {
-    Executed::error(&format!(
-        "the cluster could not serve the request in time ({reason}; it may still take effect); retry"
-    ))
 }
 
 fn not_served(partition: u32, answer: &Answer) -> String {
@@ -411,10 +371,7 @@ impl Replication {
                 match partition {
                     Some(partition) => match self.execute_here(partition, &routed).await {
                         Ok(executed) => DataResponse::Executed(executed),
-                        Err(Failed::NotExecuted(reason)) => DataResponse::Retry(reason),
-                        Err(Failed::Unknown(reason)) => {
-                            DataResponse::Executed(outcome_unknown(&reason))
-                        }
+                        Err(reason) => DataResponse::Retry(reason),
                     },
                     None => DataResponse::Retry("the cluster has not formed yet".into()),
                 }
@@ -591,14 +548,13 @@ impl Replication {
                 expect: Expect::Version(version),
             };
             match self.driver.write(partition, write, STEP_TIMEOUT).await {
-                Ok(Answer::Written { .. }) => {
+                Answer::Written { .. } => {
                     if self.notifier.is_observed(&key) {
                         self.notifier.publish(rows::committed(&delete)).await;
                     }
                     return;
                 }
-                Ok(Answer::ConditionFailed { .. } | Answer::StaleVersion { .. }) => continue,
-                // Unanswered too: the next try is conditional on the row's version.
+                Answer::ConditionFailed { .. } | Answer::StaleVersion { .. } => continue,
                 other => {
                     tracing::debug!(partition, "expiry delete not written now: {other:?}");
                     let retry = self.clock.now_ms().saturating_add(1_000);

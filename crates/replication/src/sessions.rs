@@ -173,19 +173,11 @@ impl Replication {
                 },
             };
             match self.driver.write(replica, write, STEP_TIMEOUT).await {
-                Ok(Answer::Written { version }) => return Ok(RowWritten::Written(version)),
-                Ok(Answer::ConditionFailed { current }) => {
-                    return Ok(RowWritten::Conflict(current))
-                }
+                Answer::Written { version } => return Ok(RowWritten::Written(version)),
+                Answer::ConditionFailed { current } => return Ok(RowWritten::Conflict(current)),
                 // A deleted row keeps its version: stamp above it.
-                Ok(Answer::StaleVersion { current }) => floor = Some(current),
-                Ok(other) => return Err(not_served(partition, &other)),
-                // The caller's next write is a compare-and-set on the version: it cannot apply twice.
-                Err(_) => {
-                    return Err(format!(
-                        "partition {partition}: no answer from the chain in time"
-                    ))
-                }
+                Answer::StaleVersion { current } => floor = Some(current),
+                other => return Err(not_served(partition, &other)),
             }
         }
         Err(format!(

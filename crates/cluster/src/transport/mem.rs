@@ -107,10 +107,7 @@ impl Transport for MemTransport {
                 .cut
                 .contains(&(addr.to_owned(), self.from.clone()))
             {
-                return Err(TransportError::Lost {
-                    addr: addr.to_owned(),
-                    reason: "link cut".to_owned(),
-                });
+                return Err(unreachable("link cut"));
             }
             let frame = encode_frame(&response).map_err(frame_error)?;
             decode_body(&frame[4..]).map_err(frame_error)

@@ -80,13 +80,8 @@ pub enum Response {
 /// Why a call got no response.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum TransportError {
-    /// The request was never delivered (no connection): the peer cannot have acted on it.
     #[error("cannot reach {addr}: {reason}")]
     Unreachable { addr: String, reason: String },
-    /// The connection failed after the request may have been delivered: the peer may have acted
-    /// on it, and a caller must not assume it did not.
-    #[error("connection to {addr} lost before its answer: {reason}")]
-    Lost { addr: String, reason: String },
     #[error("no answer from {addr} within {timeout:?}")]
     Timeout { addr: String, timeout: Duration },
     #[error("bad frame from {addr}: {reason}")]

@@ -117,25 +117,13 @@ impl TcpTransport {
 
     async fn call_inner(&self, addr: &str, frame: Vec<u8>) -> Result<Response, TransportError> {
         // A reused connection may have been closed by a restarted peer: one retry on a fresh one.
-        let mut reused_failed = false;
         if let Some(mut stream) = self.take_idle(addr) {
             if let Ok(response) = Self::exchange(&mut stream, &frame).await {
                 self.put_idle(addr, stream);
                 return Ok(response);
             }
-            reused_failed = true;
         }
-        let mut stream = match self.open(addr).await {
-            Ok(stream) => stream,
-            // The frame may have reached the peer over the reused connection before it failed.
-            Err(TransportError::Unreachable { reason, .. }) if reused_failed => {
-                return Err(TransportError::Lost {
-                    addr: addr.to_owned(),
-                    reason,
-                })
-            }
-            Err(e) => return Err(e),
-        };
+        let mut stream = self.open(addr).await?;
         let response = Self::exchange(&mut stream, &frame)
             .await
             .map_err(|e| match e.kind() {
@@ -143,7 +131,7 @@ impl TcpTransport {
                     addr: addr.to_owned(),
                     reason: e.to_string(),
                 },
-                _ => TransportError::Lost {
+                _ => TransportError::Unreachable {
                     addr: addr.to_owned(),
                     reason: e.to_string(),
                 },
