@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The robustness suite (docs/robustness.md): real `mqstate serve` processes under injected faults
-# (kill -9, SIGSTOP pauses, a full disk, crashes at wal failpoints, power loss, client clock skew;
-# with --nodes 3 also partitions between nodes, each in its own network namespace),
-# many concurrent state-store clients, and checks of the recorded history.
+# (kill -9, SIGSTOP pauses, a full disk, crashes at failpoints, power loss, client clock skew; with
+# --nodes 3 also partitions, packet loss and slow links between nodes, each in its own namespace),
+# many concurrent state-store clients, a persistent notification queue, and checks of the history.
 #
 #   scripts/robustness.sh [--nodes 1|3] [--runs N] [--duration S] [--seed S] [--report FILE]
 #                         [--check-budget S] [--keep]

@@ -20,10 +20,12 @@ use mqstate_replication::log::ChainLog;
 use mqstate_replication::notify::Sink;
 use mqstate_replication::wire::{Committed, Routed, RowExpect, RowWritten};
 use mqstate_replication::{rows, Replication};
-use mqstate_sessions::replicated::{ReadRow, RowFuture, SessionRows, Version, ROW_BUDGET};
+use mqstate_sessions::replicated::{
+    Observers, ReadRow, ReplicatedSessions, RowFuture, SessionRows, Version, ROW_BUDGET,
+};
 use mqstate_statestore::router::{
-    ClusterChange, ClusterChanges, KeyRouter, RoutedReply, RoutedRequest, Router, RouterFuture,
-    ScanFuture, ScanRequest,
+    ClusterChange, ClusterChanges, KeepFuture, KeyRouter, RestoredObserver, RestoredObservers,
+    RoutedReply, RoutedRequest, Router, RouterFuture, ScanFuture, ScanRequest,
 };
 use mqstate_wal::WalOptions;
 use tokio::net::TcpListener;
@@ -138,14 +140,22 @@ impl Running {
     }
 
     /// The state-store service's router: key commands go to their partition's head, and the
-    /// changes committed there come back for this node's observers.
-    pub fn router(&self) -> Router {
+    /// changes committed there come back for this node's observers. KEYNOTIFY registrations of
+    /// persistent sessions are kept with the session's row in `sessions`, and come back to the
+    /// state store when a session is taken over here (decision 0054).
+    pub fn router(&self, sessions: Option<&ReplicatedSessions>) -> Router {
         let (tx, rx) = mpsc::unbounded_channel();
         let replication = Arc::clone(&self.replication.replication);
         replication.set_sink(Arc::new(ChangeSink(tx)));
+        let (restored_tx, restored_rx) = mpsc::unbounded_channel();
+        if let Some(sessions) = sessions {
+            sessions.attach_observers(Arc::new(ObserverBridge(restored_tx)));
+        }
         Router(Arc::new(ChainRouter {
             replication,
             changes: std::sync::Mutex::new(Some(rx)),
+            sessions: sessions.cloned(),
+            restored: std::sync::Mutex::new(Some(restored_rx)),
         }))
     }
 
@@ -264,6 +274,33 @@ async fn execute(node: &ClusterNode, call: AdminCall) -> AdminReply {
 struct ChainRouter {
     replication: Arc<Replication>,
     changes: std::sync::Mutex<Option<ClusterChanges>>,
+    sessions: Option<ReplicatedSessions>,
+    restored: std::sync::Mutex<Option<RestoredObservers>>,
+}
+
+/// Registrations of a session taken over here, handed to the state-store service; the CONNACK
+/// waits until they are in force.
+struct ObserverBridge(mpsc::UnboundedSender<RestoredObserver>);
+
+impl Observers for ObserverBridge {
+    fn restore(
+        &self,
+        client_id: Arc<str>,
+        keys: Vec<Vec<u8>>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        let (done, wait) = oneshot::channel();
+        let observer = RestoredObserver {
+            client_id,
+            keys: keys.into_iter().map(Bytes::from).collect(),
+            done,
+        };
+        let sent = self.0.send(observer).is_ok();
+        Box::pin(async move {
+            if sent {
+                let _ = wait.await;
+            }
+        })
+    }
 }
 
 /// Committed changes for this node's observers, handed to the state-store service.
@@ -317,6 +354,22 @@ impl KeyRouter for ChainRouter {
             .take()
     }
 
+    fn keep_observed(&self, client_id: &str, keys: Vec<Bytes>) -> KeepFuture<'_> {
+        match &self.sessions {
+            Some(sessions) => {
+                sessions.keep_observed(client_id, keys.into_iter().map(|k| k.to_vec()).collect())
+            }
+            None => Box::pin(async { Ok(()) }),
+        }
+    }
+
+    fn take_restored(&self) -> Option<RestoredObservers> {
+        self.restored
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
     fn execute(&self, request: RoutedRequest) -> RouterFuture<'_> {
         Box::pin(async move {
             let routed = Routed {
@@ -327,6 +380,8 @@ impl KeyRouter for ChainRouter {
                 ts: request.ts.as_ref().map(Hlc::to_string),
                 fencing_token: request.fencing_token.as_ref().map(Hlc::to_string),
                 expiry_ms: u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX),
+                // Set by `Replication::execute` from its retry budget.
+                deadline_ms: 0,
             };
             let executed = self.replication.execute(routed).await;
             RoutedReply {

@@ -219,7 +219,9 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
         requests_per_second: settings.statestore_requests_per_second,
         notify: Some(settings.notify.clone()),
         failpoints: Failpoints::from_env(),
-        router: cluster.as_ref().map(crate::cluster::Running::router),
+        router: cluster
+            .as_ref()
+            .map(|running| running.router(replicated_sessions.as_ref())),
         ..ServiceConfig::default()
     };
     let store = tokio::spawn(service::run(

@@ -18,10 +18,12 @@ use std::time::Instant;
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::state_store::{SetCondition, SetOptions};
 use common::cluster::{
-    agreed, cli, eventually, ids, member_state, placement, start_founders, start_node, status, Node,
+    agreed, cli, eventually, formed_cluster, ids, member_state, placement, start_founders,
+    start_node, status, Node,
 };
 use common::sdk::SdkClient;
 use common::{free_addr, Server};
+use mqstate_testcerts::Ca;
 use serde_json::Value;
 
 #[test]
@@ -176,10 +178,7 @@ fn hlc(version: Option<&HybridLogicalClock>) -> (std::time::SystemTime, u64, Str
 #[test]
 fn the_state_store_on_chains_reads_everywhere_and_survives_kill_9_of_a_head() {
     let root = tempfile::tempdir().unwrap();
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let mut nodes = start_founders(root.path(), &addrs);
-    let refs: Vec<&Node> = nodes.iter().collect();
-    eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
+    let mut nodes = formed_cluster(root.path());
 
     let key = "chain/k1";
     let (placed, _) = eventually("the key's chain", || placement(&nodes[0], key));
@@ -283,59 +282,30 @@ fn the_state_store_on_chains_reads_everywhere_and_survives_kill_9_of_a_head() {
     });
 }
 
-/// A certificate authority made for the test, and node certificates it signs (PEM files).
-struct TestCa {
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-    pem: String,
-}
-
-impl TestCa {
-    fn new(name: &str) -> TestCa {
-        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let cert = params.self_signed(&key).unwrap();
-        TestCa {
-            pem: cert.pem(),
-            issuer: rcgen::Issuer::new(params, key),
-        }
-    }
-
-    /// Writes `<name>.pem`, `<name>.key` (a certificate for 127.0.0.1) and `<name>-ca.pem` (the CA
-    /// it trusts: this one) into `dir`; returns the serve flags that use them.
-    fn node_flags(&self, dir: &Path, name: &str) -> Vec<String> {
-        use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, KeyPair};
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        let write = |file: &str, text: &str| {
-            let path = dir.join(file);
-            std::fs::write(&path, text).unwrap();
-            path.display().to_string()
-        };
-        vec![
-            "--cluster-tls-cert".into(),
-            write(&format!("{name}.pem"), &cert.pem()),
-            "--cluster-tls-key".into(),
-            write(&format!("{name}.key"), &key.serialize_pem()),
-            "--cluster-tls-ca".into(),
-            write(&format!("{name}-ca.pem"), &self.pem),
-        ]
-    }
+/// Writes `<name>.pem`, `<name>.key` (a node certificate `ca` signs) and `<name>-ca.pem` (the CA it
+/// trusts: `ca`) into `dir`; returns the serve flags that use them.
+fn node_flags(ca: &Ca, dir: &Path, name: &str) -> Vec<String> {
+    let leaf = ca.node_leaf(name);
+    let write = |file: &str, text: &str| {
+        let path = dir.join(file);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    vec![
+        "--cluster-tls-cert".into(),
+        write(&format!("{name}.pem"), &leaf.pem),
+        "--cluster-tls-key".into(),
+        write(&format!("{name}.key"), &leaf.key_pem),
+        "--cluster-tls-ca".into(),
+        write(&format!("{name}-ca.pem"), &ca.pem),
+    ]
 }
 
 #[test]
 fn nodes_with_mutual_tls_form_a_cluster_that_a_node_of_another_ca_cannot_join() {
     let root = tempfile::tempdir().unwrap();
-    let cluster_ca = TestCa::new("mqstate cluster CA");
-    let other_ca = TestCa::new("another CA");
+    let cluster_ca = Ca::new("mqstate cluster CA");
+    let other_ca = Ca::new("another CA");
     let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
     let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
     let mut nodes = Vec::new();
@@ -343,7 +313,7 @@ fn nodes_with_mutual_tls_form_a_cluster_that_a_node_of_another_ca_cannot_join() 
         let id = i as u64 + 1;
         // Node 3 is a listed founder, but its certificate is from another CA.
         let ca = if id == 3 { &other_ca } else { &cluster_ca };
-        let tls = ca.node_flags(root.path(), &format!("node{id}"));
+        let tls = node_flags(ca, root.path(), &format!("node{id}"));
         let mut membership: Vec<&str> = vec!["--peers", &peers];
         membership.extend(tls.iter().map(String::as_str));
         nodes.push(start_node(root.path(), id, addr, &membership));

@@ -9,194 +9,36 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{free_addr, Server};
-use rumqttc::v5::mqttbytes::v5::{
-    ConnectProperties, DisconnectReasonCode, Filter, LastWill, Packet, PubAckReason, Publish,
-};
+use common::cluster::{start_founders, Node};
+use common::free_addr;
+use common::mqtt::{payload, topic, Client, Options, Seen};
+use rumqttc::v5::mqttbytes::v5::{DisconnectReasonCode, Filter, LastWill};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::{AsyncClient, ConnectionError, Event, MqttOptions, StateError};
-use tokio::sync::mpsc;
 
 /// Generous: the machine running the tests may be loaded.
 const WAIT: Duration = Duration::from_secs(90);
 
-fn start_founders(root: &Path) -> Vec<Server> {
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    (1..=3u64)
-        .map(|id| {
-            let listen = addrs[id as usize - 1].to_string();
-            let args = [
-                "--node-id",
-                &id.to_string(),
-                "--cluster-listen",
-                &listen,
-                "--peers",
-                &peers,
-            ];
-            Server::start_in(&root.join(format!("n{id}")), &args, &[])
-        })
-        .collect()
+/// The three founding nodes on fresh addresses, and the addresses of their MQTT listeners.
+fn founders(root: &std::path::Path) -> (Vec<Node>, Vec<SocketAddr>) {
+    let cluster: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
+    let nodes = start_founders(root, &cluster);
+    let addrs = nodes.iter().map(|n| n.server.addr).collect();
+    (nodes, addrs)
 }
 
-/// What a client saw, in order.
-#[derive(Debug)]
-enum Seen {
-    Publish(Box<Publish>),
-    PubAck(PubAckReason),
-    PubRec,
-    SubAck,
-    Disconnect(DisconnectReasonCode),
-    Closed,
+async fn connect(addr: SocketAddr, id: &str) -> Client {
+    connect_with(addr, id, None).await
 }
 
-struct Client {
-    client: AsyncClient,
-    seen: mpsc::UnboundedReceiver<Seen>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-struct Options {
-    persistent: bool,
-    will: Option<LastWill>,
-}
-
-impl Client {
-    async fn connect(addr: SocketAddr, id: &str) -> Client {
-        Client::connect_with(
-            addr,
-            id,
-            Options {
-                persistent: false,
-                will: None,
-            },
-        )
-        .await
-    }
-
-    async fn connect_with(addr: SocketAddr, id: &str, opts: Options) -> Client {
-        let mut options = MqttOptions::new(id, addr.ip().to_string(), addr.port());
-        options.set_keep_alive(Duration::from_secs(30));
-        options.set_clean_start(!opts.persistent);
-        if opts.persistent {
-            options.set_connect_properties(ConnectProperties {
-                session_expiry_interval: Some(3600),
-                ..ConnectProperties::new()
-            });
-        }
-        if let Some(will) = opts.will {
-            options.set_last_will(will);
-        }
-        let (client, mut eventloop) = AsyncClient::new(options, 256);
-        let (tx, seen) = mpsc::unbounded_channel();
-        let (connected_tx, mut connected) = mpsc::unbounded_channel();
-        let task = tokio::spawn(async move {
-            loop {
-                let seen = match eventloop.poll().await {
-                    Ok(Event::Incoming(Packet::ConnAck(_))) => {
-                        let _ = connected_tx.send(Ok(()));
-                        continue;
-                    }
-                    Ok(Event::Incoming(Packet::Publish(p))) => Seen::Publish(Box::new(p)),
-                    Ok(Event::Incoming(Packet::PubAck(a))) => Seen::PubAck(a.reason),
-                    Ok(Event::Incoming(Packet::PubRec(_))) => Seen::PubRec,
-                    Ok(Event::Incoming(Packet::SubAck(_))) => Seen::SubAck,
-                    Ok(Event::Incoming(Packet::Disconnect(d))) => Seen::Disconnect(d.reason_code),
-                    Ok(_) => continue,
-                    // rumqttc reports the server's DISCONNECT as an error.
-                    Err(ConnectionError::MqttState(StateError::ServerDisconnect {
-                        reason_code,
-                        ..
-                    })) => {
-                        let _ = tx.send(Seen::Disconnect(reason_code));
-                        let _ = tx.send(Seen::Closed);
-                        return;
-                    }
-                    Err(error) => {
-                        let _ = connected_tx.send(Err(format!("{error:?}")));
-                        let _ = tx.send(Seen::Closed);
-                        return;
-                    }
-                };
-                if tx.send(seen).is_err() {
-                    return;
-                }
-            }
-        });
-        let connected = tokio::time::timeout(WAIT, connected.recv())
-            .await
-            .expect("CONNACK in time")
-            .expect("the event loop reports CONNACK or its error");
-        if let Err(error) = connected {
-            panic!("{id}: the connection ended before CONNACK: {error}");
-        }
-        Client { client, seen, task }
-    }
-
-    /// The next thing seen that `pick` takes, skipping the others.
-    async fn next<T>(&mut self, what: &str, mut pick: impl FnMut(Seen) -> Option<T>) -> T {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let seen = tokio::time::timeout_at(deadline, self.seen.recv())
-                .await
-                .unwrap_or_else(|_| panic!("not within {WAIT:?}: {what}"))
-                .unwrap_or_else(|| panic!("connection gone while waiting for {what}"));
-            if let Some(value) = pick(seen) {
-                return value;
-            }
-        }
-    }
-
-    async fn publish_msg(&mut self, what: &str) -> Publish {
-        self.next(what, |s| match s {
-            Seen::Publish(p) => Some(*p),
-            _ => None,
-        })
-        .await
-    }
-
-    async fn subscribe(&mut self, filter: Filter) {
-        self.client
-            .subscribe_many([filter])
-            .await
-            .expect("queue SUBSCRIBE");
-        self.next("SUBACK", |s| matches!(s, Seen::SubAck).then_some(()))
-            .await;
-    }
-
-    async fn publish(&mut self, topic: &str, qos: QoS, retain: bool, payload: &str) {
-        self.client
-            .publish(topic, qos, retain, payload.as_bytes().to_vec())
-            .await
-            .expect("queue PUBLISH");
-        match qos {
-            QoS::AtMostOnce => {}
-            QoS::AtLeastOnce => {
-                let reason = self
-                    .next("PUBACK", |s| match s {
-                        Seen::PubAck(r) => Some(r),
-                        _ => None,
-                    })
-                    .await;
-                assert_eq!(reason, PubAckReason::Success, "PUBACK of {topic}");
-            }
-            QoS::ExactlyOnce => {
-                self.next("PUBREC", |s| matches!(s, Seen::PubRec).then_some(()))
-                    .await
-            }
-        }
-    }
-}
-
-fn topic(p: &Publish) -> String {
-    String::from_utf8_lossy(&p.topic).into_owned()
-}
-
-fn payload(p: &Publish) -> String {
-    String::from_utf8_lossy(&p.payload).into_owned()
+async fn connect_with(addr: SocketAddr, id: &str, will: Option<LastWill>) -> Client {
+    let options = Options {
+        will,
+        wait: WAIT,
+        ..Options::default()
+    };
+    Client::connect_with(addr, id, options).await
 }
 
 /// Waits until a publish on every node reaches a subscriber on every other node: the nodes found
@@ -204,25 +46,26 @@ fn payload(p: &Publish) -> String {
 async fn until_meshed(addrs: &[SocketAddr]) {
     let mut subs = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
-        let mut c = Client::connect(*addr, &format!("probe-sub-{i}")).await;
-        c.subscribe(Filter::new("probe/#", QoS::AtMostOnce)).await;
+        let mut c = connect(*addr, &format!("probe-sub-{i}")).await;
+        c.subscribe_filter(Filter::new("probe/#", QoS::AtMostOnce))
+            .await;
         subs.push(c);
     }
     let mut pubs = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
-        pubs.push(Client::connect(*addr, &format!("probe-pub-{i}")).await);
+        pubs.push(connect(*addr, &format!("probe-pub-{i}")).await);
     }
     let started = Instant::now();
     let mut heard: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); addrs.len()];
     while heard.iter().any(|h| h.len() < addrs.len()) {
         assert!(started.elapsed() < WAIT, "nodes not meshed: {heard:?}");
         for (i, p) in pubs.iter_mut().enumerate() {
-            p.publish(&format!("probe/{i}"), QoS::AtMostOnce, false, "")
+            p.publish_acked(&format!("probe/{i}"), QoS::AtMostOnce, false, "")
                 .await;
         }
         for (j, s) in subs.iter_mut().enumerate() {
             let until = tokio::time::Instant::now() + Duration::from_millis(200);
-            while let Ok(Some(seen)) = tokio::time::timeout_at(until, s.seen.recv()).await {
+            while let Some(seen) = s.next_before(until).await {
                 if let Seen::Publish(p) = seen {
                     if let Some(from) = topic(&p).strip_prefix("probe/") {
                         heard[j].extend(from.parse::<usize>().ok());
@@ -237,8 +80,7 @@ async fn until_meshed(addrs: &[SocketAddr]) {
 #[test]
 fn one_broker_across_three_nodes() {
     let root = tempfile::tempdir().expect("temp dir");
-    let nodes = start_founders(root.path());
-    let addrs: Vec<SocketAddr> = nodes.iter().map(|n| n.addr).collect();
+    let (nodes, addrs) = founders(root.path());
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
         until_meshed(&addrs).await;
@@ -257,23 +99,24 @@ fn one_broker_across_three_nodes() {
 async fn qos_and_order(addrs: &[SocketAddr]) {
     let mut subs = Vec::new();
     for (i, addr) in addrs[1..].iter().enumerate() {
-        let mut c = Client::connect(*addr, &format!("q-sub-{i}")).await;
-        c.subscribe(Filter::new("q/#", QoS::ExactlyOnce)).await;
+        let mut c = connect(*addr, &format!("q-sub-{i}")).await;
+        c.subscribe_filter(Filter::new("q/#", QoS::ExactlyOnce))
+            .await;
         subs.push(c);
     }
-    let mut publisher = Client::connect(addrs[0], "q-pub").await;
+    let mut publisher = connect(addrs[0], "q-pub").await;
     publisher
-        .publish("q/0", QoS::AtMostOnce, false, "zero")
+        .publish_acked("q/0", QoS::AtMostOnce, false, "zero")
         .await;
     publisher
-        .publish("q/1", QoS::AtLeastOnce, false, "one")
+        .publish_acked("q/1", QoS::AtLeastOnce, false, "one")
         .await;
     publisher
-        .publish("q/2", QoS::ExactlyOnce, false, "two")
+        .publish_acked("q/2", QoS::ExactlyOnce, false, "two")
         .await;
     for i in 0..20 {
         publisher
-            .publish("q/order", QoS::AtLeastOnce, false, &i.to_string())
+            .publish_acked("q/order", QoS::AtLeastOnce, false, &i.to_string())
             .await;
     }
     for sub in &mut subs {
@@ -295,12 +138,13 @@ async fn qos_and_order(addrs: &[SocketAddr]) {
 /// A retained message published (and acknowledged) on node 3 before anyone subscribes reaches a
 /// subscriber on node 2; its clear on node 1 clears it on node 2 too.
 async fn retained_from_another_node(addrs: &[SocketAddr]) {
-    let mut publisher = Client::connect(addrs[2], "r-pub").await;
+    let mut publisher = connect(addrs[2], "r-pub").await;
     publisher
-        .publish("r/x", QoS::AtLeastOnce, true, "kept")
+        .publish_acked("r/x", QoS::AtLeastOnce, true, "kept")
         .await;
-    let mut sub = Client::connect(addrs[1], "r-sub").await;
-    sub.subscribe(Filter::new("r/#", QoS::AtLeastOnce)).await;
+    let mut sub = connect(addrs[1], "r-sub").await;
+    sub.subscribe_filter(Filter::new("r/#", QoS::AtLeastOnce))
+        .await;
     let p = sub.publish_msg("the retained message").await;
     assert_eq!(
         (topic(&p), payload(&p), p.retain),
@@ -308,13 +152,16 @@ async fn retained_from_another_node(addrs: &[SocketAddr]) {
     );
     drop(sub);
 
-    let mut clearer = Client::connect(addrs[0], "r-clear").await;
-    clearer.publish("r/x", QoS::AtLeastOnce, true, "").await;
+    let mut clearer = connect(addrs[0], "r-clear").await;
     clearer
-        .publish("r/y", QoS::AtLeastOnce, true, "other")
+        .publish_acked("r/x", QoS::AtLeastOnce, true, "")
         .await;
-    let mut sub = Client::connect(addrs[1], "r-sub-2").await;
-    sub.subscribe(Filter::new("r/#", QoS::AtLeastOnce)).await;
+    clearer
+        .publish_acked("r/y", QoS::AtLeastOnce, true, "other")
+        .await;
+    let mut sub = connect(addrs[1], "r-sub-2").await;
+    sub.subscribe_filter(Filter::new("r/#", QoS::AtLeastOnce))
+        .await;
     let p = sub.publish_msg("the retained messages left").await;
     assert_eq!(
         (topic(&p), payload(&p)),
@@ -328,21 +175,22 @@ async fn retained_from_another_node(addrs: &[SocketAddr]) {
 async fn shared_group_over_two_nodes(addrs: &[SocketAddr]) {
     let mut members = Vec::new();
     for (i, addr) in addrs[1..].iter().enumerate() {
-        let mut c = Client::connect(*addr, &format!("s-member-{i}")).await;
-        c.subscribe(Filter::new("$share/g/s/#", QoS::AtLeastOnce))
+        let mut c = connect(*addr, &format!("s-member-{i}")).await;
+        c.subscribe_filter(Filter::new("$share/g/s/#", QoS::AtLeastOnce))
             .await;
         // Not shared: the end marker reaches both, after everything published before it.
-        c.subscribe(Filter::new("s-end", QoS::AtLeastOnce)).await;
+        c.subscribe_filter(Filter::new("s-end", QoS::AtLeastOnce))
+            .await;
         members.push(c);
     }
-    let mut publisher = Client::connect(addrs[0], "s-pub").await;
+    let mut publisher = connect(addrs[0], "s-pub").await;
     for i in 0..20 {
         publisher
-            .publish(&format!("s/{i}"), QoS::AtLeastOnce, false, &i.to_string())
+            .publish_acked(&format!("s/{i}"), QoS::AtLeastOnce, false, &i.to_string())
             .await;
     }
     publisher
-        .publish("s-end", QoS::AtLeastOnce, false, "")
+        .publish_acked("s-end", QoS::AtLeastOnce, false, "")
         .await;
     let mut all = Vec::new();
     for m in &mut members {
@@ -364,21 +212,13 @@ async fn shared_group_over_two_nodes(addrs: &[SocketAddr]) {
 
 /// The will of a client on node 1 whose connection drops reaches a subscriber on node 3.
 async fn will_reaches_another_node(addrs: &[SocketAddr]) {
-    let mut sub = Client::connect(addrs[2], "w-sub").await;
-    sub.subscribe(Filter::new("w/#", QoS::AtLeastOnce)).await;
+    let mut sub = connect(addrs[2], "w-sub").await;
+    sub.subscribe_filter(Filter::new("w/#", QoS::AtLeastOnce))
+        .await;
     let will = LastWill::new("w/gone", "bye", QoS::AtLeastOnce, false, None);
-    let dying = Client::connect_with(
-        addrs[0],
-        "w-client",
-        Options {
-            persistent: false,
-            will: Some(will),
-        },
-    )
-    .await;
+    let dying = connect_with(addrs[0], "w-client", Some(will)).await;
     // Dropped without DISCONNECT: the socket closes, the will goes.
-    dying.task.abort();
-    drop(dying);
+    dying.abort();
     let p = sub.publish_msg("the will").await;
     assert_eq!((topic(&p), payload(&p)), ("w/gone".into(), "bye".into()));
 }
@@ -389,21 +229,24 @@ async fn will_reaches_another_node(addrs: &[SocketAddr]) {
 /// session cluster-wide: the same client cannot also be connected elsewhere, so nothing else of
 /// No Local crosses nodes.)
 async fn no_local_across_nodes(addrs: &[SocketAddr]) {
-    let mut me = Client::connect(addrs[1], "nl-me").await;
+    let mut me = connect(addrs[1], "nl-me").await;
     let mut filter = Filter::new("nl/#", QoS::AtLeastOnce);
     filter.nolocal = true;
-    me.subscribe(filter).await;
-    let mut witness = Client::connect(addrs[2], "nl-witness").await;
+    me.subscribe_filter(filter).await;
+    let mut witness = connect(addrs[2], "nl-witness").await;
     witness
-        .subscribe(Filter::new("nl/#", QoS::AtLeastOnce))
+        .subscribe_filter(Filter::new("nl/#", QoS::AtLeastOnce))
         .await;
 
-    me.publish("nl/mine", QoS::AtLeastOnce, false, "x").await;
+    me.publish_acked("nl/mine", QoS::AtLeastOnce, false, "x")
+        .await;
     let p = witness.publish_msg("nl/mine on node 3").await;
     assert_eq!(topic(&p), "nl/mine");
 
-    let mut other = Client::connect(addrs[0], "nl-other").await;
-    other.publish("nl/end", QoS::AtLeastOnce, false, "").await;
+    let mut other = connect(addrs[0], "nl-other").await;
+    other
+        .publish_acked("nl/end", QoS::AtLeastOnce, false, "")
+        .await;
     let p = me.publish_msg("the next message on node 2").await;
     assert_eq!(
         topic(&p),
@@ -414,11 +257,11 @@ async fn no_local_across_nodes(addrs: &[SocketAddr]) {
 
 /// A client id connected on node 1 connects on node 2: node 1's connection gets DISCONNECT 0x8E.
 async fn takeover_across_nodes(addrs: &[SocketAddr]) {
-    let mut first = Client::connect(addrs[0], "tk").await;
-    let _second = Client::connect(addrs[1], "tk").await;
+    let mut first = connect(addrs[0], "tk").await;
+    let _second = connect(addrs[1], "tk").await;
     let code = first
         .next("DISCONNECT on node 1", |s| match s {
-            Seen::Disconnect(code) => Some(code),
+            Seen::Disconnect(code) => Some(*code),
             _ => None,
         })
         .await;
@@ -432,25 +275,24 @@ async fn takeover_across_nodes(addrs: &[SocketAddr]) {
 #[test]
 fn a_node_back_from_kill_9_gets_routes_and_retained_messages_again() {
     let root = tempfile::tempdir().expect("temp dir");
-    let mut nodes = start_founders(root.path());
-    let addrs: Vec<SocketAddr> = nodes.iter().map(|n| n.addr).collect();
+    let (mut nodes, addrs) = founders(root.path());
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     let mut listener = runtime.block_on(async {
         until_meshed(&addrs).await;
-        let mut listener = Client::connect(addrs[0], "back-sub").await;
+        let mut listener = connect(addrs[0], "back-sub").await;
         listener
-            .subscribe(Filter::new("back/#", QoS::AtLeastOnce))
+            .subscribe_filter(Filter::new("back/#", QoS::AtLeastOnce))
             .await;
         listener
     });
-    nodes[2].kill9();
+    nodes[2].server.kill9();
     runtime.block_on(async {
-        let mut publisher = Client::connect(addrs[0], "kept-pub").await;
+        let mut publisher = connect(addrs[0], "kept-pub").await;
         publisher
-            .publish("kept/x", QoS::AtLeastOnce, true, "while away")
+            .publish_acked("kept/x", QoS::AtLeastOnce, true, "while away")
             .await;
     });
-    nodes[2].restart();
+    nodes[2].server.restart();
     runtime.block_on(async {
         let started = Instant::now();
         // Retained: a new subscriber on node 3 until the resync brought it.
@@ -461,8 +303,9 @@ fn a_node_back_from_kill_9_gets_routes_and_retained_messages_again() {
                 "node 3 never got the retained message"
             );
             attempt += 1;
-            let mut sub = Client::connect(addrs[2], &format!("kept-sub-{attempt}")).await;
-            sub.subscribe(Filter::new("kept/#", QoS::AtLeastOnce)).await;
+            let mut sub = connect(addrs[2], &format!("kept-sub-{attempt}")).await;
+            sub.subscribe_filter(Filter::new("kept/#", QoS::AtLeastOnce))
+                .await;
             let until = tokio::time::Instant::now() + Duration::from_millis(500);
             let got = tokio::time::timeout_at(until, sub.publish_msg("retained")).await;
             if let Ok(p) = got {
@@ -474,14 +317,14 @@ fn a_node_back_from_kill_9_gets_routes_and_retained_messages_again() {
             }
         }
         // Routes: node 1's subscriber, subscribed before node 3 restarted.
-        let mut publisher = Client::connect(addrs[2], "back-pub").await;
+        let mut publisher = connect(addrs[2], "back-pub").await;
         loop {
             assert!(
                 started.elapsed() < WAIT,
                 "node 3 never learned node 1's routes"
             );
             publisher
-                .publish("back/3", QoS::AtMostOnce, false, "")
+                .publish_acked("back/3", QoS::AtMostOnce, false, "")
                 .await;
             let until = tokio::time::Instant::now() + Duration::from_millis(300);
             if let Ok(p) = tokio::time::timeout_at(until, listener.publish_msg("back/3")).await {

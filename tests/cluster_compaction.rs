@@ -6,59 +6,22 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{free_addr, Server};
-use serde_json::Value;
+use common::cluster::{cli, eventually_within, ids, start_founders_with, status_at, Node};
+use common::free_addr;
 
 /// Generous: the machine running the tests may be loaded.
 const TIMEOUT: Duration = Duration::from_secs(120);
 
-fn cli(port: u16, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mqstate"))
-        .args(args)
-        .args(["--port", &port.to_string(), "--timeout", "5"])
-        .env_remove("AIO_BROKER_HOSTNAME")
-        .env_remove("AIO_BROKER_TCP_PORT")
-        .output()
-        .expect("run mqstate")
-}
-
-fn eventually<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let started = Instant::now();
-    loop {
-        if let Some(value) = check() {
-            return value;
-        }
-        assert!(
-            started.elapsed() < TIMEOUT,
-            "not within {TIMEOUT:?}: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn status(port: u16) -> Option<Value> {
-    let out = cli(port, &["cluster", "status", "--json"]);
-    out.status
-        .success()
-        .then(|| serde_json::from_slice(&out.stdout).ok())
-        .flatten()
-}
-
-fn ids(value: &Value) -> Vec<u64> {
-    value
-        .as_array()
-        .map(|ids| ids.iter().filter_map(Value::as_u64).collect())
-        .unwrap_or_default()
+fn eventually<T>(what: &str, check: impl FnMut() -> Option<T>) -> T {
+    eventually_within(TIMEOUT, what, check).0
 }
 
 /// Every partition settled (no change pending), each chain exactly `members` in some order and
 /// every replica readable (caught up).
 fn settled(port: u16, members: &[u64]) -> Option<()> {
-    let s = status(port)?;
+    let s = status_at(port)?;
     let partitions = s["partitions"].as_array()?;
     let ok = !partitions.is_empty()
         && partitions.iter().all(|p| {
@@ -78,32 +41,17 @@ fn set(port: u16, key: &str, value: &str) {
     });
 }
 
-fn start(root: &Path, id: u64, addr: SocketAddr, peers: &str) -> Server {
-    Server::start_in(
-        &root.join(format!("n{id}")),
-        &[
-            "--node-id",
-            &id.to_string(),
-            "--cluster-listen",
-            &addr.to_string(),
-            "--peers",
-            peers,
-            "--snapshot-threshold-bytes",
-            "4096",
-        ],
-        &[],
-    )
-}
-
 #[test]
 fn a_node_restarted_from_its_chain_snapshot_and_tail_is_caught_up_and_serves_as_head() {
     let root = tempfile::tempdir().unwrap();
     let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    let mut nodes: Vec<Server> = (1..=3)
-        .map(|id| start(root.path(), id, addrs[id as usize - 1], &peers))
-        .collect();
-    let port = |nodes: &[Server], id: u64| nodes[id as usize - 1].port();
+    let mut nodes = start_founders_with(
+        root.path(),
+        &addrs,
+        &["--snapshot-threshold-bytes", "4096"],
+        |_| Vec::new(),
+    );
+    let port = |nodes: &[Node], id: u64| nodes[id as usize - 1].server.port();
     eventually("three nodes settled", || {
         settled(port(&nodes, 1), &[1, 2, 3])
     });
@@ -120,8 +68,8 @@ fn a_node_restarted_from_its_chain_snapshot_and_tail_is_caught_up_and_serves_as_
         snapshot.exists().then_some(())
     });
 
-    nodes[1].kill9();
-    nodes[1].restart();
+    nodes[1].server.kill9();
+    nodes[1].server.restart();
     eventually("node 2 back in every chain, caught up", || {
         settled(port(&nodes, 1), &[1, 2, 3])
     });
@@ -130,11 +78,11 @@ fn a_node_restarted_from_its_chain_snapshot_and_tail_is_caught_up_and_serves_as_
     }
 
     // Node 1 gone: node 2 heads the partitions whose chain it was next in, from its own rows.
-    nodes[0].kill9();
+    nodes[0].server.kill9();
     eventually("node 1 out of every chain", || {
         settled(port(&nodes, 3), &[2, 3])
     });
-    let heads = status(port(&nodes, 2)).unwrap()["partitions"]
+    let heads = status_at(port(&nodes, 2)).unwrap()["partitions"]
         .as_array()
         .unwrap()
         .iter()

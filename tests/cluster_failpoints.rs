@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::state_store::SetOptions;
-use common::cluster::{chain_of, eventually, settled, Node};
+use common::cluster::{chain_of, eventually, settled, start_founders_with, Node};
+use common::free_addr;
 use common::sdk::{SdkClient, REQUEST_TIMEOUT};
-use common::{free_addr, Server};
 
 type Version = (std::time::SystemTime, u64, String);
 
@@ -30,32 +30,10 @@ fn marker(root: &Path, id: u64) -> PathBuf {
 /// Three founders, each armed at `failpoint` once its marker file exists.
 fn founders(root: &Path, failpoint: &str) -> Vec<Node> {
     let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    (1..=3u64)
-        .map(|id| {
-            let spec = format!("{failpoint}@{}", marker(root, id).display());
-            let args = [
-                "--node-id",
-                &id.to_string(),
-                "--cluster-listen",
-                &addrs[id as usize - 1].to_string(),
-                "--peers",
-                &peers,
-            ]
-            .map(str::to_owned);
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let server = Server::start_in(
-                &root.join(format!("n{id}")),
-                &args,
-                &[("MQSTATE_FAILPOINT", &spec)],
-            );
-            Node {
-                id,
-                cluster_addr: addrs[id as usize - 1],
-                server,
-            }
-        })
-        .collect()
+    start_founders_with(root, &addrs, &[], |id| {
+        let spec = format!("{failpoint}@{}", marker(root, id).display());
+        vec![("MQSTATE_FAILPOINT".to_owned(), spec)]
+    })
 }
 
 /// Waits (bounded) until `node` stopped accepting connections: it crashed at the failpoint.

@@ -22,18 +22,59 @@ pub struct Node {
 
 /// Nodes 1, 2 and 3 founding a cluster on the first three of `addrs`.
 pub fn start_founders(root: &Path, addrs: &[SocketAddr]) -> Vec<Node> {
+    start_founders_with(root, addrs, &[], |_| Vec::new())
+}
+
+/// Nodes 1, 2 and 3 founding a cluster on the first three of `addrs`, each with the extra `serve`
+/// flags `args` and the environment `env(id)`.
+pub fn start_founders_with(
+    root: &Path,
+    addrs: &[SocketAddr],
+    args: &[&str],
+    env: impl Fn(u64) -> Vec<(String, String)>,
+) -> Vec<Node> {
     let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let mut membership = vec!["--peers", &peers];
+    membership.extend_from_slice(args);
     (1..=3)
-        .map(|id| start_node(root, id, addrs[id as usize - 1], &["--peers", &peers]))
+        .map(|id| {
+            let env = env(id);
+            let env: Vec<(&str, &str)> =
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            start_node_with(root, id, addrs[id as usize - 1], &membership, &env)
+        })
         .collect()
 }
 
+/// The three founding nodes on fresh addresses, once they agree on a leader, the members and a
+/// settled partition map.
+pub fn formed_cluster(root: &Path) -> Vec<Node> {
+    let addrs: Vec<SocketAddr> = (0..3).map(|_| super::free_addr()).collect();
+    let nodes = start_founders(root, &addrs);
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let (_, formed_in) = eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
+    eprintln!("cluster formed in {formed_in:?}");
+    nodes
+}
+
 pub fn start_node(root: &Path, id: u64, cluster_addr: SocketAddr, membership: &[&str]) -> Node {
+    start_node_with(root, id, cluster_addr, membership, &[])
+}
+
+/// Node `id` in `root/n<id>`, its cluster listener on `cluster_addr`, with the extra `serve` flags
+/// `args` (membership first) and environment `env`.
+pub fn start_node_with(
+    root: &Path,
+    id: u64,
+    cluster_addr: SocketAddr,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Node {
     let id_text = id.to_string();
     let listen = cluster_addr.to_string();
-    let mut args = vec!["--node-id", &id_text, "--cluster-listen", &listen];
-    args.extend_from_slice(membership);
-    let server = Server::start_in(&root.join(format!("n{id}")), &args, &[]);
+    let mut all = vec!["--node-id", &id_text, "--cluster-listen", &listen];
+    all.extend_from_slice(args);
+    let server = Server::start_in(&root.join(format!("n{id}")), &all, env);
     Node {
         id,
         cluster_addr,
@@ -105,16 +146,22 @@ pub fn agreed(nodes: &[&Node], expected: &[u64]) -> Option<u64> {
     Some(leader)
 }
 
-pub fn eventually<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> (T, Duration) {
+pub fn eventually<T>(what: &str, check: impl FnMut() -> Option<T>) -> (T, Duration) {
+    eventually_within(AGREEMENT_TIMEOUT, what, check)
+}
+
+/// `check` polled until it gives a value, for at most `within`; the value and how long it took.
+pub fn eventually_within<T>(
+    within: Duration,
+    what: &str,
+    mut check: impl FnMut() -> Option<T>,
+) -> (T, Duration) {
     let started = Instant::now();
     loop {
         if let Some(value) = check() {
             return (value, started.elapsed());
         }
-        assert!(
-            started.elapsed() < AGREEMENT_TIMEOUT,
-            "not within {AGREEMENT_TIMEOUT:?}: {what}"
-        );
+        assert!(started.elapsed() < within, "not within {within:?}: {what}");
         std::thread::sleep(Duration::from_millis(100));
     }
 }

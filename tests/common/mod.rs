@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod mqtt;
+pub mod proxy;
 pub mod sdk;
 pub mod state;
 

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use azure_iot_operations_mqtt::aio::connection_settings::MqttConnectionSettingsBuilder;
 use azure_iot_operations_mqtt::session::reconnect_policy::ExponentialBackoffWithJitter;
@@ -12,7 +12,9 @@ use azure_iot_operations_mqtt::session::{
 };
 use azure_iot_operations_protocol::application::ApplicationContextBuilder;
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
-use azure_iot_operations_services::state_store::{self, KeyObservation, SetOptions};
+use azure_iot_operations_services::state_store::{
+    self, ErrorKind, KeyObservation, ServiceError, SetCondition, SetOptions,
+};
 use tokio::task::JoinHandle;
 
 /// Upper bound for one wait inside a test (a reply, a notification, a reconnect).
@@ -26,6 +28,59 @@ pub async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(WAIT, fut)
         .await
         .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+}
+
+/// Runs a whole test within `bound`: a hang guard, not a performance claim.
+pub async fn bounded<T>(bound: Duration, test: impl Future<Output = T>) -> T {
+    tokio::time::timeout(bound, test)
+        .await
+        .expect("test exceeded its time bound")
+}
+
+pub async fn next_notification(observation: &mut KeyObservation) -> state_store::KeyNotification {
+    within("notification", observation.recv_notification())
+        .await
+        .expect("notification channel closed")
+        .0
+}
+
+/// A version as something ordered: later versions compare greater.
+pub fn hlc_order(h: &HybridLogicalClock) -> (SystemTime, u64, String) {
+    (h.timestamp, h.counter, h.node_id.clone())
+}
+
+/// A fencing token `offset_ms` after a wall time 30 s in the past, in whole milliseconds (the
+/// text form carries no more).
+pub fn token_at(offset_ms: i64, counter: u64) -> HybridLogicalClock {
+    let base = SystemTime::now() - Duration::from_secs(30);
+    let timestamp = if offset_ms >= 0 {
+        base + Duration::from_millis(offset_ms as u64)
+    } else {
+        base - Duration::from_millis(offset_ms.unsigned_abs())
+    };
+    let ms = timestamp
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    HybridLogicalClock {
+        timestamp: SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
+        counter,
+        node_id: "sdk-test".into(),
+    }
+}
+
+pub fn service_error(err: &state_store::Error) -> &ServiceError {
+    match err.kind() {
+        ErrorKind::ServiceError(e) => e,
+        other => panic!("expected a state store service error, got {other:?}"),
+    }
+}
+
+pub fn with_condition(set_condition: SetCondition) -> SetOptions {
+    SetOptions {
+        set_condition,
+        ..SetOptions::default()
+    }
 }
 
 /// One SDK client: a Session running in the background plus a state-store client on it.

@@ -164,3 +164,46 @@ impl StateClient {
         }
     }
 }
+
+/// Strict SCAN reply parser: (keys, continuation token).
+pub fn parse_scan(payload: &[u8]) -> (Vec<Vec<u8>>, Option<Vec<u8>>) {
+    fn line<'a>(buf: &mut &'a [u8]) -> &'a [u8] {
+        let end = buf
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .expect("CRLF-terminated line");
+        let (head, tail) = buf.split_at(end);
+        *buf = &tail[2..];
+        head
+    }
+    fn bulk_string(buf: &mut &[u8]) -> Vec<u8> {
+        let header = line(buf);
+        assert_eq!(header[0], b'$', "bulk string expected");
+        let len: usize = std::str::from_utf8(&header[1..]).unwrap().parse().unwrap();
+        let value = buf[..len].to_vec();
+        assert_eq!(&buf[len..len + 2], b"\r\n");
+        *buf = &buf[len + 2..];
+        value
+    }
+    let mut buf = payload;
+    let outer = line(&mut buf);
+    let outer_len = match outer {
+        b"*1" => 1,
+        b"*2" => 2,
+        other => panic!(
+            "SCAN reply must start with *1 or *2, got {:?}",
+            String::from_utf8_lossy(other)
+        ),
+    };
+    let inner = line(&mut buf);
+    assert_eq!(inner[0], b'*', "SCAN reply: key array expected");
+    let n: usize = std::str::from_utf8(&inner[1..]).unwrap().parse().unwrap();
+    let keys = (0..n).map(|_| bulk_string(&mut buf)).collect();
+    let token = (outer_len == 2).then(|| bulk_string(&mut buf));
+    assert!(
+        buf.is_empty(),
+        "SCAN reply: trailing bytes {:?}",
+        String::from_utf8_lossy(buf)
+    );
+    (keys, token)
+}

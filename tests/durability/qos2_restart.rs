@@ -7,19 +7,12 @@
 
 use crate::common;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::BytesMut;
-use rumqttc::v5::mqttbytes::v5::{
-    Connect, ConnectProperties, Disconnect, DisconnectReasonCode, Filter, Packet, PingReq,
-    PubCompReason, PubRecReason, PubRel, Publish, Subscribe, SubscribeReasonCode,
-};
+use rumqttc::v5::mqttbytes::v5::{Packet, PubCompReason, PubRecReason, PubRel, Publish};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::Incoming;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
+use common::mqtt::Raw;
 use common::Server;
 
 /// Hang guard for every wait in this file, not a performance claim.
@@ -27,139 +20,66 @@ const WAIT: Duration = Duration::from_secs(30);
 const TOPIC: &str = "qos2/restart";
 const SESSION_EXPIRY_SECS: u32 = 3600;
 
-struct Raw {
-    stream: TcpStream,
-    buf: BytesMut,
+/// Connects with a persistent session; returns the client and CONNACK's Session Present.
+async fn connect(addr: std::net::SocketAddr, id: &str, clean_start: bool) -> (Raw, bool) {
+    Raw::connect(addr, id, clean_start, SESSION_EXPIRY_SECS)
+        .await
+        .accepted()
 }
 
-impl Raw {
-    /// Connects with a persistent session; returns the client and CONNACK's Session Present.
-    async fn connect(addr: SocketAddr, id: &str, clean_start: bool) -> (Raw, bool) {
-        let mut properties = ConnectProperties::new();
-        properties.session_expiry_interval = Some(SESSION_EXPIRY_SECS);
-        let connect = Connect {
-            keep_alive: 60,
-            client_id: id.to_owned(),
-            clean_start,
-            properties: Some(properties),
-        };
-        let mut c = Raw {
-            stream: TcpStream::connect(addr).await.unwrap(),
-            buf: BytesMut::new(),
-        };
-        c.send(Packet::Connect(connect, None, None)).await;
-        match c.recv().await {
-            Packet::ConnAck(ack) => (c, ack.session_present),
-            other => panic!("expected CONNACK, got {other:?}"),
+/// A QoS 2 PUBLISH with the packet id and DUP flag the test chooses, not waiting for PUBREC.
+async fn publish(client: &mut Raw, payload: &'static str, pkid: u16, dup: bool) {
+    let mut p = Publish::new(TOPIC, QoS::ExactlyOnce, payload, None);
+    p.pkid = pkid;
+    p.dup = dup;
+    client.send(Packet::Publish(p)).await;
+}
+
+async fn expect_pubrec(client: &mut Raw, pkid: u16) {
+    match client.recv().await {
+        Packet::PubRec(r) => {
+            assert_eq!(r.pkid, pkid);
+            assert_eq!(r.reason, PubRecReason::Success);
         }
+        other => panic!("expected PUBREC {pkid}, got {other:?}"),
     }
+}
 
-    async fn send(&mut self, packet: Packet) {
-        let mut out = BytesMut::new();
-        packet.write(&mut out).unwrap();
-        self.stream.write_all(&out).await.unwrap();
-    }
-
-    async fn recv(&mut self) -> Incoming {
-        tokio::time::timeout(WAIT, async {
-            loop {
-                match Packet::read(&mut self.buf, None) {
-                    Ok(p) => return p,
-                    Err(rumqttc::v5::mqttbytes::Error::InsufficientBytes(_)) => {}
-                    Err(e) => panic!("undecodable packet from the server: {e}"),
-                }
-                let n = self.stream.read_buf(&mut self.buf).await.unwrap();
-                assert!(n > 0, "the server closed the connection");
-            }
-        })
-        .await
-        .expect("no packet within the guard time")
-    }
-
-    async fn publish(&mut self, payload: &'static str, pkid: u16, dup: bool) {
-        let mut p = Publish::new(TOPIC, QoS::ExactlyOnce, payload, None);
-        p.pkid = pkid;
-        p.dup = dup;
-        self.send(Packet::Publish(p)).await;
-    }
-
-    async fn expect_pubrec(&mut self, pkid: u16) {
-        match self.recv().await {
-            Packet::PubRec(r) => {
-                assert_eq!(r.pkid, pkid);
-                assert_eq!(r.reason, PubRecReason::Success);
-            }
-            other => panic!("expected PUBREC {pkid}, got {other:?}"),
-        }
-    }
-
-    /// PUBREL, and the reason code of the PUBCOMP it gets.
-    async fn release(&mut self, pkid: u16) -> PubCompReason {
-        self.send(Packet::PubRel(PubRel::new(pkid, None))).await;
-        match self.recv().await {
-            Packet::PubComp(c) if c.pkid == pkid => c.reason,
-            other => panic!("expected PUBCOMP {pkid}, got {other:?}"),
-        }
-    }
-
-    /// Payloads of the PUBLISHes received before the PINGRESP.
-    async fn publishes_until_pong(&mut self) -> Vec<String> {
-        self.send(Packet::PingReq(PingReq)).await;
-        let mut got = Vec::new();
-        loop {
-            match self.recv().await {
-                Packet::PingResp(_) => return got,
-                Packet::Publish(p) => got.push(String::from_utf8(p.payload.to_vec()).unwrap()),
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-    }
-
-    async fn disconnect(mut self) {
-        self.send(Packet::Disconnect(Disconnect::new(
-            DisconnectReasonCode::NormalDisconnection,
-        )))
-        .await;
-        let mut rest = Vec::new();
-        let _ = tokio::time::timeout(WAIT, self.stream.read_to_end(&mut rest)).await;
+/// PUBREL, and the reason code of the PUBCOMP it gets.
+async fn release(client: &mut Raw, pkid: u16) -> PubCompReason {
+    client.send(Packet::PubRel(PubRel::new(pkid, None))).await;
+    match client.recv().await {
+        Packet::PubComp(c) if c.pkid == pkid => c.reason,
+        other => panic!("expected PUBCOMP {pkid}, got {other:?}"),
     }
 }
 
 async fn qos2_ids_survive(mut server: Server, restart: impl FnOnce(&mut Server)) {
-    let (mut sub, _) = Raw::connect(server.addr, "q2-sub", true).await;
-    let mut subscribe = Subscribe::new(Filter::new(TOPIC, QoS::ExactlyOnce), None);
-    subscribe.pkid = 1;
-    sub.send(Packet::Subscribe(subscribe)).await;
-    match sub.recv().await {
-        Packet::SubAck(ack) => assert_eq!(
-            ack.return_codes,
-            vec![SubscribeReasonCode::Success(QoS::ExactlyOnce)]
-        ),
-        other => panic!("expected SUBACK, got {other:?}"),
-    }
+    let (mut sub, _) = connect(server.addr, "q2-sub", true).await;
+    sub.subscribe(TOPIC, QoS::ExactlyOnce).await;
     sub.disconnect().await;
 
-    let (mut publisher, _) = Raw::connect(server.addr, "q2-pub", true).await;
-    publisher.publish("released after", 1, false).await;
-    publisher.expect_pubrec(1).await;
+    let (mut publisher, _) = connect(server.addr, "q2-pub", true).await;
+    publish(&mut publisher, "released after", 1, false).await;
+    expect_pubrec(&mut publisher, 1).await;
     // Its PUBREC arrives too, but the test plays a client that lost it: it re-sends the PUBLISH.
-    publisher.publish("retried after", 2, false).await;
-    publisher.expect_pubrec(2).await;
+    publish(&mut publisher, "retried after", 2, false).await;
+    expect_pubrec(&mut publisher, 2).await;
     drop(publisher);
     tokio::task::block_in_place(|| restart(&mut server));
 
-    let (mut publisher, present) = Raw::connect(server.addr, "q2-pub", false).await;
+    let (mut publisher, present) = connect(server.addr, "q2-pub", false).await;
     assert!(present, "Session Present after the restart");
     assert_eq!(
-        publisher.release(1).await,
+        release(&mut publisher, 1).await,
         PubCompReason::Success,
         "PUBREL after the restart completes the flow"
     );
-    publisher.publish("retried after", 2, true).await;
-    publisher.expect_pubrec(2).await;
-    assert_eq!(publisher.release(2).await, PubCompReason::Success);
+    publish(&mut publisher, "retried after", 2, true).await;
+    expect_pubrec(&mut publisher, 2).await;
+    assert_eq!(release(&mut publisher, 2).await, PubCompReason::Success);
 
-    let (mut sub, present) = Raw::connect(server.addr, "q2-sub", false).await;
+    let (mut sub, present) = connect(server.addr, "q2-sub", false).await;
     assert!(present);
     assert_eq!(
         sub.publishes_until_pong().await,
@@ -200,7 +120,7 @@ async fn inbound_qos2_ids_survive_kill9_in_a_snapshot() {
                 "no session snapshot with both ids"
             );
             tokio::runtime::Handle::current()
-                .block_on(async { Raw::connect(server.addr, "snapshot-poke", true).await });
+                .block_on(async { connect(server.addr, "snapshot-poke", true).await });
             std::thread::sleep(Duration::from_millis(50));
         }
         server.kill9();

@@ -2,7 +2,7 @@
 //! (rumqttc), refused certificates (unknown CA, expired, missing), mTLS identity as the client id,
 //! reloading the certificate without dropping connections, MQTT over ws:// and wss://, and the CLI
 //! (the AIO SDK's TLS) and `bench` (its own client over tokio-rustls) against a TLS listener. Every
-//! certificate is made here with rcgen.
+//! certificate is made on the spot (`mqstate-testcerts`).
 
 use crate::common;
 
@@ -13,11 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{free_addr, Server};
-use rcgen::{
-    date_time_ymd, BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
-use rumqttc::tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use mqstate_testcerts::{Ca, Leaf};
+use rumqttc::tokio_rustls::rustls::pki_types::PrivateKeyDer;
 use rumqttc::tokio_rustls::rustls::{self as client_rustls, ClientConfig, RootCertStore};
 use rumqttc::v5::mqttbytes::v5::{ConnectReturnCode, Packet};
 use rumqttc::v5::mqttbytes::QoS;
@@ -31,63 +28,9 @@ use tokio_tungstenite::WebSocketStream;
 /// Guard against hangs only; no test asserts on timing.
 const GUARD: Duration = Duration::from_secs(20);
 
-/// A test certificate authority.
-struct Ca {
-    issuer: Issuer<'static, KeyPair>,
-    der: CertificateDer<'static>,
-    pem: String,
-}
-
-/// A certificate and its key, as DER (for rumqttc) and PEM (for files).
-struct Leaf {
-    der: CertificateDer<'static>,
-    key_der: Vec<u8>,
-    pem: String,
-    key_pem: String,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let cert = params.self_signed(&key).unwrap();
-        Ca {
-            der: cert.der().clone(),
-            pem: cert.pem(),
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    fn leaf(&self, common_name: &str, sans: &[&str], expired: bool) -> Leaf {
-        let key = KeyPair::generate().unwrap();
-        let mut params =
-            CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        if expired {
-            params.not_before = date_time_ymd(2000, 1, 1);
-            params.not_after = date_time_ymd(2001, 1, 1);
-        }
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Leaf {
-            der: cert.der().clone(),
-            key_der: key.serialize_der(),
-            pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-        }
-    }
-
-    fn server_leaf(&self) -> Leaf {
-        self.leaf("mqstate test server", &["localhost", "127.0.0.1"], false)
-    }
+/// The server's certificate, for the names a client may dial it by.
+fn server_leaf(ca: &Ca) -> Leaf {
+    ca.leaf("mqstate test server", &["localhost", "127.0.0.1"], false)
 }
 
 /// Certificate files of a server, in a temporary directory.
@@ -230,7 +173,7 @@ async fn pub_sub(client: &AsyncClient, events: &mut EventLoop, topic: &str) {
 async fn tls_1_2_and_1_3_clients_publish_and_subscribe() {
     let ca = Ca::new("test CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&ca));
     let (_server, addr) = start("tls", &tls_args(&cert, &key, &[]));
     // A client that never starts its handshake holds up nobody (it runs in its own task).
     let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -250,7 +193,7 @@ async fn certificates_from_an_unknown_ca_or_expired_or_missing_are_refused() {
     let ca = Ca::new("test CA");
     let other = Ca::new("someone else's CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&ca));
     let client_ca = files.write("clients.pem", &ca.pem);
     let (_server, addr) = start(
         "tls",
@@ -287,7 +230,7 @@ async fn certificates_from_an_unknown_ca_or_expired_or_missing_are_refused() {
 async fn certificate_identity_becomes_the_client_id() {
     let ca = Ca::new("test CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&ca));
     let client_ca = files.write("clients.pem", &ca.pem);
     let device = ca.leaf("sensor-7", &["device-7.example.com"], false);
 
@@ -341,14 +284,14 @@ async fn new_certificate_is_loaded_on_sighup_and_on_change_without_dropping_conn
     let second_ca = Ca::new("second CA");
     let third_ca = Ca::new("third CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&first_ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&first_ca));
     let (server, addr) = start("tls", &tls_args(&cert, &key, &[]));
     let (old_client, mut old_events, _) = connect(addr, "old", client_tls(&first_ca, BOTH, None))
         .await
         .expect("connect with the first certificate");
 
     // A half-written pair (new certificate, old key) is refused and the old pair stays in use.
-    let second = second_ca.server_leaf();
+    let second = server_leaf(&second_ca);
     files.write("server.pem", &second.pem);
     server.signal("HUP");
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -365,7 +308,7 @@ async fn new_certificate_is_loaded_on_sighup_and_on_change_without_dropping_conn
         .is_err());
 
     // A change of the files alone is noticed too.
-    files.server_pair(&third_ca.server_leaf());
+    files.server_pair(&server_leaf(&third_ca));
     wait_until_trusted(addr, &third_ca).await;
 
     // The connection made before both reloads still works.
@@ -541,7 +484,7 @@ async fn mqtt_over_websocket_needs_subprotocol_mqtt_and_carries_packets_across_f
 async fn mqtt_over_secure_websocket() {
     let ca = Ca::new("test CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&ca));
     let (_server, addr) = start("wss", &tls_args(&cert, &key, &[]));
 
     let mut roots = tokio_rustls::rustls::RootCertStore::empty();
@@ -593,7 +536,7 @@ fn cli(addr: SocketAddr, args: &[&str], tls: &[String]) -> std::process::Output 
 fn cli_works_over_tls_and_mtls() {
     let ca = Ca::new("test CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&ca));
     let ca_file = files.write("ca.pem", &ca.pem);
     let client = ca.leaf("cli-user", &[], false);
     let client_cert = files.write("client.pem", &client.pem);
@@ -625,7 +568,7 @@ fn cli_tls_failures_name_the_cause_and_mtls_identity_needs_no_client_id() {
     let ca = Ca::new("test CA");
     let other_ca = Ca::new("some other CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&ca));
     let ca_file = files.write("ca.pem", &ca.pem);
     let other_ca_file = files.write("other-ca.pem", &other_ca.pem);
     let client = ca.leaf("sensor-9", &[], false);
@@ -677,7 +620,7 @@ fn cli_tls_failures_name_the_cause_and_mtls_identity_needs_no_client_id() {
 fn bench_runs_over_tls_and_mtls() {
     let ca = Ca::new("test CA");
     let files = Files::new();
-    let (cert, key) = files.server_pair(&ca.server_leaf());
+    let (cert, key) = files.server_pair(&server_leaf(&ca));
     let ca_file = files.write("ca.pem", &ca.pem);
     let client = ca.leaf("bench-user", &[], false);
     let (_server, addr) = start(

@@ -6,54 +6,23 @@
 
 use crate::common;
 
-use std::future::Future;
 use std::net::SocketAddr;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::leased_lock::{self, lease, lock};
 use azure_iot_operations_services::state_store::{
-    self, ErrorKind, KeyObservation, Operation, ServiceError, SetCondition, SetOptions,
+    Operation, ServiceError, SetCondition, SetOptions,
 };
 use bytes::Bytes;
-use common::cluster::{agreed, eventually, ids, placement, start_founders, Node};
-use common::free_addr;
-use common::sdk::{within, SdkClient, REQUEST_TIMEOUT};
-use common::state::{hlc_now, StateClient};
+use common::cluster::{eventually, formed_cluster, ids, placement};
+use common::sdk::{
+    bounded, hlc_order, next_notification, service_error, token_at, with_condition, within,
+    SdkClient, REQUEST_TIMEOUT,
+};
+use common::state::{hlc_now, parse_scan, StateClient};
 
 /// A hang guard for the whole test, not a performance claim: three processes on a loaded machine.
 const TEST_BOUND: Duration = Duration::from_secs(300);
-
-async fn bounded<F: Future<Output = ()>>(test: F) {
-    tokio::time::timeout(TEST_BOUND, test)
-        .await
-        .expect("test exceeded its time bound");
-}
-
-async fn next_notification(observation: &mut KeyObservation) -> state_store::KeyNotification {
-    within("notification", observation.recv_notification())
-        .await
-        .expect("notification channel closed")
-        .0
-}
-
-fn order(h: &HybridLogicalClock) -> (SystemTime, u64, String) {
-    (h.timestamp, h.counter, h.node_id.clone())
-}
-
-fn service_error(err: &state_store::Error) -> &ServiceError {
-    match err.kind() {
-        ErrorKind::ServiceError(e) => e,
-        other => panic!("expected a state store service error, got {other:?}"),
-    }
-}
-
-fn condition(set_condition: SetCondition) -> SetOptions {
-    SetOptions {
-        set_condition,
-        ..SetOptions::default()
-    }
-}
 
 fn key(node: u64, name: &str) -> Vec<u8> {
     format!("n{node}/{name}").into_bytes()
@@ -68,9 +37,9 @@ async fn commands(c: &SdkClient, node: u64) {
     assert_eq!(got.response.as_deref(), Some(&b"v"[..]));
     assert_eq!(got.version, set.version, "GET answers the SET's version");
     let again = c.set(&k, b"v2", SetOptions::default()).await;
-    assert!(order(again.version.as_ref().unwrap()) > order(set.version.as_ref().unwrap()));
+    assert!(hlc_order(again.version.as_ref().unwrap()) > hlc_order(set.version.as_ref().unwrap()));
     assert!(
-        !c.set(&k, b"x", condition(SetCondition::OnlyIfDoesNotExist))
+        !c.set(&k, b"x", with_condition(SetCondition::OnlyIfDoesNotExist))
             .await
             .response
     );
@@ -78,22 +47,26 @@ async fn commands(c: &SdkClient, node: u64) {
         c.set(
             &k,
             b"v2",
-            condition(SetCondition::OnlyIfEqualOrDoesNotExist)
+            with_condition(SetCondition::OnlyIfEqualOrDoesNotExist)
         )
         .await
         .response
     );
     assert!(
-        !c.set(&k, b"x", condition(SetCondition::OnlyIfEqualOrDoesNotExist))
-            .await
-            .response
+        !c.set(
+            &k,
+            b"x",
+            with_condition(SetCondition::OnlyIfEqualOrDoesNotExist)
+        )
+        .await
+        .response
     );
     assert_eq!(c.vdel(&k, b"other").await, -1);
     assert_eq!(c.vdel(&k, b"v2").await, 1);
     assert_eq!(c.get(&k).await.response, None);
     assert_eq!(c.del(&k, None).await.unwrap().response, 0);
     assert!(
-        c.set(&k, b"n", condition(SetCondition::OnlyIfDoesNotExist))
+        c.set(&k, b"n", with_condition(SetCondition::OnlyIfDoesNotExist))
             .await
             .response
     );
@@ -103,20 +76,8 @@ async fn commands(c: &SdkClient, node: u64) {
 /// A fenced key through the client's node: lower tokens refused, a delete needs the token.
 async fn fencing(c: &SdkClient, node: u64) {
     let k = key(node, "fenced");
-    let base = SystemTime::now() - Duration::from_secs(30);
-    let token = |ms: u64| HybridLogicalClock {
-        timestamp: SystemTime::UNIX_EPOCH
-            + Duration::from_millis(
-                (base + Duration::from_millis(ms))
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .unwrap()
-                    .as_millis() as u64,
-            ),
-        counter: 0,
-        node_id: "sdk-test".into(),
-    };
-    let t1 = token(1_000);
-    let t2 = token(2_000);
+    let t1 = token_at(1_000, 0);
+    let t2 = token_at(2_000, 0);
     assert!(
         c.set_fenced(&k, b"a", Some(t2.clone()), SetOptions::default())
             .await
@@ -152,7 +113,7 @@ async fn notifications(observer: &SdkClient, writer: &SdkClient, node: u64) {
     // Not applied: nothing notified.
     assert!(
         !writer
-            .set(&k, b"x", condition(SetCondition::OnlyIfDoesNotExist))
+            .set(&k, b"x", with_condition(SetCondition::OnlyIfDoesNotExist))
             .await
             .response
     );
@@ -179,7 +140,7 @@ async fn notifications(observer: &SdkClient, writer: &SdkClient, node: u64) {
     );
     let n = next_notification(&mut observation).await;
     assert_eq!(n.operation, Operation::Del, "the expiry's DELETE");
-    assert!(order(&n.version) > order(set.version.as_ref().unwrap()));
+    assert!(hlc_order(&n.version) > hlc_order(set.version.as_ref().unwrap()));
     assert_eq!(writer.get(&k).await.response, None);
     // The last change, so that any doubled or reordered notification before it would have shown.
     writer.set(&k, b"end", SetOptions::default()).await;
@@ -236,7 +197,7 @@ async fn locks(a: &SdkClient, b: &SdkClient, node: u64) {
     .await
     .unwrap();
     assert!(
-        order(&renewed) > order(&token_a),
+        hlc_order(&renewed) > hlc_order(&token_a),
         "a renewal's token is newer"
     );
     assert!(
@@ -263,7 +224,7 @@ async fn locks(a: &SdkClient, b: &SdkClient, node: u64) {
         .unwrap();
     let (lock_b, token_b) = within("B acquires after A released", waiter).await.unwrap();
     let token_b = token_b.unwrap();
-    assert!(order(&token_b) > order(&renewed));
+    assert!(hlc_order(&token_b) > hlc_order(&renewed));
     assert!(
         b.set_fenced(&resource, b"from-b", Some(token_b), SetOptions::default())
             .await
@@ -278,36 +239,6 @@ async fn locks(a: &SdkClient, b: &SdkClient, node: u64) {
         a.get(&resource).await.response.as_deref(),
         Some(&b"from-b"[..])
     );
-}
-
-/// Strict SCAN reply: keys and continuation.
-fn parse_scan(payload: &[u8]) -> (Vec<Vec<u8>>, Option<Vec<u8>>) {
-    fn line<'a>(buf: &mut &'a [u8]) -> &'a [u8] {
-        let end = buf.windows(2).position(|w| w == b"\r\n").expect("CRLF");
-        let (head, tail) = buf.split_at(end);
-        *buf = &tail[2..];
-        head
-    }
-    fn bulk(buf: &mut &[u8]) -> Vec<u8> {
-        let header = line(buf);
-        assert_eq!(header[0], b'$');
-        let len: usize = std::str::from_utf8(&header[1..]).unwrap().parse().unwrap();
-        let value = buf[..len].to_vec();
-        *buf = &buf[len + 2..];
-        value
-    }
-    let mut buf = payload;
-    let outer = match line(&mut buf) {
-        b"*1" => 1,
-        b"*2" => 2,
-        other => panic!("SCAN reply {:?}", String::from_utf8_lossy(other)),
-    };
-    let inner = line(&mut buf);
-    let n: usize = std::str::from_utf8(&inner[1..]).unwrap().parse().unwrap();
-    let keys = (0..n).map(|_| bulk(&mut buf)).collect();
-    let token = (outer == 2).then(|| bulk(&mut buf));
-    assert!(buf.is_empty());
-    (keys, token)
 }
 
 /// SCAN through the node at `addr`: every page, each key once, in order.
@@ -333,11 +264,8 @@ async fn scan_all(addr: SocketAddr, id: &str, glob: &[u8]) -> Vec<Vec<u8>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sdk_state_store_through_every_node_of_three() {
     let root = tempfile::tempdir().unwrap();
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let nodes: Vec<Node> = start_founders(root.path(), &addrs);
-    let refs: Vec<&Node> = nodes.iter().collect();
-    tokio::task::block_in_place(|| eventually("three nodes agree", || agreed(&refs, &[1, 2, 3])));
-    bounded(async {
+    let nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    bounded(TEST_BOUND, async {
         let clients: Vec<SdkClient> = {
             let mut clients = Vec::new();
             for node in &nodes {
@@ -393,6 +321,33 @@ async fn the_sdk_state_store_through_every_node_of_three() {
         assert_eq!(&again[..], b"+OK\r\n", "the first reply, not NX's -1");
         assert_eq!(again_ts, ts);
 
+        // The same retry after another write replaced the row it made (robustness seeds 7112,
+        // 60003: a paused head's front end re-sent its request seconds later): still its first
+        // reply, and no second execution over the later write.
+        let mut other = StateClient::connect(nodes[1].server.addr, "cl-other").await;
+        let (set_b, _) = other
+            .request_as(
+                &[b"SET", b"retry/k", b"b"],
+                &Bytes::from_static(b"other-1"),
+                hlc_now(),
+            )
+            .await;
+        assert_eq!(&set_b[..], b"+OK\r\n");
+        let mut late = StateClient::connect(nodes[2].server.addr, "cl-retry").await;
+        let (late_reply, late_ts) = late
+            .request_as(&[b"SET", b"retry/k", b"a", b"NX"], &correlation, hlc_now())
+            .await;
+        assert_eq!(&late_reply[..], b"+OK\r\n", "the first reply, not NX's -1");
+        assert_eq!(late_ts, ts);
+        let (value, _) = other
+            .request_as(
+                &[b"GET", b"retry/k"],
+                &Bytes::from_static(b"other-2"),
+                hlc_now(),
+            )
+            .await;
+        assert_eq!(&value[..], b"$1\r\nb\r\n", "the later write stands");
+
         for c in clients {
             c.shutdown().await;
         }
@@ -406,10 +361,7 @@ async fn the_sdk_state_store_through_every_node_of_three() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_head_takes_over_expiry_and_answers_retries() {
     let root = tempfile::tempdir().unwrap();
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let mut nodes: Vec<Node> = start_founders(root.path(), &addrs);
-    let refs: Vec<&Node> = nodes.iter().collect();
-    tokio::task::block_in_place(|| eventually("three nodes agree", || agreed(&refs, &[1, 2, 3])));
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
     let k = b"failover/k";
     let chain = tokio::task::block_in_place(|| {
         eventually("the key's chain", || {
@@ -423,7 +375,7 @@ async fn a_new_head_takes_over_expiry_and_answers_retries() {
     let (port_a, port_b) = (nodes[a].server.port(), nodes[b].server.port());
     let (addr_a, addr_b) = (nodes[a].server.addr, nodes[b].server.addr);
 
-    let (observer, writer, mut observation, set, first) = bounded_value(async {
+    let (observer, writer, mut observation, set, first) = bounded(TEST_BOUND, async {
         let observer = SdkClient::connect(port_a, "fo-observer").await;
         let writer = SdkClient::connect(port_b, "fo-writer").await;
         let mut observation = observer.observe(k).await;
@@ -465,7 +417,7 @@ async fn a_new_head_takes_over_expiry_and_answers_retries() {
         })
     });
 
-    bounded(async move {
+    bounded(TEST_BOUND, async move {
         // The expiry's DELETE, from the new head (the old one is gone), to the observer's node.
         let n = tokio::time::timeout(
             common::cluster::AGREEMENT_TIMEOUT,
@@ -476,7 +428,7 @@ async fn a_new_head_takes_over_expiry_and_answers_retries() {
         .expect("notification channel open")
         .0;
         assert_eq!(n.operation, Operation::Del);
-        assert!(order(&n.version) > order(set.version.as_ref().unwrap()));
+        assert!(hlc_order(&n.version) > hlc_order(set.version.as_ref().unwrap()));
         assert_eq!(writer.get(k).await.response, None);
 
         // The retry through the other survivor: the first reply, not NX's -1. Its key's head
@@ -495,10 +447,4 @@ async fn a_new_head_takes_over_expiry_and_answers_retries() {
         writer.shutdown().await;
     })
     .await;
-}
-
-async fn bounded_value<T>(test: impl Future<Output = T>) -> T {
-    tokio::time::timeout(TEST_BOUND, test)
-        .await
-        .expect("test exceeded its time bound")
 }

@@ -10,6 +10,8 @@
 mod common;
 
 mod clock;
+mod cluster_failover;
+mod cluster_observers;
 mod cluster_sdk;
 mod notify;
 mod statestore_flood;

@@ -18,6 +18,8 @@ use tokio::sync::watch;
 use tokio_rustls::rustls;
 use tokio_rustls::TlsAcceptor;
 
+use mqstate_testcerts::{Ca, Leaf};
+
 /// Hang guard of the polling waits below, not a performance claim.
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -601,44 +603,26 @@ async fn per_topic_metrics_are_on_the_prometheus_endpoint() {
 /// (Mosquitto started as root reads its files as the `mosquitto` user).
 struct TestCerts {
     dir: tempfile::TempDir,
-    cert_der: rustls::pki_types::CertificateDer<'static>,
-    key_der: Vec<u8>,
+    leaf: Leaf,
 }
 
 impl TestCerts {
     fn new() -> TestCerts {
-        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, KeyUsagePurpose};
         use std::os::unix::fs::PermissionsExt;
-        let ca_key = KeyPair::generate().unwrap();
-        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let ca_cert = ca.self_signed(&ca_key).unwrap();
-        let issuer = Issuer::new(ca, ca_key);
-        let key = KeyPair::generate().unwrap();
-        let leaf = CertificateParams::new(vec!["127.0.0.1".to_owned()])
-            .unwrap()
-            .signed_by(&key, &issuer)
-            .unwrap();
+        let ca = Ca::new("notify test CA");
+        let leaf = ca.leaf("127.0.0.1", &["127.0.0.1"], false);
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         for (name, pem) in [
-            ("ca.pem", ca_cert.pem()),
-            ("cert.pem", leaf.pem()),
-            ("key.pem", key.serialize_pem()),
+            ("ca.pem", &ca.pem),
+            ("cert.pem", &leaf.pem),
+            ("key.pem", &leaf.key_pem),
         ] {
             let path = dir.path().join(name);
             std::fs::write(&path, pem).unwrap();
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         }
-        TestCerts {
-            dir,
-            cert_der: leaf.der().clone(),
-            key_der: key.serialize_der(),
-        }
+        TestCerts { dir, leaf }
     }
 
     fn path(&self, name: &str) -> String {
@@ -647,12 +631,12 @@ impl TestCerts {
 
     fn acceptor(&self) -> TlsAcceptor {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let key = rustls::pki_types::PrivateKeyDer::Pkcs8(self.key_der.clone().into());
+
         let config = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .unwrap()
             .with_no_client_auth()
-            .with_single_cert(vec![self.cert_der.clone()], key)
+            .with_single_cert(vec![self.leaf.der.clone()], self.leaf.key())
             .unwrap();
         TlsAcceptor::from(Arc::new(config))
     }

@@ -5,79 +5,31 @@
 
 use crate::common;
 
-use std::future::Future;
 use std::time::{Duration, SystemTime};
 
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::leased_lock::{self, lease, lock};
 use azure_iot_operations_services::state_store::{
-    self, ErrorKind, KeyObservation, Operation, ServiceError, SetCondition, SetOptions,
+    Operation, ServiceError, SetCondition, SetOptions,
 };
-use common::sdk::{within, SdkClient, REQUEST_TIMEOUT};
+use common::sdk::{
+    bounded, hlc_order, next_notification, service_error, token_at, with_condition, within,
+    SdkClient, REQUEST_TIMEOUT,
+};
 
 /// Upper bound for a whole test: a hang guard, not a performance claim.
 const TEST_BOUND: Duration = Duration::from_secs(90);
 /// Spec §6: an expired key's DELETE notification arrives "within about a second" of its deadline.
 const EXPIRY_NOTIFY_GRACE: Duration = Duration::from_millis(1500);
 
-async fn bounded<F: Future<Output = ()>>(test: F) {
-    tokio::time::timeout(TEST_BOUND, test)
-        .await
-        .expect("test exceeded its time bound");
-}
-
-async fn next_notification(observation: &mut KeyObservation) -> state_store::KeyNotification {
-    within("notification", observation.recv_notification())
-        .await
-        .expect("notification channel closed")
-        .0
-}
-
-fn hlc_order(h: &HybridLogicalClock) -> (SystemTime, u64, String) {
-    (h.timestamp, h.counter, h.node_id.clone())
-}
-
-fn token_at(offset_ms: i64, counter: u64) -> HybridLogicalClock {
-    let base = SystemTime::now() - Duration::from_secs(30);
-    let timestamp = if offset_ms >= 0 {
-        base + Duration::from_millis(offset_ms as u64)
-    } else {
-        base - Duration::from_millis(offset_ms.unsigned_abs())
-    };
-    // Whole milliseconds: the text form carries no more.
-    let ms = timestamp
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    HybridLogicalClock {
-        timestamp: SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
-        counter,
-        node_id: "sdk-test".into(),
-    }
-}
-
-fn service_error(err: &state_store::Error) -> &ServiceError {
-    match err.kind() {
-        ErrorKind::ServiceError(e) => e,
-        other => panic!("expected a state store service error, got {other:?}"),
-    }
-}
-
 fn unconditional() -> SetOptions {
     SetOptions::default()
-}
-
-fn with_condition(set_condition: SetCondition) -> SetOptions {
-    SetOptions {
-        set_condition,
-        ..SetOptions::default()
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn set_get_del_vdel() {
     let server = common::Server::start();
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let c = SdkClient::connect(server.port(), "sdk-basic").await;
 
         let set = c.set(b"k", b"v", unconditional()).await;
@@ -138,7 +90,7 @@ async fn set_get_del_vdel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn set_conditions() {
     let server = common::Server::start();
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let c = SdkClient::connect(server.port(), "sdk-cond").await;
 
         assert!(
@@ -183,7 +135,7 @@ async fn set_conditions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expiry_removes_the_key_and_notifies_delete() {
     let server = common::Server::start();
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let c = SdkClient::connect(server.port(), "sdk-expiry").await;
         let mut observation = c.observe(b"k").await;
 
@@ -231,7 +183,7 @@ async fn expiry_removes_the_key_and_notifies_delete() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_tokens() {
     let server = common::Server::start();
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let c = SdkClient::connect(server.port(), "sdk-fence").await;
         let t0 = token_at(0, 0);
         let t1 = token_at(5, 0);
@@ -312,7 +264,7 @@ async fn fencing_tokens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn observe_notifications_and_unobserve() {
     let server = common::Server::start();
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let watcher = SdkClient::connect(server.port(), "sdk-watcher").await;
         let writer = SdkClient::connect(server.port(), "sdk-writer").await;
         let mut observation = watcher.observe(b"k").await;
@@ -384,7 +336,7 @@ fn lock_client(c: &SdkClient, name: &[u8]) -> lock::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_acquire_renew_fenced_write_release() {
     let server = common::Server::start();
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let c = SdkClient::connect(server.port(), "sdk-lock").await;
         let lock = lock_client(&c, b"the-lock");
 
@@ -461,7 +413,7 @@ async fn lock_acquire_renew_fenced_write_release() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_contention_between_two_clients() {
     let server = common::Server::start();
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let a = SdkClient::connect(server.port(), "sdk-lock-a").await;
         let b = SdkClient::connect(server.port(), "sdk-lock-b").await;
         let lock_a = lock_client(&a, b"shared-lock");
@@ -582,7 +534,7 @@ async fn restart_keeps_session_and_data(stop: Stop, client_id: &str) {
     tokio::task::block_in_place(|| server.restart());
     c.wait_connected().await;
 
-    bounded(async {
+    bounded(TEST_BOUND, async {
         let get = c.get(b"durable").await;
         assert_eq!(
             get.response.as_deref(),

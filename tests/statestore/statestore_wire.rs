@@ -15,6 +15,8 @@ use rumqttc::v5::{AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, S
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use common::state::parse_scan;
+
 const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 const NOTIFY_PREFIX: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/";
 /// Every wait in this file is bounded by this; it is a hang guard, not a performance claim.
@@ -570,49 +572,6 @@ fn assert_envelope(reply: &Received) {
         reply.publish
     );
     assert_content_type(props);
-}
-
-/// Strict SCAN reply parser: (keys, continuation token).
-fn parse_scan(payload: &[u8]) -> (Vec<Vec<u8>>, Option<Vec<u8>>) {
-    fn line<'a>(buf: &mut &'a [u8]) -> &'a [u8] {
-        let end = buf
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .expect("CRLF-terminated line");
-        let (head, tail) = buf.split_at(end);
-        *buf = &tail[2..];
-        head
-    }
-    fn bulk_string(buf: &mut &[u8]) -> Vec<u8> {
-        let header = line(buf);
-        assert_eq!(header[0], b'$', "bulk string expected");
-        let len: usize = std::str::from_utf8(&header[1..]).unwrap().parse().unwrap();
-        let value = buf[..len].to_vec();
-        assert_eq!(&buf[len..len + 2], b"\r\n");
-        *buf = &buf[len + 2..];
-        value
-    }
-    let mut buf = payload;
-    let outer = line(&mut buf);
-    let outer_len = match outer {
-        b"*1" => 1,
-        b"*2" => 2,
-        other => panic!(
-            "SCAN reply must start with *1 or *2, got {:?}",
-            String::from_utf8_lossy(other)
-        ),
-    };
-    let inner = line(&mut buf);
-    assert_eq!(inner[0], b'*', "SCAN reply: key array expected");
-    let n: usize = std::str::from_utf8(&inner[1..]).unwrap().parse().unwrap();
-    let keys = (0..n).map(|_| bulk_string(&mut buf)).collect();
-    let token = (outer_len == 2).then(|| bulk_string(&mut buf));
-    assert!(
-        buf.is_empty(),
-        "SCAN reply: trailing bytes {:?}",
-        String::from_utf8_lossy(buf)
-    );
-    (keys, token)
 }
 
 /// Runs a full SCAN, returning every page's keys; asserts at most `max_pages` pages.

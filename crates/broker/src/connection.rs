@@ -35,7 +35,7 @@ use crate::registry::{Attach, Control, Owner};
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
 use crate::topic::{self, TopicNameProblem};
-use crate::transport::{self, Peer, Stream};
+use crate::transport::{self, Peer, PeerName, Stream};
 use crate::will::Will;
 
 /// Control requests a connection can have queued (takeover requests from racing reconnects,
@@ -206,42 +206,50 @@ fn fail_codes(codes: &mut [u8], result: Result<(), JournalError>) -> bool {
     true
 }
 
-/// A connection's task: its TLS/WebSocket handshake, then MQTT until it closes. The permit counts
-/// it against the connection limits until then.
+/// A connection's task: `opening` (its TLS/WebSocket handshake, CONNECT, the session: [`open`],
+/// boxed by the caller), then MQTT until it closes. The permit counts it against the connection
+/// limits until then.
 ///
 /// An idle connection's cost is mostly the size of this future, which is the largest state any of
-/// its awaits needs: the handshakes and the ending are boxed, so they take memory only while they
+/// its awaits needs: the opening and the ending are boxed, so they take memory only while they
 /// run and the parked state is `serve`'s (see "Idle connections" in `docs/benchmarks.md`). This
 /// future is spawned as is: wrapped in another `async` block it would be stored twice (once as the
-/// block's capture, once as what the block awaits).
-pub(crate) async fn run(
-    upgrade: Pin<Box<impl Future<Output = Option<(Stream, Peer)>> + Send>>,
-    inner: Arc<Inner>,
-    shutdown: CancellationToken,
-    _permit: ConnectionPermit,
-) {
-    let Some((mut conn, mut link)) = Box::pin(open(upgrade, &inner, shutdown)).await else {
-        return;
-    };
-    let end = conn.serve(&mut link).await;
-    Box::pin(conn.finish(end, &mut link.stream)).await;
+/// block's capture, once as what the block awaits). It is an `async` block, not an `async fn`,
+/// so its arguments are captured once, not also copied into locals; tokio's task is 112 bytes
+/// more, and in the 896-byte allocation class while this stays within 784
+/// (`server::tests::a_connection_task_stays_small`).
+#[allow(clippy::manual_async_fn)] // on purpose: see above
+pub(crate) fn run(
+    opening: Pin<Box<impl Future<Output = Option<(Connection, Link)>> + Send>>,
+    permit: ConnectionPermit,
+) -> impl Future<Output = ()> + Send {
+    async move {
+        // Held until the task ends (mentioned, so that the block captures it).
+        let _ = &permit;
+        let Some((mut conn, mut link)) = opening.await else {
+            return;
+        };
+        let end = conn.serve(&mut link).await;
+        Box::pin(conn.finish(end, &mut link.stream)).await;
+    }
 }
 
 /// What connects a connection's task to its client and to the broker while it serves. One value,
 /// passed by one reference: an `async fn` stores each of its parameters twice.
-struct Link {
+pub(crate) struct Link {
     stream: Stream,
     control: mailbox::Receiver<Control>,
     shutdown: CancellationToken,
 }
 
-/// Runs the listener's handshake, reads CONNECT, authenticates, attaches the session and queues
-/// CONNACK. `None` if the connection ended here (refused, timed out, shut down).
-async fn open(
-    upgrade: Pin<Box<impl Future<Output = Option<(Stream, Peer)>> + Send>>,
-    inner: &Arc<Inner>,
+/// Runs the listener's handshake (`upgrade`), reads CONNECT, authenticates, attaches the session
+/// and queues CONNACK. `None` if the connection ended here (refused, timed out, shut down).
+pub(crate) async fn open(
+    upgrade: impl Future<Output = Option<(Stream, Peer)>> + Send,
+    inner: Arc<Inner>,
     shutdown: CancellationToken,
 ) -> Option<(Connection, Link)> {
+    let inner = &inner;
     let (stream, peer) = upgrade.await?;
     let mut stream = stream;
     let mut rbuf = BytesMut::new();
@@ -291,7 +299,7 @@ pub(crate) async fn refuse_over_limit(
     refused: Refused,
     _slot: RefusalSlot,
 ) {
-    let mut stream: Stream = Box::new(stream);
+    let mut stream = Stream::Tcp(stream);
     let mut rbuf = BytesMut::new();
     let close_timeout = inner.config.close_timeout;
     let read = read_connect(&mut stream, &mut rbuf, REFUSED_CONNECT_MAX_BYTES);
@@ -454,7 +462,7 @@ async fn authenticate(
     }
 }
 
-struct Connection {
+pub(crate) struct Connection {
     inner: Arc<Inner>,
     conn_id: u64,
     codec: Codec,
@@ -478,7 +486,8 @@ struct Connection {
     underway: Option<Box<Underway>>,
     /// Boxed: most connections have none, and inline it would cost every one.
     will: Option<Box<Will>>,
-    peer: Peer,
+    /// Only its name: the rest of what the listener knew was used by CONNECT.
+    peer: PeerName,
     /// Who the client authenticated as.
     identity: Identity,
 }
@@ -536,7 +545,8 @@ struct Requested {
     clean_start: bool,
     /// Session Expiry Interval as requested (`None`: MQTT 3.1.1 or not given).
     session_expiry_secs: Option<u32>,
-    auth_method: Option<ByteString>,
+    /// Boxed `str`, not the codec's 32-byte `ByteString`: kept in every connection.
+    auth_method: Option<Box<str>>,
 }
 
 struct Stalled {
@@ -678,12 +688,12 @@ impl Connection {
             session_expiry_secs,
             underway: None,
             will,
-            peer,
+            peer: peer.name(),
             identity,
             connect: Requested {
                 clean_start: connect.clean_start,
                 session_expiry_secs: connect.session_expiry_secs,
-                auth_method: connect.auth_method,
+                auth_method: connect.auth_method.as_deref().map(Box::from),
             },
         })
     }
@@ -785,7 +795,7 @@ impl Connection {
             topic_alias_maximum: cfg.topic_alias_maximum,
             server_keep_alive: self.server_keep_alive,
             shared_subscriptions: cfg.shared_subscriptions,
-            auth_method: self.connect.auth_method.clone(),
+            auth_method: self.connect.auth_method.as_deref().map(ByteString::from),
         };
         self.codec.connack(ack, &mut self.out);
         tracing::info!(client_id = %self.client_id, peer = %self.peer, session_present, version = ?self.codec.version(), "client connected");
@@ -880,98 +890,105 @@ impl Connection {
         }
     }
 
-    async fn serve(&mut self, link: &mut Link) -> End {
-        let session = self.session().clone();
-        // When the keep-alive expires; the timer below may be set earlier (it is moved on only
-        // when it fires, not at every packet, to spare the timer wheel).
-        let mut keep_alive_at = self.keep_alive.map(|d| self.inner.clock.tokio_now() + d);
-        let keep_alive =
-            tokio::time::sleep_until(keep_alive_at.unwrap_or_else(|| self.inner.clock.tokio_now()));
-        tokio::pin!(keep_alive);
-        // Packets that arrived together with CONNECT.
-        if let Err(end) = self.handle_buffered() {
-            return end;
-        }
-        loop {
-            if self.has_held_acks() {
-                self.release_held_acks();
+    /// Serves the connection until it ends. An `async` block, not an `async fn`: the two
+    /// references are captured once, not also copied into locals (this is the parked state).
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn serve<'a>(&'a mut self, link: &'a mut Link) -> impl Future<Output = End> + Send + 'a {
+        async move {
+            let session = self.session().clone();
+            // When the keep-alive expires; the timer below may be set earlier (it is moved on only
+            // when it fires, not at every packet, to spare the timer wheel).
+            let mut keep_alive_at = self.keep_alive.map(|d| self.inner.clock.tokio_now() + d);
+            let keep_alive = tokio::time::sleep_until(
+                keep_alive_at.unwrap_or_else(|| self.inner.clock.tokio_now()),
+            );
+            tokio::pin!(keep_alive);
+            // Packets that arrived together with CONNECT.
+            if let Err(end) = self.handle_buffered() {
+                return end;
             }
-            if !self.out.is_empty() {
-                let slow = self.inner.config.slow_consumer_timeout;
-                match tokio::time::timeout(slow, transport::send(&mut link.stream, &self.out)).await
-                {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) => return End::Closed,
-                    Err(_) => return End::SlowConsumer,
+            loop {
+                if self.has_held_acks() {
+                    self.release_held_acks();
                 }
-                // Released once drained, like the read buffer below: an idle connection holds no
-                // buffer, and one more allocation per write or read is cheap next to its system call.
-                self.out = BytesMut::new();
-            }
-            if self.rbuf.is_empty() {
-                // Its storage is mostly shared with the packets decoded from it: kept, it would
-                // hold a second allocation too.
-                self.rbuf = BytesMut::new();
-            }
-            if self.underway.as_ref().is_some_and(|u| u.is_done()) {
-                self.underway = None;
-            }
-            let stalled_inbox = self
-                .underway
-                .as_ref()
-                .and_then(|u| u.stalled.as_ref())
-                .map(|s| s.inbox.clone());
-            let inbox_room = async {
-                match &stalled_inbox {
-                    // Boxed: only a stalled connection needs its state.
-                    Some(inbox) => Box::pin(inbox.reserve()).await,
-                    None => std::future::pending().await,
-                }
-            };
-            // What the connection waits on is polled in place (`poll_fn`), not held as futures:
-            // this wait is the state every idle connection parks in.
-            tokio::select! {
-                biased;
-                _ = link.shutdown.cancelled() => return End::Shutdown,
-                ctl = poll_fn(|cx| link.control.poll_recv(cx)) => match ctl {
-                    Some(Control::TakeOver { done }) => return End::TakenOver(Some(done)),
-                    Some(Control::Disconnect { reason_code, reason_string }) => {
-                        return End::Kicked { reason_code, reason_string }
+                if !self.out.is_empty() {
+                    let slow = self.inner.config.slow_consumer_timeout;
+                    match tokio::time::timeout(slow, transport::send(&mut link.stream, &self.out))
+                        .await
+                    {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => return End::Closed,
+                        Err(_) => return End::SlowConsumer,
                     }
-                    // The registry dropped our channel: the session was taken by force.
-                    None => return End::TakenOver(None),
-                },
-                Some(deferred) = poll_fn(|cx| Underway::poll_reply(&mut self.underway, cx)), if self.underway.as_ref().is_some_and(|u| !u.pending.is_empty()) => {
-                    self.on_deferred(deferred);
+                    // Released once drained, like the read buffer below: an idle connection holds no
+                    // buffer, and one more allocation per write or read is cheap next to its system call.
+                    self.out = BytesMut::new();
                 }
-                room = inbox_room => {
-                    let stalled = self.underway.as_mut().and_then(|u| u.stalled.take());
-                    // (A closed inbox drops the request: its ack resolves as 0x80.)
-                    if let (Ok(permit), Some(stalled)) = (room, stalled) {
-                        permit.send(stalled.request);
-                    }
-                    if let Err(end) = self.handle_buffered() {
-                        return end;
-                    }
+                if self.rbuf.is_empty() {
+                    // Its storage is mostly shared with the packets decoded from it: kept, it would
+                    // hold a second allocation too.
+                    self.rbuf = BytesMut::new();
                 }
-                read = poll_fn(|cx| transport::poll_read_some(&mut link.stream, &mut self.rbuf, cx)), if !self.is_stalled() => match read {
-                    Ok(0) | Err(_) => return End::Closed,
-                    Ok(_) => {
-                        if let Some(d) = self.keep_alive {
-                            keep_alive_at = Some(self.inner.clock.tokio_now() + d);
+                if self.underway.as_ref().is_some_and(|u| u.is_done()) {
+                    self.underway = None;
+                }
+                let stalled_inbox = self
+                    .underway
+                    .as_ref()
+                    .and_then(|u| u.stalled.as_ref())
+                    .map(|s| s.inbox.clone());
+                let inbox_room = async {
+                    match &stalled_inbox {
+                        // Boxed: only a stalled connection needs its state.
+                        Some(inbox) => Box::pin(inbox.reserve()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                // What the connection waits on is polled in place (`poll_fn`), not held as futures:
+                // this wait is the state every idle connection parks in.
+                tokio::select! {
+                    biased;
+                    _ = link.shutdown.cancelled() => return End::Shutdown,
+                    ctl = poll_fn(|cx| link.control.poll_recv(cx)) => match ctl {
+                        Some(Control::TakeOver { done }) => return End::TakenOver(Some(done)),
+                        Some(Control::Disconnect { reason_code, reason_string }) => {
+                            return End::Kicked { reason_code, reason_string }
+                        }
+                        // The registry dropped our channel: the session was taken by force.
+                        None => return End::TakenOver(None),
+                    },
+                    Some(deferred) = poll_fn(|cx| Underway::poll_reply(&mut self.underway, cx)), if self.underway.as_ref().is_some_and(|u| !u.pending.is_empty()) => {
+                        self.on_deferred(deferred);
+                    }
+                    room = inbox_room => {
+                        let stalled = self.underway.as_mut().and_then(|u| u.stalled.take());
+                        // (A closed inbox drops the request: its ack resolves as 0x80.)
+                        if let (Ok(permit), Some(stalled)) = (room, stalled) {
+                            permit.send(stalled.request);
                         }
                         if let Err(end) = self.handle_buffered() {
                             return end;
                         }
                     }
-                },
-                _ = poll_fn(|cx| session.wake.poll_wait(cx)) => self.pump(),
-                _ = &mut keep_alive, if keep_alive_at.is_some() => match keep_alive_at {
-                    Some(at) if at > self.inner.clock.tokio_now() => keep_alive.as_mut().reset(at),
-                    _ => return End::KeepAliveTimeout,
-                },
+                    read = poll_fn(|cx| transport::poll_read_some(&mut link.stream, &mut self.rbuf, cx)), if !self.is_stalled() => match read {
+                        Ok(0) | Err(_) => return End::Closed,
+                        Ok(_) => {
+                            if let Some(d) = self.keep_alive {
+                                keep_alive_at = Some(self.inner.clock.tokio_now() + d);
+                            }
+                            if let Err(end) = self.handle_buffered() {
+                                return end;
+                            }
+                        }
+                    },
+                    _ = poll_fn(|cx| session.wake.poll_wait(cx)) => self.pump(),
+                    _ = &mut keep_alive, if keep_alive_at.is_some() => match keep_alive_at {
+                        Some(at) if at > self.inner.clock.tokio_now() => keep_alive.as_mut().reset(at),
+                        _ => return End::KeepAliveTimeout,
+                    },
+                }
+                self.gather_ready(&session);
             }
-            self.gather_ready(&session);
         }
     }
 

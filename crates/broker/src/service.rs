@@ -134,7 +134,8 @@ pub enum ClientEvent {
     Connected { client_id: Arc<str> },
     /// The network connection ended (the session may live on).
     Disconnected { client_id: Arc<str> },
-    /// The session is gone: expired, discarded by Clean Start, or ended with Session Expiry 0.
+    /// The session is gone: expired, discarded by Clean Start, ended with Session Expiry 0, or
+    /// moved to another node (`Broker::forget_session`).
     SessionEnded { client_id: Arc<str> },
 }
 
@@ -700,7 +701,12 @@ impl Inner {
         state.in_journal = false;
         state.end();
         debug_assert!(state.changes.is_empty());
+        drop(state);
         tracing::debug!(client_id, "stale copy of a session dropped");
+        // Gone from this node: what services keep for the session here ends too.
+        self.emit(ClientEvent::SessionEnded {
+            client_id: client_id.into(),
+        });
         Ok(true)
     }
 

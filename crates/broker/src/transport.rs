@@ -30,8 +30,72 @@ pub(crate) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
 /// Not split into halves: a connection reads and writes in turn, never at once, and a split stream
-/// costs every connection a shared allocation and a lock.
-pub(crate) type Stream = Box<dyn Io>;
+/// costs every connection a shared allocation and a lock. Plain TCP is held inline: most
+/// connections are, and boxed it would cost each one an allocation (see "Idle connections" in
+/// `docs/benchmarks.md`).
+pub(crate) enum Stream {
+    Tcp(TcpStream),
+    /// TLS, WebSocket: their state is large, and only these connections pay for it.
+    Other(Box<dyn Io>),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Other(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Other(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Other(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => s.is_write_vectored(),
+            Stream::Other(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Other(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Other(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
 
 /// How a client reached the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +147,30 @@ impl Peer {
 #[derive(Debug)]
 pub(crate) struct NoIdentity;
 
+impl Peer {
+    /// What a connection keeps of its peer once connected: how to name it in the logs.
+    pub(crate) fn name(&self) -> PeerName {
+        PeerName {
+            addr: self.addr,
+            transport: self.transport,
+        }
+    }
+}
+
 impl fmt::Display for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.name().fmt(f)
+    }
+}
+
+/// A peer's transport and address, as the logs name it (`tcp://127.0.0.1:5000`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PeerName {
+    addr: SocketAddr,
+    transport: Transport,
+}
+
+impl fmt::Display for PeerName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}://{}", self.transport.scheme(), self.addr)
     }
@@ -123,13 +210,22 @@ impl Acceptor {
             cert_identity: None,
             identity_is_client_id: false,
         };
+        // The TLS and WebSocket handshakes are boxed: inline, their ~10 KB of state would be
+        // allocated for every plain TCP connection's handshake too (freed once connected, but
+        // a burst of connections leaves it behind as dirty allocator pages).
         let stream: Stream = match self {
-            Acceptor::Tcp => Box::new(tcp),
-            Acceptor::Tls(tls) => Box::new(tls.accept(tcp, &mut peer).await?),
-            Acceptor::Ws => Box::new(websocket::accept(tcp, config).await?),
+            Acceptor::Tcp => Stream::Tcp(tcp),
+            Acceptor::Tls(tls) => {
+                Stream::Other(Box::new(Box::pin(tls.accept(tcp, &mut peer)).await?))
+            }
+            Acceptor::Ws => {
+                Stream::Other(Box::new(Box::pin(websocket::accept(tcp, config)).await?))
+            }
             Acceptor::Wss(tls) => {
-                let tls_stream = tls.accept(tcp, &mut peer).await?;
-                Box::new(websocket::accept(tls_stream, config).await?)
+                let tls_stream = Box::pin(tls.accept(tcp, &mut peer)).await?;
+                Stream::Other(Box::new(
+                    Box::pin(websocket::accept(tls_stream, config)).await?,
+                ))
             }
         };
         Ok((stream, peer))

@@ -3,7 +3,7 @@
 mod harness;
 
 use harness::{version, view, Cluster};
-use mqstate_chain::{Answer, Config, Expect, Item, Message, Write};
+use mqstate_chain::{Answer, Config, Expect, Item, Message, NodeId, Version, Write};
 
 fn put(key: &str, value: &str, at: u64) -> Write {
     Write {
@@ -14,7 +14,7 @@ fn put(key: &str, value: &str, at: u64) -> Write {
     }
 }
 
-fn written(cluster: &mut Cluster, request: u64) -> mqstate_chain::Version {
+fn written(cluster: &mut Cluster, request: u64) -> Version {
     match cluster.answer(request) {
         Some(Answer::Written { version }) => version,
         other => panic!("request {request}: {other:?}"),
@@ -28,10 +28,56 @@ fn value(cluster: &mut Cluster, request: u64) -> Option<Vec<u8>> {
     }
 }
 
+/// Replicas `ids`, each in view 1's chain and read view, in that order.
+fn chain(ids: &[NodeId]) -> Cluster {
+    chain_with(ids, Config::default())
+}
+
+fn chain_with(ids: &[NodeId], config: Config) -> Cluster {
+    let mut c = Cluster::new(ids, config);
+    c.publish(&view(1, ids, ids));
+    c
+}
+
+/// `write` as request `request` at `head`, through the whole chain and answered.
+fn committed(c: &mut Cluster, head: NodeId, request: u64, write: Write) -> Version {
+    c.with(head, |r| r.write(request, write));
+    c.settle(10);
+    written(c, request)
+}
+
+/// Chain 1, 2, 3 with `k` = "old" at version 1; then `k` = `value` at version 5 (request 2) made
+/// durable and committed by 3 and 2 while head 1 crashes before its own fsync and restarts under
+/// the same view, holding the old row. With `lose_commit`, the commit on its way to the head is
+/// lost too.
+fn head_lost_its_last_write(value: &str, lose_commit: bool) -> Cluster {
+    let mut c = chain(&[1, 2, 3]);
+    committed(&mut c, 1, 1, put("k", "old", 1));
+    c.with(1, |r| r.write(2, put("k", value, 5)));
+    c.deliver_all(10);
+    c.sync(3, None);
+    c.deliver_all(10);
+    c.sync(2, None);
+    c.crash(1);
+    if lose_commit {
+        c.net.clear();
+    }
+    c.restart(1);
+    c.set_view(1, Some(view(1, &[1, 2, 3], &[1, 2, 3])));
+    c
+}
+
+/// Every replica of 1, 2, 3 holds `key` committed (unlocked) at `at`.
+fn every_replica_committed(c: &Cluster, key: &[u8], at: Version) {
+    for id in [1, 2, 3] {
+        let row = c.replica(id).row(key).unwrap();
+        assert_eq!((row.version, row.locked), (at, false), "node {id}");
+    }
+}
+
 #[test]
 fn a_write_goes_head_to_tail_and_back_before_it_is_answered() {
-    let mut c = Cluster::new(&[1, 2, 3], Config::default());
-    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    let mut c = chain(&[1, 2, 3]);
     c.with(1, |r| r.write(10, put("k", "v", 5)));
     assert!(c.replica(1).row(b"k").is_some_and(|r| r.locked));
     // Phase 1 is pipelined: each hop forwards at once, in parallel with its own fsync.
@@ -65,11 +111,8 @@ fn a_write_goes_head_to_tail_and_back_before_it_is_answered() {
 
 #[test]
 fn versions_never_go_backwards_and_conditions_are_checked_at_the_head() {
-    let mut c = Cluster::new(&[1, 2], Config::default());
-    c.publish(&view(1, &[1, 2], &[1, 2]));
-    c.with(1, |r| r.write(1, put("k", "a", 10)));
-    c.settle(10);
-    written(&mut c, 1);
+    let mut c = chain(&[1, 2]);
+    committed(&mut c, 1, 1, put("k", "a", 10));
     c.with(1, |r| r.write(2, put("k", "b", 10)));
     assert_eq!(
         c.answer(2),
@@ -142,11 +185,8 @@ fn a_read_of_a_locked_row_flushes_the_interrupted_write_first() {
         resend_ticks: u64::MAX,
         ..Config::default()
     };
-    let mut c = Cluster::new(&[1, 2, 3], config);
-    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
-    c.with(1, |r| r.write(1, put("k", "old", 1)));
-    c.settle(10);
-    written(&mut c, 1);
+    let mut c = chain_with(&[1, 2, 3], config);
+    committed(&mut c, 1, 1, put("k", "old", 1));
     // The next write reaches the middle; the tail dies before it gets it.
     c.with(1, |r| r.write(2, put("k", "new", 2)));
     c.sync(1, None);
@@ -179,8 +219,7 @@ fn a_read_of_a_locked_row_flushes_the_interrupted_write_first() {
 /// repair queue and is completed, roll-forward, under the new view.
 #[test]
 fn a_write_interrupted_by_a_mid_chain_crash_is_repaired_forward() {
-    let mut c = Cluster::new(&[1, 2, 3], Config::default());
-    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    let mut c = chain(&[1, 2, 3]);
     c.with(1, |r| r.write(1, put("k", "v", 1)));
     c.sync(1, None);
     c.deliver_all(1);
@@ -293,9 +332,7 @@ fn a_replica_joins_at_the_tail_and_catches_up_while_writes_continue() {
     c.pause();
     c.publish(&view(3, &[1, 2, 3], &[1, 2, 3]));
     assert!(!c.replica(3).joining());
-    c.with(1, |r| r.write(300, put("k00", "c", 500)));
-    c.settle(10);
-    written(&mut c, 300);
+    committed(&mut c, 1, 300, put("k00", "c", 500));
     c.assert_images_are_their_logs();
 }
 
@@ -335,11 +372,8 @@ fn messages_of_another_view_are_rejected() {
 
 #[test]
 fn a_failed_head_is_replaced_by_its_successor_which_keeps_every_acknowledged_write() {
-    let mut c = Cluster::new(&[1, 2, 3], Config::default());
-    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
-    c.with(1, |r| r.write(1, put("a", "1", 1)));
-    c.settle(10);
-    written(&mut c, 1);
+    let mut c = chain(&[1, 2, 3]);
+    committed(&mut c, 1, 1, put("a", "1", 1));
     // A second write reaches the tail and is committed there, but phase 2 never reaches the head.
     c.with(1, |r| r.write(2, put("a", "2", 2)));
     c.sync(1, None);
@@ -399,8 +433,7 @@ fn a_returning_replica_starts_over_unless_it_restarts_within_its_own_copy() {
 /// Many writes in flight per chain: one batch to persist, one message per hop, one fsync each.
 #[test]
 fn writes_to_different_keys_travel_together_one_batch_and_one_message_per_hop() {
-    let mut c = Cluster::new(&[1, 2, 3], Config::default());
-    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    let mut c = chain(&[1, 2, 3]);
     let replica = c.nodes.get_mut(&1).unwrap().replica.as_mut().unwrap();
     for i in 0..100u64 {
         replica.write(i, put(&format!("k{i}"), "v", 1));
@@ -437,9 +470,7 @@ fn a_replica_still_catching_up_never_becomes_head() {
     let mut c = Cluster::new(&[1, 2, 3], Config::default());
     c.publish(&view(1, &[3, 1], &[3, 1]));
     c.set_view(2, None);
-    c.with(3, |r| r.write(1, put("k", "v", 1)));
-    c.settle(10);
-    written(&mut c, 1);
+    committed(&mut c, 3, 1, put("k", "v", 1));
     c.pause();
     c.publish(&view(2, &[3, 2, 1], &[3, 1]));
     c.crash(3);
@@ -527,8 +558,7 @@ fn arbitrary_messages_never_panic_or_move_a_version_backwards() {
 /// were not executed); the write it had started gets no answer from it (its outcome is the chain's).
 #[test]
 fn a_removed_head_sends_its_waiting_requests_to_the_new_head() {
-    let mut c = Cluster::new(&[1, 2], Config::default());
-    c.publish(&view(1, &[1, 2], &[1, 2]));
+    let mut c = chain(&[1, 2]);
     c.with(1, |r| r.write(1, put("k", "a", 1)));
     c.with(1, |r| r.read(2, b"k".to_vec()));
     c.with(1, |r| r.write(3, put("k", "b", 2)));
@@ -542,8 +572,7 @@ fn a_removed_head_sends_its_waiting_requests_to_the_new_head() {
 /// A request whose message expired is forgotten while it waits; the write before it completes.
 #[test]
 fn a_cancelled_request_is_forgotten() {
-    let mut c = Cluster::new(&[1, 2], Config::default());
-    c.publish(&view(1, &[1, 2], &[1, 2]));
+    let mut c = chain(&[1, 2]);
     c.with(1, |r| r.write(1, put("k", "a", 1)));
     c.with(1, |r| r.read(2, b"k".to_vec()));
     c.with(1, |r| r.read(3, b"k".to_vec()));
@@ -559,8 +588,7 @@ fn a_cancelled_request_is_forgotten() {
 /// then, so every replica of the chain holds the write on disk when it is answered.
 #[test]
 fn a_commit_that_arrives_before_the_own_fsync_waits_for_it() {
-    let mut c = Cluster::new(&[1, 2, 3], Config::default());
-    c.publish(&view(1, &[1, 2, 3], &[1, 2, 3]));
+    let mut c = chain(&[1, 2, 3]);
     c.with(1, |r| r.write(1, put("k", "v", 5)));
     c.deliver_all(10);
     c.sync(3, None);
@@ -600,28 +628,12 @@ fn a_commit_that_arrives_before_the_own_fsync_waits_for_it() {
 /// (`Resync`), takes the later one and rolls it forward, so the replicas agree again.
 #[test]
 fn a_head_that_lost_a_forwarded_row_before_its_fsync_takes_it_back_from_its_successor() {
-    let mut c = Cluster::new(&[1, 2, 3], Config::default());
-    let v1 = view(1, &[1, 2, 3], &[1, 2, 3]);
-    c.publish(&v1);
-    c.with(1, |r| r.write(1, put("k", "old", 1)));
-    c.settle(10);
-    written(&mut c, 1);
-    c.with(1, |r| r.write(2, put("k", "new", 5)));
-    c.deliver_all(10);
-    c.sync(3, None);
-    c.deliver_all(10);
-    c.sync(2, None);
     // The commit is on its way to the head, which dies before its fsync.
-    c.crash(1);
-    c.restart(1);
-    c.set_view(1, Some(v1.clone()));
+    let mut c = head_lost_its_last_write("new", false);
     assert_eq!(c.replica(1).row(b"k").unwrap().version, version(1));
     c.settle(20);
     assert!(c.answer(2).is_none(), "the head never answered it");
-    for id in [1, 2, 3] {
-        let row = c.replica(id).row(b"k").unwrap();
-        assert_eq!((row.version, row.locked), (version(5), false), "node {id}");
-    }
+    every_replica_committed(&c, b"k", version(5));
     c.with(1, |r| r.read(3, b"k".to_vec()));
     assert_eq!(value(&mut c, 3), Some(b"new".to_vec()));
 }
@@ -632,21 +644,7 @@ fn a_head_that_lost_a_forwarded_row_before_its_fsync_takes_it_back_from_its_succ
 /// (not executed: restamp and retry), never `Written` below a version a replica holds.
 #[test]
 fn a_write_below_a_row_the_head_lost_is_refused_as_stale_and_the_row_rolls_forward() {
-    let mut c = Cluster::new(&[1, 2, 3], Config::default());
-    let v1 = view(1, &[1, 2, 3], &[1, 2, 3]);
-    c.publish(&v1);
-    c.with(1, |r| r.write(1, put("k", "old", 1)));
-    c.settle(10);
-    written(&mut c, 1);
-    c.with(1, |r| r.write(2, put("k", "lost", 5)));
-    c.deliver_all(10);
-    c.sync(3, None);
-    c.deliver_all(10);
-    c.sync(2, None);
-    c.crash(1);
-    c.net.clear();
-    c.restart(1);
-    c.set_view(1, Some(v1.clone()));
+    let mut c = head_lost_its_last_write("lost", true);
     c.with(1, |r| r.write(3, put("k", "between", 3)));
     c.settle(20);
     assert_eq!(
@@ -655,10 +653,7 @@ fn a_write_below_a_row_the_head_lost_is_refused_as_stale_and_the_row_rolls_forwa
             current: version(5)
         })
     );
-    for id in [1, 2, 3] {
-        let row = c.replica(id).row(b"k").unwrap();
-        assert_eq!((row.version, row.locked), (version(5), false), "node {id}");
-    }
+    every_replica_committed(&c, b"k", version(5));
     c.with(1, |r| r.write(4, put("k", "after", 6)));
     c.settle(20);
     assert_eq!(written(&mut c, 4), version(6));

@@ -14,48 +14,19 @@ use mqstate_cluster::transport::tcp::{serve_with, TcpTransport};
 use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::transport::{Request, Response, Transport, TransportError};
 use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use mqstate_testcerts::Ca;
 use tokio::net::TcpListener;
 
-struct Ca {
-    issuer: Issuer<'static, KeyPair>,
-    der: CertificateDer<'static>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let cert = params.self_signed(&key).unwrap();
-        Ca {
-            der: cert.der().clone(),
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    /// A node's TLS: a certificate for 127.0.0.1 (server and client use) signed here, trusting
-    /// `trusted`.
-    fn node_tls(&self, node: NodeId, trusted: &Ca) -> NodeTls {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("mqstate node {node}"));
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        NodeTls::new(vec![cert.der().clone()], key, vec![trusted.der.clone()]).unwrap()
-    }
+/// A node's TLS: a certificate for 127.0.0.1 (server and client use) `ca` signed, trusting
+/// `trusted`.
+fn node_tls(ca: &Ca, node: NodeId, trusted: &Ca) -> NodeTls {
+    let leaf = ca.node_leaf(&format!("mqstate node {node}"));
+    NodeTls::new(
+        vec![leaf.der.clone()],
+        leaf.key(),
+        vec![trusted.der.clone()],
+    )
+    .unwrap()
 }
 
 /// Log lines, for the assertions on what a refusal says.
@@ -160,13 +131,13 @@ async fn a_node_with_a_certificate_from_another_ca_cannot_join_or_talk() {
     let (_, l2) = listeners.next().unwrap();
     let (_, l3) = listeners.next().unwrap();
     // Node 3 is listed as a founder but its certificate (and the CA it trusts) is another's.
-    let intruder_tls = other_ca.node_tls(3, &other_ca);
+    let intruder_tls = node_tls(&other_ca, 3, &other_ca);
     let n1 = start(
         dir.path(),
         1,
         l1,
         &peers,
-        cluster_ca.node_tls(1, &cluster_ca),
+        node_tls(&cluster_ca, 1, &cluster_ca),
     )
     .await;
     let n2 = start(
@@ -174,7 +145,7 @@ async fn a_node_with_a_certificate_from_another_ca_cannot_join_or_talk() {
         2,
         l2,
         &peers,
-        cluster_ca.node_tls(2, &cluster_ca),
+        node_tls(&cluster_ca, 2, &cluster_ca),
     )
     .await;
     let n3 = start(dir.path(), 3, l3, &peers, intruder_tls.clone()).await;
@@ -213,7 +184,7 @@ async fn a_node_with_a_certificate_from_another_ca_cannot_join_or_talk() {
     );
     let good = TcpTransport::over(
         Arc::new(TokioTcp),
-        Some(cluster_ca.node_tls(9, &cluster_ca)),
+        Some(node_tls(&cluster_ca, 9, &cluster_ca)),
     );
     let err = ask(good, peers[&3].clone()).await.unwrap_err();
     assert!(
@@ -226,7 +197,7 @@ async fn a_node_with_a_certificate_from_another_ca_cannot_join_or_talk() {
     // A certificate from the cluster CA is let in.
     let good = TcpTransport::over(
         Arc::new(TokioTcp),
-        Some(cluster_ca.node_tls(9, &cluster_ca)),
+        Some(node_tls(&cluster_ca, 9, &cluster_ca)),
     );
     let answer = ask(good, peers[&1].clone()).await.unwrap();
     assert!(

@@ -146,14 +146,8 @@ impl Route {
     }
 }
 
-pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    // Our own plain data: postcard cannot fail on it but for allocation.
-    postcard::to_allocvec(value).unwrap_or_default()
-}
-
-pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, postcard::Error> {
-    postcard::from_bytes(bytes)
-}
+/// How these messages are encoded and decoded: as every message inside the cluster transport.
+pub use mqstate_cluster::transport::{decode_body as decode, encode_body as encode};
 
 #[cfg(test)]
 mod tests {

@@ -15,12 +15,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mqstate_chain::{Answer, Config, Key, Message, Output, Replica, Restored, View, Write};
+use mqstate_clock::SharedClock;
 use mqstate_cluster::ClusterNode;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::batch::Peers;
 use crate::log::ChainLog;
+use crate::recent::Recent;
 use crate::space::{self, CatchUp};
 
 /// How often replicas tick (resends, repair) and views are checked against the control plane.
@@ -73,6 +75,8 @@ impl Driver {
         node: Arc<ClusterNode>,
         log: ChainLog,
         restored: BTreeMap<u32, Restored>,
+        recent: Arc<Recent>,
+        clock: SharedClock,
         stop: watch::Receiver<bool>,
     ) -> (Driver, JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -88,6 +92,8 @@ impl Driver {
             tx: tx.clone(),
             catch_up: CatchUp::default(),
             failpoints: mqstate_wal::Failpoints::from_env(),
+            recent,
+            clock,
         };
         let task = tokio::spawn(actor.run(rx, stop));
         (Driver { tx }, task)
@@ -187,6 +193,9 @@ struct Actor {
     /// Catch-up of the two replicas (key spaces) of each partition.
     catch_up: CatchUp,
     failpoints: mqstate_wal::Failpoints,
+    /// The requests of the rows persisted here, for the head's retries ([`crate::recent`]).
+    recent: Arc<Recent>,
+    clock: SharedClock,
 }
 
 impl Actor {
@@ -359,6 +368,7 @@ impl Actor {
         for output in outputs {
             match output {
                 Output::Persist { index, records } => {
+                    self.recent.note(partition, &records, self.clock.now_ms());
                     match self.log.append(partition, records).await {
                         Ok(commit) => {
                             let tx = self.tx.clone();

@@ -17,6 +17,10 @@ use mqstate_store::{Change, RequestContext, RequestId, RequestRecord, StateMachi
 
 use crate::wire::{Executed, Routed};
 
+/// How far past a request's deadline (set on its front end's clock) a head still starts it: the
+/// nodes' clocks may differ by this much ([`crate::recent`] keeps entries well beyond it).
+pub const DEADLINE_SLACK_MS: u64 = 1_000;
+
 /// What the head does with a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
@@ -71,6 +75,16 @@ pub fn step(
                 None,
             );
         }
+    }
+    if request.deadline_ms != 0 && now_ms > request.deadline_ms.saturating_add(DEADLINE_SLACK_MS) {
+        // Its front end has given up; running it now could run it a second time, after the
+        // window in which a retry is recognised (robustness seed 80144).
+        return (
+            Step::Reply(Executed::error(
+                "the request expired before it could run; retry",
+            )),
+            None,
+        );
     }
     let mut machine = match StateMachine::new(config.store.clone()) {
         Ok(machine) => machine,
@@ -169,6 +183,7 @@ mod tests {
             ts: Some(format!("{ts_ms}:0:client")),
             fencing_token: None,
             expiry_ms: 10_000,
+            deadline_ms: 0,
         }
     }
 
@@ -233,6 +248,31 @@ mod tests {
         // The GET answers the SET's version as its `__ts`.
         assert_eq!(replies[0].ts, replies[2].ts);
         assert!(replies[0].ts.is_some());
+    }
+
+    #[test]
+    fn a_request_past_its_deadline_does_not_run() {
+        // A copy of a request that waited out a pause (robustness seed 80144): its front end
+        // gave up, and running it now would be a second run no retry window recognises.
+        let now = 1_700_000_000_000;
+        let late = Routed {
+            deadline_ms: now - DEADLINE_SLACK_MS - 1,
+            ..request(&["SET", "k", "v"], 1, now)
+        };
+        let (step_late, _) = step(&config(), &late, None, now, None);
+        let Step::Reply(reply) = step_late else {
+            panic!("a late request must not write: {step_late:?}");
+        };
+        assert!(reply.payload.starts_with(b"-ERR"), "{reply:?}");
+        // Within the clocks' slack it still runs.
+        let on_time = Routed {
+            deadline_ms: now - DEADLINE_SLACK_MS,
+            ..request(&["SET", "k", "v"], 2, now)
+        };
+        assert!(matches!(
+            step(&config(), &on_time, None, now, None).0,
+            Step::Write { .. }
+        ));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //!   from the head to the nodes observing them (decision 0046).
 //! * [`expiry`] — PX deadlines of the partitions this node is head for; the expiry delete.
 //! * [`scan`] — SCAN as one part per partition at its head, merged into a page.
+//! * [`recent`] — the requests each partition ran lately, so a retry gets its first reply.
 //! * [`rows`] — what a chain row (a store record) says: liveness, deadline, committed change.
 //!
 //! [`Replication`] ties them together: a request received at any node goes to its key's
@@ -30,6 +31,7 @@ pub mod forward;
 pub mod head;
 pub mod log;
 pub mod notify;
+pub mod recent;
 pub mod rows;
 pub mod scan;
 pub mod sessions;
@@ -57,6 +59,7 @@ use crate::forward::Forwarder;
 use crate::head::{HeadConfig, Step};
 use crate::log::ChainLog;
 use crate::notify::Notifier;
+use crate::recent::Recent;
 use crate::wire::{
     decode, encode, DataRequest, DataResponse, Executed, PartScan, Routed, ScanPage,
 };
@@ -83,6 +86,8 @@ pub struct Replication {
     deadlines: Deadlines,
     /// The view under which this node last took each partition over as its head.
     taken_over: Mutex<HashMap<u32, u64>>,
+    /// The requests this node's replicas saw executed lately ([`recent`]).
+    recent: Arc<Recent>,
 }
 
 /// The running data plane; stop it with [`Running::stop`].
@@ -127,7 +132,18 @@ impl Replication {
         clock: SharedClock,
     ) -> Running {
         let (stop, stopped) = watch::channel(false);
-        let (driver, task) = Driver::start(Arc::clone(&node), log, restored, stopped);
+        let recent = Arc::new(Recent::default());
+        for (&partition, image) in &restored {
+            recent.note_restored(partition, image, clock.now_ms());
+        }
+        let (driver, task) = Driver::start(
+            Arc::clone(&node),
+            log,
+            restored,
+            Arc::clone(&recent),
+            Arc::clone(&clock),
+            stopped,
+        );
         let notifier = Notifier::new(Arc::clone(&node), clock.now_ms());
         let replication = Arc::new(Replication {
             node: Arc::clone(&node),
@@ -139,6 +155,7 @@ impl Replication {
             notifier,
             deadlines: Deadlines::default(),
             taken_over: Mutex::new(HashMap::new()),
+            recent,
         });
         // Weak: the node outlives nothing it hands requests to, and shuts down once we are gone.
         node.set_data_handler(Arc::new(Attached(Arc::downgrade(&replication))));
@@ -153,22 +170,27 @@ impl Replication {
 
     /// Executes a state-store request for one key, at whichever node holds its partition's head,
     /// trying again while the partition has no head acting (a view change, a lease renewal), up to
-    /// the request's expiry.
-    pub async fn execute(&self, request: Routed) -> Executed {
+    /// the request's expiry. A retry reaching a head after its first run, however many writes
+    /// followed, gets the first reply ([`recent`]); no head starts it past its deadline.
+    pub async fn execute(&self, mut request: Routed) -> Executed {
         let started = Instant::now();
         let budget = Duration::from_millis(request.expiry_ms).min(MAX_TRY);
+        let budget_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
+        request.deadline_ms = self.clock.now_ms().saturating_add(budget_ms);
         loop {
             let last = match self.try_once(&request).await {
                 Ok(executed) => return executed,
                 Err(reason) => reason,
             };
-            if started.elapsed() + RETRY_EVERY >= budget {
+            tokio::time::sleep(RETRY_EVERY).await;
+            // Checked after the sleep, right before the next attempt: a node paused in between
+            // wakes up past its budget and must not send the request again (seed 80144).
+            if started.elapsed() >= budget || self.clock.now_ms() >= request.deadline_ms {
                 tracing::debug!(client_id = %request.client_id, "state-store request not served in time: {last}");
                 return Executed::error(&format!(
                     "the cluster could not serve the request in time ({last}); retry"
                 ));
             }
-            tokio::time::sleep(RETRY_EVERY).await;
         }
     }
 
@@ -211,6 +233,21 @@ impl Replication {
                 Answer::Value { value, version } => (value, version),
                 other => return Err(not_served(partition, &other)),
             };
+            if self.recent.is_unsynced(partition, self.clock.now_ms()) {
+                return Err(format!(
+                    "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
+                ));
+            }
+            // A retry of a request the chain ran before (its front end lost the answer in a
+            // fail-over or a pause), though later writes replaced its row: its first reply. The
+            // read above committed every write of the key so far, that request's included.
+            let id = RequestId::of(&request.client_id, &request.correlation);
+            if let Some(first) = self.recent.first_reply(partition, &id, self.clock.now_ms()) {
+                return Ok(Executed {
+                    payload: first.reply.to_vec(),
+                    ts: first.reply_ts.as_ref().map(Hlc::to_string),
+                });
+            }
             let floor = self.floor.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let (step, high) = head::step(
                 &self.config,
@@ -335,6 +372,9 @@ impl Replication {
                 });
                 DataResponse::ExecutedMany(futures::future::join_all(executions).await)
             }
+            Ok(DataRequest::Recent { partition }) => {
+                DataResponse::Recent(self.recent.export(partition, self.clock.now_ms()))
+            }
             Ok(request @ (DataRequest::SessionRead { .. } | DataRequest::SessionWrite { .. })) => {
                 self.handle_session(request).await
             }
@@ -370,6 +410,10 @@ async fn background(replication: Weak<Replication>) {
         if round % u64::from(TAKE_OVER_EVERY) == 0 {
             replication.take_over().await;
         }
+        if round % u64::from(TAKE_OVER_EVERY) == 0 {
+            let replication = Arc::clone(&replication);
+            tokio::spawn(async move { replication.sync_recent().await });
+        }
         if round % interest_every as u64 == 0 {
             let replication = Arc::clone(&replication);
             tokio::spawn(async move { replication.notifier.send_interest().await });
@@ -381,6 +425,44 @@ impl Replication {
     /// Connects this node's observers (the state-store service) to the changes committed anywhere.
     pub fn set_sink(&self, sink: Arc<dyn notify::Sink>) {
         self.notifier.set_sink(sink);
+    }
+
+    /// The partitions whose replica here re-entered its chain get the requests the other members
+    /// remember ([`recent`]): every member that can vouch for its entries is asked, and their
+    /// union is what the chain ran.
+    async fn sync_recent(&self) {
+        for partition in self.recent.unsynced() {
+            let Some(p) = self.node.partition(space::control(partition)) else {
+                continue;
+            };
+            let mut merged = Vec::new();
+            let mut answered = false;
+            for member in p.chain.iter().copied().filter(|&m| m != self.node.id()) {
+                let Some(addr) = self.node.addr_of(member) else {
+                    continue;
+                };
+                let frame = encode(&DataRequest::Recent { partition });
+                let answer = self
+                    .node
+                    .transport()
+                    .call(&addr, Request::Data(frame), STEP_TIMEOUT)
+                    .await;
+                if let Ok(Response::Data(bytes)) = answer {
+                    if let Ok(DataResponse::Recent(Some(entries))) = decode(&bytes) {
+                        merged.extend(entries);
+                        answered = true;
+                    }
+                }
+            }
+            if answered {
+                tracing::debug!(
+                    partition,
+                    entries = merged.len(),
+                    "remembered requests synced from the chain"
+                );
+                self.recent.import(partition, merged);
+            }
+        }
     }
 
     /// A row was committed through the chain at this head: its expiry deadline noted, its change

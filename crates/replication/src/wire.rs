@@ -20,6 +20,10 @@ pub struct Routed {
     pub fencing_token: Option<String>,
     /// How long the request stays valid (its message expiry), from when it was received.
     pub expiry_ms: u64,
+    /// Unix ms, on the receiving node's clock, after which no head starts executing it: its front
+    /// end has given up by then, and a copy that waited out a pause in a socket must not run
+    /// after the retry window of [`crate::recent`] closed (0: no deadline).
+    pub deadline_ms: u64,
 }
 
 /// The reply the client gets: RESP payload and the response `__ts`.
@@ -97,6 +101,9 @@ pub enum DataRequest {
         value: Option<Vec<u8>>,
         expect: RowExpect,
     },
+    /// The requests this member remembers for `partition` ([`crate::recent`]), for one that
+    /// re-entered its chain.
+    Recent { partition: u32 },
     /// Execute each at the head of its key's partition: the requests one node had queued for
     /// this one (`forward`: one frame per batch, not one call per request). Answered by
     /// [`DataResponse::ExecutedMany`], in the same order.
@@ -142,19 +149,15 @@ pub enum DataResponse {
     Scanned(Vec<(u32, Option<PartScan>)>),
     SessionRow(SessionRow),
     SessionWritten(RowWritten),
+    /// `None`: this member re-entered too and cannot vouch for its entries yet.
+    Recent(Option<Vec<crate::recent::Exported>>),
     /// The outcome of each request of an [`DataRequest::ExecuteMany`], in its order: the reply,
     /// or why it was not executed here (the sender retries it within its expiry).
     ExecutedMany(Vec<Result<Executed, String>>),
 }
 
-pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    // Encoding into a Vec fails only for types postcard cannot express; ours are plain data.
-    postcard::to_allocvec(value).unwrap_or_default()
-}
-
-pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, postcard::Error> {
-    postcard::from_bytes(bytes)
-}
+/// How these messages are encoded and decoded: as every message inside the cluster transport.
+pub use mqstate_cluster::transport::{decode_body as decode, encode_body as encode};
 
 #[cfg(test)]
 mod tests {
@@ -170,6 +173,7 @@ mod tests {
             ts: Some("1:0:n".into()),
             fencing_token: None,
             expiry_ms: 10_000,
+            deadline_ms: 1_700_000_010_000,
         });
         assert_eq!(decode::<DataRequest>(&encode(&request)).unwrap(), request);
         let DataRequest::Execute(routed) = request else {

@@ -378,7 +378,7 @@ fn notify_violation(key: &str, detail: String) -> Violation {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::history::{Condition, Notified, Registration, CLUSTER_GAVE_UP};
 
@@ -561,5 +561,91 @@ mod tests {
         let findings = run_checks(&history, Duration::from_secs(10));
         assert_eq!(findings.acked_lost, 1);
         assert_eq!(findings.violations[0].check, "acknowledged-write-lost");
+    }
+
+    /// Seed 7112 (docs/robustness.md), reduced to the operations on `reg/4` that decide it: the
+    /// SET `w2-418` sent just before node 2 was paused never answered; a GET saw it at version
+    /// `…501025:00002`, a later SET replaced it, and 3 s after that a GET saw `w2-418` again, at
+    /// version `…506077:00000`. One write of unknown outcome takes effect at most once, with one
+    /// version: no linearization. (The server executed it twice, a second time at the new head
+    /// when the node that forwarded it retried; crates/replication.)
+    pub(crate) fn seed_7112_reg_4() -> History {
+        const T0: u64 = 1_795_505_497_416_325;
+        let at = |ms: f64| T0 + (ms * 1000.0) as u64;
+        let hlc = |text: &str| Version::parse(text).unwrap();
+        let op = |id, client: &str, cmd, outcome, invoked: f64, returned: Option<f64>| Op {
+            id,
+            client: client.into(),
+            key: "reg/4".into(),
+            cmd,
+            invoked_us: at(invoked),
+            returned_us: returned.map(at),
+            outcome,
+            incarnation: 0,
+        };
+        let hit = |version: &str| Outcome::Hit {
+            value: "w2-418".into(),
+            version: hlc(version),
+        };
+        History {
+            cluster: true,
+            ops: vec![
+                op(
+                    3034,
+                    "w2",
+                    set("w2-418", None),
+                    Outcome::Unknown,
+                    3608.890,
+                    None,
+                ),
+                op(
+                    2981,
+                    "w4",
+                    Cmd::Get,
+                    hit("001795505501025:00002:mqstate"),
+                    5511.527,
+                    Some(5511.681),
+                ),
+                op(
+                    3021,
+                    "w4",
+                    set("w4-445", None),
+                    Outcome::Written(hlc("001795505503003:00000:mqstate")),
+                    5586.660,
+                    Some(5588.556),
+                ),
+                op(
+                    5697,
+                    "w5",
+                    Cmd::Get,
+                    hit("001795505506077:00000:mqstate"),
+                    8666.205,
+                    Some(8666.742),
+                ),
+            ],
+            incarnations: vec![crate::history::Incarnation {
+                started_us: T0,
+                ended_us: Some(at(17629.0)),
+            }],
+            ..History::default()
+        }
+    }
+
+    #[test]
+    fn an_unknown_write_takes_effect_at_most_once() {
+        let mut history = seed_7112_reg_4();
+        let found = run_checks(&history, Duration::from_secs(10)).violations;
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].check, "linearizability");
+        assert!(found[0].detail.contains("GET #5697"), "{}", found[0].detail);
+        // Without the SET in between, the second read is still a second version of one write.
+        history.ops.retain(|op| op.id != 3021);
+        assert_eq!(checks_of(&history), vec!["linearizability"]);
+        // Seen once (either read alone), the late write is placeable.
+        for read in [2981, 5697] {
+            let mut one = seed_7112_reg_4();
+            one.ops.retain(|op| op.id == 3034 || op.id == read);
+            assert_eq!(checks_of(&one), Vec::<&str>::new(), "only #{read}");
+        }
     }
 }

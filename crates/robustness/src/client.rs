@@ -128,6 +128,29 @@ impl Client {
         fencing_token: Option<&str>,
         deadline: Instant,
     ) -> Result<Reply, String> {
+        let mut user_properties = vec![("__ts".to_owned(), ts.to_owned())];
+        if let Some(ft) = fencing_token {
+            user_properties.push(("__ft".to_owned(), ft.to_owned()));
+        }
+        let payload = mqstate_protocol::encode_request(args);
+        let (payload, props) = self
+            .call(INVOKE_TOPIC, payload, user_properties, deadline)
+            .await?;
+        Ok(Reply {
+            payload,
+            ts: user_property(&props, "__ts"),
+        })
+    }
+
+    /// A request/reply call on `topic` (the state store's invoke topic, the notification admin
+    /// topic): the reply's payload and properties.
+    pub async fn call(
+        &mut self,
+        topic: &str,
+        payload: impl Into<Bytes>,
+        user_properties: Vec<(String, String)>,
+        deadline: Instant,
+    ) -> Result<(Bytes, PublishProperties), String> {
         // Unique across connections: the server replays its cached reply to a repeated
         // (client id, correlation data), and a reconnecting client keeps its id.
         let mut correlation = BytesMut::with_capacity(16);
@@ -138,22 +161,13 @@ impl Client {
                 .to_be_bytes(),
         );
         let correlation = correlation.freeze();
-        let mut user_properties = vec![("__ts".to_owned(), ts.to_owned())];
-        if let Some(ft) = fencing_token {
-            user_properties.push(("__ft".to_owned(), ft.to_owned()));
-        }
         let properties = PublishProperties {
             response_topic: Some(self.response_topic.clone()),
             correlation_data: Some(correlation.clone()),
             user_properties,
             ..PublishProperties::default()
         };
-        let mut publish = Publish::new(
-            INVOKE_TOPIC,
-            QoS::AtLeastOnce,
-            mqstate_protocol::encode_request(args),
-            Some(properties),
-        );
+        let mut publish = Publish::new(topic, QoS::AtLeastOnce, payload, Some(properties));
         publish.pkid = self.take_pkid();
         self.send(&Packet::Publish(publish), deadline).await?;
         loop {
@@ -165,10 +179,7 @@ impl Client {
                 && props.correlation_data.as_ref() == Some(&correlation);
             if is_reply {
                 self.ack(&p, deadline).await?;
-                return Ok(Reply {
-                    payload: p.payload,
-                    ts: user_property(&props, "__ts"),
-                });
+                return Ok((p.payload, props));
             }
             self.take_publish(p, deadline).await?;
         }

@@ -11,6 +11,8 @@ use anyhow::{bail, Context};
 
 use crate::server::{free_addr, Launch, Server};
 
+mod shaping;
+
 /// The MQTT and cluster ports of a node inside its own namespace (each has its own address).
 const MQTT_PORT: u16 = 1883;
 const CLUSTER_PORT: u16 = 7001;
@@ -32,13 +34,20 @@ impl Net {
     pub fn create(nodes: usize) -> anyhow::Result<Option<Net>> {
         let pid = std::process::id();
         let prefix = format!("mqr{pid}");
-        let subnet = u8::try_from(pid % 250).unwrap_or(0);
         let probe = format!("{prefix}probe");
         if !quiet(&["ip", "netns", "add", &probe]) {
             return Ok(None);
         }
         quiet(&["ip", "netns", "del", &probe]);
+        // Drivers running at once (scripts/robustness-soak.sh --parallel) each take a subnet no
+        // other holds: chosen and claimed (the bridge's address) under one lock per machine.
+        let lock_path = std::env::temp_dir().join("mqstate-robustness-net.lock");
+        let lock = std::fs::File::create(&lock_path)
+            .with_context(|| format!("creating {}", lock_path.display()))?;
+        lock.lock()
+            .with_context(|| format!("locking {}", lock_path.display()))?;
         remove_stale();
+        let subnet = free_subnet(pid)?;
         let net = Net {
             prefix,
             subnet,
@@ -46,8 +55,11 @@ impl Net {
             cut: Vec::new(),
         };
         net.teardown();
-        net.setup()
-            .context("setting up the nodes' network namespaces")?;
+        let made = net
+            .setup()
+            .context("setting up the nodes' network namespaces");
+        drop(lock);
+        made?;
         Ok(Some(net))
     }
 
@@ -124,8 +136,9 @@ impl Net {
         Ok(())
     }
 
-    /// Restores every cut link.
+    /// Restores every cut link and removes every loss rule and rate limit (`shaping`).
     pub fn heal(&mut self) -> anyhow::Result<()> {
+        self.unshape();
         for (a, b) in std::mem::take(&mut self.cut) {
             self.route("del", a, b)?;
             self.route("del", b, a)?;
@@ -246,4 +259,23 @@ pub fn start(
         server.wait_ready()?;
     }
     Ok(servers)
+}
+
+/// The first 10.218.X.0/24 from `pid % 250` on that no interface of this namespace has an address in
+/// (another driver's bridge).
+fn free_subnet(pid: u32) -> anyhow::Result<u8> {
+    let out = Command::new("ip")
+        .args(["-o", "-4", "addr", "show"])
+        .output()
+        .context("running ip addr show")?;
+    let listed = String::from_utf8_lossy(&out.stdout);
+    let taken: Vec<u8> = listed
+        .split_whitespace()
+        .filter_map(|word| word.strip_prefix("10.218."))
+        .filter_map(|rest| rest.split('.').next()?.parse().ok())
+        .collect();
+    (0..250u32)
+        .map(|i| u8::try_from((pid + i) % 250).unwrap_or(0))
+        .find(|subnet| !taken.contains(subnet))
+        .context("every subnet 10.218.0-249.0/24 is taken by another driver")
 }

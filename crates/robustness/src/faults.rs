@@ -23,7 +23,8 @@ pub enum Fault {
     Pause,
     /// Every write fails with ENOSPC for a while (the wal's `enospc` failpoint).
     DiskFull,
-    /// Abort at a wal failpoint (`after-write-before-fsync`, `mid-snapshot`, `before-rename`), restart.
+    /// Abort at a wal failpoint (`after-write-before-fsync`, `mid-snapshot`, `before-rename`) or
+    /// between a notified write's reservation and its commit (`notify-after-reserve`), restart.
     Crash(&'static str),
     /// Unsynced log writes discarded, then abort (the wal's `power-loss` failpoint), restart.
     PowerLoss,
@@ -35,6 +36,12 @@ pub enum Fault {
     /// Cluster only: links between nodes cut (one node isolated from the others, or one link
     /// between two nodes) for longer than a lease, then healed. Clients still reach every node.
     Partition,
+    /// Cluster only: 5–40 % of the packets between one node and the others (or one pair of
+    /// nodes) dropped at random, both ways, for 2–8 s (nftables in the node's namespace).
+    Loss,
+    /// Cluster only: one node's outgoing link limited to 64–1024 kbit/s with up to 50–500 ms of
+    /// queueing (a `tbf` qdisc in its namespace; no `sch_netem` here), for 2–8 s.
+    SlowLink,
 }
 
 impl Fault {
@@ -46,27 +53,44 @@ impl Fault {
             Fault::DiskFull => "disk_full",
             Fault::Crash("after-write-before-fsync") => "crash_after_write_before_fsync",
             Fault::Crash("mid-snapshot") => "crash_mid_snapshot",
+            Fault::Crash(NOTIFY_AFTER_RESERVE) => "crash_notify_after_reserve",
             Fault::Crash(_) => "crash_before_rename",
             Fault::PowerLoss => "power_loss",
             Fault::ClockSkew => "clock_skew",
             Fault::Partition => "partition",
             Fault::ClockOffset => "clock_offset",
+            Fault::Loss => "loss",
+            Fault::SlowLink => "slow_link",
         }
     }
 }
 
-const WEIGHTED: [(Fault, u32); 10] = [
+/// The state store's crash point between a notified write's reservation and its commit record
+/// (docs/notifications.md); reached only by writes a notification topic matches (single node).
+const NOTIFY_AFTER_RESERVE: &str = "notify-after-reserve";
+
+const WEIGHTED: [(Fault, u32); 13] = [
     (Fault::Kill9, 3),
     (Fault::Pause, 2),
     (Fault::DiskFull, 2),
     (Fault::Crash("after-write-before-fsync"), 2),
     (Fault::Crash("mid-snapshot"), 1),
     (Fault::Crash("before-rename"), 1),
+    (Fault::Crash(NOTIFY_AFTER_RESERVE), 2),
     (Fault::PowerLoss, 3),
     (Fault::ClockSkew, 1),
     (Fault::Partition, 4),
     (Fault::ClockOffset, 1),
+    (Fault::Loss, 3),
+    (Fault::SlowLink, 2),
 ];
+
+impl Fault {
+    /// Whether the fault acts on the links between nodes (the cluster's namespaces, `Net`).
+    fn needs_net(self) -> bool {
+        matches!(self, Fault::Partition | Fault::Loss | Fault::SlowLink)
+    }
+}
 
 /// The fault kinds by report name, for `--faults`.
 pub fn kinds() -> impl Iterator<Item = Fault> {
@@ -92,8 +116,10 @@ pub fn schedule(
     let weighted: Vec<(Fault, u32)> = WEIGHTED
         .iter()
         .filter(|(f, _)| allowed.is_empty() || allowed.contains(f))
-        .filter(|(f, _)| partitions || *f != Fault::Partition)
+        .filter(|(f, _)| partitions || !f.needs_net())
         .filter(|(f, _)| cluster || *f != Fault::ClockOffset)
+        // No notification topic on a cluster run: the point would never be reached.
+        .filter(|(f, _)| !cluster || *f != Fault::Crash(NOTIFY_AFTER_RESERVE))
         .copied()
         .collect();
     if weighted.is_empty() {
@@ -219,8 +245,49 @@ pub fn inject(
             net.heal()?;
             format!("{detail} for {} ms", window.as_millis())
         }
+        Fault::Loss => {
+            let net = net.context("packet loss needs the nodes' network namespaces")?;
+            let percent = rng.gen_range(5..=40);
+            let window = Duration::from_millis(rng.gen_range(2000..8000));
+            let (others, what) = if rng.gen_bool(0.5) {
+                let others: Vec<usize> = (0..n).filter(|&o| o != target).collect();
+                (others, format!("node {} and the others", target + 1))
+            } else {
+                let other = (target + rng.gen_range(1..n)) % n;
+                (
+                    vec![other],
+                    format!("nodes {} and {}", target + 1, other + 1),
+                )
+            };
+            let lost = net.lose(target, &others, percent);
+            if lost.is_ok() {
+                std::thread::sleep(window);
+            }
+            net.unshape();
+            lost?;
+            format!(
+                "{percent} % of the packets between {what} dropped for {} ms",
+                window.as_millis()
+            )
+        }
+        Fault::SlowLink => {
+            let net = net.context("a slow link needs the nodes' network namespaces")?;
+            let rate_kbit = rng.gen_range(64..=1024);
+            let latency_ms = rng.gen_range(50..=500);
+            let window = Duration::from_millis(rng.gen_range(2000..8000));
+            let slowed = net.slow(target, rate_kbit, latency_ms);
+            if slowed.is_ok() {
+                std::thread::sleep(window);
+            }
+            net.unshape();
+            slowed?;
+            format!(
+                "link limited to {rate_kbit} kbit/s, queueing up to {latency_ms} ms, for {} ms",
+                window.as_millis()
+            )
+        }
     };
-    let detail = if cluster && fault != Fault::Partition {
+    let detail = if cluster && !matches!(fault, Fault::Partition | Fault::Loss) {
         format!("node {}: {detail}", target + 1)
     } else {
         detail
@@ -256,4 +323,34 @@ fn crash_at(server: &mut Server, shared: &Shared, point: &str) -> anyhow::Result
         format!("{point} not reached in {FAILPOINT_WAIT:?}: killed instead; restarted")
     };
     Ok((reached, detail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_is_drawn_only_where_it_can_act() {
+        let run = Duration::from_secs(10);
+        let mut drawn = Vec::new();
+        for seed in 0..500 {
+            for (_, fault) in schedule(seed, run, &[], false, false) {
+                assert!(
+                    !fault.needs_net() && fault != Fault::ClockOffset,
+                    "{fault:?}"
+                );
+                drawn.push(fault);
+            }
+            for (_, fault) in schedule(seed, run, &[], true, true) {
+                assert_ne!(fault, Fault::Crash(NOTIFY_AFTER_RESERVE));
+                drawn.push(fault);
+            }
+            for (_, fault) in schedule(seed, run, &[], true, false) {
+                assert!(!fault.needs_net(), "{fault:?} without namespaces");
+            }
+        }
+        for fault in kinds() {
+            assert!(drawn.contains(&fault), "{} never drawn", fault.name());
+        }
+    }
 }

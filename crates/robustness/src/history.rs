@@ -6,7 +6,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use mqstate_protocol::Hlc;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub fn now_us() -> u64 {
     SystemTime::now()
@@ -15,13 +15,21 @@ pub fn now_us() -> u64 {
 }
 
 /// A version or fencing token as the wire carries it, ordered as an HLC.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(into = "String")]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub struct Version(pub Hlc);
 
 impl Version {
     pub fn parse(text: &str) -> Option<Version> {
         Hlc::parse(text).ok().map(Version)
+    }
+}
+
+impl TryFrom<String> for Version {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Version, String> {
+        Version::parse(&text).ok_or_else(|| format!("{text:?} is not a version (HLC)"))
     }
 }
 
@@ -37,7 +45,7 @@ impl std::fmt::Display for Version {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Condition {
     Always,
     /// `NX`
@@ -46,7 +54,7 @@ pub enum Condition {
     NotExistsOrEqual,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Cmd {
     Set {
         value: String,
@@ -87,7 +95,7 @@ impl Cmd {
 }
 
 /// The result of an operation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Outcome {
     /// `+OK` with the new version.
     Written(Version),
@@ -115,7 +123,7 @@ impl Outcome {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Op {
     pub id: usize,
     pub client: String,
@@ -138,14 +146,14 @@ impl Op {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Change {
     Set(String),
     Delete,
 }
 
 /// One notification an observer received.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Notified {
     pub observer: String,
     /// The observer's connection number; registrations end with a connection (spec §6).
@@ -157,7 +165,7 @@ pub struct Notified {
 }
 
 /// An observer's registration of one key on one connection, confirmed by `+OK` at `registered_us`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Registration {
     pub observer: String,
     pub epoch: u32,
@@ -165,7 +173,7 @@ pub struct Registration {
     pub registered_us: u64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FaultRecord {
     pub kind: String,
     pub started_us: u64,
@@ -173,7 +181,7 @@ pub struct FaultRecord {
     pub detail: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Incarnation {
     pub started_us: u64,
     /// When the process was gone (killed, crashed, stopped); `None` while it runs.
@@ -181,7 +189,8 @@ pub struct Incarnation {
 }
 
 /// Everything one run recorded.
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct History {
     /// A cluster run: a request may be forwarded to another node's head and completed there (or
     /// repaired forward under a new view) after the node it was sent to died, so an unknown

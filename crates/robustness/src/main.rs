@@ -5,10 +5,13 @@
 mod checks;
 mod client;
 mod cluster;
+mod endpoint;
 mod faults;
 mod history;
 mod linearizability;
 mod model;
+mod queues;
+mod recheck;
 mod server;
 mod timeline;
 mod workload;
@@ -31,7 +34,10 @@ use workload::Shared;
 
 #[derive(Parser, Debug)]
 #[command(about = "Fault-injected robustness runs against mqstate serve, with history checks")]
+#[command(args_conflicts_with_subcommands = true)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Server processes per run: 1 (a single node) or 3 (a cluster founded by three nodes).
     #[arg(long, default_value_t = 1)]
     nodes: u32,
@@ -45,9 +51,9 @@ struct Args {
     seed: Option<u64>,
     #[arg(long, default_value = "target/robustness/report.json")]
     report: PathBuf,
-    /// The `mqstate` binary under test.
+    /// The `mqstate` binary under test (required for runs).
     #[arg(long)]
-    server: PathBuf,
+    server: Option<PathBuf>,
     /// Seconds the linearizability search may spend on one key.
     #[arg(long, default_value_t = 20)]
     check_budget: u64,
@@ -61,6 +67,29 @@ struct Args {
     /// Keep the data directory, server log and history of passing runs too.
     #[arg(long)]
     keep: bool,
+    /// On a cluster, run the KEYNOTIFY observers too (notifications across nodes, decision 0046;
+    /// off by default until they pass: docs/robustness.md).
+    #[arg(long)]
+    cluster_observers: bool,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Reruns every check on a saved history (a failing run's `history.json`): exit 1 when a
+    /// check fails. For iterating on the checker without rerunning servers.
+    Check {
+        #[arg(long)]
+        history: PathBuf,
+        /// Seconds the linearizability search may spend on one key.
+        #[arg(long, default_value_t = 20)]
+        check_budget: u64,
+        /// Check only the operations on this key, and print them in invocation order.
+        #[arg(long)]
+        key: Option<String>,
+        /// Also draw the timeline of the checked history to this HTML file.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
+    },
 }
 
 #[derive(Serialize)]
@@ -75,6 +104,8 @@ struct Report {
     /// Operations whose outcome is unknown (timeouts, lost connections).
     unknown_operations: usize,
     notifications: usize,
+    /// Records the persistent notification queue delivered (distinct `seq`s; single node).
+    queue_records: usize,
     violations: usize,
     acked_lost: usize,
     faults: BTreeMap<String, u64>,
@@ -92,6 +123,7 @@ struct RunSummary {
     operations: usize,
     unknown_operations: usize,
     notifications: usize,
+    queue_records: usize,
     faults: Vec<FaultRecord>,
     violations: Vec<Violation>,
     acked_lost: usize,
@@ -106,7 +138,16 @@ struct RunSummary {
 
 fn main() {
     let args = Args::parse();
-    match run_all(&args) {
+    let result = match &args.command {
+        Some(Command::Check {
+            history,
+            check_budget,
+            key,
+            timeline,
+        }) => recheck::run(history, *check_budget, key.as_deref(), timeline.as_deref()),
+        None => run_all(&args),
+    };
+    match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("robustness: {e:#}");
@@ -137,6 +178,9 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
                     .join(", ")
             ),
         }
+    }
+    if args.server.is_none() {
+        bail!("--server: the mqstate binary to test is required for runs");
     }
     let first_seed = args.seed.unwrap_or_else(|| now_us() ^ 0x5EED);
     let work_dir = args
@@ -171,6 +215,7 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         operations: 0,
         unknown_operations: 0,
         notifications: 0,
+        queue_records: 0,
         violations: 0,
         acked_lost: 0,
         faults: BTreeMap::new(),
@@ -202,6 +247,7 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         report.operations += summary.operations;
         report.unknown_operations += summary.unknown_operations;
         report.notifications += summary.notifications;
+        report.queue_records += summary.queue_records;
         report.violations += summary.violations.len();
         report.acked_lost += summary.acked_lost;
         report.incomplete_checks += summary.incomplete_checks.len();
@@ -251,18 +297,35 @@ fn run_one(
         net.heal()?;
     }
     std::fs::create_dir_all(run_dir)?;
+    let server = args
+        .server
+        .as_deref()
+        .context("--server is required for runs")?;
     let servers = if args.nodes == 1 {
-        vec![Server::start(&args.server, run_dir, &args.fsync)?]
+        vec![Server::start(
+            server,
+            run_dir,
+            &args.fsync,
+            &queues::SERVER_ARGS,
+        )?]
     } else {
         let net = net.as_deref();
-        cluster::start(&args.server, run_dir, &args.fsync, args.nodes as usize, net)?
+        cluster::start(server, run_dir, &args.fsync, args.nodes as usize, net)?
     };
     let shared = Shared::new(servers.iter().map(|s| s.addr).collect());
+    // A persistent notification topic over the register keys, pushed to our endpoint.
+    let queue = if args.nodes == 1 {
+        Some(queues::QueueRun::start(runtime, &shared, seed)?)
+    } else {
+        None
+    };
     let duration = Duration::from_secs(args.duration);
     let schedule = faults::schedule(seed, duration, allowed, args.nodes > 1, net.is_some());
     let started = Instant::now();
 
-    let (writers, observers) = runtime.block_on(async { workload::spawn_clients(&shared, seed) });
+    let (writers, observers) = runtime.block_on(async {
+        workload::spawn_clients(&shared, seed, args.nodes == 1 || args.cluster_observers)
+    });
     let (mut servers, mut errors) = std::thread::scope(|scope| {
         let shared = &shared;
         let injector = scope
@@ -307,6 +370,8 @@ fn run_one(
             Err(e) => errors.push(format!("{e:#}")),
         }
     }
+    let running = servers.iter().all(|s| s.pid().is_some());
+    let queue = queue.map(|q| q.finish(runtime, &shared, running));
     for server in &mut servers {
         server.stop();
     }
@@ -329,6 +394,9 @@ fn run_one(
             ops: Vec::new(),
         });
     }
+    if let Some(queue) = &queue {
+        findings.violations.extend(queue.violations(&history));
+    }
     let check_millis = checking.elapsed().as_millis();
     let failing = !findings.violations.is_empty();
     let timeline = if failing {
@@ -338,6 +406,9 @@ fn run_one(
             run_dir.join("history.json"),
             serde_json::to_string(&history)?,
         )?;
+        if let Some(queue) = &queue {
+            queue.save(&run_dir.join("deliveries.json"))?;
+        }
         Some(path)
     } else {
         if args.keep {
@@ -370,6 +441,7 @@ fn run_one(
             .filter(|op| !op.outcome.is_known())
             .count(),
         notifications: history.notifications.len(),
+        queue_records: queue.as_ref().map_or(0, queues::QueueOutcome::records),
         faults: history.faults,
         violations: findings.violations,
         acked_lost: findings.acked_lost,

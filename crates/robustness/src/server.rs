@@ -14,11 +14,13 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The failpoints every process is started with, each armed by creating its marker file
 /// (`crates/wal/src/failpoint.rs`).
-pub const CRASH_POINTS: [&str; 4] = [
+pub const CRASH_POINTS: [&str; 5] = [
     "after-write-before-fsync",
     "mid-snapshot",
     "before-rename",
     "power-loss",
+    // The state store's: a notified write reserved and executed, its commit not logged yet.
+    "notify-after-reserve",
 ];
 
 pub struct Server {
@@ -45,11 +47,17 @@ pub struct Launch {
 }
 
 impl Server {
-    /// Starts a server on a free loopback port; its data and marker files live under `run_dir`.
-    pub fn start(binary: &Path, run_dir: &Path, fsync: &str) -> anyhow::Result<Server> {
+    /// Starts a server on a free loopback port with `extra_args`; its data and marker files live
+    /// under `run_dir`.
+    pub fn start(
+        binary: &Path,
+        run_dir: &Path,
+        fsync: &str,
+        extra_args: &[&str],
+    ) -> anyhow::Result<Server> {
         let launch = Launch {
             addr: free_addr()?,
-            extra_args: Vec::new(),
+            extra_args: extra_args.iter().map(|a| (*a).to_owned()).collect(),
             netns: None,
         };
         Server::start_node(binary, run_dir, fsync, launch)

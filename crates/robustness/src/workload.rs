@@ -590,6 +590,7 @@ pub async fn final_reads(shared: &Shared) -> Result<(), String> {
 pub fn spawn_clients(
     shared: &Arc<Shared>,
     seed: u64,
+    observers: bool,
 ) -> (
     Vec<tokio::task::JoinHandle<()>>,
     Vec<tokio::task::JoinHandle<()>>,
@@ -609,13 +610,8 @@ pub fn spawn_clients(
             seed ^ (0x100 + i as u64),
         )));
     }
-    // KEYNOTIFY answers -ERR on a cluster node today (notifications are not released from the
-    // chains yet): observers run on a single node only, until they are.
-    let observers = if shared.addrs.len() == 1 {
-        OBSERVERS
-    } else {
-        0
-    };
+    // On a cluster only with `--cluster-observers` (docs/robustness.md says what fails).
+    let observers = if observers { OBSERVERS } else { 0 };
     let observers = (0..observers)
         .map(|i| tokio::spawn(observer(shared.clone(), i)))
         .collect();

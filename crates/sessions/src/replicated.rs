@@ -16,6 +16,10 @@
 //! * Every write is a compare-and-set on the version this node last wrote or read: a node that
 //!   lost the session (another took it over) finds its write refused, stops writing the session
 //!   and drops its copy (`Broker::forget_session`).
+//! * A session's row also carries the state-store keys its client observes (KEYNOTIFY; decision
+//!   0050): the state store hands them over with [`ReplicatedSessions::keep_observed`], they are
+//!   written like any change of the session, and a node that takes the session over hands them
+//!   to its state store ([`Observers`]) before the client gets its CONNACK.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -38,6 +42,18 @@ pub const ROW_BUDGET: Duration = Duration::from_secs(10);
 const REWRITE_EVERY: Duration = Duration::from_millis(500);
 
 pub type RowFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, String>> + Send + 'a>>;
+
+/// Where a node that took a session over puts back its client's KEYNOTIFY registrations (the
+/// binary connects it to the state store).
+pub trait Observers: Send + Sync {
+    /// `client_id` observes `keys` here from now on; resolves once every node that may execute
+    /// their writes knows (bounded), so a write after the CONNACK is notified.
+    fn restore(
+        &self,
+        client_id: Arc<str>,
+        keys: Vec<Vec<u8>>,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send>>;
+}
 
 /// A session row as read at its partition's head.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -89,6 +105,8 @@ struct Entry {
     generation: u64,
     status: watch::Sender<Status>,
     flushing: bool,
+    /// The state-store keys the client observes, in key order (written with the session).
+    observed: Vec<Vec<u8>>,
 }
 
 #[derive(Default)]
@@ -102,6 +120,7 @@ struct Shared {
     node: u64,
     rows: OnceLock<Arc<dyn SessionRows>>,
     broker: OnceLock<Broker>,
+    observers: OnceLock<Arc<dyn Observers>>,
     state: Mutex<State>,
 }
 
@@ -120,6 +139,7 @@ impl ReplicatedSessions {
                 node,
                 rows: OnceLock::new(),
                 broker: OnceLock::new(),
+                observers: OnceLock::new(),
                 state: Mutex::new(State::default()),
             }),
             local,
@@ -134,6 +154,58 @@ impl ReplicatedSessions {
     /// The broker whose copies of sessions lost to other nodes are dropped.
     pub fn attach_broker(&self, broker: Broker) {
         let _ = self.shared.broker.set(broker);
+    }
+
+    /// The state store that takes back the registrations of a session taken over here.
+    pub fn attach_observers(&self, observers: Arc<dyn Observers>) {
+        let _ = self.shared.observers.set(observers);
+    }
+
+    /// `client_id` now observes `keys` (the whole set, in key order). For a session this node
+    /// owns, the set is written with the session's row; resolves once it is durable. A client
+    /// without a replicated session (a clean one) has nothing to keep: resolves at once.
+    pub fn keep_observed(
+        &self,
+        client_id: &str,
+        keys: Vec<Vec<u8>>,
+    ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> {
+        debug_assert!(keys.windows(2).all(|w| w[0] < w[1]), "keys in order");
+        let wait = {
+            let mut state = self.shared.lock();
+            let id = state
+                .entries
+                .get_key_value(client_id)
+                .map(|(id, _)| id.clone());
+            match (id, state.entries.get_mut(client_id)) {
+                (Some(id), Some(entry)) if entry.role == Role::Owned && entry.observed != keys => {
+                    entry.observed = keys;
+                    entry.generation += 1;
+                    if !entry.flushing {
+                        entry.flushing = true;
+                        tokio::spawn(flush(Arc::clone(&self.shared), id));
+                    }
+                    Some((entry.status.subscribe(), entry.generation))
+                }
+                _ => None,
+            }
+        };
+        let client_id = client_id.to_owned();
+        Box::pin(async move {
+            let Some((mut status, generation)) = wait else {
+                return Ok(());
+            };
+            match status
+                .wait_for(|s| s.written >= generation || s.failed >= generation || s.lost)
+                .await
+                .map(|s| *s)
+            {
+                Ok(s) if s.written >= generation => Ok(()),
+                Ok(s) if s.lost => Err(format!("session {client_id} moved to another node")),
+                _ => Err(format!(
+                    "the observed keys of {client_id} could not be written to their replicas"
+                )),
+            }
+        })
     }
 }
 
@@ -264,6 +336,7 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
                         owner: shared.node,
                         epoch: entry.epoch,
                         session: session.clone(),
+                        observed: entry.observed.clone(),
                     },
                 )
             });
@@ -407,6 +480,7 @@ async fn locate(
         entry.map_or(0, |e| e.epoch)
     };
     let epoch = known_epoch.max(row.as_ref().map_or(0, |r| r.epoch)) + 1;
+    let mut observed = Vec::new();
     let (base, located) = match row {
         Some(row) if !clean_start => {
             let value = row::encode(
@@ -415,10 +489,14 @@ async fn locate(
                     owner: shared.node,
                     epoch,
                     session: row.session.clone(),
+                    observed: row.observed.clone(),
                 },
             );
             match rows.write(&client_id, Some(value), read.version).await? {
-                Ok(version) => (Some(version), Located::Taken(Box::new(row.session))),
+                Ok(version) => {
+                    observed = row.observed;
+                    (Some(version), Located::Taken(Box::new(row.session)))
+                }
                 Err(_) => return Err("the session changed while it was taken over".into()),
             }
         }
@@ -429,25 +507,37 @@ async fn locate(
         },
         None => (read.version, Located::Gone),
     };
-    let mut state = shared.lock();
-    state.mirror.sessions.remove(&client_id);
-    let previous = state.entries.remove(&client_id);
-    if let Some(previous) = previous {
-        // Whoever waits on the copy this replaces is told it is gone.
-        previous.status.send_modify(|s| s.lost = true);
+    {
+        let mut state = shared.lock();
+        state.mirror.sessions.remove(&client_id);
+        let previous = state.entries.remove(&client_id);
+        if let Some(previous) = previous {
+            // Whoever waits on the copy this replaces is told it is gone.
+            previous.status.send_modify(|s| s.lost = true);
+        }
+        let (status, _) = watch::channel(Status::default());
+        state.entries.insert(
+            client_id.clone(),
+            Entry {
+                role: Role::Claimed,
+                base,
+                epoch,
+                generation: 0,
+                status,
+                flushing: false,
+                observed: observed.clone(),
+            },
+        );
     }
-    let (status, _) = watch::channel(Status::default());
-    state.entries.insert(
-        client_id,
-        Entry {
-            role: Role::Claimed,
-            base,
-            epoch,
-            generation: 0,
-            status,
-            flushing: false,
-        },
-    );
+    // The client's registrations are in force here before its CONNACK.
+    if !observed.is_empty() {
+        match shared.observers.get() {
+            Some(observers) => observers.restore(client_id, observed).await,
+            None => {
+                tracing::warn!(%client_id, "observed keys of a session taken over, but no state store to register them")
+            }
+        }
+    }
     Ok(located)
 }
 
@@ -599,6 +689,61 @@ mod tests {
         assert_eq!(b.locate("c", true, true, false).await, Ok(Located::Gone));
         assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
         assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
+    }
+
+    /// A client id and the keys handed back for it.
+    type Handed = (Arc<str>, Vec<Vec<u8>>);
+
+    #[derive(Default)]
+    struct Restored(Mutex<Vec<Handed>>);
+
+    impl Observers for Restored {
+        fn restore(
+            &self,
+            client_id: Arc<str>,
+            keys: Vec<Vec<u8>>,
+        ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+            self.0.lock().unwrap().push((client_id, keys));
+            Box::pin(async {})
+        }
+    }
+
+    #[tokio::test]
+    async fn observed_keys_move_with_the_session() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let restored = Arc::new(Restored::default());
+        b.attach_observers(restored.clone());
+        // Not a session of this node (a clean one): nothing to keep.
+        a.keep_observed("c", vec![b"k".to_vec()]).await.unwrap();
+        a.locate("c", false, true, false).await.unwrap();
+        a.record(vec![SessionChange::Created {
+            client_id: "c".into(),
+            expiry_secs: 60,
+        }])
+        .await
+        .unwrap();
+        assert!(row_of(&rows).observed.is_empty());
+        let keys = vec![b"k1".to_vec(), b"k2".to_vec()];
+        a.keep_observed("c", keys.clone()).await.unwrap();
+        assert_eq!(row_of(&rows).observed, keys, "written with the session");
+
+        let Ok(Located::Taken(session)) = b.locate("c", false, true, false).await else {
+            panic!("node 2 takes the session over");
+        };
+        assert_eq!(*restored.0.lock().unwrap(), [("c".into(), keys.clone())]);
+        b.record(row::image_of(&"c".into(), &session))
+            .await
+            .unwrap();
+        b.record(vec![subscribed("b/#")]).await.unwrap();
+        assert_eq!(
+            row_of(&rows).observed,
+            keys,
+            "kept by the new owner's writes"
+        );
+        // The old owner is fenced.
+        assert!(a.keep_observed("c", Vec::new()).await.is_err());
+        assert_eq!(row_of(&rows).observed, keys);
     }
 
     impl SessionRow {

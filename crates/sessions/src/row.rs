@@ -3,9 +3,14 @@
 //! (`mqstate_broker::persist::encode_changes`, documented in `docs/storage-format.md`).
 //!
 //! ```text
-//! row   = version u8 (= 1), owner u64, epoch u64, image
-//! image = the change list that recreates the session from nothing (Created first)
+//! row      = version u8 (= 1), owner u64, epoch u64, image
+//!          | version u8 (= 2), owner u64, epoch u64, observed, image
+//! observed = count u32, (length u32, key bytes) × count   -- the client's KEYNOTIFY keys, in order
+//! image    = the change list that recreates the session from nothing (Created first)
 //! ```
+//!
+//! A session whose client observes no state-store key is written as version 1, which nodes of
+//! the previous release read; version 2 carries its registrations with it (decision 0054).
 //!
 //! Big-endian like every other format. The bytes come from other nodes and from the chain log on
 //! disk: decoding never panics (proptest below, fuzz target `session_row`).
@@ -16,9 +21,13 @@ use bytes::{BufMut, BytesMut};
 use mqstate_broker::persist::{decode_changes, encode_changes, DecodeError};
 use mqstate_broker::{Restored, SessionChange, StoredSession};
 
-/// Version byte at the start of a session row.
+/// Version byte at the start of a session row without observed keys.
 pub const ROW_VERSION: u8 = 1;
+/// Version byte of a row that carries the client's observed keys.
+pub const ROW_VERSION_OBSERVED: u8 = 2;
 const HEADER: usize = 1 + 8 + 8;
+/// Observed keys a row holds at most (the store's own registration limit is far below).
+const MAX_OBSERVED: usize = 1 << 20;
 
 /// A session row, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,6 +38,9 @@ pub struct SessionRow {
     /// tell its own write from another's.
     pub epoch: u64,
     pub session: StoredSession,
+    /// The state-store keys the client observes (KEYNOTIFY), in key order: they move with the
+    /// session when another node takes it over.
+    pub observed: Vec<Vec<u8>>,
 }
 
 /// Bytes that are not a session row of the expected client.
@@ -36,8 +48,10 @@ pub struct SessionRow {
 pub enum RowError {
     #[error("session row too short ({0} bytes)")]
     Short(usize),
-    #[error("session row format {0} is not supported (this build reads {ROW_VERSION})")]
+    #[error("session row format {0} is not supported (this build reads {ROW_VERSION} and {ROW_VERSION_OBSERVED})")]
     Version(u8),
+    #[error("session row's observed keys are damaged: {0}")]
+    Observed(&'static str),
     #[error("session row image: {0}")]
     Image(#[from] DecodeError),
     #[error("session row does not hold the session of its client id")]
@@ -47,10 +61,22 @@ pub enum RowError {
 /// Encodes `row` for `client_id`.
 pub fn encode(client_id: &Arc<str>, row: &SessionRow) -> Vec<u8> {
     let image = encode_changes(&image_of(client_id, &row.session));
-    let mut out = BytesMut::with_capacity(HEADER + image.len());
-    out.put_u8(ROW_VERSION);
+    let observed: usize = row.observed.iter().map(|k| 4 + k.len()).sum();
+    let mut out = BytesMut::with_capacity(HEADER + 4 + observed + image.len());
+    if row.observed.is_empty() {
+        out.put_u8(ROW_VERSION);
+    } else {
+        out.put_u8(ROW_VERSION_OBSERVED);
+    }
     out.put_u64(row.owner);
     out.put_u64(row.epoch);
+    if !row.observed.is_empty() {
+        out.put_u32(row.observed.len() as u32);
+        for key in &row.observed {
+            out.put_u32(key.len() as u32);
+            out.extend_from_slice(key);
+        }
+    }
     out.extend_from_slice(&image);
     out.to_vec()
 }
@@ -60,7 +86,7 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
     if data.len() < HEADER {
         return Err(RowError::Short(data.len()));
     }
-    if data[0] != ROW_VERSION {
+    if data[0] != ROW_VERSION && data[0] != ROW_VERSION_OBSERVED {
         return Err(RowError::Version(data[0]));
     }
     let word = |at: usize| {
@@ -69,8 +95,25 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
         u64::from_be_bytes(bytes)
     };
     let (owner, epoch) = (word(1), word(9));
+    let mut rest = &data[HEADER..];
+    let mut observed = Vec::new();
+    if data[0] == ROW_VERSION_OBSERVED {
+        let count = take_u32(&mut rest)? as usize;
+        if count == 0 || count > MAX_OBSERVED {
+            return Err(RowError::Observed("count out of range"));
+        }
+        for _ in 0..count {
+            let len = take_u32(&mut rest)? as usize;
+            if rest.len() < len {
+                return Err(RowError::Observed("a key runs past the row"));
+            }
+            let (key, tail) = rest.split_at(len);
+            observed.push(key.to_vec());
+            rest = tail;
+        }
+    }
     let mut restored = Restored::default();
-    for change in decode_changes(&data[HEADER..])? {
+    for change in decode_changes(rest)? {
         restored.apply(change);
     }
     let session = restored
@@ -84,7 +127,17 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
         owner,
         epoch,
         session,
+        observed,
     })
+}
+
+fn take_u32(rest: &mut &[u8]) -> Result<u32, RowError> {
+    if rest.len() < 4 {
+        return Err(RowError::Observed("truncated"));
+    }
+    let (word, tail) = rest.split_at(4);
+    *rest = tail;
+    Ok(u32::from_be_bytes([word[0], word[1], word[2], word[3]]))
 }
 
 /// The changes that recreate `session` from nothing, as a journal snapshot holds it.
@@ -208,12 +261,21 @@ mod tests {
     #[test]
     fn a_session_row_round_trips() {
         let client_id: Arc<str> = "sub-1".into();
-        let row = SessionRow {
+        let mut row = SessionRow {
             owner: 3,
             epoch: 9,
             session: session(6),
+            observed: Vec::new(),
         };
         let bytes = encode(&client_id, &row);
+        assert_eq!(
+            bytes[0], ROW_VERSION,
+            "no observed keys: the previous release's format"
+        );
+        assert_eq!(decode("sub-1", &bytes), Ok(row.clone()));
+        row.observed = vec![b"a".to_vec(), Vec::from(&b"k\x00\xff"[..])];
+        let bytes = encode(&client_id, &row);
+        assert_eq!(bytes[0], ROW_VERSION_OBSERVED);
         assert_eq!(decode("sub-1", &bytes), Ok(row));
     }
 
@@ -223,22 +285,24 @@ mod tests {
             owner: 1,
             epoch: 1,
             session: session(1),
+            observed: Vec::new(),
         };
         let bytes = encode(&"a".into(), &row);
         assert_eq!(decode("b", &bytes), Err(RowError::OtherClient));
         assert_eq!(decode("a", &bytes[..5]), Err(RowError::Short(5)));
         let mut other = bytes.clone();
-        other[0] = 2;
-        assert_eq!(decode("a", &other), Err(RowError::Version(2)));
+        other[0] = 3;
+        assert_eq!(decode("a", &other), Err(RowError::Version(3)));
     }
 
     proptest! {
         #[test]
-        fn rows_round_trip(owner in any::<u64>(), epoch in any::<u64>(), messages in 0u64..20, expiry in any::<u32>()) {
+        fn rows_round_trip(owner in any::<u64>(), epoch in any::<u64>(), messages in 0u64..20, expiry in any::<u32>(),
+                           observed in proptest::collection::btree_set(proptest::collection::vec(any::<u8>(), 0..8), 0..4)) {
             let client_id: Arc<str> = "c".into();
             let mut s = session(messages);
             s.expiry_secs = expiry;
-            let row = SessionRow { owner, epoch, session: s };
+            let row = SessionRow { owner, epoch, session: s, observed: observed.into_iter().collect() };
             prop_assert_eq!(decode("c", &encode(&client_id, &row)), Ok(row));
         }
 

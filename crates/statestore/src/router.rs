@@ -9,6 +9,12 @@
 //! of those keys committed at any partition's head ([`ClusterChanges`]), which the service turns
 //! into notifications for its observers. SCAN pages are assembled over every partition
 //! ([`KeyRouter::scan`]).
+//!
+//! The registrations of a client with a persistent session are kept with its session (decision
+//! 0050): a KEYNOTIFY's reply waits until its client's whole set is kept
+//! ([`KeyRouter::keep_observed`]; nothing to keep for a clean session), and a node that takes a
+//! session over hands its registrations back ([`RestoredObservers`]). On a cluster node, a
+//! client's registrations therefore end with its session, not with its connection.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -68,6 +74,20 @@ pub struct ClusterChange {
 /// Where a cluster node's service takes [`ClusterChange`]s from.
 pub type ClusterChanges = mpsc::UnboundedReceiver<ClusterChange>;
 
+/// The registrations of a session this node took over: `client_id` observes `keys` here from
+/// now on; `done` is signalled once they are registered and the other nodes know.
+#[derive(Debug)]
+pub struct RestoredObserver {
+    pub client_id: Arc<str>,
+    pub keys: Vec<Bytes>,
+    pub done: oneshot::Sender<()>,
+}
+
+/// Where a cluster node's service takes [`RestoredObserver`]s from.
+pub type RestoredObservers = mpsc::UnboundedReceiver<RestoredObserver>;
+
+pub type KeepFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
+
 /// Executes key commands where their data lives.
 pub trait KeyRouter: Send + Sync + 'static {
     fn execute(&self, request: RoutedRequest) -> RouterFuture<'_>;
@@ -81,6 +101,13 @@ pub trait KeyRouter: Send + Sync + 'static {
 
     /// The changes for this node's observers; the service takes it once, at start.
     fn take_changes(&self) -> Option<ClusterChanges>;
+
+    /// `client_id` observes `keys` now (its whole set, in key order): kept with its session if
+    /// it has a persistent one; resolves once that is durable.
+    fn keep_observed(&self, client_id: &str, keys: Vec<Bytes>) -> KeepFuture<'_>;
+
+    /// The registrations of sessions taken over here; the service takes it once, at start.
+    fn take_restored(&self) -> Option<RestoredObservers>;
 }
 
 /// A shared router, as the configuration holds it.

@@ -255,6 +255,11 @@ impl Executor {
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let (mut internal, mut admin) = self.notify_inboxes();
         let mut changes = self.config.router.as_ref().and_then(|r| r.0.take_changes());
+        let mut restored = self
+            .config
+            .router
+            .as_ref()
+            .and_then(|r| r.0.take_restored());
         loop {
             let stale_at = self.stale_reservation_deadline();
             let deadline = self.machine.next_deadline().map(|ms| {
@@ -269,6 +274,11 @@ impl Executor {
                     None => break,
                 },
                 event = events.recv() => match event {
+                    // On a cluster node a client's registrations end with its session: they are
+                    // kept with a persistent session and follow it to another node (decision 0054).
+                    Ok(ClientEvent::Disconnected { client_id }) if self.config.router.is_some() => {
+                        self.rates.forget(&client_id);
+                    }
                     // Spec §6 (AIO behaviour): registrations end with the connection; clients
                     // re-register after reconnecting.
                     Ok(ClientEvent::Disconnected { client_id } | ClientEvent::SessionEnded { client_id }) => {
@@ -284,6 +294,7 @@ impl Executor {
                 Some(epoch) = self.log.next_failure() => self.roll_back_undurable(epoch),
                 Some(request) = recv_some(&mut internal) => self.handle_internal(request).await,
                 Some(change) = recv_change(&mut changes) => self.notify_cluster_change(change).await,
+                Some(observer) = recv_restored(&mut restored) => self.restore_observer(observer),
                 Some(request) = recv_some(&mut admin) => self.handle_admin(request).await,
                 () = sleep_until(stale_at) => self.abort_stale_reservations().await,
                 () = sleep_until(deadline) => self.expire().await,
@@ -324,6 +335,40 @@ impl Executor {
                 }
             });
         }
+    }
+
+    /// The registrations of a session taken over here: in force once the other nodes know of the
+    /// keys newly observed here (then `done`, and the client gets its CONNACK).
+    fn restore_observer(&mut self, observer: crate::router::RestoredObserver) {
+        let Some(router) = self.config.router.clone() else {
+            let _ = observer.done.send(());
+            return;
+        };
+        let context = mqstate_store::RequestContext {
+            client_id: observer.client_id.clone(),
+            ts: None,
+            fencing_token: None,
+            now_ms: self.clock.now_ms(),
+        };
+        let mut newly_observed = Vec::new();
+        for key in observer.keys {
+            let was_observed = self.machine.is_observed(&key);
+            let command = mqstate_protocol::Command::KeyNotify { key: key.clone() };
+            if let mqstate_protocol::Reply::Error(e) = self.machine.execute(command, &context).reply
+            {
+                tracing::warn!(client_id = %observer.client_id, "a kept registration not restored: {e:?}");
+            }
+            if !was_observed && self.machine.is_observed(&key) {
+                newly_observed.push(key);
+            }
+        }
+        tracing::debug!(client_id = %observer.client_id, keys = newly_observed.len(), "registrations of a session taken over restored");
+        tokio::spawn(async move {
+            for key in newly_observed {
+                router.0.watch(key, true).await;
+            }
+            let _ = observer.done.send(());
+        });
     }
 
     /// Changes committed at a partition's head for keys observed here: notifications queued like
@@ -426,6 +471,16 @@ async fn recv_change(
 }
 
 /// The next request of an optional inbox; never resolves without one.
+/// The next session taken over here with registrations; never resolves on a single node.
+async fn recv_restored(
+    inbox: &mut Option<crate::router::RestoredObservers>,
+) -> Option<crate::router::RestoredObserver> {
+    match inbox {
+        Some(inbox) => inbox.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn recv_some<T>(inbox: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     match inbox {
         Some(inbox) => inbox.recv().await,

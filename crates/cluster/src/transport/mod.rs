@@ -116,6 +116,14 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
     }
 }
 
+/// Encodes a message that travels as opaque bytes inside a frame (the data plane's in
+/// [`Request::Data`], the mesh's in [`Request::Mesh`], and their answers): postcard, like the frame
+/// bodies, and decoded with [`decode_body`].
+pub fn encode_body<T: Serialize>(message: &T) -> Vec<u8> {
+    // Our own plain data: postcard cannot fail on it but for allocation.
+    postcard::to_allocvec(message).unwrap_or_default()
+}
+
 /// Encodes one frame: length, then body.
 pub fn encode_frame<T: Serialize>(message: &T) -> Result<Vec<u8>, postcard::Error> {
     let body = postcard::to_allocvec(message)?;

@@ -4,7 +4,8 @@
 //!
 //! KEYNOTIFY and KEYNOTIFY STOP register here (the observer's session is here); when a key becomes
 //! observed here, the reply waits until the router told the other nodes, so a write executed at
-//! any head after the reply is notified. SCAN is checked here by this node's own state machine
+//! any head after the reply is notified, and until the client's set of keys is kept with its
+//! session (decision 0054). SCAN is checked here by this node's own state machine
 //! (which holds no keys: only the pattern's checks apply) and assembled over every partition.
 
 use std::future::Future;
@@ -70,6 +71,7 @@ impl Executor {
             Command::KeyNotify { ref key } | Command::KeyNotifyStop { ref key } => {
                 let key = key.clone();
                 let was_observed = self.machine.is_observed(&key);
+                let before = self.machine.registered_keys(&request.client_id);
                 let context = RequestContext {
                     client_id: request.client_id.clone(),
                     ts,
@@ -79,15 +81,31 @@ impl Executor {
                 let execution = self.machine.execute(command, &context);
                 let payload = execution.reply.encode();
                 let observed = self.machine.is_observed(&key);
-                if observed && !was_observed {
-                    // Answered once the nodes that may execute its writes know of it.
+                let after = self.machine.registered_keys(&request.client_id);
+                // The client's whole set, kept with its session (if persistent) before the reply.
+                let keep = (after != before).then_some(after);
+                let watch = observed && !was_observed;
+                if was_observed && !observed {
+                    let (router, key) = (router.clone(), key.clone());
+                    tokio::spawn(async move { router.0.watch(key, false).await });
+                }
+                if watch || keep.is_some() {
+                    // Answered once the nodes that may execute its writes know of it, and the
+                    // registration is kept with the client's session.
+                    let client_id = request.client_id.clone();
                     return self.reply_later(request, label, started, acker, async move {
-                        router.0.watch(key, true).await;
+                        if watch {
+                            router.0.watch(key, true).await;
+                        }
+                        if let Some(keys) = keep {
+                            if let Err(e) = router.0.keep_observed(&client_id, keys).await {
+                                // In force on this node; lost if the node dies before a later
+                                // registration of the client is kept.
+                                tracing::warn!(%client_id, "KEYNOTIFY registrations not kept with the session: {e}");
+                            }
+                        }
                         (payload, None)
                     });
-                }
-                if was_observed && !observed {
-                    tokio::spawn(async move { router.0.watch(key, false).await });
                 }
                 let mut queued = reply_now(self, label, payload);
                 if let Outcome::Reply {

@@ -1,0 +1,376 @@
+//! The requests each partition executed lately, as this replica's own rows recorded them: a retry
+//! that reaches a head after later writes replaced the row its first execution made still gets
+//! its first reply, not a second execution (decision 0050).
+//!
+//! A row's value carries the identity, deadline and first reply of the request that made it
+//! ([`mqstate_store::RequestRecord`]); the row itself only remembers the last one. Every replica
+//! notes each row it persists here, so whichever replica becomes head knows what the chain ran
+//! before it, however many writes followed. Entries live until the request's own deadline (after
+//! it a retry is a new request), at most [`KEEP_AT_MOST_MS`].
+//!
+//! Invariant: an entry stands for a row this replica holds durably or is making durable, never for
+//! one it voided. A re-entry at the tail ([`Record::Clear`]) voids the partition's rows, so it
+//! forgets the partition's entries too: a write that was never committed must not answer a retry.
+//! A hit is only a reply once the key's row is committed at the head (the caller reads the key
+//! first, which flushes an interrupted write through the chain).
+//!
+//! A replica that re-entered therefore starts with nothing, though the chain ran requests it may
+//! be asked about once it is head (robustness seed 70169: a head that had re-entered ran a retry a
+//! second time). Until it has the entries of the other members of its chain ([`Recent::export`],
+//! merged by [`Recent::import`]), the partition is *unsynced*: it must not execute as head, which
+//! the caller checks with [`Recent::is_unsynced`]. Once the longest a request is remembered has
+//! passed since the re-entry, nothing it could have missed matters, and it is synced by itself.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use mqstate_chain::{Record, Restored, Row};
+use mqstate_protocol::Hlc;
+use mqstate_store::{Change, RequestId, RequestRecord};
+use serde::{Deserialize, Serialize};
+
+/// Entries are kept no longer than this, whatever the request's own expiry says: the cluster's
+/// front ends retry for at most 30 s, and a client's own re-send of a request comes well within
+/// this (a longer message expiry only stretches how long a row's own record answers).
+pub const KEEP_AT_MOST_MS: u64 = 120_000;
+
+/// Entries are kept this much longer than their request's expiry: the head that ran a request and
+/// the head that sees its retry judge the time by different clocks, and a request may still start
+/// a little past its deadline ([`crate::head::DEADLINE_SLACK_MS`]).
+pub const CLOCK_MARGIN_MS: u64 = 10_000;
+
+/// Sweeps of expired entries happen at most this often per partition.
+const SWEEP_EVERY_MS: u64 = 1_000;
+
+#[derive(Default)]
+pub struct Recent {
+    partitions: Mutex<HashMap<u32, Table>>,
+}
+
+/// One remembered request as another replica sends it ([`Recent::export`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exported {
+    pub id: [u8; 16],
+    pub until_ms: u64,
+    pub expires_at_ms: u64,
+    pub reply: Vec<u8>,
+    pub reply_ts: Option<String>,
+}
+
+#[derive(Default)]
+struct Table {
+    /// Request → (kept until, first reply).
+    requests: HashMap<RequestId, (u64, RequestRecord)>,
+    next_sweep_ms: u64,
+    /// Since this replica re-entered at the tail (Unix ms), until the other members' entries are
+    /// merged in.
+    unsynced_since: Option<u64>,
+}
+
+impl Recent {
+    /// Notes the requests whose rows `records` write to this replica of `partition`.
+    pub fn note(&self, partition: u32, records: &[Record], now_ms: u64) {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        for record in records {
+            match record {
+                Record::Row { row, .. } => insert(&mut partitions, partition, row, now_ms),
+                Record::Clear { .. } => {
+                    // The sessions' space holds no store records: nothing to sync there.
+                    let unsynced_since =
+                        (partition & crate::space::SESSIONS == 0).then_some(now_ms);
+                    partitions.insert(
+                        partition,
+                        Table {
+                            unsynced_since,
+                            ..Table::default()
+                        },
+                    );
+                }
+                Record::CaughtUp { .. } | Record::Readable => {}
+            }
+        }
+        if let Some(table) = partitions.get_mut(&partition) {
+            table.sweep(now_ms);
+        }
+    }
+
+    /// Notes the requests of the rows this replica of `partition` held at start.
+    pub fn note_restored(&self, partition: u32, restored: &Restored, now_ms: u64) {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        for row in restored.rows.values() {
+            insert(&mut partitions, partition, row, now_ms);
+        }
+    }
+
+    /// The first reply of request `id` if this replica saw a row of `partition` made by it and
+    /// the request has not expired (give or take [`CLOCK_MARGIN_MS`]).
+    pub fn first_reply(
+        &self,
+        partition: u32,
+        id: &RequestId,
+        now_ms: u64,
+    ) -> Option<RequestRecord> {
+        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let (until, record) = partitions.get(&partition)?.requests.get(id)?;
+        (*until > now_ms).then(|| record.clone())
+    }
+
+    /// Whether this replica of `partition` re-entered and has not got the other members'
+    /// entries yet, so must not execute requests as head.
+    pub fn is_unsynced(&self, partition: u32, now_ms: u64) -> bool {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(table) = partitions.get_mut(&partition) else {
+            return false;
+        };
+        match table.unsynced_since {
+            Some(since) if now_ms < since.saturating_add(KEEP_AT_MOST_MS + CLOCK_MARGIN_MS) => true,
+            Some(_) => {
+                table.unsynced_since = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// The partitions waiting for their entries.
+    pub fn unsynced(&self) -> Vec<u32> {
+        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        partitions
+            .iter()
+            .filter(|(_, t)| t.unsynced_since.is_some())
+            .map(|(&p, _)| p)
+            .collect()
+    }
+
+    /// This replica's live entries of `partition`, for a member that re-entered; `None` while it
+    /// is unsynced itself (it cannot vouch for what it may have missed).
+    pub fn export(&self, partition: u32, now_ms: u64) -> Option<Vec<Exported>> {
+        if self.is_unsynced(partition, now_ms) {
+            return None;
+        }
+        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(table) = partitions.get(&partition) else {
+            return Some(Vec::new());
+        };
+        Some(
+            table
+                .requests
+                .iter()
+                .filter(|(_, (until, _))| *until > now_ms)
+                .map(|(id, (until, record))| Exported {
+                    id: id.0,
+                    until_ms: *until,
+                    expires_at_ms: record.expires_at_ms,
+                    reply: record.reply.to_vec(),
+                    reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
+                })
+                .collect(),
+        )
+    }
+
+    /// Merges another member's entries of `partition` (from [`Recent::export`]) and ends its
+    /// unsynced state. An entry whose `__ts` does not parse is left out, with a log line.
+    pub fn import(&self, partition: u32, entries: Vec<Exported>) {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let table = partitions.entry(partition).or_default();
+        for entry in entries {
+            let reply_ts = match entry.reply_ts.as_deref().map(Hlc::parse).transpose() {
+                Ok(ts) => ts,
+                Err(e) => {
+                    tracing::warn!(partition, "a remembered request's __ts does not parse: {e}");
+                    continue;
+                }
+            };
+            let id = RequestId(entry.id);
+            table.requests.entry(id).or_insert((
+                entry.until_ms,
+                RequestRecord {
+                    id,
+                    expires_at_ms: entry.expires_at_ms,
+                    reply: Bytes::from(entry.reply),
+                    reply_ts,
+                },
+            ));
+        }
+        table.unsynced_since = None;
+    }
+
+    /// How many requests are remembered (all partitions).
+    pub fn len(&self) -> usize {
+        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        partitions.values().map(|t| t.requests.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn insert(partitions: &mut HashMap<u32, Table>, partition: u32, row: &Row, now_ms: u64) {
+    let Some(request) = row.value.as_deref().and_then(request_of) else {
+        return;
+    };
+    if request.expires_at_ms.saturating_add(CLOCK_MARGIN_MS) <= now_ms {
+        return;
+    }
+    let until = request
+        .expires_at_ms
+        .min(now_ms.saturating_add(KEEP_AT_MOST_MS))
+        .saturating_add(CLOCK_MARGIN_MS);
+    partitions
+        .entry(partition)
+        .or_default()
+        .requests
+        .insert(request.id, (until, request));
+}
+
+impl Table {
+    fn sweep(&mut self, now_ms: u64) {
+        if now_ms < self.next_sweep_ms {
+            return;
+        }
+        self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
+        self.requests.retain(|_, (until, _)| *until > now_ms);
+    }
+}
+
+/// The request record a row's value carries, if it is a store record made by a request (the
+/// rows of sessions and of expiry deletes carry none). A value that does not decode is not this
+/// module's to report: the head reports it when it reads the row.
+fn request_of(value: &[u8]) -> Option<RequestRecord> {
+    match Change::decode(value).ok()? {
+        Change::Requested { request, .. } => Some(request),
+        Change::Key(_) | Change::Queue(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use mqstate_chain::Version;
+    use mqstate_protocol::Hlc;
+    use mqstate_store::Delta;
+
+    use super::*;
+
+    fn row_of(client: &str, correlation: &[u8], expires_at_ms: u64) -> Record {
+        let version = Hlc::new(1_000, 0, Arc::from("n"));
+        let change = Change::Requested {
+            request: RequestRecord {
+                id: RequestId::of(client, correlation),
+                expires_at_ms,
+                reply: Bytes::from_static(b"+OK\r\n"),
+                reply_ts: Some(version.clone()),
+            },
+            change: Box::new(Change::Key(Delta::Put {
+                key: Bytes::from_static(b"k"),
+                value: Bytes::from_static(b"v"),
+                version,
+                fencing_token: None,
+                expires_at_ms: None,
+            })),
+        };
+        Record::Row {
+            key: b"k".to_vec(),
+            row: Row {
+                value: Some(change.encode().expect("a test row encodes")),
+                version: Version {
+                    wall_ms: 1_000,
+                    counter: 0,
+                    node: 1,
+                },
+                view: 1,
+                locked: true,
+            },
+        }
+    }
+
+    #[test]
+    fn a_request_whose_row_was_replaced_still_has_its_first_reply() {
+        let recent = Recent::default();
+        recent.note(3, &[row_of("c", b"1", 10_000)], 1_000);
+        recent.note(3, &[row_of("c", b"2", 10_000)], 1_100);
+        let first = recent.first_reply(3, &RequestId::of("c", b"1"), 1_200);
+        assert_eq!(first.map(|r| r.reply), Some(Bytes::from_static(b"+OK\r\n")));
+        assert!(recent
+            .first_reply(4, &RequestId::of("c", b"1"), 1_200)
+            .is_none());
+    }
+
+    #[test]
+    fn an_expired_request_is_a_new_one() {
+        let recent = Recent::default();
+        recent.note(3, &[row_of("c", b"1", 2_000)], 1_000);
+        let id = RequestId::of("c", b"1");
+        assert!(recent
+            .first_reply(3, &id, 2_000 + CLOCK_MARGIN_MS - 1)
+            .is_some());
+        assert!(recent
+            .first_reply(3, &id, 2_000 + CLOCK_MARGIN_MS)
+            .is_none());
+        recent.note(3, &[], 5_000 + CLOCK_MARGIN_MS);
+        assert!(recent.is_empty(), "swept once expired");
+    }
+
+    #[test]
+    fn a_re_entry_waits_for_the_other_members_entries() {
+        let head = Recent::default();
+        head.note(3, &[row_of("c", b"1", 10_000)], 1_000);
+        let rejoined = Recent::default();
+        rejoined.note(3, &[row_of("c", b"0", 10_000)], 900);
+        rejoined.note(3, &[Record::Clear { view: 4 }], 1_100);
+        assert!(rejoined.is_unsynced(3, 1_200));
+        assert_eq!(rejoined.unsynced(), vec![3]);
+        assert!(
+            rejoined.export(3, 1_200).is_none(),
+            "cannot vouch for others"
+        );
+        let entries = head.export(3, 1_200).expect("the head is synced");
+        rejoined.import(3, entries);
+        assert!(!rejoined.is_unsynced(3, 1_200));
+        let first = rejoined.first_reply(3, &RequestId::of("c", b"1"), 1_300);
+        assert_eq!(
+            first.map(|r| r.reply_ts),
+            Some(Some(Hlc::new(1_000, 0, Arc::from("n"))))
+        );
+        // Long after a re-entry with nobody to ask, nothing missed matters any more.
+        let alone = Recent::default();
+        alone.note(3, &[Record::Clear { view: 4 }], 1_000);
+        assert!(alone.is_unsynced(3, 1_000 + KEEP_AT_MOST_MS));
+        assert!(!alone.is_unsynced(3, 1_000 + KEEP_AT_MOST_MS + CLOCK_MARGIN_MS));
+        // The sessions' space has nothing to sync.
+        alone.note(
+            3 | crate::space::SESSIONS,
+            &[Record::Clear { view: 4 }],
+            1_000,
+        );
+        assert!(!alone.is_unsynced(3 | crate::space::SESSIONS, 1_000));
+    }
+
+    #[test]
+    fn a_re_entry_at_the_tail_forgets_the_voided_rows_requests() {
+        let recent = Recent::default();
+        recent.note(3, &[row_of("c", b"1", 10_000)], 1_000);
+        recent.note(7, &[row_of("c", b"9", 10_000)], 1_000);
+        recent.note(3, &[Record::Clear { view: 4 }], 1_100);
+        assert!(recent
+            .first_reply(3, &RequestId::of("c", b"1"), 1_200)
+            .is_none());
+        assert!(recent
+            .first_reply(7, &RequestId::of("c", b"9"), 1_200)
+            .is_some());
+    }
+
+    #[test]
+    fn a_long_expiry_is_kept_at_most_the_bound() {
+        let recent = Recent::default();
+        recent.note(3, &[row_of("c", b"1", u64::MAX / 2)], 1_000);
+        let id = RequestId::of("c", b"1");
+        let end = 1_000 + KEEP_AT_MOST_MS + CLOCK_MARGIN_MS;
+        assert!(recent.first_reply(3, &id, end - 1).is_some());
+        assert!(recent.first_reply(3, &id, end).is_none());
+    }
+}
