@@ -360,3 +360,67 @@ async fn a_streamed_snapshot_is_installed_and_purges_the_log() {
         .collect();
     assert_eq!(replayed, vec![b"c".to_vec()]);
 }
+
+/// The owner's hook runs on the writer thread once a batch's futures are complete, durable or
+/// failed, so it can release the batch's work without waiting on another thread (decision 0055).
+#[tokio::test(flavor = "current_thread")]
+async fn the_after_commit_hook_sees_its_batch_settled() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Each fsync waits for the test's word: go on, or fail.
+    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<FailAction>();
+    let gate_rx = Mutex::new(gate_rx);
+    let failpoints = Failpoints::with_hook(move |name| {
+        if name == AFTER_WRITE_BEFORE_FSYNC {
+            gate_rx
+                .lock()
+                .unwrap()
+                .recv()
+                .unwrap_or(FailAction::Continue)
+        } else {
+            FailAction::Continue
+        }
+    });
+    let options = WalOptions {
+        failpoints,
+        preallocate_segments: false,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(tmp.path(), options).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    // The hook takes the commits the test queued and reports how each one stands.
+    let queued: Arc<Mutex<Vec<mqstate_wal::PendingCommit>>> = Arc::default();
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    let pending = Arc::clone(&queued);
+    let seen = Mutex::new(seen_tx);
+    let hooked = writer.after_commit(Box::new(move || {
+        for mut commit in pending.lock().unwrap().drain(..) {
+            let result = commit.try_result().map(|r| r.map_err(|e| e.to_string()));
+            seen.lock().unwrap().send(result).unwrap();
+        }
+    }));
+    assert!(hooked.is_ok());
+    assert!(
+        writer.after_commit(Box::new(|| {})).is_err(),
+        "one hook per writer"
+    );
+
+    let durable = writer.append(1, Bytes::from_static(b"a")).await.unwrap();
+    queued.lock().unwrap().push(durable);
+    gate_tx.send(FailAction::Continue).unwrap();
+    assert_eq!(
+        seen_rx.recv().unwrap(),
+        Some(Ok(0)),
+        "durable when the hook runs"
+    );
+
+    let failed = writer.append(1, Bytes::from_static(b"b")).await.unwrap();
+    queued.lock().unwrap().push(failed);
+    gate_tx.send(FailAction::Error).unwrap();
+    // The writer cuts the log back after the failure, with one more fsync.
+    gate_tx.send(FailAction::Continue).unwrap();
+    let result = seen_rx.recv().unwrap();
+    assert!(
+        matches!(result, Some(Err(_))),
+        "failed when the hook runs: {result:?}"
+    );
+}

@@ -192,7 +192,7 @@ impl Executor {
         acker: Acker,
         reply: impl Future<Output = (Bytes, Option<Hlc>)> + Send + 'static,
     ) {
-        let tx = self.tx.clone();
+        let completer = Arc::clone(&self.completer);
         let replies = self.replies.clone();
         let clock = self.clock.clone();
         tokio::spawn(async move {
@@ -220,9 +220,7 @@ impl Executor {
                     }),
                 },
             };
-            if tx.send(queued).await.is_err() {
-                tracing::error!("state store completer stopped; routed reply dropped");
-            }
+            completer.push(queued);
         });
     }
 
@@ -230,9 +228,7 @@ impl Executor {
         if let Outcome::Reply { acker: slot, .. } = &mut queued.outcome {
             *slot = Some(acker);
         }
-        if self.tx.send(queued).await.is_err() {
-            tracing::error!("state store completer stopped; outcome dropped");
-        }
+        self.completer.push(queued);
     }
 }
 
