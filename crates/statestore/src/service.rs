@@ -1,16 +1,15 @@
-//! The running service: the executor task and an ordered release queue.
+//! The running service: two tasks joined by an ordered queue.
 //!
 //! * The **executor** owns the deterministic [`StateMachine`]. For each request it checks the envelope,
 //!   consults the duplicate cache, executes the command, and appends the resulting delta to the WAL —
 //!   in execution order, so log order equals apply order. Expiry deadlines and session ends are handled
 //!   here too, so the state machine has exactly one writer.
-//! * The **completer** takes the executor's outcomes in the same order and releases each one once its
-//!   log record is durable: it delivers the notifications, publishes the reply and acknowledges the
-//!   publish. It is a queue, not a task: the log's writer thread releases what each fsync made
-//!   durable, the executor what needs no wait (decision 0055). Reads travel the same queue, so a
-//!   reply never reveals a write that is not yet durable, and a notification always precedes the
-//!   reply of the write that caused it (spec §6). When a commit fails, the outcomes computed behind
-//!   it before the executor rolled back are not released either ([`Rollbacks`]).
+//! * The **completer** takes the executor's outcomes in the same order, waits until each one's log
+//!   record is durable, and only then delivers the notifications, publishes the reply and acknowledges
+//!   the publish. Reads travel the same queue, so a reply never reveals a write that is not yet durable,
+//!   and a notification always precedes the reply of the write that caused it (spec §6). When a
+//!   commit fails, the outcomes computed behind it before the executor rolled back are not released
+//!   either ([`Rollbacks`]).
 //!
 //! Snapshots are encoded by the executor a chunk at a time between requests (decision 0014), each
 //! chunk streamed to the snapshot's temporary file as it is encoded ([`snapshot_stream`]); its seal is
@@ -57,11 +56,13 @@ mod undo;
 
 use clock_ceiling::ClockCeiling;
 pub use clock_ceiling::{next_clock_ceiling, CLOCK_CEILING_LEASE_MS};
-use completer::{Completer, Outcome, Queued, ReplyTo};
+use completer::{Outcome, Queued, ReplyTo};
 pub use completer::{Rollbacks, NOT_DURABLE_REPLY};
 use snapshot_schedule::SnapshotInProgress;
 pub use snapshot_schedule::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_CHUNK_KEYS};
 
+/// Outcomes queued between executor and completer; bounds memory when the disk is slow.
+pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
 /// Reason code of the DISCONNECT sent for a forbidden response topic (0x87 Not authorized).
 pub const FORBIDDEN_RESPONSE_TOPIC_REASON: u8 = 0x87;
 /// PUBACK reason when a request could not be made durable and no reply can say so (0x80
@@ -173,10 +174,11 @@ pub async fn run(
     } = recovered;
     let log = DurableLog::new(
         "statestore",
-        Arc::clone(&wal),
+        wal,
         next_lsn,
         SnapshotSchedule::new(config.snapshot_threshold_bytes, 0),
     );
+    let (tx, rx) = mpsc::channel::<Queued>(COMPLETION_QUEUE_CAPACITY);
     let mut dedup = DedupCache::new(config.dedup_max_entries);
     if !requests.is_empty() {
         tracing::info!(
@@ -187,22 +189,12 @@ pub async fn run(
     }
     let dedup = Arc::new(Mutex::new(dedup));
     let replies = ReplyBuilder::new(&config.server_id);
-    let completer = Arc::new(Completer::new(
+    let completer = tokio::spawn(completer::complete(
         broker.clone(),
+        rx,
         Arc::clone(&dedup),
         log.settler(),
     ));
-    // The writer thread releases what each batch made durable (decision 0055), in the runtime's
-    // context: a release may spawn (a snapshot's seal, a peer's forward).
-    let (runtime, releases) = (tokio::runtime::Handle::current(), Arc::clone(&completer));
-    let hooked = wal.after_commit(Box::new(move || {
-        let _entered = runtime.enter();
-        releases.release();
-    }));
-    if hooked.is_err() {
-        debug_assert!(false, "the state store's log has one owner");
-        tracing::error!("the state store's log already has an owner; writes will not be answered");
-    }
     let rates = RequestRates::new(config.requests_per_second);
     let notify = notify_exec::start(&broker, config.notify.clone());
     let mut executor = Executor {
@@ -214,7 +206,7 @@ pub async fn run(
         config,
         dedup,
         replies,
-        completer: Arc::clone(&completer),
+        tx,
         rates,
         ceiling: ClockCeiling::new(metadata, broker.clock().clone()),
         notify,
@@ -222,11 +214,7 @@ pub async fn run(
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
-    // What is still queued goes out as the writer completes it (or closes).
-    while !completer.is_empty() {
-        completer.release();
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let _ = completer.await;
 }
 
 struct Executor {
@@ -240,7 +228,7 @@ struct Executor {
     config: ServiceConfig,
     dedup: Arc<Mutex<DedupCache<Acker>>>,
     replies: ReplyBuilder,
-    completer: Arc<Completer>,
+    tx: mpsc::Sender<Queued>,
     rates: RequestRates,
     ceiling: ClockCeiling,
     /// Persistent notifications, when enabled.
@@ -466,7 +454,9 @@ impl Executor {
     async fn queue(&mut self, epoch: Option<u64>, outcome: Outcome) {
         let high_water_ms = self.machine.clock().high_water().wall_ms;
         self.ceiling.raise(self.log.wal(), high_water_ms).await;
-        self.completer.push(Queued { epoch, outcome });
+        if self.tx.send(Queued { epoch, outcome }).await.is_err() {
+            tracing::error!("state store completer stopped; outcome dropped");
+        }
     }
 }
 

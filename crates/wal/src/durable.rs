@@ -111,31 +111,18 @@ impl Settler {
     /// Resolves once `commit` is durable (with its LSN) or failed (reported to the owner, which
     /// rolls back).
     pub async fn settle(&self, commit: Commit) -> Result<Lsn, Failed> {
-        let Commit {
-            lsn,
-            epoch,
-            pending,
-        } = commit;
-        self.settled(lsn, epoch, pending.await)
-    }
-
-    /// [`Settler::settle`] without waiting: `None` while `commit` is pending. Once it returned
-    /// `Some`, the commit is spent.
-    pub fn try_settle(&self, commit: &mut Commit) -> Option<Result<Lsn, Failed>> {
-        let result = commit.pending.try_result()?;
-        Some(self.settled(commit.lsn, commit.epoch, result))
-    }
-
-    fn settled(&self, lsn: Lsn, epoch: u64, result: Result<Lsn, WalError>) -> Result<Lsn, Failed> {
-        match result {
-            Ok(written) => {
-                debug_assert_eq!(written, lsn, "a record gets the LSN it was appended for");
-                self.durable.advance(written);
-                Ok(written)
+        match commit.pending.await {
+            Ok(lsn) => {
+                debug_assert_eq!(lsn, commit.lsn, "a record gets the LSN it was appended for");
+                self.durable.advance(lsn);
+                Ok(lsn)
             }
             Err(error) => {
-                let _ = self.failures.send(epoch);
-                Err(Failed { epoch, error })
+                let _ = self.failures.send(commit.epoch);
+                Err(Failed {
+                    epoch: commit.epoch,
+                    error,
+                })
             }
         }
     }

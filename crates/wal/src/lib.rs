@@ -69,4 +69,4 @@ pub use snapshot::{
     decode_snapshot, encode_snapshot, read_snapshot, write_snapshot, Snapshot, SnapshotWriter,
 };
 pub use stats::{WalStats, WalStatsSnapshot};
-pub use writer::{AfterCommit, PendingCommit, WalWriter};
+pub use writer::{PendingCommit, WalWriter};

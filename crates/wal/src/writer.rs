@@ -8,7 +8,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -53,17 +53,10 @@ enum Command {
     },
 }
 
-/// Runs on the writer thread after each batch's futures are completed (durable or failed): an
-/// owner that releases work in commit order does it there, without waking another thread first
-/// (decision 0055).
-pub type AfterCommit = Box<dyn Fn() + Send + Sync>;
-
 /// Async handle to the log for the server. Cheap to share behind an `Arc`.
 #[derive(Debug)]
 pub struct WalWriter {
     tx: mpsc::Sender<Command>,
-    /// The owner's hook, set at most once ([`WalWriter::after_commit`]).
-    after_commit: Arc<OnceLock<AfterCommitHook>>,
     stats: Arc<WalStats>,
     dir: DataDir,
     failpoints: Failpoints,
@@ -118,33 +111,6 @@ impl Marker {
 #[derive(Debug)]
 pub struct PendingCommit(oneshot::Receiver<Result<Lsn, WalError>>);
 
-impl PendingCommit {
-    /// The record's result if the writer has completed it, `None` while it is pending. Once it
-    /// returned `Some`, the commit is spent: ask no more.
-    pub fn try_result(&mut self) -> Option<Result<Lsn, WalError>> {
-        match self.0.try_recv() {
-            Ok(result) => Some(result),
-            Err(oneshot::error::TryRecvError::Empty) => None,
-            Err(oneshot::error::TryRecvError::Closed) => Some(Err(WalError::Closed)),
-        }
-    }
-}
-
-fn run_hook(after_commit: &OnceLock<AfterCommitHook>) {
-    if let Some(AfterCommitHook(hook)) = after_commit.get() {
-        hook();
-    }
-}
-
-/// [`AfterCommit`] with a `Debug` the writer can derive.
-struct AfterCommitHook(AfterCommit);
-
-impl std::fmt::Debug for AfterCommitHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AfterCommit")
-    }
-}
-
 impl Future for PendingCommit {
     type Output = Result<Lsn, WalError>;
 
@@ -167,8 +133,6 @@ impl WalWriter {
         // timer: a current-thread runtime of its own, built and dropped on that thread (a
         // runtime must not be dropped inside the caller's async context).
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let after_commit = Arc::new(OnceLock::new());
-        let hook = Arc::clone(&after_commit);
         let thread = std::thread::Builder::new()
             .name("mqstate-wal".into())
             .spawn(move || {
@@ -178,9 +142,7 @@ impl WalWriter {
                 match runtime {
                     Ok(runtime) => {
                         let _ = ready_tx.send(Ok(()));
-                        run(wal, rx, &runtime, &hook);
-                        // Futures dropped unanswered at the end complete as closed: once more.
-                        run_hook(&hook);
+                        run(wal, rx, &runtime);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -196,7 +158,6 @@ impl WalWriter {
         let marker = Marker::spawn(reader.clone(), &dir)?;
         Ok(WalWriter {
             tx,
-            after_commit,
             stats,
             dir,
             failpoints,
@@ -205,15 +166,6 @@ impl WalWriter {
             thread: Some(thread),
             marker: Some(marker),
         })
-    }
-
-    /// Runs `hook` on the writer thread after every batch, once the batch's futures are complete
-    /// (so a [`PendingCommit::try_result`] of each of its records is `Some`). One hook per writer:
-    /// `Err` gives it back if one is set already.
-    pub fn after_commit(&self, hook: AfterCommit) -> Result<(), AfterCommit> {
-        self.after_commit
-            .set(AfterCommitHook(hook))
-            .map_err(|AfterCommitHook(hook)| hook)
     }
 
     /// A read handle on the log (records by LSN range, terms, the durable index to watch).
@@ -373,12 +325,7 @@ impl Drop for WalWriter {
 }
 
 /// The writer thread: batches appends until the queue closes or shutdown is requested.
-fn run(
-    mut wal: Wal,
-    mut rx: mpsc::Receiver<Command>,
-    runtime: &tokio::runtime::Runtime,
-    after_commit: &OnceLock<AfterCommitHook>,
-) {
+fn run(mut wal: Wal, mut rx: mpsc::Receiver<Command>, runtime: &tokio::runtime::Runtime) {
     let mut last_sync = Instant::now();
     let mut deferred: Option<Command> = None;
     loop {
@@ -392,7 +339,7 @@ fn run(
         match command {
             Command::Append(first) => {
                 let batch = gather(&wal, &mut rx, first, &mut deferred);
-                commit(&mut wal, batch, &mut last_sync, after_commit);
+                commit(&mut wal, batch, &mut last_sync);
             }
             Command::Compact { upto, done } => {
                 let _ = done.send(wal.compact(upto));
@@ -481,14 +428,8 @@ fn gather(
     batch
 }
 
-/// Writes a batch, fsyncs per policy, then completes every future of the batch and runs the
-/// owner's hook.
-fn commit(
-    wal: &mut Wal,
-    batch: Vec<Append>,
-    last_sync: &mut Instant,
-    after_commit: &OnceLock<AfterCommitHook>,
-) {
+/// Writes a batch, fsyncs per policy, then completes every future of the batch.
+fn commit(wal: &mut Wal, batch: Vec<Append>, last_sync: &mut Instant) {
     // An invalid record is refused on its own so it cannot fail its neighbours.
     let mut valid = Vec::with_capacity(batch.len());
     for append in batch {
@@ -508,7 +449,6 @@ fn commit(
         }
     }
     if valid.is_empty() {
-        run_hook(after_commit);
         return;
     }
     let first_lsn = wal.next_lsn();
@@ -550,7 +490,6 @@ fn commit(
             }
         }
     }
-    run_hook(after_commit);
     if let Err(error) = wal.rotate_if_needed() {
         tracing::error!(%error, "could not start a new log segment; the current one keeps growing");
     }

@@ -1,11 +1,8 @@
 //! The completer: takes the executor's outcomes in order, settles each one's commit and only then
 //! releases the notifications, the reply and the PUBACK; an outcome computed on state that is being
-//! rolled back gets the not-durable reply instead ([`Rollbacks`]). It is a queue, not a task: the
-//! thread that completes a commit, or queues an outcome behind nothing, releases ([`Completer`]).
+//! rolled back gets the not-durable reply instead ([`Rollbacks`]).
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,6 +10,7 @@ use mqstate_broker::{service::Acker, Broker, Message};
 use mqstate_protocol::Hlc;
 use mqstate_store::RequestId;
 use mqstate_wal::{Commit, Settler};
+use tokio::sync::mpsc;
 
 use super::snapshot_schedule::{self, PendingSnapshot};
 use super::PUBACK_UNSPECIFIED_ERROR;
@@ -144,127 +142,63 @@ fn not_durable(mut reply: Message) -> Message {
     reply
 }
 
-/// The release queue: outcomes in execution order, each released once its commit (if any) settled
-/// and everything queued before it was released. Whoever makes progress possible releases what is
-/// ready on its own thread — the executor after queuing an outcome (a read behind nothing is
-/// answered at once), the log's writer thread after each batch ([`WalWriter::after_commit`]) —
-/// so no thread is woken just to release (decision 0055).
-///
-/// [`WalWriter::after_commit`]: mqstate_wal::WalWriter::after_commit
-pub(super) struct Completer {
-    queue: Mutex<VecDeque<Queued>>,
-    /// Held while releasing, so outcomes go out in queue order; with it, what failed so far.
-    releasing: Mutex<Rollbacks>,
-    /// Something may have become ready since the holder of `releasing` last looked.
-    dirty: AtomicBool,
-    broker: Broker,
-    dedup: Arc<Mutex<DedupCache<Acker>>>,
-    settler: Settler,
+/// Awaits a commit. On failure the settler reports it to the executor, which rolls back; returns
+/// the epoch the failed write was computed in.
+async fn settle(commit: Option<Commit>, settler: &Settler) -> Result<(), Option<u64>> {
+    let Some(commit) = commit else {
+        return Ok(());
+    };
+    let durable_before = settler.durable().get();
+    match settler.settle(commit).await {
+        Ok(lsn) => {
+            debug_assert!(lsn >= durable_before, "commits complete in LSN order");
+            Ok(())
+        }
+        Err(failed) => {
+            tracing::error!("state store write not durable: {}", failed.error);
+            Err(Some(failed.epoch))
+        }
+    }
 }
 
-/// An outcome taken off the queue, with how its commit settled: `Err` with the epoch the failed
-/// write was computed in.
-type Settled = (Queued, Result<(), Option<u64>>);
-
-impl Completer {
-    pub(super) fn new(
-        broker: Broker,
-        dedup: Arc<Mutex<DedupCache<Acker>>>,
-        settler: Settler,
-    ) -> Completer {
-        Completer {
-            queue: Mutex::new(VecDeque::new()),
-            releasing: Mutex::new(Rollbacks::default()),
-            dirty: AtomicBool::new(false),
-            broker,
-            dedup,
-            settler,
-        }
-    }
-
-    /// Queues an outcome behind every earlier one and releases what is ready.
-    pub(super) fn push(&self, queued: Queued) {
-        lock(&self.queue).push_back(queued);
-        self.release();
-    }
-
-    /// Releases, in order, every outcome at the front of the queue whose commit settled. If
-    /// another thread is releasing, it looks again before it stops.
-    pub(super) fn release(&self) {
-        self.dirty.store(true, Ordering::SeqCst);
-        loop {
-            let mut rollbacks = match self.releasing.try_lock() {
-                Ok(guard) => guard,
-                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-                // The holder sees `dirty` before it lets go.
-                Err(TryLockError::WouldBlock) => return,
-            };
-            while self.dirty.swap(false, Ordering::SeqCst) {
-                while let Some(settled) = self.next_settled() {
-                    self.release_one(settled, &mut rollbacks);
-                }
-            }
-            drop(rollbacks);
-            if !self.dirty.load(Ordering::SeqCst) {
-                return;
-            }
-        }
-    }
-
-    /// Whether every queued outcome was released.
-    pub(super) fn is_empty(&self) -> bool {
-        lock(&self.queue).is_empty()
-    }
-
-    /// The front outcome, if its commit (if any) settled. Called only while releasing.
-    fn next_settled(&self) -> Option<Settled> {
-        let mut queue = lock(&self.queue);
-        let settled = match &mut queue.front_mut()?.outcome {
-            Outcome::Reply {
-                commit: Some(commit),
-                ..
-            }
-            | Outcome::Internal {
-                commit: Some(commit),
-                ..
-            } => match self.settler.try_settle(commit)? {
-                Ok(_) => Ok(()),
-                Err(failed) => {
-                    tracing::error!("state store write not durable: {}", failed.error);
-                    Err(Some(failed.epoch))
-                }
-            },
-            _ => Ok(()),
-        };
-        let queued = queue.pop_front()?;
-        Some((queued, settled))
-    }
-
-    fn release_one(&self, (queued, settled): Settled, rollbacks: &mut Rollbacks) {
-        let Queued { epoch, outcome } = queued;
-        if let Err(failed_in) = settled {
-            rollbacks.commit_failed(failed_in);
-        }
-        let released = settled.is_ok() && !rollbacks.is_stale(epoch);
+pub(super) async fn complete(
+    broker: Broker,
+    mut rx: mpsc::Receiver<Queued>,
+    dedup: Arc<Mutex<DedupCache<Acker>>>,
+    settler: Settler,
+) {
+    let mut rollbacks = Rollbacks::default();
+    while let Some(Queued { epoch, outcome }) = rx.recv().await {
         match outcome {
             Outcome::Snapshot(pending) => snapshot_schedule::write_when_durable(
                 pending,
-                self.settler.durable().get(),
-                &self.dedup,
-                self.broker.clock(),
+                settler.durable().get(),
+                &dedup,
+                broker.clock(),
             ),
-            Outcome::Internal { done, .. } => done(released),
+            Outcome::Internal { commit, done } => {
+                let settled = settle(commit, &settler).await;
+                if let Err(failed_in) = settled {
+                    rollbacks.commit_failed(failed_in);
+                }
+                done(settled.is_ok() && !rollbacks.is_stale(epoch));
+            }
             Outcome::Reply {
+                commit,
                 notifications,
                 reply,
                 acker,
                 timing,
-                ..
             } => {
+                let settled = settle(commit, &settler).await;
+                if let Err(failed_in) = settled {
+                    rollbacks.commit_failed(failed_in);
+                }
                 // A failed write, or anything computed on its rolled-back state: the error reply.
+                let released = settled.is_ok() && !rollbacks.is_stale(epoch);
                 let (reply, reason) = if released {
                     for (client_id, message) in notifications {
-                        self.broker.deliver_to(&client_id, message);
+                        broker.deliver_to(&client_id, message);
                     }
                     let sent = reply.map(|r| (r.request, r.message, r.version, r.logged));
                     (sent, 0x00)
@@ -285,11 +219,14 @@ impl Completer {
                                 payload: message.payload.clone(),
                                 version,
                             };
-                            lock(&self.dedup).complete(request, cached, logged)
+                            dedup
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .complete(request, cached, logged)
                         }
                         None => Vec::new(),
                     };
-                    self.broker.publish(message);
+                    broker.publish(message);
                     for retry in waiting {
                         retry.ack(reason);
                     }
@@ -304,10 +241,6 @@ impl Completer {
             }
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

@@ -192,7 +192,7 @@ impl Executor {
         acker: Acker,
         reply: impl Future<Output = (Bytes, Option<Hlc>)> + Send + 'static,
     ) {
-        let completer = Arc::clone(&self.completer);
+        let tx = self.tx.clone();
         let replies = self.replies.clone();
         let clock = self.clock.clone();
         tokio::spawn(async move {
@@ -220,7 +220,9 @@ impl Executor {
                     }),
                 },
             };
-            completer.push(queued);
+            if tx.send(queued).await.is_err() {
+                tracing::error!("state store completer stopped; routed reply dropped");
+            }
         });
     }
 
@@ -228,7 +230,9 @@ impl Executor {
         if let Outcome::Reply { acker: slot, .. } = &mut queued.outcome {
             *slot = Some(acker);
         }
-        self.completer.push(queued);
+        if self.tx.send(queued).await.is_err() {
+            tracing::error!("state store completer stopped; outcome dropped");
+        }
     }
 }
 
