@@ -15,6 +15,8 @@
 # 1,000,000 keys (as scripts/bench.sh restart), stops the server, and reports the restarted server's
 # CPU seconds and VmRSS once it listens; `restart-nosnap` does the same with snapshots off, so every
 # record is replayed (the default threshold makes the figure depend on where the last snapshot falls).
+# With THREADS=1 each server workload also prints its CPU and context switches per request by thread
+# name (runtime workers, log writer, ...): where a change moves work between threads (decision 0055).
 # One line per workload goes to $OUT/results.tsv. Alternate builds in a loop for side-by-side figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +28,17 @@ OUT="${OUT:-target/bench-results/cpu-per-op}"; mkdir -p "$OUT"
 # Context switches (voluntary + involuntary) of every thread of PID: each is a thread going to sleep
 # or being put off its core, so hand-offs between threads show up here.
 ctx() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ {s += $2} END {print s}'; }
+# "name ticks switches" for every thread of PID (thread names may repeat: summed by `per_thread`).
+threads() { for t in /proc/"$1"/task/*; do
+  printf '%s %s %s\n' "$(tr ' ' _ <"$t/comm")" "$(awk '{print $14 + $15}' "$t/stat")" \
+    "$(awk '/ctxt_switches/ {s += $2} END {print s}' "$t/status")"; done 2>/dev/null; }
+per_thread() { # name label n before after
+  awk -v n="$3" -v tck="$(getconf CLK_TCK)" -v name="$1" -v label="$2" '
+    NR == FNR { c[$1] += $2; x[$1] += $3; next } { cc[$1] += $2; xx[$1] += $3 }
+    END { line = sprintf("%s\t%s\tthreads", name, label)
+          for (t in cc) if (cc[t] > c[t]) line = line sprintf("\t%s cpu_us/op %.2f ctxsw/op %.2f", t,
+            (cc[t] - c[t]) * 1000000 / tck / n, (xx[t] - x[t]) / n); print line }' "$4" "$5" | tee -a "$OUT/results.tsv"
+}
 cpu_us() { awk -v tck="$(getconf CLK_TCK)" '{printf "%d", ($14 + $15) * 1000000 / tck}' "/proc/$1/stat"; }
 start() {
   PORT=$(free_port); DATA=$(mktemp -d -p "${TMPDIR:-/tmp}" mqstate-cpu.XXXXXX)
@@ -57,11 +70,15 @@ one() { # name requests serve-flags... -- bench-flags...
     stop; return
   fi
   local c0 x0; c0=$(cpu_us "$SPID"); x0=$(ctx "$SPID")
+  [ "${THREADS:-0}" = 1 ] && threads "$SPID" >"$OUT/threads-before"
   "$gen" bench --port "$PORT" --requests "$n" --json "$OUT/$name-$label.json" "$@" >/dev/null 2>&1
   local c1 x1; c1=$(cpu_us "$SPID"); x1=$(ctx "$SPID")
+  [ "${THREADS:-0}" = 1 ] && threads "$SPID" >"$OUT/threads-after"
   stop
   printf '%s\t%s\tcpu_us/op %.2f\tctxsw/op %.2f\n' "$name" "$label" "$(echo "($c1 - $c0) / $n" | bc -l)" \
     "$(echo "($x1 - $x0) / $n" | bc -l)" | tee -a "$OUT/results.tsv"
+  [ "${THREADS:-0}" = 1 ] && per_thread "$name" "$label" "$n" "$OUT/threads-before" "$OUT/threads-after"
+  return 0
 }
 redis_set() { # name requests
   local name=$1 n=$2
