@@ -16,7 +16,7 @@
 # CPU seconds and VmRSS once it listens; `restart-nosnap` does the same with snapshots off, so every
 # record is replayed (the default threshold makes the figure depend on where the last snapshot falls).
 # With THREADS=1 each server workload also prints its CPU and context switches per request by thread
-# name (runtime workers, log writer, ...): where a change moves work between threads (decision 0055).
+# name (runtime workers, log writer, ...): where a change moves work between threads (decision 0056).
 # One line per workload goes to $OUT/results.tsv. Alternate builds in a loop for side-by-side figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
