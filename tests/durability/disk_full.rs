@@ -64,6 +64,13 @@ impl Disk {
         }
     }
 
+    /// A server whose data directory is on this disk.
+    fn start_server(&self, root: &Path) -> Server {
+        let env = self.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        Server::start_in(&self.data_dir(root), &[], &env)
+    }
+
     fn env(&self) -> Vec<(&'static str, String)> {
         match self {
             Disk::Tmpfs { .. } => Vec::new(),
@@ -147,10 +154,7 @@ async fn injected_enospc_refuses_writes_serves_reads_and_recovers() {
 }
 
 async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
-    let data_dir = disk.data_dir(root);
-    let env = disk.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let mut server = Server::start_in(&data_dir, &[], &env);
+    let mut server = disk.start_server(root);
     let addr = server.addr;
 
     // A persistent subscriber goes offline, so every QoS 1 publish is queued in its session.
@@ -263,9 +267,7 @@ async fn a_read_behind_a_write_that_fails_to_commit_never_sees_it() {
 
     let root = tempfile::tempdir().unwrap();
     let disk = Disk::failpoint(root.path());
-    let env = disk.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let server = Server::start_in(&disk.data_dir(root.path()), &[], &env);
+    let server = disk.start_server(root.path());
     let mut setup = StateClient::connect(server.addr, "dirty-setup").await;
     assert_eq!(setup.request(&[b"SET", b"k", b"old"]).await.as_ref(), OK);
 
@@ -355,9 +357,7 @@ async fn a_read_behind_a_write_that_fails_to_commit_never_sees_it() {
 async fn an_expiry_the_full_disk_refuses_leaves_the_queue_as_a_restart_finds_it() {
     let root = tempfile::tempdir().unwrap();
     let disk = Disk::failpoint(root.path());
-    let env = disk.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let mut server = Server::start_in(&disk.data_dir(root.path()), &[], &env);
+    let mut server = disk.start_server(root.path());
     // An endpoint that never answers: every entry stays queued, none is removed.
     let endpoint = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/hook", endpoint.local_addr().unwrap());
