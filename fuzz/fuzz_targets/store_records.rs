@@ -1,7 +1,8 @@
 //! Arbitrary bytes as a state-store log record (key or queue delta, or either as a request's `J`, or
 //! the previous release's `I`): decoding returns an error, never panics; what it accepts re-encodes to
 //! the same bytes (an `I` is written again as a `J`) and applies to a state machine (with a topic
-//! defined first, so queue records take effect) without panicking.
+//! defined first, so queue records take effect) without panicking. The header-only read of the
+//! record's request (`RequestRecord::of_record`) never panics and agrees with the decoded record.
 #![no_main]
 
 use std::sync::Arc;
@@ -9,10 +10,12 @@ use std::sync::Arc;
 use libfuzzer_sys::fuzz_target;
 use mqstate_store::notify::{TopicDef, ALL_EVENTS};
 use mqstate_store::request::LEGACY_REQUESTED_MARKER;
-use mqstate_store::{Change, Limits, StateMachine, StoreConfig};
+use mqstate_store::{Change, Limits, RequestRecord, StateMachine, StoreConfig};
 
 fuzz_target!(|data: &[u8]| {
+    let header_read = RequestRecord::of_record(data);
     if let Ok(change) = Change::decode(data) {
+        assert_eq!(header_read.ok(), Some(change.request().cloned()));
         if data.first() != Some(&LEGACY_REQUESTED_MARKER) {
             assert_eq!(change.encode().as_deref(), Ok(data));
         }

@@ -7,6 +7,7 @@ pub mod mqtt;
 pub mod proxy;
 pub mod sdk;
 pub mod state;
+pub mod topic;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

@@ -4,10 +4,11 @@ use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::{ConnectProperties, Packet, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
-use tokio::sync::{mpsc, oneshot};
+use rumqttc::Outgoing;
+use tokio::sync::mpsc;
 
 pub const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 /// Hang guard for every wait, not a performance claim.
@@ -74,50 +75,146 @@ static CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 pub struct StateClient {
     client: AsyncClient,
     replies: mpsc::UnboundedReceiver<Publish>,
+    /// KEYNOTIFY notifications, kept apart from the replies.
+    notifications: mpsc::UnboundedReceiver<Publish>,
     response_topic: String,
     next_correlation: u64,
+    /// The CONNACK's Session Present.
+    pub session_present: bool,
+}
+
+/// What the event loop tells the connecting side.
+enum Connecting {
+    ConnAck {
+        session_present: bool,
+    },
+    SubAck,
+    /// The connection ended before it was ready.
+    Ended(String),
+}
+
+impl Connecting {
+    async fn next(events: &mut mpsc::UnboundedReceiver<Connecting>) -> Result<Connecting, String> {
+        match tokio::time::timeout(WAIT, events.recv()).await {
+            Ok(Some(Connecting::Ended(e))) => Err(e),
+            Ok(Some(event)) => Ok(event),
+            Ok(None) => Err("the event loop ended".to_owned()),
+            Err(_) => Err("no answer in time".to_owned()),
+        }
+    }
 }
 
 impl StateClient {
     pub async fn connect(addr: SocketAddr, id: &str) -> StateClient {
+        let options = MqttOptions::new(id, addr.ip().to_string(), addr.port());
+        StateClient::try_connect_with(options)
+            .await
+            .unwrap_or_else(|e| panic!("{id} could not connect to {addr}: {e}"))
+    }
+
+    /// Connects with a persistent session (clean start off, expiring an hour after it ends);
+    /// `Err` with the reason if the connection ends before it is ready (a node still failing over
+    /// answers 0x88 Server unavailable).
+    pub async fn try_connect_persistent(addr: SocketAddr, id: &str) -> Result<StateClient, String> {
         let mut options = MqttOptions::new(id, addr.ip().to_string(), addr.port());
+        options.set_clean_start(false);
+        options.set_connect_properties(ConnectProperties {
+            session_expiry_interval: Some(3600),
+            ..ConnectProperties::new()
+        });
+        StateClient::try_connect_with(options).await
+    }
+
+    async fn try_connect_with(mut options: MqttOptions) -> Result<StateClient, String> {
         options.set_keep_alive(Duration::from_secs(30));
+        let response_topic = format!("clients/{}/statestore/response", options.client_id());
         let (client, mut eventloop) = AsyncClient::new(options, 64);
-        let (tx, replies) = mpsc::unbounded_channel();
-        let (subscribed_tx, subscribed_rx) = oneshot::channel();
+        let (reply_tx, replies) = mpsc::unbounded_channel();
+        let (note_tx, notifications) = mpsc::unbounded_channel();
+        let (connecting_tx, mut connecting) = mpsc::unbounded_channel();
         tokio::spawn(async move {
-            let mut subscribed = Some(subscribed_tx);
             loop {
-                match eventloop.poll().await {
-                    Ok(Event::Incoming(Packet::SubAck(_))) => {
-                        if let Some(s) = subscribed.take() {
-                            let _ = s.send(());
-                        }
-                    }
+                let event = match eventloop.poll().await {
+                    Ok(Event::Incoming(Packet::ConnAck(ack))) => Connecting::ConnAck {
+                        session_present: ack.session_present,
+                    },
+                    Ok(Event::Incoming(Packet::SubAck(_))) => Connecting::SubAck,
                     Ok(Event::Incoming(Packet::Publish(p))) => {
-                        let _ = tx.send(p);
+                        let to = if p.topic.windows(16).any(|w| w == b"/command/notify/") {
+                            &note_tx
+                        } else {
+                            &reply_tx
+                        };
+                        let _ = to.send(p);
+                        continue;
                     }
-                    Ok(_) => {}
+                    // Disconnected on purpose (`disconnect`): stop here, or rumqttc would
+                    // connect again.
+                    Ok(Event::Outgoing(Outgoing::Disconnect)) => return,
+                    Ok(_) => continue,
                     // The server is gone: stop here rather than let rumqttc reconnect.
-                    Err(_) => return,
+                    Err(e) => Connecting::Ended(format!("{e:?}")),
+                };
+                let ended = matches!(event, Connecting::Ended(_));
+                let _ = connecting_tx.send(event);
+                if ended {
+                    return;
                 }
             }
         });
-        let response_topic = format!("clients/{id}/statestore/response");
-        client
-            .subscribe(response_topic.clone(), QoS::AtLeastOnce)
-            .await
-            .unwrap();
-        tokio::time::timeout(WAIT, subscribed_rx)
-            .await
-            .expect("SUBACK in time")
-            .expect("connection alive until SUBACK");
-        StateClient {
+        let Connecting::ConnAck { session_present } = Connecting::next(&mut connecting).await?
+        else {
+            return Err("a SUBACK before the CONNACK".to_owned());
+        };
+        // A session that was present still has its subscription.
+        if !session_present {
+            client
+                .subscribe(response_topic.clone(), QoS::AtLeastOnce)
+                .await
+                .map_err(|e| format!("{e:?}"))?;
+            let Connecting::SubAck = Connecting::next(&mut connecting).await? else {
+                return Err("a second CONNACK".to_owned());
+            };
+        }
+        Ok(StateClient {
             client,
             replies,
+            notifications,
             response_topic,
             next_correlation: CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32,
+            session_present,
+        })
+    }
+
+    /// The next KEYNOTIFY notification within `bound`. One sent again (DUP: in flight when the
+    /// node holding the session died, as QoS 1 allows) is skipped.
+    pub async fn next_notification(&mut self, bound: Duration) -> Publish {
+        loop {
+            let note = tokio::time::timeout(bound, self.notifications.recv())
+                .await
+                .expect("a notification in time")
+                .expect("connection alive");
+            if !note.dup {
+                return note;
+            }
+            eprintln!("a notification sent again: {:?}", note.payload);
         }
+    }
+
+    /// A notification received already, if any.
+    pub fn received_notification(&mut self) -> Option<Publish> {
+        self.notifications.try_recv().ok()
+    }
+
+    /// Disconnects (a persistent session stays).
+    pub async fn disconnect(self) {
+        self.client.disconnect().await.unwrap();
+        // The event loop sends DISCONNECT and ends; give it the chance before dropping.
+        let mut notifications = self.notifications;
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            while notifications.recv().await.is_some() {}
+        })
+        .await;
     }
 
     /// One request; returns the reply payload.

@@ -9,14 +9,12 @@
 use crate::common;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::leased_lock::lock;
 use azure_iot_operations_services::state_store::{KeyObservation, Operation, SetOptions};
-use common::cluster::{agreed, eventually, start_founders, Node, AGREEMENT_TIMEOUT};
-use common::free_addr;
+use common::cluster::{formed_cluster, AGREEMENT_TIMEOUT};
 use common::proxy::Front;
 use common::sdk::{within, SdkClient, REQUEST_TIMEOUT};
 
@@ -70,18 +68,10 @@ async fn next_notification(
         .0
 }
 
-fn three_nodes(root: &std::path::Path) -> Vec<Node> {
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
-    let nodes = start_founders(root, &addrs);
-    let refs: Vec<&Node> = nodes.iter().collect();
-    tokio::task::block_in_place(|| eventually("three nodes agree", || agreed(&refs, &[1, 2, 3])));
-    nodes
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sdk_application_survives_kill_9_of_its_node() {
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = three_nodes(root.path());
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
     let front = Front::start(nodes[0].server.addr).await;
 
     let mut app = bounded(SdkClient::connect(front.port(), "fo-app")).await;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::state::{StateClient, NIL, OK};
+use common::topic::{cli, create, stats};
 use common::Server;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -165,40 +166,6 @@ const FAST: &[&str] = &[
     "200",
 ];
 
-fn mqstate(server: &Server, args: &[&str]) -> std::process::Output {
-    let (sub, rest) = args.split_first().unwrap();
-    let (sub2, rest) = rest.split_first().unwrap();
-    Command::new(env!("CARGO_BIN_EXE_mqstate"))
-        .args([sub, sub2])
-        .args(["--port", &server.port().to_string(), "--timeout", "10"])
-        .args(rest)
-        .env_remove("AIO_BROKER_HOSTNAME")
-        .env_remove("AIO_BROKER_TCP_PORT")
-        .output()
-        .unwrap()
-}
-
-fn create(server: &Server, name: &str, endpoint: &str, extra: &[&str]) {
-    let mut args = vec![
-        "topic",
-        "create",
-        name,
-        "--endpoint",
-        endpoint,
-        "--keys",
-        "order:*",
-    ];
-    args.extend_from_slice(extra);
-    let out = mqstate(server, &args);
-    assert!(out.status.success(), "topic create: {out:?}");
-}
-
-fn stats(server: &Server, name: &str) -> Value {
-    let out = mqstate(server, &["topic", "stats", name, "--json"]);
-    assert!(out.status.success(), "topic stats: {out:?}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
     while !done() {
@@ -319,16 +286,12 @@ async fn a_full_queue_refuses_the_write_and_nothing_else() {
         (Some(3), Some(0))
     );
     // Deleting the topic deletes its queue; writes no longer reserve anything.
-    assert!(mqstate(&server, &["topic", "rm", "orders"])
-        .status
-        .success());
-    let listed = mqstate(&server, &["topic", "list", "--json"]);
+    assert!(cli(&server, &["topic", "rm", "orders"]).status.success());
+    let listed = cli(&server, &["topic", "list", "--json"]);
     let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
     assert_eq!(listed["topics"], serde_json::json!([]));
     assert_eq!(set(&mut client, "order:4", "v").await, OK);
-    assert!(!mqstate(&server, &["topic", "stats", "orders"])
-        .status
-        .success());
+    assert!(!cli(&server, &["topic", "stats", "orders"]).status.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,36 +28,15 @@
 //! without flushing it) must be rejected: the head answers a value that is only on its own disk,
 //! fails, and the new head answers the older value.
 
+mod common;
+
 use std::collections::BTreeSet;
 
-use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
-use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
+use common::{Clients, Op, Row, KEYS};
+use stateright::semantics::register::RegisterRet;
 use stateright::{Checker, Model, Property};
 
 const REPLICAS: usize = 3;
-const KEYS: usize = 2;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct Row {
-    /// 0 is "never written" (the register's initial value).
-    value: u8,
-    version: u8,
-    locked: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-enum Op {
-    Write(usize, u8),
-    Read(usize),
-}
-
-impl Op {
-    fn key(self) -> usize {
-        match self {
-            Op::Write(key, _) | Op::Read(key) => key,
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Item {
@@ -92,11 +71,7 @@ struct State {
     /// Published chains, head first; the last is the current one.
     views: Vec<Vec<usize>>,
     network: BTreeSet<Message>,
-    /// Each client's next operation in its script.
-    next_op: Vec<usize>,
-    /// Clients with an operation in flight.
-    busy: Vec<bool>,
-    testers: Vec<LinearizabilityTester<usize, Register<u8>>>,
+    clients: Clients,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -156,13 +131,6 @@ impl State {
         self.network.insert(Message { view, to, item });
     }
 
-    fn reply(&mut self, client: usize, key: usize, ret: RegisterRet<u8>) {
-        // The history is valid by construction (one operation in flight per client and key).
-        let _ = self.testers[key].on_return(client, ret);
-        self.busy[client] = false;
-        self.next_op[client] += 1;
-    }
-
     /// Unlocks `key` at version `version` at `r`; at the head, answers the write's client.
     fn committed(&mut self, r: usize, key: usize, version: u8) {
         let row = &mut self.replicas[r].rows[key];
@@ -178,7 +146,7 @@ impl State {
                 .collect();
             for entry in done {
                 self.replicas[r].waiting.remove(&entry);
-                self.reply(entry.0, key, RegisterRet::WriteOk);
+                self.clients.reply(entry.0, key, RegisterRet::WriteOk);
             }
         } else if let Some(p) = self.predecessor(r) {
             self.send(r, p, Item::Commit { key, version });
@@ -211,11 +179,7 @@ impl Model for ChainModel {
         let replica = Replica {
             alive: true,
             view: 0,
-            rows: [Row {
-                value: 0,
-                version: 0,
-                locked: false,
-            }; KEYS],
+            rows: [Row::default(); KEYS],
             inbox: BTreeSet::new(),
             waiting: BTreeSet::new(),
         };
@@ -223,18 +187,12 @@ impl Model for ChainModel {
             replicas: [replica.clone(), replica.clone(), replica],
             views: vec![(0..REPLICAS).collect()],
             network: BTreeSet::new(),
-            next_op: vec![0; self.scripts.len()],
-            busy: vec![false; self.scripts.len()],
-            testers: vec![LinearizabilityTester::new(Register(0)); KEYS],
+            clients: Clients::new(&self.scripts),
         }]
     }
 
     fn actions(&self, state: &State, actions: &mut Vec<Action>) {
-        for (c, script) in self.scripts.iter().enumerate() {
-            if !state.busy[c] && state.next_op[c] < script.len() {
-                actions.push(Action::Invoke(c));
-            }
-        }
+        actions.extend(state.clients.ready(&self.scripts).map(Action::Invoke));
         for (r, replica) in state.replicas.iter().enumerate() {
             if !replica.alive {
                 continue;
@@ -277,13 +235,7 @@ impl Model for ChainModel {
         let mut s = last.clone();
         match action {
             Action::Invoke(c) => {
-                let op = self.scripts[c][s.next_op[c]];
-                let register_op = match op {
-                    Op::Write(_, value) => RegisterOp::Write(value),
-                    Op::Read(_) => RegisterOp::Read,
-                };
-                let _ = s.testers[op.key()].on_invoke(c, register_op);
-                s.busy[c] = true;
+                let op = s.clients.invoke(&self.scripts, c);
                 let head = *s.views.last()?.first()?;
                 if s.replicas[head].alive {
                     s.replicas[head].inbox.insert((c, op));
@@ -295,7 +247,7 @@ impl Model for ChainModel {
                 match op {
                     Op::Read(key) => {
                         let value = s.replicas[r].rows[key].value;
-                        s.reply(c, key, RegisterRet::ReadOk(value));
+                        s.clients.reply(c, key, RegisterRet::ReadOk(value));
                     }
                     Op::Write(key, value) => {
                         let version = s.replicas[r].rows[key].version + 1;
@@ -372,11 +324,9 @@ impl Model for ChainModel {
 
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
-            Property::always("linearizable", |_, s: &State| {
-                s.testers.iter().all(|t| t.serialized_history().is_some())
-            }),
+            Property::always("linearizable", |_, s: &State| s.clients.linearizable()),
             Property::sometimes("a write is answered", |_, s: &State| {
-                s.testers.iter().any(|t| t.len() > 0) && s.busy.iter().all(|b| !b)
+                s.clients.answered_and_idle()
             }),
         ]
     }

@@ -31,35 +31,13 @@
 //! The broken variant — a replica passing a commit on before its own fsync — must be rejected:
 //! the head answers a write its own disk does not hold, crashes, and reads the older value.
 
+mod common;
+
 use std::collections::BTreeSet;
 
-use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
-use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
+use common::{Clients, Op, Row, KEYS};
+use stateright::semantics::register::RegisterRet;
 use stateright::{Checker, Model, Property};
-
-const KEYS: usize = 2;
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct Row {
-    /// 0 is "never written" (the register's initial value).
-    value: u8,
-    version: u8,
-    locked: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-enum Op {
-    Write(usize, u8),
-    Read(usize),
-}
-
-impl Op {
-    fn key(self) -> usize {
-        match self {
-            Op::Write(key, _) | Op::Read(key) => key,
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Item {
@@ -106,9 +84,7 @@ struct State {
     network: BTreeSet<Message>,
     /// The head's clock (HLC): every version it stamps is above every earlier one.
     clock: u8,
-    next_op: Vec<usize>,
-    busy: Vec<bool>,
-    testers: Vec<LinearizabilityTester<usize, Register<u8>>>,
+    clients: Clients,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -140,12 +116,6 @@ impl State {
 
     fn send(&mut self, to: usize, item: Item) {
         self.network.insert(Message { to, item });
-    }
-
-    fn reply(&mut self, client: usize, key: usize, ret: RegisterRet<u8>) {
-        let _ = self.testers[key].on_return(client, ret);
-        self.busy[client] = false;
-        self.next_op[client] += 1;
     }
 
     fn busy_at_head(&self, key: usize) -> bool {
@@ -223,7 +193,7 @@ impl State {
             .collect();
         for w in done {
             self.replicas[0].inflight.remove(&w);
-            self.reply(w.0, key, RegisterRet::WriteOk);
+            self.clients.reply(w.0, key, RegisterRet::WriteOk);
         }
     }
 
@@ -290,18 +260,12 @@ impl Model for Pipelined {
             replicas: vec![replica; self.replicas],
             network: BTreeSet::new(),
             clock: 0,
-            next_op: vec![0; self.scripts.len()],
-            busy: vec![false; self.scripts.len()],
-            testers: vec![LinearizabilityTester::new(Register(0)); KEYS],
+            clients: Clients::new(&self.scripts),
         }]
     }
 
     fn actions(&self, state: &State, actions: &mut Vec<Action>) {
-        for (c, script) in self.scripts.iter().enumerate() {
-            if !state.busy[c] && state.next_op[c] < script.len() {
-                actions.push(Action::Invoke(c));
-            }
-        }
+        actions.extend(state.clients.ready(&self.scripts).map(Action::Invoke));
         for &(c, op) in &state.replicas[0].inbox {
             if !state.busy_at_head(op.key()) {
                 actions.push(Action::Handle(c, op));
@@ -333,13 +297,7 @@ impl Model for Pipelined {
         let mut s = last.clone();
         match action {
             Action::Invoke(c) => {
-                let op = self.scripts[c][s.next_op[c]];
-                let register_op = match op {
-                    Op::Write(_, value) => RegisterOp::Write(value),
-                    Op::Read(_) => RegisterOp::Read,
-                };
-                let _ = s.testers[op.key()].on_invoke(c, register_op);
-                s.busy[c] = true;
+                let op = s.clients.invoke(&self.scripts, c);
                 s.replicas[0].inbox.insert((c, op));
             }
             Action::Handle(c, op) => {
@@ -347,7 +305,7 @@ impl Model for Pipelined {
                 match op {
                     Op::Read(key) => {
                         let value = s.replicas[0].rows[key].value;
-                        s.reply(c, key, RegisterRet::ReadOk(value));
+                        s.clients.reply(c, key, RegisterRet::ReadOk(value));
                     }
                     Op::Write(key, value) => {
                         s.clock += 1;
@@ -444,14 +402,9 @@ impl Model for Pipelined {
 
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
-            Property::always("linearizable", |_, s: &State| {
-                s.testers.iter().all(|t| t.serialized_history().is_some())
-            }),
+            Property::always("linearizable", |_, s: &State| s.clients.linearizable()),
             Property::sometimes("every operation answered", |model: &Self, s: &State| {
-                s.next_op
-                    .iter()
-                    .zip(&model.scripts)
-                    .all(|(&next, script)| next == script.len())
+                s.clients.finished(&model.scripts)
             }),
         ]
     }

@@ -233,16 +233,15 @@ impl Replication {
                 Answer::Value { value, version } => (value, version),
                 other => return Err(not_served(partition, &other)),
             };
-            if self.recent.is_unsynced(partition, self.clock.now_ms()) {
-                return Err(format!(
-                    "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
-                ));
-            }
             // A retry of a request the chain ran before (its front end lost the answer in a
             // fail-over or a pause), though later writes replaced its row: its first reply. The
             // read above committed every write of the key so far, that request's included.
             let id = RequestId::of(&request.client_id, &request.correlation);
-            if let Some(first) = self.recent.first_reply(partition, &id, self.clock.now_ms()) {
+            let first = self.recent.first_reply(partition, &id, self.clock.now_ms());
+            let first = first.map_err(|recent::Unsynced| format!(
+                "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
+            ))?;
+            if let Some(first) = first {
                 return Ok(Executed {
                     payload: first.reply.to_vec(),
                     ts: first.reply_ts.as_ref().map(Hlc::to_string),
@@ -410,7 +409,7 @@ async fn background(replication: Weak<Replication>) {
         if round % u64::from(TAKE_OVER_EVERY) == 0 {
             replication.take_over().await;
         }
-        if round % u64::from(TAKE_OVER_EVERY) == 0 {
+        if round % u64::from(TAKE_OVER_EVERY) == 0 && !replication.recent.unsynced().is_empty() {
             let replication = Arc::clone(&replication);
             tokio::spawn(async move { replication.sync_recent().await });
         }

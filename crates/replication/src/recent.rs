@@ -18,7 +18,7 @@
 //! be asked about once it is head (robustness seed 70169: a head that had re-entered ran a retry a
 //! second time). Until it has the entries of the other members of its chain ([`Recent::export`],
 //! merged by [`Recent::import`]), the partition is *unsynced*: it must not execute as head, which
-//! the caller checks with [`Recent::is_unsynced`]. Once the longest a request is remembered has
+//! [`Recent::first_reply`] answers [`Unsynced`]. Once the longest a request is remembered has
 //! passed since the re-entry, nothing it could have missed matters, and it is synced by itself.
 
 use std::collections::HashMap;
@@ -27,7 +27,7 @@ use std::sync::Mutex;
 use bytes::Bytes;
 use mqstate_chain::{Record, Restored, Row};
 use mqstate_protocol::Hlc;
-use mqstate_store::{Change, RequestId, RequestRecord};
+use mqstate_store::{RequestId, RequestRecord};
 use serde::{Deserialize, Serialize};
 
 /// Entries are kept no longer than this, whatever the request's own expiry says: the cluster's
@@ -42,6 +42,10 @@ pub const CLOCK_MARGIN_MS: u64 = 10_000;
 
 /// Sweeps of expired entries happen at most this often per partition.
 const SWEEP_EVERY_MS: u64 = 1_000;
+
+/// A replica that re-entered its chain and does not know yet which requests the chain ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unsynced;
 
 #[derive(Default)]
 pub struct Recent {
@@ -104,33 +108,27 @@ impl Recent {
     }
 
     /// The first reply of request `id` if this replica saw a row of `partition` made by it and
-    /// the request has not expired (give or take [`CLOCK_MARGIN_MS`]).
+    /// the request has not expired (give or take [`CLOCK_MARGIN_MS`]); [`Unsynced`] while this
+    /// replica cannot know (it re-entered and has not got the other members' entries yet), so
+    /// must not execute requests as head. One look, on the head's path of every request.
     pub fn first_reply(
         &self,
         partition: u32,
         id: &RequestId,
         now_ms: u64,
-    ) -> Option<RequestRecord> {
-        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
-        let (until, record) = partitions.get(&partition)?.requests.get(id)?;
-        (*until > now_ms).then(|| record.clone())
-    }
-
-    /// Whether this replica of `partition` re-entered and has not got the other members'
-    /// entries yet, so must not execute requests as head.
-    pub fn is_unsynced(&self, partition: u32, now_ms: u64) -> bool {
+    ) -> Result<Option<RequestRecord>, Unsynced> {
         let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
         let Some(table) = partitions.get_mut(&partition) else {
-            return false;
+            return Ok(None);
         };
-        match table.unsynced_since {
-            Some(since) if now_ms < since.saturating_add(KEEP_AT_MOST_MS + CLOCK_MARGIN_MS) => true,
-            Some(_) => {
-                table.unsynced_since = None;
-                false
-            }
-            None => false,
+        if table.is_unsynced(now_ms) {
+            return Err(Unsynced);
         }
+        Ok(table
+            .requests
+            .get(id)
+            .filter(|(until, _)| *until > now_ms)
+            .map(|(_, record)| record.clone()))
     }
 
     /// The partitions waiting for their entries.
@@ -146,13 +144,13 @@ impl Recent {
     /// This replica's live entries of `partition`, for a member that re-entered; `None` while it
     /// is unsynced itself (it cannot vouch for what it may have missed).
     pub fn export(&self, partition: u32, now_ms: u64) -> Option<Vec<Exported>> {
-        if self.is_unsynced(partition, now_ms) {
-            return None;
-        }
-        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(table) = partitions.get(&partition) else {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(table) = partitions.get_mut(&partition) else {
             return Some(Vec::new());
         };
+        if table.is_unsynced(now_ms) {
+            return None;
+        }
         Some(
             table
                 .requests
@@ -226,6 +224,19 @@ fn insert(partitions: &mut HashMap<u32, Table>, partition: u32, row: &Row, now_m
 }
 
 impl Table {
+    /// Whether the entries of other members are still missing; once the longest a request is
+    /// remembered has passed since the re-entry, nothing missed matters any more.
+    fn is_unsynced(&mut self, now_ms: u64) -> bool {
+        match self.unsynced_since {
+            Some(since) if now_ms < since.saturating_add(KEEP_AT_MOST_MS + CLOCK_MARGIN_MS) => true,
+            Some(_) => {
+                self.unsynced_since = None;
+                false
+            }
+            None => false,
+        }
+    }
+
     fn sweep(&mut self, now_ms: u64) {
         if now_ms < self.next_sweep_ms {
             return;
@@ -236,13 +247,11 @@ impl Table {
 }
 
 /// The request record a row's value carries, if it is a store record made by a request (the
-/// rows of sessions and of expiry deletes carry none). A value that does not decode is not this
-/// module's to report: the head reports it when it reads the row.
+/// rows of sessions and of expiry deletes carry none), read from the record's header: every
+/// replica notes every row it persists, on the write path. A value that does not decode is not
+/// this module's to report: the head reports it when it reads the row.
 fn request_of(value: &[u8]) -> Option<RequestRecord> {
-    match Change::decode(value).ok()? {
-        Change::Requested { request, .. } => Some(request),
-        Change::Key(_) | Change::Queue(_) => None,
-    }
+    RequestRecord::of_record(value).ok().flatten()
 }
 
 #[cfg(test)]
@@ -252,7 +261,7 @@ mod tests {
     use bytes::Bytes;
     use mqstate_chain::Version;
     use mqstate_protocol::Hlc;
-    use mqstate_store::Delta;
+    use mqstate_store::{Change, Delta};
 
     use super::*;
 
@@ -288,16 +297,29 @@ mod tests {
         }
     }
 
+    fn unsynced(recent: &Recent, partition: u32, now_ms: u64) -> bool {
+        let any = RequestId::of("any", b"");
+        recent.first_reply(partition, &any, now_ms) == Err(Unsynced)
+    }
+
+    /// A synced replica's first reply.
+    fn first(
+        recent: &Recent,
+        partition: u32,
+        id: &RequestId,
+        now_ms: u64,
+    ) -> Option<RequestRecord> {
+        recent.first_reply(partition, id, now_ms).expect("synced")
+    }
+
     #[test]
     fn a_request_whose_row_was_replaced_still_has_its_first_reply() {
         let recent = Recent::default();
         recent.note(3, &[row_of("c", b"1", 10_000)], 1_000);
         recent.note(3, &[row_of("c", b"2", 10_000)], 1_100);
-        let first = recent.first_reply(3, &RequestId::of("c", b"1"), 1_200);
-        assert_eq!(first.map(|r| r.reply), Some(Bytes::from_static(b"+OK\r\n")));
-        assert!(recent
-            .first_reply(4, &RequestId::of("c", b"1"), 1_200)
-            .is_none());
+        let reply = first(&recent, 3, &RequestId::of("c", b"1"), 1_200);
+        assert_eq!(reply.map(|r| r.reply), Some(Bytes::from_static(b"+OK\r\n")));
+        assert!(first(&recent, 4, &RequestId::of("c", b"1"), 1_200).is_none());
     }
 
     #[test]
@@ -305,12 +327,8 @@ mod tests {
         let recent = Recent::default();
         recent.note(3, &[row_of("c", b"1", 2_000)], 1_000);
         let id = RequestId::of("c", b"1");
-        assert!(recent
-            .first_reply(3, &id, 2_000 + CLOCK_MARGIN_MS - 1)
-            .is_some());
-        assert!(recent
-            .first_reply(3, &id, 2_000 + CLOCK_MARGIN_MS)
-            .is_none());
+        assert!(first(&recent, 3, &id, 2_000 + CLOCK_MARGIN_MS - 1).is_some());
+        assert!(first(&recent, 3, &id, 2_000 + CLOCK_MARGIN_MS).is_none());
         recent.note(3, &[], 5_000 + CLOCK_MARGIN_MS);
         assert!(recent.is_empty(), "swept once expired");
     }
@@ -322,7 +340,7 @@ mod tests {
         let rejoined = Recent::default();
         rejoined.note(3, &[row_of("c", b"0", 10_000)], 900);
         rejoined.note(3, &[Record::Clear { view: 4 }], 1_100);
-        assert!(rejoined.is_unsynced(3, 1_200));
+        assert!(unsynced(&rejoined, 3, 1_200));
         assert_eq!(rejoined.unsynced(), vec![3]);
         assert!(
             rejoined.export(3, 1_200).is_none(),
@@ -330,24 +348,28 @@ mod tests {
         );
         let entries = head.export(3, 1_200).expect("the head is synced");
         rejoined.import(3, entries);
-        assert!(!rejoined.is_unsynced(3, 1_200));
-        let first = rejoined.first_reply(3, &RequestId::of("c", b"1"), 1_300);
+        assert!(!unsynced(&rejoined, 3, 1_200));
+        let reply = first(&rejoined, 3, &RequestId::of("c", b"1"), 1_300);
         assert_eq!(
-            first.map(|r| r.reply_ts),
+            reply.map(|r| r.reply_ts),
             Some(Some(Hlc::new(1_000, 0, Arc::from("n"))))
         );
         // Long after a re-entry with nobody to ask, nothing missed matters any more.
         let alone = Recent::default();
         alone.note(3, &[Record::Clear { view: 4 }], 1_000);
-        assert!(alone.is_unsynced(3, 1_000 + KEEP_AT_MOST_MS));
-        assert!(!alone.is_unsynced(3, 1_000 + KEEP_AT_MOST_MS + CLOCK_MARGIN_MS));
+        assert!(unsynced(&alone, 3, 1_000 + KEEP_AT_MOST_MS));
+        assert!(!unsynced(
+            &alone,
+            3,
+            1_000 + KEEP_AT_MOST_MS + CLOCK_MARGIN_MS
+        ));
         // The sessions' space has nothing to sync.
         alone.note(
             3 | crate::space::SESSIONS,
             &[Record::Clear { view: 4 }],
             1_000,
         );
-        assert!(!alone.is_unsynced(3 | crate::space::SESSIONS, 1_000));
+        assert!(!unsynced(&alone, 3 | crate::space::SESSIONS, 1_000));
     }
 
     #[test]
@@ -356,12 +378,11 @@ mod tests {
         recent.note(3, &[row_of("c", b"1", 10_000)], 1_000);
         recent.note(7, &[row_of("c", b"9", 10_000)], 1_000);
         recent.note(3, &[Record::Clear { view: 4 }], 1_100);
-        assert!(recent
-            .first_reply(3, &RequestId::of("c", b"1"), 1_200)
-            .is_none());
-        assert!(recent
-            .first_reply(7, &RequestId::of("c", b"9"), 1_200)
-            .is_some());
+        assert!(unsynced(&recent, 3, 1_200));
+        // Synced from members that never had the voided row.
+        recent.import(3, Vec::new());
+        assert!(first(&recent, 3, &RequestId::of("c", b"1"), 1_200).is_none());
+        assert!(first(&recent, 7, &RequestId::of("c", b"9"), 1_200).is_some());
     }
 
     #[test]
@@ -370,7 +391,7 @@ mod tests {
         recent.note(3, &[row_of("c", b"1", u64::MAX / 2)], 1_000);
         let id = RequestId::of("c", b"1");
         let end = 1_000 + KEEP_AT_MOST_MS + CLOCK_MARGIN_MS;
-        assert!(recent.first_reply(3, &id, end - 1).is_some());
-        assert!(recent.first_reply(3, &id, end).is_none());
+        assert!(first(&recent, 3, &id, end - 1).is_some());
+        assert!(first(&recent, 3, &id, end).is_none());
     }
 }

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use mqstate_broker::{service::Acker, Broker, ClientEvent, Principal, ServiceInbox, SharedClock};
 use mqstate_protocol::RequestLimits;
-use mqstate_store::StateMachine;
+use mqstate_store::{Expiration, StateMachine};
 use mqstate_wal::durable::sleep_until;
 use mqstate_wal::{DurableLog, Lsn, Metadata, SnapshotSchedule, WalWriter};
 use tokio::sync::{broadcast, mpsc};
@@ -60,6 +60,7 @@ use completer::{Outcome, Queued, ReplyTo};
 pub use completer::{Rollbacks, NOT_DURABLE_REPLY};
 use snapshot_schedule::SnapshotInProgress;
 pub use snapshot_schedule::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_CHUNK_KEYS};
+use undo::Undo;
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
@@ -211,6 +212,7 @@ pub async fn run(
         ceiling: ClockCeiling::new(metadata, broker.clock().clone()),
         notify,
         pending_queue: None,
+        expiry_held_until: None,
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -235,6 +237,8 @@ struct Executor {
     notify: Option<notify_exec::NotifySide>,
     /// The queue side of the request being handled: set by `execute`, taken by `handle`.
     pending_queue: Option<notify_exec::PendingQueue>,
+    /// No expiry before then: the last one's append was refused.
+    expiry_held_until: Option<tokio::time::Instant>,
 }
 
 /// How often the duplicate-request cache forgets expired requests without waiting for new ones,
@@ -262,10 +266,7 @@ impl Executor {
             .and_then(|r| r.0.take_restored());
         loop {
             let stale_at = self.stale_reservation_deadline();
-            let deadline = self.machine.next_deadline().map(|ms| {
-                let wait = Duration::from_millis(ms.saturating_sub(self.clock.now_ms()));
-                self.clock.tokio_now() + wait
-            });
+            let deadline = self.expiry_deadline();
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
@@ -398,25 +399,58 @@ impl Executor {
         metrics::keyspace_size(keyspace.len(), keyspace.stored_bytes());
     }
 
+    /// Deletes the keys whose deadline passed. An expiry is a write like any other: made only
+    /// while the log takes writes, and undone (newest first) unless its record is logged; once
+    /// logged its undo is kept, so the rollback of a failed commit takes it back too. An expiry
+    /// left applied in memory would number queue entries that recovery never sees (a restart
+    /// renumbers them, and fenced removals logged with the old numbers remove undelivered
+    /// entries: docs/robustness.md, seed 1000). An undone key is expired again once the log
+    /// recovers: its deadline stays passed.
     async fn expire(&mut self) {
-        for expiration in self.machine.expire_due(self.clock.now_ms()) {
-            self.count_dropped(&expiration.dropped);
-            let logged = match &expiration.commit {
-                Some(commit) => {
-                    let logged = self.log_queue(commit).await;
-                    self.notify_queued();
-                    logged
-                }
-                None => self.log(&expiration.delta).await,
+        if !self.log_accepts_writes().await {
+            return;
+        }
+        let mut expirations = self.machine.expire_due(self.clock.now_ms()).into_iter();
+        while let Some(expiration) = expirations.next() {
+            let Expiration {
+                delta,
+                undo,
+                notifications,
+                commit,
+                dropped,
+            } = expiration;
+            self.count_dropped(&dropped);
+            let (record, queue_undo) = commit.unzip();
+            let logged = match &record {
+                Some(record) => self.log_queue(record).await,
+                None => self.log(&delta).await,
             };
+            let undo = Undo::of_expiry(undo, queue_undo);
             let commit = match logged {
-                Ok(commit) => commit,
+                Ok(commit) => {
+                    self.log.push_undo(undo);
+                    if record.is_some() {
+                        self.notify_queued();
+                    }
+                    commit
+                }
                 Err(message) => {
-                    tracing::error!("expiry delete not durable: {message}");
-                    None
+                    // The rest of the batch is applied in memory on top of this one.
+                    let later: Vec<_> = expirations.by_ref().collect();
+                    for later in later.into_iter().rev() {
+                        let queue_undo = later.commit.map(|(_, undo)| undo);
+                        self.apply_undo(Undo::of_expiry(later.undo, queue_undo));
+                    }
+                    self.apply_undo(undo);
+                    // Most failures degrade the log, which holds expiries back; this holds them
+                    // back from a writer that refuses appends without failing a commit (a stopped one).
+                    self.expiry_held_until =
+                        Some(self.clock.tokio_now() + mqstate_wal::durable::RETRY_INTERVAL);
+                    tracing::error!("expiry delete not logged, undone until the log takes writes again: {message}");
+                    break;
                 }
             };
-            let notifications = self.notifications(&expiration.notifications);
+            let notifications = self.notifications(&notifications);
             self.send(Outcome::Reply {
                 commit,
                 notifications,
@@ -427,6 +461,25 @@ impl Executor {
             .await;
         }
         self.report_keyspace_size();
+    }
+
+    /// When the next expiry is due: the earliest deadline, but while the log refuses writes no
+    /// sooner than its next attempt to recover (an expiry waits for the log).
+    fn expiry_deadline(&self) -> Option<tokio::time::Instant> {
+        let ms = self.machine.next_deadline()?;
+        let wait = Duration::from_millis(ms.saturating_sub(self.clock.now_ms()));
+        let retry = self
+            .log
+            .health()
+            .retry_at()
+            .map(tokio::time::Instant::from_std);
+        let due = self.clock.tokio_now() + wait;
+        Some(
+            [retry, self.expiry_held_until]
+                .into_iter()
+                .flatten()
+                .fold(due, Ord::max),
+        )
     }
 
     /// before it fails ([`Rollbacks`]).

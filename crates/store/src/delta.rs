@@ -104,6 +104,23 @@ impl Delta {
         Ok(())
     }
 
+    /// The version of an encoded delta, read without copying its key or value (the fields after
+    /// the version are not checked: [`Delta::decode`] checks them).
+    pub(crate) fn version_of(data: &[u8]) -> Result<Hlc, StoreError> {
+        let mut r = Reader::new("key-value delta", data);
+        match r.u8("marker")? {
+            PUT_MARKER => {
+                r.key()?;
+                r.buffer("value")?;
+            }
+            DELETE_MARKER => {
+                r.key()?;
+            }
+            _ => return Err(r.invalid("marker", "expected 'K' (put) or 'X' (delete)")),
+        }
+        r.hlc("version")
+    }
+
     /// Decodes exactly one delta; any other input is an error, never a panic.
     pub fn decode(data: &[u8]) -> Result<Delta, StoreError> {
         let mut r = Reader::new("key-value delta", data);
@@ -213,7 +230,7 @@ pub(crate) mod tests {
             .prop_map(|(w, c, n)| Hlc::new(w, c, Arc::from(n.as_str())))
     }
 
-    fn any_delta() -> impl Strategy<Value = Delta> {
+    pub(crate) fn any_delta() -> impl Strategy<Value = Delta> {
         let bytes = |min| prop::collection::vec(any::<u8>(), min..16).prop_map(Bytes::from);
         prop_oneof![
             (
@@ -242,6 +259,7 @@ pub(crate) mod tests {
             let bytes = delta.encode().unwrap();
             // One allocation: the hint is an upper bound.
             prop_assert!(bytes.len() <= delta.encoded_len_hint());
+            prop_assert_eq!(Delta::version_of(&bytes).unwrap(), delta.version().clone());
             prop_assert_eq!(Delta::decode(&bytes).unwrap(), delta);
         }
 

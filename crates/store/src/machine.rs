@@ -95,13 +95,17 @@ impl Execution {
 }
 
 /// The deletion of one expired key.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Expiration {
     /// A [`Delta::Delete`] (already applied in memory).
     pub delta: Delta,
+    /// The change that puts the key back as it was before `delta` (the expired entry): what the
+    /// caller applies if `delta` does not become durable, as [`Execution::undo`].
+    pub undo: Delta,
     pub notifications: Vec<KeyNotification>,
-    /// When topics watch expiries: the record to log instead of `delta` (it contains it).
-    pub commit: Option<QueueDelta>,
+    /// When topics watch expiries: the record to log instead of `delta` (it contains it), and what
+    /// takes its queue entries back (applied before `undo`: newest first).
+    pub commit: Option<(QueueDelta, QueueUndo)>,
     /// Topics whose queue was full, so the expiry could not be queued there.
     pub dropped: Vec<String>,
 }
@@ -409,6 +413,7 @@ impl StateMachine {
             else {
                 break;
             };
+            let undo = undo_of(&key, self.keyspace.get(&key), &self.clock);
             let version = self.clock.now(now_ms);
             let delta = Delta::Delete { key, version };
             let notifications = self.notifications(&delta, NotifyPayload::Delete);
@@ -425,11 +430,12 @@ impl StateMachine {
                     event: Event::Expire,
                     commits: room.into_iter().map(|(t, _)| (t, NO_RESERVATION)).collect(),
                 };
-                self.notify.apply(&commit);
-                commit
+                let undo = self.notify.apply(&commit);
+                (commit, undo)
             });
             expired.push(Expiration {
                 delta,
+                undo,
                 notifications,
                 commit,
                 dropped: dropped.into_iter().map(|(t, _)| t.to_string()).collect(),

@@ -192,6 +192,93 @@ fn decode_reply(r: &mut Reader<'_>) -> Result<Bytes, StoreError> {
     }
 }
 
+impl RequestRecord {
+    /// The request that made the encoded log record `data`, if one did (`Ok(None)`: a key or
+    /// queue record of its own). A `'J'` record's header is read, and of its change only the
+    /// version (its key and value are skipped, not copied): a replica notes the request of every
+    /// row it persists (decision 0050). Where [`Change::decode`] accepts `data`, this is its
+    /// [`Change::request`]; the rest of the change is not checked here, but by whoever decodes
+    /// the record to apply it.
+    pub fn of_record(data: &[u8]) -> Result<Option<RequestRecord>, StoreError> {
+        match data.first() {
+            Some(&REQUESTED_MARKER) => {
+                let mut r = Reader::new("requested change", data);
+                let header = Header::decode(&mut r)?;
+                let inner = r.rest();
+                let version = version_of_change(&r, inner)?;
+                header.with_version(&r, &version).map(Some)
+            }
+            Some(&LEGACY_REQUESTED_MARKER) => Ok(decode_legacy_requested(data)?.request().cloned()),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// A `'J'` record before its change: the `reply __ts` may be the change's version.
+struct Header {
+    id: RequestId,
+    expires_at_ms: u64,
+    reply: Bytes,
+    /// `None`: no `__ts`; `Some(None)`: the change's version.
+    ts: Option<Option<Hlc>>,
+}
+
+impl Header {
+    fn decode(r: &mut Reader<'_>) -> Result<Header, StoreError> {
+        r.u8("marker")?;
+        Ok(Header {
+            id: RequestId(r.array("request id")?),
+            expires_at_ms: r.u63("expires at")?,
+            reply: decode_reply(r)?,
+            ts: match r.u8("reply __ts")? {
+                TS_NONE => None,
+                TS_OF_CHANGE => Some(None),
+                TS_SPELLED_OUT => Some(Some(r.hlc("reply __ts")?)),
+                _ => return Err(r.invalid("reply __ts", "expected 0, 1 or 2")),
+            },
+        })
+    }
+
+    /// The request, its change's version being `version`.
+    fn with_version(self, r: &Reader<'_>, version: &Hlc) -> Result<RequestRecord, StoreError> {
+        let reply_ts = match self.ts {
+            None => None,
+            Some(None) => Some(version.clone()),
+            Some(Some(ts)) if ts == *version => {
+                return Err(r.invalid(
+                    "reply __ts",
+                    "the change's version is written as 1, not spelled out",
+                ))
+            }
+            Some(spelled) => spelled,
+        };
+        Ok(RequestRecord {
+            id: self.id,
+            expires_at_ms: self.expires_at_ms,
+            reply: self.reply,
+            reply_ts,
+        })
+    }
+}
+
+/// The version of the key change a request made (an encoded `K` or `X` record, or an `A` commit
+/// of one), its key and value skipped.
+fn version_of_change(r: &Reader<'_>, inner: &[u8]) -> Result<Hlc, StoreError> {
+    match inner.first() {
+        Some(b'A') => {
+            let mut commit = Reader::new("queue delta", inner);
+            commit.u8("marker")?;
+            commit.u8("event")?;
+            Delta::version_of(commit.buffer("key change")?)
+        }
+        Some(b'K' | b'X') => Delta::version_of(inner),
+        _ => Err(r.invalid(
+            "change",
+            "a request's change must be a 'K', 'X' or 'A' record",
+        )),
+    }
+}
+
 /// The key change a request may have made: a `K` or `X` record, or an `A` commit.
 fn decode_change(r: &Reader<'_>, inner: &[u8]) -> Result<Change, StoreError> {
     match inner.first() {
@@ -207,39 +294,14 @@ fn decode_change(r: &Reader<'_>, inner: &[u8]) -> Result<Change, StoreError> {
 /// Decodes a `'J'` record.
 pub(crate) fn decode_requested(data: &[u8]) -> Result<Change, StoreError> {
     let mut r = Reader::new("requested change", data);
-    r.u8("marker")?;
-    let id = RequestId(r.array("request id")?);
-    let expires_at_ms = r.u63("expires at")?;
-    let reply = decode_reply(&mut r)?;
-    let ts = match r.u8("reply __ts")? {
-        TS_NONE => None,
-        TS_OF_CHANGE => Some(None),
-        TS_SPELLED_OUT => Some(Some(r.hlc("reply __ts")?)),
-        _ => return Err(r.invalid("reply __ts", "expected 0, 1 or 2")),
-    };
+    let header = Header::decode(&mut r)?;
     let inner = r.rest();
     let change = decode_change(&r, inner)?;
     let Some(version) = change.key_version() else {
         return Err(r.invalid("change", "a request's change must change a key"));
     };
-    let reply_ts = match ts {
-        None => None,
-        Some(None) => Some(version.clone()),
-        Some(Some(ts)) if ts == *version => {
-            return Err(r.invalid(
-                "reply __ts",
-                "the change's version is written as 1, not spelled out",
-            ))
-        }
-        Some(spelled) => spelled,
-    };
     Ok(Change::Requested {
-        request: RequestRecord {
-            id,
-            expires_at_ms,
-            reply,
-            reply_ts,
-        },
+        request: header.with_version(&r, version)?,
         change: Box::new(change),
     })
 }
@@ -468,10 +530,37 @@ pub(crate) mod tests {
         }
 
         #[test]
+        fn the_header_read_finds_the_decoded_request(request in any_request(),
+                      delta in crate::delta::tests::any_delta(), committed in any::<bool>(),
+                      ts_of_change in any::<bool>()) {
+            let mut request = request;
+            if ts_of_change {
+                request.reply_ts = Some(delta.version().clone());
+            }
+            let change = if committed {
+                Change::Queue(QueueDelta::Commit {
+                    change: delta,
+                    event: crate::notify::Event::Set,
+                    commits: vec![(Arc::from("t"), 3)],
+                })
+            } else {
+                Change::Key(delta)
+            };
+            let inner = change.encode().unwrap();
+            prop_assert_eq!(RequestRecord::of_record(&inner).unwrap(), None);
+            let wire = Change::Requested { request: request.clone(), change: Box::new(change) }
+                .encode()
+                .unwrap();
+            prop_assert_eq!(RequestRecord::of_record(&wire).unwrap(), Some(request));
+        }
+
+        #[test]
         fn decode_never_panics(tail in prop::collection::vec(any::<u8>(), 0..96)) {
             let mut data = vec![REQUESTED_MARKER];
             data.extend(&tail);
+            let header_read = RequestRecord::of_record(&data);
             if let Ok(change) = Change::decode(&data) {
+                prop_assert_eq!(header_read.unwrap(), change.request().cloned());
                 prop_assert_eq!(change.encode().unwrap(), data);
             }
             let mut legacy = vec![LEGACY_REQUESTED_MARKER];

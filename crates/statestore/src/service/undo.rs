@@ -22,6 +22,21 @@ pub(super) enum Undo {
     },
 }
 
+impl Undo {
+    /// What takes back an expiry: its key's deletion, and its queue entries if topics watch
+    /// expiries (made under no reservation).
+    pub(super) fn of_expiry(key: Delta, queued: Option<QueueUndo>) -> Undo {
+        match queued {
+            Some(commit) => Undo::Notified {
+                key: Some(key),
+                commit,
+                reserved: Vec::new(),
+            },
+            None => Undo::Key(key),
+        }
+    }
+}
+
 impl Executor {
     pub(super) fn apply_undo(&mut self, undo: Undo) {
         match undo {

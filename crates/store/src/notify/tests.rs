@@ -216,6 +216,35 @@ fn expiries_are_queued_without_reservation_and_dropped_when_full() {
 }
 
 #[test]
+fn an_expiry_undone_newest_first_leaves_key_and_queue_as_they_were() {
+    let mut m = machine();
+    m.define_topic(def(10));
+    m.execute(set(b"order:1", Some(10)), &ctx(1));
+    m.execute(set(b"order:2", Some(10)), &ctx(1));
+    let (keys, next_seq) = (
+        m.keyspace().clone(),
+        m.topics().get("orders").unwrap().next_seq(),
+    );
+    assert!(m.topics().get("orders").unwrap().entries().is_empty());
+    let expired = m.expire_due(100);
+    assert_eq!(expired.len(), 2);
+    assert_eq!(m.topics().get("orders").unwrap().next_seq(), next_seq + 2);
+    for expiration in expired.into_iter().rev() {
+        let (_, commit) = expiration.commit.expect("queued");
+        m.undo_queue(commit);
+        m.apply_delta(&expiration.undo);
+    }
+    assert_eq!(m.keyspace(), &keys, "the expired entries are back");
+    let topic = m.topics().get("orders").unwrap();
+    assert_eq!(
+        (topic.next_seq(), topic.entries().len()),
+        (next_seq, 0),
+        "the expiries' entries and seqs are gone"
+    );
+    assert_eq!(m.next_deadline(), Some(11), "and are due again");
+}
+
+#[test]
 fn snapshots_hold_topics_queues_and_reservations() {
     let mut m = machine();
     m.define_topic(def(5));
