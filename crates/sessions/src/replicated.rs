@@ -230,7 +230,8 @@ fn client_of(change: &SessionChange) -> Option<&Arc<str>> {
         | Qos2Received { client_id, .. }
         | Qos2Released { client_id, .. }
         | WillScheduled { client_id, .. }
-        | WillCancelled { client_id } => Some(client_id),
+        | WillCancelled { client_id }
+        | WillSet { client_id, .. } => Some(client_id),
         RetainedSet { .. } | RetainedCleared { .. } => None,
     }
 }

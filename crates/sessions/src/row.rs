@@ -194,6 +194,12 @@ pub fn image_of(client_id: &Arc<str>, session: &StoredSession) -> Vec<SessionCha
             at_ms: *at_ms,
         });
     }
+    if let (Some(will), None) = (&session.connected_will, session.detached_at_ms) {
+        image.push(SessionChange::WillSet {
+            client_id: id(),
+            will: will.clone(),
+        });
+    }
     image
 }
 
