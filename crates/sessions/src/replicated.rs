@@ -934,8 +934,11 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
         let broker = with_broker(&b);
+        let restored = Arc::new(Restored::default());
+        b.attach_observers(restored.clone());
         create(&a, 60).await;
         a.record(vec![subscribed("a/#")]).await.unwrap();
+        a.keep_observed("c", vec![b"k".to_vec()]).await.unwrap();
         let epoch = row_of(&rows).epoch;
 
         assert!(b.adopt_orphans().await.is_empty(), "node 1 is up");
@@ -947,6 +950,11 @@ mod tests {
         // Connected when its node died: detached since the adoption, so it expires from now.
         assert!(row.session.detached_at_ms.is_some());
         assert!(row.session.subscriptions.contains_key("a/#"));
+        // Its client's KEYNOTIFY registrations are in force on the adopter.
+        assert_eq!(
+            *restored.0.lock().unwrap(),
+            [("c".into(), vec![b"k".to_vec()])]
+        );
         assert!(b.adopt_orphans().await.is_empty(), "adopted once");
         // The old owner is fenced.
         assert!(a.record(vec![subscribed("stale/#")]).await.is_err());
