@@ -430,7 +430,7 @@ impl SessionRows for ChainSessionRows {
         Box::pin(async move {
             Ok(self
                 .0
-                .sessions_here()
+                .sessions_here(mqstate_sessions::row::HEADER)
                 .await
                 .into_iter()
                 // Rows are keyed by client id, which MQTT makes UTF-8.

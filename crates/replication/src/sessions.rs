@@ -55,10 +55,11 @@ impl Replication {
         }
     }
 
-    /// The session rows this node's replicas hold now (client id, row, whether this node acts as
-    /// the head of its partition): where a node looks for sessions nobody holds (decision 0054).
-    /// A replica's copy may trail the head's; whoever acts on a row reads it again at the head.
-    pub async fn sessions_here(&self) -> Vec<(Vec<u8>, Vec<u8>, bool)> {
+    /// The session rows this node's replicas hold now — client id, the row's first `prefix`
+    /// bytes (its header), whether this node acts as the head of its partition: where a node looks
+    /// for sessions nobody holds (decision 0055). A replica's copy may trail the head's; whoever
+    /// acts on a row reads it again at the head.
+    pub async fn sessions_here(&self, prefix: usize) -> Vec<(Vec<u8>, Vec<u8>, bool)> {
         let Some(count) = self.node.partition_count() else {
             return Vec::new();
         };
@@ -66,13 +67,14 @@ impl Replication {
         for partition in 0..count {
             let rows = self
                 .driver
-                .visit(space::sessions(partition), |replica, head| {
+                .visit(space::sessions(partition), move |replica, head| {
                     replica
                         .rows()
                         .iter()
                         .filter_map(|(key, row)| {
                             let value = row.value.as_ref().filter(|_| !row.locked)?;
-                            Some((key.clone(), value.clone(), head))
+                            let header = value[..prefix.min(value.len())].to_vec();
+                            Some((key.clone(), header, head))
                         })
                         .collect::<Vec<_>>()
                 })

@@ -74,8 +74,9 @@ pub trait SessionRows: Send + Sync {
         value: Option<Vec<u8>>,
         base: Option<Version>,
     ) -> RowFuture<'a, Result<Version, Option<Version>>>;
-    /// The rows this node's replicas hold now: client id, value, and whether this node acts as
-    /// the head of the row's partition. A replica's copy may trail the head's.
+    /// The rows this node's replicas hold now: client id, the value's first [`row::HEADER`] bytes
+    /// (or all of it), and whether this node acts as the head of the row's partition. A
+    /// replica's copy may trail the head's.
     fn here(&self) -> RowFuture<'_, Vec<(String, Vec<u8>, bool)>>;
     /// Whether node `node` is up: a member whose lease is current.
     fn is_up(&self, node: u64) -> bool;
@@ -610,19 +611,19 @@ async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
     let mut adopted = Vec::new();
     for (client_id, value, head) in here {
         let client_id: Arc<str> = client_id.into();
-        let Ok(row) = row::decode(&client_id, &value) else {
+        let Some((owner, epoch)) = row::header(&value) else {
             continue;
         };
-        let orphan = if row.owner == shared.node {
+        let orphan = if owner == shared.node {
             // Nothing this run of the node took over or created: a row of an earlier run.
             !shared.lock().entries.contains_key(&client_id)
         } else {
-            head && !rows.is_up(row.owner) && !holds(shared, &client_id)
+            head && !rows.is_up(owner) && !holds(shared, &client_id)
         };
         if !orphan {
             continue;
         }
-        match adopt(shared, &*rows, client_id.clone(), (row.owner, row.epoch)).await {
+        match adopt(shared, &*rows, client_id.clone(), (owner, epoch)).await {
             Ok(true) => adopted.push(client_id),
             Ok(false) => {}
             Err(e) => tracing::warn!(%client_id, "an orphaned session was not adopted: {e}"),
