@@ -10,7 +10,9 @@
 //!   (Session Present = 0);
 //! * a session with a long expiry, once adopted, has what is published for it meanwhile queued
 //!   (each QoS 1 publish acknowledged 0x00), and its client reconnecting to node 3 gets it with
-//!   Session Present = 1.
+//!   Session Present = 1;
+//! * a state-store observer (KEYNOTIFY) is registered again on the adopter: a change made after
+//!   the adoption, while its client is away, is queued and reaches it on node 3.
 //!
 //! (Without adoption, no will comes, the short session is resumed with Session Present = 1, and
 //! what was published after node 1's death matched nothing and is not delivered.)
@@ -35,6 +37,7 @@ use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::formed_cluster;
 use common::mqtt::{Connected, Raw};
+use common::state::{hlc_now, request_properties, StateClient, INVOKE_TOPIC, OK};
 
 /// Hang guard of every wait (fail-over, adoption, expiry): generous, the machine is shared.
 const WAIT: Duration = Duration::from_secs(120);
@@ -107,6 +110,49 @@ async fn next_will(watcher: &mut Raw) -> String {
     }
 }
 
+/// The payload of a SET notification of `value`.
+fn set_note(value: &[u8]) -> Vec<u8> {
+    let mut out = format!(
+        "*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n${}\r\n",
+        value.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+/// `observer` (subscribed to its response topic) sends KEYNOTIFY `key` and waits for `+OK`.
+async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
+    let response_topic = format!("clients/{id}/statestore/response");
+    observer.subscribe(&response_topic, QoS::AtLeastOnce).await;
+    let correlation = Bytes::from_static(b"keynotify-1");
+    let properties = request_properties(&response_topic, &correlation, hlc_now());
+    let mut p = Publish::new(
+        INVOKE_TOPIC,
+        QoS::AtLeastOnce,
+        mqstate_protocol::encode_request(&[b"KEYNOTIFY", key]),
+        Some(properties),
+    );
+    p.pkid = observer.pkid();
+    observer.send(Packet::Publish(p)).await;
+    loop {
+        match observer.recv().await {
+            Packet::Publish(reply) => {
+                if reply.qos == QoS::AtLeastOnce {
+                    observer
+                        .send(Packet::PubAck(PubAck::new(reply.pkid, None)))
+                        .await;
+                }
+                assert_eq!(&reply.payload[..], OK, "KEYNOTIFY answered");
+                return;
+            }
+            Packet::PubAck(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() {
     let root = tempfile::tempdir().unwrap();
@@ -130,6 +176,17 @@ async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() 
     long.subscribe("o/long", QoS::AtLeastOnce).await;
     // Expires 5 s after its adoption; its will (delay above the expiry) goes with it.
     let (short, _) = accepted(n1, "orphan-short", false, 5, will_of("orphan-short", 3600)).await;
+    // A state-store observer; its will tells when it was adopted.
+    let (mut observer, _) = accepted(
+        n1,
+        "orphan-observer",
+        false,
+        3600,
+        will_of("orphan-observer", 0),
+    )
+    .await;
+    keynotify(&mut observer, "orphan-observer", b"orphan/k").await;
+    let mut writer = StateClient::connect(n2, "orphan-writer").await;
 
     let (mut publisher, _) = accepted(n2, "orphan-publisher", true, 0, None).await;
     assert_eq!(
@@ -141,15 +198,21 @@ async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() 
     );
 
     tokio::task::block_in_place(|| nodes[0].server.kill9());
-    drop((at_once, delayed, long, short));
+    drop((at_once, delayed, long, short, observer));
     let killed = Instant::now();
 
     let mut wills = BTreeSet::new();
     let mut want = BTreeSet::from(["before".to_owned()]);
-    let everyone: BTreeSet<String> = ["will-now", "will-later", "orphan-long", "orphan-short"]
-        .iter()
-        .map(|id| format!("will/{id}"))
-        .collect();
+    let everyone: BTreeSet<String> = [
+        "will-now",
+        "will-later",
+        "orphan-long",
+        "orphan-short",
+        "orphan-observer",
+    ]
+    .iter()
+    .map(|id| format!("will/{id}"))
+    .collect();
     while wills != everyone {
         assert!(
             killed.elapsed() < WAIT,
@@ -170,6 +233,13 @@ async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() 
                 want.insert(payload);
             }
         }
+        if will == "will/orphan-observer" {
+            // Adopted, its registration in force on the adopter: the change is queued for it.
+            assert_eq!(
+                &writer.request(&[b"SET", b"orphan/k", b"after"]).await[..],
+                OK
+            );
+        }
         wills.insert(will);
     }
 
@@ -184,7 +254,31 @@ async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() 
     let received = long.receive_all(&want).await;
     eprintln!("received on node 3: {:?}", received.received);
     long.disconnect().await;
-    drop((publisher, watcher));
+
+    // The observer comes back on node 3: the change made after the adoption is there.
+    let (mut observer, present) = accepted(n3, "orphan-observer", false, 3600, None).await;
+    assert!(present);
+    loop {
+        let p = match observer.recv().await {
+            Packet::Publish(p) => p,
+            other => panic!("unexpected {other:?}"),
+        };
+        if p.qos == QoS::AtLeastOnce {
+            observer
+                .send(Packet::PubAck(PubAck::new(p.pkid, None)))
+                .await;
+        }
+        let topic = String::from_utf8_lossy(&p.topic).into_owned();
+        if topic.contains("/command/notify/") {
+            assert_eq!(
+                p.payload.to_vec(),
+                set_note(b"after"),
+                "notified on {topic}"
+            );
+            break;
+        }
+    }
+    drop((publisher, watcher, writer));
 }
 
 /// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.
