@@ -337,13 +337,15 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
                 return;
             }
             let value = mirror.sessions.get(&client_id).map(|session| {
-                let row = SessionRow {
-                    owner: shared.node,
-                    epoch: entry.epoch,
-                    session: session.clone(),
-                    observed: entry.observed.clone(),
-                };
-                row::encode(&client_id, &row)
+                row::encode(
+                    &client_id,
+                    &SessionRow {
+                        owner: shared.node,
+                        epoch: entry.epoch,
+                        session: session.clone(),
+                        observed: entry.observed.clone(),
+                    },
+                )
             });
             (value, entry.base, entry.generation)
         };
