@@ -425,4 +425,21 @@ impl SessionRows for ChainSessionRows {
             }
         })
     }
+
+    fn here(&self) -> RowFuture<'_, Vec<(String, Vec<u8>, bool)>> {
+        Box::pin(async move {
+            Ok(self
+                .0
+                .sessions_here(mqstate_sessions::row::HEADER)
+                .await
+                .into_iter()
+                // Rows are keyed by client id, which MQTT makes UTF-8.
+                .filter_map(|(key, value, head)| Some((String::from_utf8(key).ok()?, value, head)))
+                .collect())
+        })
+    }
+
+    fn is_up(&self, node: u64) -> bool {
+        self.0.is_up(node)
+    }
 }

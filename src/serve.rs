@@ -154,6 +154,10 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // Sessions whose node died (or this node before a restart) are adopted (decision 0054).
+    let adopter = replicated_sessions
+        .as_ref()
+        .map(|replicated| replicated.adopt_orphans_regularly());
     let admin_inbox = broker
         .claim_topic(mqstate_cluster::admin::ADMIN_TOPIC)
         .context("cannot attach cluster administration to the broker")?;
@@ -262,6 +266,10 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
     }
     let _ = store.await;
     let _ = admin.await;
+    if let Some(adopter) = adopter {
+        adopter.abort();
+        let _ = adopter.await;
+    }
     if let Some(cluster) = cluster {
         cluster.stop().await;
     }

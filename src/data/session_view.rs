@@ -78,6 +78,7 @@ fn op(change: &SessionChange) -> &'static str {
         SessionChange::Qos2Released { .. } => "qos2-released",
         SessionChange::WillScheduled { .. } => "will-scheduled",
         SessionChange::WillCancelled { .. } => "will-cancelled",
+        SessionChange::WillSet { .. } => "will-set",
         SessionChange::RetainedSet { .. } => "retained-set",
         SessionChange::RetainedCleared { .. } => "retained-cleared",
     }
@@ -98,7 +99,8 @@ fn client_id(change: &SessionChange) -> Option<&str> {
         | SessionChange::Qos2Received { client_id, .. }
         | SessionChange::Qos2Released { client_id, .. }
         | SessionChange::WillScheduled { client_id, .. }
-        | SessionChange::WillCancelled { client_id } => Some(client_id),
+        | SessionChange::WillCancelled { client_id }
+        | SessionChange::WillSet { client_id, .. } => Some(client_id),
         SessionChange::RetainedSet { .. } | SessionChange::RetainedCleared { .. } => None,
     }
 }
@@ -189,6 +191,12 @@ fn text(change: &SessionChange, max_bytes: usize) -> String {
         SessionChange::WillCancelled { client_id } => {
             format!("will-cancelled {}", id(client_id))
         }
+        SessionChange::WillSet { client_id, will } => format!(
+            "will-set {} delay-secs {} {}",
+            id(client_id),
+            will.delay_secs,
+            message(&will.message, max_bytes)
+        ),
         SessionChange::RetainedSet {
             message: m,
             received_at_ms,

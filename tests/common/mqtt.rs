@@ -305,6 +305,18 @@ impl Raw {
         expiry: u32,
         receive_max: Option<u16>,
     ) -> Connected {
+        Raw::connect_will(addr, id, clean_start, expiry, receive_max, None).await
+    }
+
+    /// [`Raw::connect_with`] with a will.
+    pub async fn connect_will(
+        addr: SocketAddr,
+        id: &str,
+        clean_start: bool,
+        expiry: u32,
+        receive_max: Option<u16>,
+        will: Option<LastWill>,
+    ) -> Connected {
         let mut properties = ConnectProperties::new();
         properties.session_expiry_interval = Some(expiry);
         properties.receive_maximum = receive_max;
@@ -319,7 +331,7 @@ impl Raw {
             buf: BytesMut::new(),
             next_pkid: 1,
         };
-        c.send(Packet::Connect(connect, None, None)).await;
+        c.send(Packet::Connect(connect, will, None)).await;
         match c.recv().await {
             Packet::ConnAck(ConnAck {
                 session_present,

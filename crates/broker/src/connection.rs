@@ -768,10 +768,17 @@ impl Connection {
                 }
             }
         };
+        // The will is kept with a persistent session while the client is connected, so that it
+        // is published even if this node dies (decision 0054).
+        let will_kept = {
+            let mut session = handle.lock();
+            session.set_will(self.will.as_deref());
+            session.commit()
+        };
         self.inner.apply(effects);
         self.session = Some(handle);
         self.session_present = session_present;
-        if let Err(error) = all_durable(durable.into_iter().collect()).await {
+        if let Err(error) = all_durable(durable.into_iter().chain(will_kept).collect()).await {
             // The session exists in memory only: refuse rather than promise what a crash loses.
             tracing::error!(client_id = %self.client_id, %error, "CONNECT refused");
             self.codec.refuse_connack(

@@ -112,7 +112,9 @@ impl crate::Broker {
             .durable
     }
 
-    /// Takes in a retained message another node holds, unless one is retained on its topic here.
+    /// Takes in a retained message another node holds — or, with an empty payload, a clear it
+    /// remembers — if it is newer than what this node holds or cleared on its topic (the later
+    /// one wins, decision 0055). `age`: how long ago that node received it.
     pub fn adopt_retained(
         &self,
         message: Message,
@@ -124,15 +126,28 @@ impl crate::Broker {
             .adopt_retained(Arc::new(message), received)
     }
 
-    /// Every retained message here that has not expired, with how long ago it was received.
+    /// What a node that rejoins must learn of the retained store here: the clears this node
+    /// remembers (as empty retained messages, first), then every retained message that has not
+    /// expired, each with how long ago it was received or made. [`Broker::adopt_retained`] takes
+    /// both.
     pub fn retained_messages(&self) -> Vec<(Arc<Message>, std::time::Duration)> {
         let now = self.inner.clock.now();
-        self.inner
-            .router
+        let router = &self.inner.router;
+        let clears = router.retained_clears().into_iter().map(|(topic, at)| {
+            let clear = Message {
+                topic,
+                payload: bytes::Bytes::new(),
+                qos: crate::QoS::AtMostOnce,
+                retain: true,
+                properties: Default::default(),
+            };
+            (Arc::new(clear), now.saturating_duration_since(at))
+        });
+        let messages = router
             .retained_all(now)
             .into_iter()
-            .map(|r| (r.message, now.saturating_duration_since(r.received_at)))
-            .collect()
+            .map(|r| (r.message, now.saturating_duration_since(r.received_at)));
+        clears.chain(messages).collect()
     }
 
     /// Another node took `client_id` over: its connection here, if any, gets DISCONNECT 0x8E as

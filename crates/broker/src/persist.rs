@@ -153,6 +153,10 @@ pub enum SessionChange {
     },
     /// The delayed will was published.
     WillCancelled { client_id: Arc<str> },
+    /// The will of the connected client (its CONNECT's): if the session is put back without its
+    /// connection (the node died), the will is scheduled then, after its delay (decision 0054).
+    /// A later `Attached` or `Detached` ends it.
+    WillSet { client_id: Arc<str>, will: Will },
     /// A retained message was set on its topic.
     RetainedSet {
         message: Arc<Message>,

@@ -105,6 +105,10 @@ impl Router {
         if self.peers.set(peers.clone()).is_err() {
             return false;
         }
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keep_clears();
         trie.for_each_subscription(|filter, group| drop(peers.subscribed(filter, group)));
         true
     }
@@ -246,23 +250,41 @@ impl Router {
         )
     }
 
-    /// Takes in a retained message another node holds, unless this node holds one for its topic
-    /// (a node that rejoins learns what was retained while it was away).
+    /// Takes in a retained message (or a clear: empty payload) another node holds, if it is
+    /// newer than what this node holds or cleared on its topic: a node that rejoins learns what
+    /// was retained, replaced or cleared while it was away (decision 0055).
     pub(crate) fn adopt_retained(
         &self,
         message: Arc<Message>,
         received: (Instant, u64),
     ) -> Option<Durable> {
         let mut retained = self.retained.lock().unwrap_or_else(|p| p.into_inner());
-        if message.payload.is_empty() || !retained.adopt(&message, received.0) {
+        if !retained.adopt(&message, received.0) {
             return None;
         }
-        self.journal.as_ref().map(|journal| {
-            journal.record(vec![SessionChange::RetainedSet {
+        let change = if message.payload.is_empty() {
+            SessionChange::RetainedCleared {
+                topic: message.topic.clone(),
+            }
+        } else {
+            SessionChange::RetainedSet {
                 message,
                 received_at_ms: received.1,
-            }])
-        })
+            }
+        };
+        // Recorded under the store's lock, so the journal sees a topic's changes in order.
+        self.journal
+            .as_ref()
+            .map(|journal| journal.record(vec![change]))
+    }
+
+    /// The clears of retained messages this node remembers (a cluster node), with when they
+    /// were made.
+    pub(crate) fn retained_clears(&self) -> Vec<(bytestring::ByteString, Instant)> {
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clears()
     }
 
     /// Every retained message that has not expired, with when it was received.

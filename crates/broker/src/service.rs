@@ -630,7 +630,17 @@ impl Inner {
             state.detached_at_ms = stored.detached_at_ms;
         }
         state.subscriptions = stored.subscriptions;
-        let (will, will_at, will_due) = match stored.will {
+        // Put back without the connection it had (its node stopped or died): that connection's
+        // will is due after its delay from now, as if it had ended now (decision 0054).
+        let lost_connection_will = match (stored.detached_at_ms, stored.connected_will) {
+            (None, Some(will)) => {
+                let delay_ms = u64::from(will.delay_secs.min(stored.expiry_secs)) * 1000;
+                Some((will, now_ms.saturating_add(delay_ms)))
+            }
+            _ => None,
+        };
+        let from_connection = lost_connection_will.is_some();
+        let (will, will_at, will_due) = match stored.will.or(lost_connection_will) {
             Some((will, at_ms)) if at_ms <= now_ms => (None, None, Some(will)),
             Some((will, at_ms)) => {
                 let at = wall::to_instant(at_ms, now, now_ms);
@@ -642,7 +652,16 @@ impl Inner {
             Origin::Journal if will_due.is_some() => {
                 state.note(|client_id| SessionChange::WillCancelled { client_id });
             }
-            Origin::Journal => {}
+            Origin::Journal => {
+                if let (Some((will, at_ms)), true) = (&will, from_connection) {
+                    // The journal has it as the connection's will, which the detach ends.
+                    state.note(|client_id| SessionChange::WillScheduled {
+                        client_id,
+                        will: will.clone(),
+                        at_ms: *at_ms,
+                    });
+                }
+            }
             Origin::HandedOver if state.in_journal => {
                 // New to this journal: recorded whole, as a snapshot would hold it.
                 state.changes = state.image(now, now_ms);

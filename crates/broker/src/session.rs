@@ -21,6 +21,7 @@ use crate::codec::OutPublish;
 use crate::message::{Message, QoS};
 use crate::persist::{wall, Durable, SessionChange, SessionJournal, StoredMessage};
 use crate::queue::{queued_bytes, MessageQueue, QueueLimit};
+use crate::will::Will;
 
 /// Options of one subscription, as granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,6 +127,9 @@ pub struct SessionState {
     pub next_seq: u64,
     /// When the connection ended (wall-clock ms); `None` while connected.
     pub detached_at_ms: Option<u64>,
+    /// The will of the connected client, kept (and journalled) for a persistent session only:
+    /// if the node dies, whoever puts the session back publishes it (decision 0054).
+    pub(crate) connected_will: Option<Box<Will>>,
     /// A journal is installed and the session has not ended.
     pub(crate) journalled: bool,
     /// The journal holds this session (journalled and expiry > 0): changes are noted.
@@ -150,6 +154,7 @@ impl SessionState {
             dropped_expired: 0,
             next_seq: 0,
             detached_at_ms: None,
+            connected_will: None,
             journalled: false,
             in_journal: false,
             changes: Vec::new(),
@@ -190,6 +195,7 @@ impl SessionState {
     /// A connection resumed the session with `expiry_secs`.
     pub(crate) fn attached(&mut self, expiry_secs: u32, clock: &dyn Clock) {
         self.detached_at_ms = None;
+        self.connected_will = None;
         let was_journalled = self.in_journal;
         self.set_expiry(expiry_secs, clock);
         if was_journalled {
@@ -203,11 +209,25 @@ impl SessionState {
     /// The connection ended at `at_ms`.
     pub(crate) fn detached(&mut self, at_ms: u64) {
         self.detached_at_ms = Some(at_ms);
+        self.connected_will = None;
         let expiry_secs = self.expiry_interval_secs;
         self.note(|client_id| SessionChange::Detached {
             client_id,
             expiry_secs,
             at_ms,
+        });
+    }
+
+    /// The connected client's will (after `attached`, or on a new session): kept and journalled
+    /// if the session is.
+    pub(crate) fn set_will(&mut self, will: Option<&Will>) {
+        let Some(will) = will.filter(|_| self.in_journal) else {
+            return;
+        };
+        self.connected_will = Some(Box::new(will.clone()));
+        self.note(|client_id| SessionChange::WillSet {
+            client_id,
+            will: will.clone(),
         });
     }
 
@@ -309,6 +329,12 @@ impl SessionState {
         }
         for d in self.queue.iter().filter(|d| d.qos != QoS::AtMostOnce) {
             image.push(appended(client_id, d, now, now_ms));
+        }
+        if let (Some(will), None) = (&self.connected_will, self.detached_at_ms) {
+            image.push(SessionChange::WillSet {
+                client_id: client_id.clone(),
+                will: (**will).clone(),
+            });
         }
         image
     }

@@ -211,6 +211,52 @@ async fn restore_drops_sessions_that_expired_while_down_and_publishes_due_wills(
     assert!(ack.session_present, "the unexpired session is resumed");
 }
 
+/// Decision 0054: a persistent session's will is in the journal while its client is connected
+/// (`WillSet`), so a crash of the server does not lose it: the restored session counts as
+/// disconnected at the restart, and its will is published after its delay (or at once).
+#[tokio::test]
+async fn the_will_of_a_client_connected_at_a_crash_is_published_after_the_restart() {
+    let journal = MemoryJournal::new();
+    let s = journalled(&journal).await;
+    let with_will = |id: &str, delay: u32| {
+        let mut c = connect_packet(id, false, 3600);
+        c.last_will = Some(will(&format!("will/{id}"), b"gone", 1, false, Some(delay)));
+        c
+    };
+    // A persistent watcher, so the wills are queued for it whenever they are published.
+    let (mut watcher, _) = Raw::connect(s.addr, "watcher", false, 3600).await;
+    watcher.subscribe("will/#", 1).await;
+    let (now, _) = Raw::connect_with(s.addr, with_will("now", 0)).await;
+    let (later, _) = Raw::connect_with(s.addr, with_will("later", 1)).await;
+    // A crash: the journal as it is, with every client connected (no detach recorded).
+    let restored = journal.replay();
+    drop((now, later, watcher, s));
+    assert!(restored.sessions["now"].connected_will.is_some());
+    assert!(restored.sessions["later"].detached_at_ms.is_none());
+
+    let restarted = MemoryJournal::new();
+    let broker = Broker::builder(BrokerConfig::default())
+        .journal(restarted.clone())
+        .build();
+    let report = broker.restore(restored);
+    assert_eq!((report.sessions, report.wills_published), (3, 1));
+    // The delayed one is pending, and journalled as such (a second crash keeps it).
+    let scheduled = restarted.changes.lock().unwrap().iter().any(
+        |c| matches!(c, SessionChange::WillScheduled { client_id, .. } if &**client_id == "later"),
+    );
+    assert!(scheduled, "the pending will is journalled");
+    let s2 = Server::serve(broker).await;
+    let (mut watcher, ack) = Raw::connect(s2.addr, "watcher", false, 3600).await;
+    assert!(ack.session_present);
+    let mut topics = Vec::new();
+    for _ in 0..2 {
+        let will = watcher.expect_publish().await;
+        topics.push(will.topic.to_string());
+    }
+    topics.sort();
+    assert_eq!(topics, ["will/later", "will/now"]);
+}
+
 async fn pubrel(c: &mut Raw, packet_id: u16) {
     c.send(Packet::PublishRelease(v5::PublishAck2 {
         packet_id: pid(packet_id),

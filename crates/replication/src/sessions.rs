@@ -55,6 +55,44 @@ impl Replication {
         }
     }
 
+    /// The session rows this node's replicas hold now — client id, the row's first `prefix`
+    /// bytes (its header), whether this node acts as the head of its partition: where a node looks
+    /// for sessions nobody holds (decision 0055). A replica's copy may trail the head's; whoever
+    /// acts on a row reads it again at the head.
+    pub async fn sessions_here(&self, prefix: usize) -> Vec<(Vec<u8>, Vec<u8>, bool)> {
+        let Some(count) = self.node.partition_count() else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
+        for partition in 0..count {
+            let rows = self
+                .driver
+                .visit(space::sessions(partition), move |replica, head| {
+                    replica
+                        .rows()
+                        .iter()
+                        .filter_map(|(key, row)| {
+                            let value = row.value.as_ref().filter(|_| !row.locked)?;
+                            let header = value[..prefix.min(value.len())].to_vec();
+                            Some((key.clone(), header, head))
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .await;
+            found.extend(rows.into_iter().flatten());
+        }
+        found
+    }
+
+    /// Whether member `node` is up: its lease is current in the control plane (a node counts
+    /// down once its lease lapsed).
+    pub fn is_up(&self, node: u64) -> bool {
+        self.node
+            .members()
+            .iter()
+            .any(|&(id, _, up)| id == node && up)
+    }
+
     async fn session_call(
         &self,
         client_id: &str,

@@ -74,6 +74,12 @@ pub trait SessionRows: Send + Sync {
         value: Option<Vec<u8>>,
         base: Option<Version>,
     ) -> RowFuture<'a, Result<Version, Option<Version>>>;
+    /// The rows this node's replicas hold now: client id, the value's first [`row::HEADER`] bytes
+    /// (or all of it), and whether this node acts as the head of the row's partition. A
+    /// replica's copy may trail the head's.
+    fn here(&self) -> RowFuture<'_, Vec<(String, Vec<u8>, bool)>>;
+    /// Whether node `node` is up: a member whose lease is current.
+    fn is_up(&self, node: u64) -> bool;
 }
 
 /// This node's relation to a client's session row.
@@ -225,7 +231,8 @@ fn client_of(change: &SessionChange) -> Option<&Arc<str>> {
         | Qos2Received { client_id, .. }
         | Qos2Released { client_id, .. }
         | WillScheduled { client_id, .. }
-        | WillCancelled { client_id } => Some(client_id),
+        | WillCancelled { client_id }
+        | WillSet { client_id, .. } => Some(client_id),
         RetainedSet { .. } | RetainedCleared { .. } => None,
     }
 }
@@ -452,15 +459,15 @@ impl SessionSource for ReplicatedSessions {
     }
 }
 
-async fn locate(
-    shared: &Shared,
-    client_id: Arc<str>,
-    clean_start: bool,
-    held_here: bool,
-) -> Result<Located, String> {
-    let rows = shared.rows()?;
-    let read = rows.read(&client_id).await?;
-    let row = match read.value.as_deref().map(|v| row::decode(&client_id, v)) {
+/// A client's row as read at its partition's head.
+struct Found {
+    row: Option<SessionRow>,
+    version: Option<Version>,
+}
+
+async fn read_row(rows: &dyn SessionRows, client_id: &Arc<str>) -> Result<Found, String> {
+    let read = rows.read(client_id).await?;
+    let row = match read.value.as_deref().map(|v| row::decode(client_id, v)) {
         Some(Ok(row)) => Some(row),
         Some(Err(e)) => {
             // A damaged row is not a session that does not exist: refuse (an operator looks).
@@ -469,30 +476,50 @@ async fn locate(
         }
         None => None,
     };
-    let known_epoch = {
+    Ok(Found {
+        row,
+        version: read.version,
+    })
+}
+
+async fn locate(
+    shared: &Shared,
+    client_id: Arc<str>,
+    clean_start: bool,
+    held_here: bool,
+) -> Result<Located, String> {
+    let rows = shared.rows()?;
+    let found = read_row(&*rows, &client_id).await?;
+    if let (Some(row), false, true) = (&found.row, clean_start, held_here) {
         let state = shared.lock();
-        let entry = state.entries.get(&client_id);
-        if let (Some(entry), Some(row), false, true) = (entry, &row, clean_start, held_here) {
+        if let Some(entry) = state.entries.get(&client_id) {
             if entry.role == Role::Owned && row.owner == shared.node && row.epoch == entry.epoch {
                 return Ok(Located::Here);
             }
         }
-        entry.map_or(0, |e| e.epoch)
-    };
-    let epoch = known_epoch.max(row.as_ref().map_or(0, |r| r.epoch)) + 1;
+    }
+    take_over(shared, &*rows, client_id, found, clean_start).await
+}
+
+/// Makes the row found this node's: written back with this node as owner under a new epoch
+/// (compare-and-set on the version read), or deleted for a clean start; the session is then
+/// claimed here, waiting for the broker's `Created`, and its client's registrations are in force.
+async fn take_over(
+    shared: &Shared,
+    rows: &dyn SessionRows,
+    client_id: Arc<str>,
+    found: Found,
+    clean_start: bool,
+) -> Result<Located, String> {
+    let known_epoch = shared.lock().entries.get(&client_id).map_or(0, |e| e.epoch);
+    let epoch = known_epoch.max(found.row.as_ref().map_or(0, |r| r.epoch)) + 1;
     let mut observed = Vec::new();
-    let (base, located) = match row {
-        Some(row) if !clean_start => {
-            let value = row::encode(
-                &client_id,
-                &SessionRow {
-                    owner: shared.node,
-                    epoch,
-                    session: row.session.clone(),
-                    observed: row.observed.clone(),
-                },
-            );
-            match rows.write(&client_id, Some(value), read.version).await? {
+    let (base, located) = match found.row {
+        Some(mut row) if !clean_start => {
+            row.owner = shared.node;
+            row.epoch = epoch;
+            let value = row::encode(&client_id, &row);
+            match rows.write(&client_id, Some(value), found.version).await? {
                 Ok(version) => {
                     observed = row.observed;
                     (Some(version), Located::Taken(Box::new(row.session)))
@@ -501,11 +528,11 @@ async fn locate(
             }
         }
         // A clean start discards the session everywhere.
-        Some(_) => match rows.write(&client_id, None, read.version).await? {
+        Some(_) => match rows.write(&client_id, None, found.version).await? {
             Ok(version) => (Some(version), Located::Gone),
             Err(_) => return Err("the session changed while it was discarded".into()),
         },
-        None => (read.version, Located::Gone),
+        None => (found.version, Located::Gone),
     };
     {
         let mut state = shared.lock();
@@ -541,6 +568,139 @@ async fn locate(
     Ok(located)
 }
 
+/// How often a node looks for orphaned sessions (decision 0054).
+pub const ADOPT_EVERY: Duration = Duration::from_secs(1);
+
+impl ReplicatedSessions {
+    /// Looks for orphaned sessions every [`ADOPT_EVERY`] while the journal lives (the task
+    /// holds it weakly). Abort the task to stop earlier.
+    pub fn adopt_orphans_regularly(&self) -> tokio::task::JoinHandle<()> {
+        let shared = Arc::downgrade(&self.shared);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(ADOPT_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(shared) = shared.upgrade() else {
+                    return;
+                };
+                adopt_orphans(&shared).await;
+            }
+        })
+    }
+
+    /// One look for orphaned sessions (decision 0054): rows that no running node holds — their
+    /// owner is down (its lease lapsed; adopted by the head of their partition) or is this node
+    /// under an earlier run (it restarted; adopted by itself). Each is taken over as a CONNECT
+    /// would take it, and handed to the broker, which expires it, publishes its will when due
+    /// and queues what is routed to it. Returns the client ids adopted.
+    pub async fn adopt_orphans(&self) -> Vec<Arc<str>> {
+        adopt_orphans(&self.shared).await
+    }
+}
+
+async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
+    let Ok(rows) = shared.rows() else {
+        return Vec::new();
+    };
+    let here = match rows.here().await {
+        Ok(here) => here,
+        Err(e) => {
+            tracing::debug!("no look for orphaned sessions now: {e}");
+            return Vec::new();
+        }
+    };
+    let mut adopted = Vec::new();
+    for (client_id, value, head) in here {
+        let client_id: Arc<str> = client_id.into();
+        let Some((owner, epoch)) = row::header(&value) else {
+            continue;
+        };
+        let orphan = if owner == shared.node {
+            // Nothing this run of the node took over or created: a row of an earlier run.
+            !shared.lock().entries.contains_key(&client_id)
+        } else {
+            head && !rows.is_up(owner) && !holds(shared, &client_id)
+        };
+        if !orphan {
+            continue;
+        }
+        match adopt(shared, &*rows, client_id.clone(), (owner, epoch)).await {
+            Ok(true) => adopted.push(client_id),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(%client_id, "an orphaned session was not adopted: {e}"),
+        }
+    }
+    adopted
+}
+
+/// Whether this node owns (or is taking over) `client_id`'s session.
+fn holds(shared: &Shared, client_id: &str) -> bool {
+    shared
+        .lock()
+        .entries
+        .get(client_id)
+        .is_some_and(|e| e.role != Role::Lost)
+}
+
+/// Takes over the session of `client_id` if its row at the head is still the one seen (owner,
+/// epoch), and hands it to the broker. `Ok(false)`: the row moved on meanwhile.
+async fn adopt(
+    shared: &Shared,
+    rows: &dyn SessionRows,
+    client_id: Arc<str>,
+    seen: (u64, u64),
+) -> Result<bool, String> {
+    let broker = shared
+        .broker
+        .get()
+        .cloned()
+        .ok_or("no broker attached yet")?;
+    let found = read_row(rows, &client_id).await?;
+    if found.row.as_ref().map(|r| (r.owner, r.epoch)) != Some(seen) {
+        return Ok(false);
+    }
+    let Located::Taken(session) = take_over(shared, rows, client_id.clone(), found, false).await?
+    else {
+        return Ok(false);
+    };
+    tracing::info!(%client_id, owner = seen.0, "orphaned session adopted");
+    // A stale copy of an earlier run (none is expected) makes way for the row's session.
+    broker.forget_session(&client_id);
+    let adoption = broker
+        .adopt_session(client_id.clone(), *session)
+        .map_err(|e| e.to_string())?;
+    if let Some(durable) = adoption.durable {
+        durable.await.map_err(|e| e.to_string())?;
+    }
+    if adoption.report.expired > 0 {
+        // Its expiry passed while nobody held it: the broker published its will, the row goes.
+        discard(shared, rows, &client_id).await?;
+    }
+    Ok(true)
+}
+
+/// Deletes the row of a session claimed here that the broker did not take (it had expired).
+async fn discard(
+    shared: &Shared,
+    rows: &dyn SessionRows,
+    client_id: &Arc<str>,
+) -> Result<(), String> {
+    let base = match shared.lock().entries.get(client_id) {
+        Some(entry) if entry.role == Role::Claimed => entry.base,
+        _ => return Ok(()),
+    };
+    match rows.write(client_id, None, base).await? {
+        Ok(version) => {
+            if let Some(entry) = shared.lock().entries.get_mut(client_id) {
+                entry.base = Some(version);
+            }
+            Ok(())
+        }
+        Err(_) => Err("the row changed before the expired session was deleted".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -555,8 +715,9 @@ mod tests {
     /// `tests/cluster_sessions.rs`).
     type Stored = (Option<Vec<u8>>, Version);
 
+    /// The rows, and the nodes counted down.
     #[derive(Default)]
-    struct MemoryRows(Mutex<HashMap<String, Stored>>);
+    struct MemoryRows(Mutex<HashMap<String, Stored>>, Mutex<Vec<u64>>);
 
     impl SessionRows for MemoryRows {
         fn read<'a>(&'a self, client_id: &'a str) -> RowFuture<'a, ReadRow> {
@@ -600,6 +761,20 @@ mod tests {
             };
             Box::pin(async move { Ok(outcome) })
         }
+
+        /// Every row, as the head of one partition holding them all.
+        fn here(&self) -> RowFuture<'_, Vec<(String, Vec<u8>, bool)>> {
+            let rows = self.0.lock().unwrap();
+            let here = rows
+                .iter()
+                .filter_map(|(id, (value, _))| Some((id.clone(), value.clone()?, true)))
+                .collect();
+            Box::pin(async move { Ok(here) })
+        }
+
+        fn is_up(&self, node: u64) -> bool {
+            !self.1.lock().unwrap().contains(&node)
+        }
     }
 
     struct Local;
@@ -614,6 +789,29 @@ mod tests {
         let sessions = ReplicatedSessions::new(id, Arc::new(Local));
         sessions.attach_rows(rows.clone());
         sessions
+    }
+
+    /// `node` locates client `c` (no session yet) and creates its session, owned there.
+    async fn create(node: &ReplicatedSessions, expiry_secs: u32) {
+        assert_eq!(
+            node.locate("c", false, true, false).await,
+            Ok(Located::Gone)
+        );
+        node.record(vec![SessionChange::Created {
+            client_id: "c".into(),
+            expiry_secs,
+        }])
+        .await
+        .unwrap();
+    }
+
+    /// `node` with a broker of its own that journals into it.
+    fn with_broker(node: &ReplicatedSessions) -> Broker {
+        let broker = Broker::builder(mqstate_broker::BrokerConfig::default())
+            .journal(Arc::new(node.clone()))
+            .build();
+        node.attach_broker(broker.clone());
+        broker
     }
 
     fn subscribed(filter: &str) -> SessionChange {
@@ -679,13 +877,7 @@ mod tests {
     async fn a_clean_start_deletes_the_row() {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
-        a.locate("c", false, true, false).await.unwrap();
-        a.record(vec![SessionChange::Created {
-            client_id: "c".into(),
-            expiry_secs: 60,
-        }])
-        .await
-        .unwrap();
+        create(&a, 60).await;
         assert_eq!(b.locate("c", true, true, false).await, Ok(Located::Gone));
         assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
         assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
@@ -716,13 +908,7 @@ mod tests {
         b.attach_observers(restored.clone());
         // Not a session of this node (a clean one): nothing to keep.
         a.keep_observed("c", vec![b"k".to_vec()]).await.unwrap();
-        a.locate("c", false, true, false).await.unwrap();
-        a.record(vec![SessionChange::Created {
-            client_id: "c".into(),
-            expiry_secs: 60,
-        }])
-        .await
-        .unwrap();
+        create(&a, 60).await;
         assert!(row_of(&rows).observed.is_empty());
         let keys = vec![b"k1".to_vec(), b"k2".to_vec()];
         a.keep_observed("c", keys.clone()).await.unwrap();
@@ -744,6 +930,77 @@ mod tests {
         // The old owner is fenced.
         assert!(a.keep_observed("c", Vec::new()).await.is_err());
         assert_eq!(row_of(&rows).observed, keys);
+    }
+
+    #[tokio::test]
+    async fn a_session_of_a_dead_node_is_adopted_by_the_head() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let broker = with_broker(&b);
+        let restored = Arc::new(Restored::default());
+        b.attach_observers(restored.clone());
+        create(&a, 60).await;
+        a.record(vec![subscribed("a/#")]).await.unwrap();
+        a.keep_observed("c", vec![b"k".to_vec()]).await.unwrap();
+        let epoch = row_of(&rows).epoch;
+
+        assert!(b.adopt_orphans().await.is_empty(), "node 1 is up");
+        rows.1.lock().unwrap().push(1);
+        assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
+        let row = row_of(&rows);
+        assert_eq!((row.owner, row.epoch), (2, epoch + 1));
+        assert_eq!(broker.session_count(), 1, "the broker holds it");
+        // Connected when its node died: detached since the adoption, so it expires from now.
+        assert!(row.session.detached_at_ms.is_some());
+        assert!(row.session.subscriptions.contains_key("a/#"));
+        // Its client's KEYNOTIFY registrations are in force on the adopter.
+        assert_eq!(
+            *restored.0.lock().unwrap(),
+            [("c".into(), vec![b"k".to_vec()])]
+        );
+        assert!(b.adopt_orphans().await.is_empty(), "adopted once");
+        // The old owner is fenced.
+        assert!(a.record(vec![subscribed("stale/#")]).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_restarted_node_adopts_its_own_rows_and_an_expired_one_is_deleted() {
+        let rows = Arc::new(MemoryRows::default());
+        let a = node(1, &rows);
+        create(&a, 60).await;
+        // Node 1 runs again (up all along): nothing of this run holds the session.
+        let again = node(1, &rows);
+        let broker = with_broker(&again);
+        assert_eq!(again.adopt_orphans().await.len(), 1);
+        assert_eq!(broker.session_count(), 1);
+        assert_eq!(row_of(&rows).owner, 1);
+
+        // A session whose expiry passed while nobody held it: adopted, expired, its row deleted.
+        let b = node(2, &rows);
+        let broker = with_broker(&b);
+        rows.1.lock().unwrap().push(1);
+        let expired = node(1, &rows);
+        assert_eq!(
+            expired.locate("c", true, true, false).await,
+            Ok(Located::Gone)
+        );
+        expired
+            .record(vec![
+                SessionChange::Created {
+                    client_id: "c".into(),
+                    expiry_secs: 1,
+                },
+                SessionChange::Detached {
+                    client_id: "c".into(),
+                    expiry_secs: 1,
+                    at_ms: 1,
+                },
+            ])
+            .await
+            .unwrap();
+        assert_eq!(b.adopt_orphans().await.len(), 1);
+        assert_eq!(broker.session_count(), 0);
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
     }
 
     impl SessionRow {

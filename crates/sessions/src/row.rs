@@ -25,7 +25,8 @@ use mqstate_broker::{Restored, SessionChange, StoredSession};
 pub const ROW_VERSION: u8 = 1;
 /// Version byte of a row that carries the client's observed keys.
 pub const ROW_VERSION_OBSERVED: u8 = 2;
-const HEADER: usize = 1 + 8 + 8;
+/// Bytes of a row's header: version, owner, epoch.
+pub const HEADER: usize = 1 + 8 + 8;
 /// Observed keys a row holds at most (the store's own registration limit is far below).
 const MAX_OBSERVED: usize = 1 << 20;
 
@@ -79,6 +80,17 @@ pub fn encode(client_id: &Arc<str>, row: &SessionRow) -> Vec<u8> {
     }
     out.extend_from_slice(&image);
     out.to_vec()
+}
+
+/// Owner and epoch of a row from its first [`HEADER`] bytes (the rest need not be there);
+/// `None` if they are not a header this build reads.
+pub fn header(data: &[u8]) -> Option<(u64, u64)> {
+    let header = data.get(..HEADER)?;
+    if header[0] != ROW_VERSION && header[0] != ROW_VERSION_OBSERVED {
+        return None;
+    }
+    let word = |at: usize| u64::from_be_bytes(header[at..at + 8].try_into().unwrap_or_default());
+    Some((word(1), word(9)))
 }
 
 /// Decodes the row of `client_id`.
@@ -194,6 +206,12 @@ pub fn image_of(client_id: &Arc<str>, session: &StoredSession) -> Vec<SessionCha
             at_ms: *at_ms,
         });
     }
+    if let (Some(will), None) = (&session.connected_will, session.detached_at_ms) {
+        image.push(SessionChange::WillSet {
+            client_id: id(),
+            will: will.clone(),
+        });
+    }
     image
 }
 
@@ -290,6 +308,7 @@ mod tests {
         let bytes = encode(&"a".into(), &row);
         assert_eq!(decode("b", &bytes), Err(RowError::OtherClient));
         assert_eq!(decode("a", &bytes[..5]), Err(RowError::Short(5)));
+        assert_eq!(header(&bytes[..5]), None);
         let mut other = bytes.clone();
         other[0] = 3;
         assert_eq!(decode("a", &other), Err(RowError::Version(3)));
@@ -303,7 +322,9 @@ mod tests {
             let mut s = session(messages);
             s.expiry_secs = expiry;
             let row = SessionRow { owner, epoch, session: s, observed: observed.into_iter().collect() };
-            prop_assert_eq!(decode("c", &encode(&client_id, &row)), Ok(row));
+            let bytes = encode(&client_id, &row);
+            prop_assert_eq!(header(&bytes[..HEADER]), Some((owner, epoch)));
+            prop_assert_eq!(decode("c", &bytes), Ok(row));
         }
 
         #[test]

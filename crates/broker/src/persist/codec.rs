@@ -35,6 +35,7 @@ const QOS2_RECEIVED: u8 = b'Q';
 const QOS2_RELEASED: u8 = b'q';
 const WILL_SCHEDULED: u8 = b'W';
 const WILL_CANCELLED: u8 = b'w';
+const WILL_SET: u8 = b'V';
 const RETAINED_SET: u8 = b'T';
 const RETAINED_CLEARED: u8 = b't';
 
@@ -210,6 +211,12 @@ fn encode_change(change: &SessionChange, out: &mut BytesMut) {
         SessionChange::WillCancelled { client_id } => {
             out.put_u8(WILL_CANCELLED);
             put_bin(out, client_id.as_bytes());
+        }
+        SessionChange::WillSet { client_id, will } => {
+            out.put_u8(WILL_SET);
+            put_bin(out, client_id.as_bytes());
+            encode_message(&will.message, out);
+            out.put_u32(will.delay_secs);
         }
         SessionChange::RetainedSet {
             message,
@@ -529,6 +536,17 @@ fn decode_change(r: &mut Reader<'_>) -> Result<SessionChange, DecodeError> {
         WILL_CANCELLED => SessionChange::WillCancelled {
             client_id: r.client_id()?,
         },
+        WILL_SET => {
+            let client_id = r.client_id()?;
+            let message = decode_message(r)?;
+            SessionChange::WillSet {
+                client_id,
+                will: Will {
+                    message,
+                    delay_secs: r.u32("will delay")?,
+                },
+            }
+        }
         RETAINED_SET => SessionChange::RetainedSet {
             message: Arc::new(decode_message(r)?),
             received_at_ms: r.u64("received at")?,
@@ -702,6 +720,15 @@ mod tests {
                 }
             ),
             id().prop_map(|client_id| SessionChange::WillCancelled { client_id }),
+            (id(), message(), any::<u32>()).prop_map(|(client_id, message, delay_secs)| {
+                SessionChange::WillSet {
+                    client_id,
+                    will: Will {
+                        message,
+                        delay_secs,
+                    },
+                }
+            }),
             (message(), any::<u64>()).prop_map(|(m, at)| SessionChange::RetainedSet {
                 message: Arc::new(m),
                 received_at_ms: at
@@ -849,6 +876,13 @@ mod tests {
             ),
             (SessionChange::WillCancelled { client_id: id() }, "77 0000000163".into()),
             (
+                SessionChange::WillSet {
+                    client_id: id(),
+                    will: Will { message: message(), delay_secs: 10 },
+                },
+                format!("56 0000000163 {MESSAGE} 0000000a"),
+            ),
+            (
                 SessionChange::RetainedSet { message: Arc::new(message()), received_at_ms: 12 },
                 format!("54 {MESSAGE} 000000000000000c"),
             ),
@@ -861,7 +895,7 @@ mod tests {
             .iter()
             .map(|(change, _)| encode_changes(std::slice::from_ref(change))[5])
             .collect();
-        assert_eq!(kinds.len(), 16, "one golden case per record kind");
+        assert_eq!(kinds.len(), 17, "one golden case per record kind");
         for (change, hex) in cases {
             let expected: String = format!("01 00000001 {hex}").split_whitespace().collect();
             let bytes = encode_changes(std::slice::from_ref(&change));

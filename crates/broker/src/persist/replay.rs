@@ -30,6 +30,9 @@ pub struct StoredSession {
     pub messages: BTreeMap<u64, StoredEntry>,
     /// Delayed will and when it is due (wall-clock ms).
     pub will: Option<(Will, u64)>,
+    /// The will of the client connected when the journal ended (`WillSet`): published after its
+    /// delay from when the session is put back.
+    pub connected_will: Option<Will>,
     /// Packet ids of inbound QoS 2 publishes received and not yet released by PUBREL.
     pub inbound_qos2: BTreeSet<u16>,
 }
@@ -68,6 +71,7 @@ impl Restored {
                     s.expiry_secs = expiry_secs;
                     s.detached_at_ms = None;
                     s.will = None;
+                    s.connected_will = None;
                 }
             }
             SessionChange::Detached {
@@ -78,6 +82,7 @@ impl Restored {
                 if let Some(s) = self.sessions.get_mut(&client_id) {
                     s.expiry_secs = expiry_secs;
                     s.detached_at_ms = Some(at_ms);
+                    s.connected_will = None;
                 }
             }
             SessionChange::Subscribed {
@@ -160,6 +165,11 @@ impl Restored {
             SessionChange::WillCancelled { client_id } => {
                 if let Some(s) = self.sessions.get_mut(&client_id) {
                     s.will = None;
+                }
+            }
+            SessionChange::WillSet { client_id, will } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    s.connected_will = Some(will);
                 }
             }
             SessionChange::RetainedSet {

@@ -1,0 +1,406 @@
+//! Sessions whose node died are adopted (issue 16, decision 0054 "Orphaned sessions"), on three
+//! real `mqstate serve` processes with a raw MQTT 5 client (Session Present and reason codes
+//! packet by packet). Node 1 is killed with `kill -9` while four persistent sessions are
+//! connected to it:
+//!
+//! * the wills of its clients — one without a delay, one with — reach a subscriber on node 2
+//!   (the head of each session's partition adopts it once node 1's lease lapsed, and publishes the
+//!   will that the row kept since CONNECT);
+//! * a session with a short expiry expires on its adopter: a reconnect finds no session
+//!   (Session Present = 0);
+//! * a session with a long expiry, once adopted, has what is published for it meanwhile queued
+//!   (each QoS 1 publish acknowledged 0x00), and its client reconnecting to node 3 gets it with
+//!   Session Present = 1;
+//! * a state-store observer (KEYNOTIFY) is registered again on the adopter: a change made after
+//!   the adoption, while its client is away, is queued and reaches it on node 3.
+//!
+//! (Without adoption, no will comes, the short session is resumed with Session Present = 1, and
+//! what was published after node 1's death matched nothing and is not delivered.)
+//!
+//! And retained messages cleared or replaced while a node was down (decision 0055): after its
+//! restart it holds neither the cleared message nor the replaced one, and does not bring them
+//! back to the others.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use std::collections::BTreeMap;
+
+use rumqttc::v5::mqttbytes::v5::{
+    ConnectReturnCode, LastWill, LastWillProperties, Packet, PingReq, PubAck, Publish,
+};
+use rumqttc::v5::mqttbytes::QoS;
+
+use common::cluster::formed_cluster;
+use common::mqtt::{Connected, Raw};
+use common::state::{hlc_now, request_properties, StateClient, INVOKE_TOPIC, OK};
+
+/// Hang guard of every wait (fail-over, adoption, expiry): generous, the machine is shared.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Connects as a client should: retrying while the server refuses retryably (0x88 while the
+/// session's partition is between heads, 0x89), within [`WAIT`].
+async fn accepted(
+    addr: SocketAddr,
+    id: &str,
+    clean_start: bool,
+    expiry: u32,
+    will: Option<LastWill>,
+) -> (Raw, bool) {
+    let started = Instant::now();
+    loop {
+        match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
+            Connected::Accepted {
+                client,
+                session_present,
+            } => return (client, session_present),
+            Connected::Refused(
+                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
+            ) => {
+                assert!(
+                    started.elapsed() < WAIT,
+                    "{id} still refused ({code:?}) after {WAIT:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
+        }
+    }
+}
+
+/// The will of `id`: on `will/<id>`, QoS 1, after `delay` seconds.
+fn will_of(id: &str, delay: u32) -> Option<LastWill> {
+    let properties = LastWillProperties {
+        delay_interval: Some(delay),
+        payload_format_indicator: None,
+        message_expiry_interval: None,
+        content_type: None,
+        response_topic: None,
+        correlation_data: None,
+        user_properties: Vec::new(),
+    };
+    Some(LastWill::new(
+        format!("will/{id}"),
+        Bytes::from_static(b"gone"),
+        QoS::AtLeastOnce,
+        false,
+        Some(properties),
+    ))
+}
+
+/// Waits for the next will published to `watcher` (acknowledged); its topic.
+async fn next_will(watcher: &mut Raw) -> String {
+    loop {
+        match watcher.recv().await {
+            Packet::Publish(p) => {
+                if p.qos == QoS::AtLeastOnce {
+                    watcher
+                        .send(Packet::PubAck(PubAck::new(p.pkid, None)))
+                        .await;
+                }
+                return String::from_utf8_lossy(&p.topic).into_owned();
+            }
+            Packet::PingResp(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// The payload of a SET notification of `value`.
+fn set_note(value: &[u8]) -> Vec<u8> {
+    let mut out = format!(
+        "*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n${}\r\n",
+        value.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+/// `observer` (subscribed to its response topic) sends KEYNOTIFY `key` and waits for `+OK`.
+async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
+    let response_topic = format!("clients/{id}/statestore/response");
+    observer.subscribe(&response_topic, QoS::AtLeastOnce).await;
+    let correlation = Bytes::from_static(b"keynotify-1");
+    let properties = request_properties(&response_topic, &correlation, hlc_now());
+    let mut p = Publish::new(
+        INVOKE_TOPIC,
+        QoS::AtLeastOnce,
+        mqstate_protocol::encode_request(&[b"KEYNOTIFY", key]),
+        Some(properties),
+    );
+    p.pkid = observer.pkid();
+    observer.send(Packet::Publish(p)).await;
+    loop {
+        match observer.recv().await {
+            Packet::Publish(reply) => {
+                if reply.qos == QoS::AtLeastOnce {
+                    observer
+                        .send(Packet::PubAck(PubAck::new(reply.pkid, None)))
+                        .await;
+                }
+                assert_eq!(&reply.payload[..], OK, "KEYNOTIFY answered");
+                return;
+            }
+            Packet::PubAck(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+
+    let (mut watcher, _) = accepted(n2, "will-watcher", true, 0, None).await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+
+    // Four persistent sessions connected to node 1 when it dies.
+    let (at_once, _) = accepted(n1, "will-now", false, 3600, will_of("will-now", 0)).await;
+    let (delayed, _) = accepted(n1, "will-later", false, 3600, will_of("will-later", 2)).await;
+    // Its will (delay 1 s) tells when it was adopted.
+    let (mut long, present) =
+        accepted(n1, "orphan-long", false, 3600, will_of("orphan-long", 1)).await;
+    assert!(!present);
+    long.subscribe("o/long", QoS::AtLeastOnce).await;
+    // Expires 5 s after its adoption; its will (delay above the expiry) goes with it.
+    let (short, _) = accepted(n1, "orphan-short", false, 5, will_of("orphan-short", 3600)).await;
+    // A state-store observer; its will tells when it was adopted.
+    let (mut observer, _) = accepted(
+        n1,
+        "orphan-observer",
+        false,
+        3600,
+        will_of("orphan-observer", 0),
+    )
+    .await;
+    keynotify(&mut observer, "orphan-observer", b"orphan/k").await;
+    let mut writer = StateClient::connect(n2, "orphan-writer").await;
+
+    let (mut publisher, _) = accepted(n2, "orphan-publisher", true, 0, None).await;
+    assert_eq!(
+        publisher
+            .publish("o/long", QoS::AtLeastOnce, "before")
+            .await,
+        0x00,
+        "routed to the session on node 1 and stored in its row"
+    );
+
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    drop((at_once, delayed, long, short, observer));
+    let killed = Instant::now();
+
+    let mut wills = BTreeSet::new();
+    let mut want = BTreeSet::from(["before".to_owned()]);
+    let everyone: BTreeSet<String> = [
+        "will-now",
+        "will-later",
+        "orphan-long",
+        "orphan-short",
+        "orphan-observer",
+    ]
+    .iter()
+    .map(|id| format!("will/{id}"))
+    .collect();
+    while wills != everyone {
+        assert!(
+            killed.elapsed() < WAIT,
+            "wills after {WAIT:?}: {wills:?}, not {everyone:?}"
+        );
+        let will = next_will(&mut watcher).await;
+        eprintln!("{will} {:?} after kill -9 of node 1", killed.elapsed());
+        if will == "will/orphan-long" {
+            // Adopted: what is published for it from now on is queued for it.
+            for i in 0..3 {
+                let payload = format!("after-adoption-{i}");
+                assert_eq!(
+                    publisher
+                        .publish("o/long", QoS::AtLeastOnce, &payload)
+                        .await,
+                    0x00
+                );
+                want.insert(payload);
+            }
+        }
+        if will == "will/orphan-observer" {
+            // Adopted, its registration in force on the adopter: the change is queued for it.
+            assert_eq!(
+                &writer.request(&[b"SET", b"orphan/k", b"after"]).await[..],
+                OK
+            );
+        }
+        wills.insert(will);
+    }
+
+    // The short session expired on its adopter.
+    let (short, present) = accepted(n3, "orphan-short", false, 5, None).await;
+    assert!(!present, "the short session expired: Session Present = 0");
+    short.disconnect().await;
+
+    // The long one comes back on node 3 with everything queued for it.
+    let (mut long, present) = accepted(n3, "orphan-long", false, 3600, None).await;
+    assert!(present, "Session Present = 1 after adoption");
+    let received = long.receive_all(&want).await;
+    eprintln!("received on node 3: {:?}", received.received);
+    long.disconnect().await;
+
+    // The observer comes back on node 3: the change made after the adoption is there.
+    let (mut observer, present) = accepted(n3, "orphan-observer", false, 3600, None).await;
+    assert!(present);
+    loop {
+        let p = match observer.recv().await {
+            Packet::Publish(p) => p,
+            other => panic!("unexpected {other:?}"),
+        };
+        if p.qos == QoS::AtLeastOnce {
+            observer
+                .send(Packet::PubAck(PubAck::new(p.pkid, None)))
+                .await;
+        }
+        let topic = String::from_utf8_lossy(&p.topic).into_owned();
+        if topic.contains("/command/notify/") {
+            assert_eq!(
+                p.payload.to_vec(),
+                set_note(b"after"),
+                "notified on {topic}"
+            );
+            break;
+        }
+    }
+    drop((publisher, watcher, writer));
+}
+
+/// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.
+async fn retain(c: &mut Raw, topic: &str, payload: &str) {
+    let mut p = Publish::new(
+        topic,
+        QoS::AtLeastOnce,
+        Bytes::from(payload.to_owned()),
+        None,
+    );
+    p.retain = true;
+    p.pkid = c.pkid();
+    let pkid = p.pkid;
+    c.send(Packet::Publish(p)).await;
+    match c.recv().await {
+        Packet::PubAck(ack) if ack.pkid == pkid => {}
+        other => panic!("expected PUBACK {pkid}, got {other:?}"),
+    }
+}
+
+/// The retained messages a new subscriber to `r/#` on `addr` gets: topic → payload (they come
+/// in topic order, before the answer to a ping sent after the SUBACK).
+async fn retained_at(addr: SocketAddr, id: &str) -> BTreeMap<String, String> {
+    let (mut c, _) = accepted(addr, id, true, 0, None).await;
+    c.subscribe("r/#", QoS::AtMostOnce).await;
+    c.send(Packet::PingReq(PingReq)).await;
+    let mut got = BTreeMap::new();
+    loop {
+        match c.recv().await {
+            Packet::PingResp(_) => break,
+            Packet::Publish(p) => {
+                got.insert(
+                    String::from_utf8_lossy(&p.topic).into_owned(),
+                    String::from_utf8_lossy(&p.payload).into_owned(),
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    c.disconnect().await;
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_clears_and_replacements_reach_a_node_that_was_down() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    let (mut publisher, _) = accepted(n1, "retainer", true, 0, None).await;
+    // Node 3 holds both messages (the nodes' mesh forms in the background: publish again
+    // until it does).
+    let both = BTreeMap::from([
+        ("r/replaced".to_owned(), "v1".to_owned()),
+        ("r/stale".to_owned(), "v1".to_owned()),
+    ]);
+    let started = Instant::now();
+    for attempt in 0.. {
+        retain(&mut publisher, "r/stale", "v1").await;
+        retain(&mut publisher, "r/replaced", "v1").await;
+        if retained_at(n3, &format!("r-before-{attempt}")).await == both {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "node 3 never got the retained messages"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    tokio::task::block_in_place(|| nodes[2].server.kill9());
+    // While node 3 is down: one cleared, one replaced, and a marker (last in topic order) that
+    // tells when node 3 took in the others' retained sets.
+    retain(&mut publisher, "r/stale", "").await;
+    retain(&mut publisher, "r/replaced", "v2").await;
+    retain(&mut publisher, "r/zz-marker", "m").await;
+    tokio::task::block_in_place(|| nodes[2].server.restart());
+
+    let expected = BTreeMap::from([
+        ("r/replaced".to_owned(), "v2".to_owned()),
+        ("r/zz-marker".to_owned(), "m".to_owned()),
+    ]);
+    let restarted = Instant::now();
+    for attempt in 0.. {
+        let got = retained_at(n3, &format!("r-after-{attempt}")).await;
+        if got.contains_key("r/zz-marker") {
+            assert_eq!(got, expected, "node 3 after its restart");
+            eprintln!(
+                "node 3 learned the retained set {:?} after its restart",
+                restarted.elapsed()
+            );
+            break;
+        }
+        assert!(
+            restarted.elapsed() < WAIT,
+            "node 3 never learned the retained set: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Node 3's own stream reached node 1 (its resync first, then this route): what node 3 held
+    // before did not come back on the others.
+    let (mut probe, _) = accepted(n3, "r-probe", true, 0, None).await;
+    probe.subscribe("probe3", QoS::AtMostOnce).await;
+    let started = Instant::now();
+    loop {
+        let mut p = Publish::new("probe3", QoS::AtMostOnce, Bytes::from_static(b"p"), None);
+        p.pkid = 0;
+        publisher.send(Packet::Publish(p)).await;
+        let heard = tokio::time::timeout(Duration::from_millis(300), probe.recv()).await;
+        if let Ok(Packet::Publish(_)) = heard {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "node 3's routes never reached node 1"
+        );
+    }
+    assert_eq!(retained_at(n1, "r-check-1").await, expected, "node 1");
+    assert_eq!(retained_at(n2, "r-check-2").await, expected, "node 2");
+    drop((probe, publisher));
+}
