@@ -17,7 +17,7 @@
 //! (Without adoption, no will comes, the short session is resumed with Session Present = 1, and
 //! what was published after node 1's death matched nothing and is not delivered.)
 //!
-//! And retained messages cleared or replaced while a node was down (decision 0055): after its
+//! And retained messages cleared or replaced while a node was down (decision 0057): after its
 //! restart it holds neither the cleared message nor the replaced one, and does not bring them
 //! back to the others.
 

@@ -114,7 +114,7 @@ impl crate::Broker {
 
     /// Takes in a retained message another node holds — or, with an empty payload, a clear it
     /// remembers — if it is newer than what this node holds or cleared on its topic (the later
-    /// one wins, decision 0055). `age`: how long ago that node received it.
+    /// one wins, decision 0057). `age`: how long ago that node received it.
     pub fn adopt_retained(
         &self,
         message: Message,

@@ -24,7 +24,7 @@ pub(crate) struct RetainedStore {
     by_topic: HashMap<ByteString, Retained>,
     /// On a cluster node: when each topic's retained message was last cleared, so that a node
     /// that was away, and still holds the old message, learns the clear when it rejoins
-    /// (decision 0055). Kept in memory, at most [`CLEARS_KEPT`], oldest forgotten first.
+    /// (decision 0057). Kept in memory, at most [`CLEARS_KEPT`], oldest forgotten first.
     clears: Option<Clears>,
 }
 
@@ -196,7 +196,7 @@ mod tests {
     }
 
     /// What a node that was away holds, and what the others tell it at resync: the later one
-    /// wins, a clear included (decision 0055).
+    /// wins, a clear included (decision 0057).
     #[test]
     fn the_later_of_a_message_and_a_clear_wins() {
         let t0 = Instant::now();

@@ -252,7 +252,7 @@ impl Router {
 
     /// Takes in a retained message (or a clear: empty payload) another node holds, if it is
     /// newer than what this node holds or cleared on its topic: a node that rejoins learns what
-    /// was retained, replaced or cleared while it was away (decision 0055).
+    /// was retained, replaced or cleared while it was away (decision 0057).
     pub(crate) fn adopt_retained(
         &self,
         message: Arc<Message>,

@@ -11,7 +11,7 @@
 //!   to a filter sends `Added` to every live member, the last one gone `Removed`. A receiver that
 //!   does not follow a sender's stream (it restarted, or a batch got lost) answers `Resync`, and
 //!   the sender starts its next batch with every route it holds, the retained clears it
-//!   remembers and its retained messages (the later of a message and a clear wins, decision 0055).
+//!   remembers and its retained messages (the later of a message and a clear wins, decision 0057).
 //! * Members come from the control plane ([`mqstate_cluster::ClusterNode::members`]); a member
 //!   the control plane counts down, or that did not answer, is skipped: nothing is queued for it
 //!   and nobody waits for it, and it gets a resync when it answers again.

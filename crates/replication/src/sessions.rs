@@ -57,7 +57,7 @@ impl Replication {
 
     /// The session rows this node's replicas hold now — client id, the row's first `prefix`
     /// bytes (its header), whether this node acts as the head of its partition: where a node looks
-    /// for sessions nobody holds (decision 0055). A replica's copy may trail the head's; whoever
+    /// for sessions nobody holds (decision 0057). A replica's copy may trail the head's; whoever
     /// acts on a row reads it again at the head.
     pub async fn sessions_here(&self, prefix: usize) -> Vec<(Vec<u8>, Vec<u8>, bool)> {
         let Some(count) = self.node.partition_count() else {
