@@ -2,7 +2,7 @@
 # The chains' figures in docs/benchmarks.md (issue 15), side by side in one run: one mqstate node,
 # three mqstate nodes on loopback (the state store on chains) and a three-member etcd cluster.
 #
-#   scripts/bench-cluster.sh [all|single|cluster|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
+#   scripts/bench-cluster.sh [all|single|cluster|cluster-at-head|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
 #
 # Workloads (each after a warm-up):
 #   set-c50  durable SET, 50 clients × 1 request in flight, 64-byte values, 10,000 keys, `--fsync always`
@@ -10,7 +10,9 @@
 #   etcd     put, 50 clients over 50 connections (`benchmark put --clients 50 --conns 50 --val-size 64
 #            --key-space-size 10000` in etcd's tool), by our etcd-bench (tools/etcd-bench, decision 0042)
 # For the cluster the clients are spread over the three nodes (a bench process per node, its share of
-# the connections); rates add up, the p99 reported is the worst of the three.
+# the connections); rates add up, the p99 reported is the worst of the three. `cluster-at-head` runs
+# the cluster's workloads with `--keys-at-head`: each client sends only keys its node heads, so no
+# request is forwarded between nodes (the chain alone, not in `all`).
 # Printed per run: ops/s, p50/p99 ms, the servers' CPU per operation (utime+stime of every server
 # process over the counted requests; the load generators' own CPU is not in it), and with `fsyncs`
 # the fdatasync/fsync calls per write of each node (perf's syscall tracepoints over a fixed count).
@@ -132,6 +134,13 @@ cluster() {
   stop_all
 }
 
+cluster_at_head() {
+  start_cluster
+  bench cluster-head-set-c50 50 "${SET_C50[@]}" --keys-at-head
+  bench cluster-head-ss-16x8 16 "${SS_16X8[@]}" --keys-at-head
+  stop_all
+}
+
 # ---- fsyncs per write (perf's syscall tracepoints; robust to the machine's load) -------------------
 
 fsyncs_of() { # label requests: a fixed number of durable SETs spread over the nodes, fsyncs counted per node
@@ -211,8 +220,9 @@ echo "== $(date -u +%FT%TZ) $("$MQSTATE" --version 2>/dev/null || echo mqstate) 
 case "$WHAT" in
   single) single ;;
   cluster) cluster ;;
+  cluster-at-head) cluster_at_head ;;
   etcd) etcd_bench ;;
   fsyncs) fsyncs ;;
   all) single; cluster; etcd_bench; fsyncs ;;
-  *) echo "unknown group: $WHAT (all|single|cluster|etcd|fsyncs)" >&2; exit 2 ;;
+  *) echo "unknown group: $WHAT (all|single|cluster|cluster-at-head|etcd|fsyncs)" >&2; exit 2 ;;
 esac
