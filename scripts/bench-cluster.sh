@@ -14,7 +14,7 @@
 # the cluster's workloads with `--keys-at-head`: each client sends only keys its node heads, so no
 # request is forwarded between nodes (the chain alone, not in `all`).
 # Printed per run: ops/s, p50/p99 ms, the servers' CPU per operation (utime+stime of every server
-# process over the counted requests; the load generators' own CPU is not in it), and with `fsyncs`
+# process over the counted requests), the load generators' CPU per operation apart, and with `fsyncs`
 # the fdatasync/fsync calls per write of each node (perf's syscall tracepoints over a fixed count).
 # Needs: etcd-server and etcd-client (Debian, etcd 3.4), protobuf-compiler (to build etcd-bench).
 # Results go to $OUT (default target/bench-results/cluster). The machine's other load shows in the
@@ -53,6 +53,8 @@ stop_all() {
 trap stop_all EXIT
 
 cpu_us() { awk -v tck="$(getconf CLK_TCK)" '{printf "%d", ($14 + $15) * 1000000 / tck}' "/proc/$1/stat"; }
+# The load generators' CPU (utime + stime from /usr/bin/time, connecting included), in µs.
+client_cpu_us() { awk '{t += ($1 + $2) * 1000000} END {printf "%d", t}' "$@"; }
 cpu_sum() { local t=0 p; for p in "$@"; do t=$((t + $(cpu_us "$p"))); done; echo "$t"; }
 
 # ---- mqstate ------------------------------------------------------------------------------------
@@ -97,23 +99,24 @@ bench() {
   local before; before=$(cpu_sum "${SERVERS[@]}")
   for i in $(seq 0 $((n - 1))); do
     share=$(( conns / n + (i < conns % n ? 1 : 0) ))
-    "$MQSTATE" bench --port "${PORTS[$i]}" --connections "$share" --duration "$DURATION" \
+    /usr/bin/time -f '%U %S' -o "$OUT/$name.$i.time" \
+      "$MQSTATE" bench --port "${PORTS[$i]}" --connections "$share" --duration "$DURATION" \
       --warmup "$WARMUP" --json "$OUT/$name.$i.json" "$@" >"$OUT/$name.$i.txt" 2>&1 &
     pids+=("$!")
   done
   for i in "${pids[@]}"; do wait "$i"; done
   local after; after=$(cpu_sum "${SERVERS[@]}")
   # CPU over warm-up and run, divided by every reply (counted ones × (warm-up + run) / run).
-  python3 - "$name" "$((after - before))" "$DURATION" "$WARMUP" "$OUT/$name".*.json <<'EOF' | tee -a "$OUT/results.txt"
+  python3 - "$name" "$((after - before))" "$DURATION" "$WARMUP" "$(client_cpu_us "$OUT/$name".*.time)" "$OUT/$name".*.json <<'EOF' | tee -a "$OUT/results.txt"
 import json, sys
-name, cpu_us, duration, warmup, files = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5:]
+name, cpu_us, duration, warmup, client_us, files = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), sys.argv[6:]
 runs = [json.load(open(f)) for f in files]
 ops = sum(r["ops_per_sec"] for r in runs)
 p50 = max(r["p50_us"] for r in runs) / 1000
 p99 = max(r["p99_us"] for r in runs) / 1000
 errors = sum(sum(r["errors"].values()) for r in runs)
 total = ops * (duration + warmup)
-print(f"{name:28} {ops:>10,.0f} ops/s  p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  errors {errors}")
+print(f"{name:28} {ops:>10,.0f} ops/s  p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  client cpu {client_us / total:5.1f} µs/op  errors {errors}")
 EOF
 }
 
@@ -203,15 +206,16 @@ etcd_bench() {
   need_etcd
   start_etcd
   local before; before=$(cpu_sum "${SERVERS[@]}")
-  "$ETCD_BENCH" --endpoints "$ETCD_ENDPOINTS" --clients 50 --conns 50 --val-size 64 \
+  /usr/bin/time -f '%U %S' -o "$OUT/etcd-put-c50.time" \
+    "$ETCD_BENCH" --endpoints "$ETCD_ENDPOINTS" --clients 50 --conns 50 --val-size 64 \
     --key-space-size 10000 --duration "$DURATION" --warmup "$WARMUP" --json "$OUT/etcd-put-c50.json" \
     >"$OUT/etcd-put-c50.txt"
   local after; after=$(cpu_sum "${SERVERS[@]}")
-  python3 - "$((after - before))" "$DURATION" "$WARMUP" "$OUT/etcd-put-c50.json" <<'EOF' | tee -a "$OUT/results.txt"
+  python3 - "$((after - before))" "$DURATION" "$WARMUP" "$(client_cpu_us "$OUT/etcd-put-c50.time")" "$OUT/etcd-put-c50.json" <<'EOF' | tee -a "$OUT/results.txt"
 import json, sys
-cpu_us, duration, warmup, r = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), json.load(open(sys.argv[4]))
+cpu_us, duration, warmup, client_us, r = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), json.load(open(sys.argv[5]))
 total = r["ops_per_sec"] * (duration + warmup)
-print(f"{'etcd3-put-c50':28} {r['ops_per_sec']:>10,.0f} ops/s  p50 {r['p50_us'] / 1000:6.2f} ms  p99 {r['p99_us'] / 1000:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  errors {r['errors']}")
+print(f"{'etcd3-put-c50':28} {r['ops_per_sec']:>10,.0f} ops/s  p50 {r['p50_us'] / 1000:6.2f} ms  p99 {r['p99_us'] / 1000:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  client cpu {client_us / total:5.1f} µs/op  errors {r['errors']}")
 EOF
   stop_all
 }
