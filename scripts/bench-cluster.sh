@@ -2,7 +2,7 @@
 # The chains' figures in docs/benchmarks.md (issue 15), side by side in one run: one mqstate node,
 # three mqstate nodes on loopback (the state store on chains) and a three-member etcd cluster.
 #
-#   scripts/bench-cluster.sh [all|single|cluster|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
+#   scripts/bench-cluster.sh [all|single|cluster|cluster-at-head|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
 #
 # Workloads (each after a warm-up):
 #   set-c50  durable SET, 50 clients × 1 request in flight, 64-byte values, 10,000 keys, `--fsync always`
@@ -10,9 +10,11 @@
 #   etcd     put, 50 clients over 50 connections (`benchmark put --clients 50 --conns 50 --val-size 64
 #            --key-space-size 10000` in etcd's tool), by our etcd-bench (tools/etcd-bench, decision 0042)
 # For the cluster the clients are spread over the three nodes (a bench process per node, its share of
-# the connections); rates add up, the p99 reported is the worst of the three.
+# the connections); rates add up, the p99 reported is the worst of the three. `cluster-at-head` runs
+# the cluster's workloads with `--keys-at-head`: each client sends only keys its node heads, so no
+# request is forwarded between nodes (the chain alone, not in `all`).
 # Printed per run: ops/s, p50/p99 ms, the servers' CPU per operation (utime+stime of every server
-# process over the counted requests; the load generators' own CPU is not in it), and with `fsyncs`
+# process over the counted requests), the load generators' CPU per operation apart, and with `fsyncs`
 # the fdatasync/fsync calls per write of each node (perf's syscall tracepoints over a fixed count).
 # Needs: etcd-server and etcd-client (Debian, etcd 3.4), protobuf-compiler (to build etcd-bench).
 # Results go to $OUT (default target/bench-results/cluster). The machine's other load shows in the
@@ -51,6 +53,8 @@ stop_all() {
 trap stop_all EXIT
 
 cpu_us() { awk -v tck="$(getconf CLK_TCK)" '{printf "%d", ($14 + $15) * 1000000 / tck}' "/proc/$1/stat"; }
+# The load generators' CPU (utime + stime from /usr/bin/time, connecting included), in µs.
+client_cpu_us() { awk '{t += ($1 + $2) * 1000000} END {printf "%d", t}' "$@"; }
 cpu_sum() { local t=0 p; for p in "$@"; do t=$((t + $(cpu_us "$p"))); done; echo "$t"; }
 
 # ---- mqstate ------------------------------------------------------------------------------------
@@ -95,23 +99,24 @@ bench() {
   local before; before=$(cpu_sum "${SERVERS[@]}")
   for i in $(seq 0 $((n - 1))); do
     share=$(( conns / n + (i < conns % n ? 1 : 0) ))
-    "$MQSTATE" bench --port "${PORTS[$i]}" --connections "$share" --duration "$DURATION" \
+    /usr/bin/time -f '%U %S' -o "$OUT/$name.$i.time" \
+      "$MQSTATE" bench --port "${PORTS[$i]}" --connections "$share" --duration "$DURATION" \
       --warmup "$WARMUP" --json "$OUT/$name.$i.json" "$@" >"$OUT/$name.$i.txt" 2>&1 &
     pids+=("$!")
   done
   for i in "${pids[@]}"; do wait "$i"; done
   local after; after=$(cpu_sum "${SERVERS[@]}")
   # CPU over warm-up and run, divided by every reply (counted ones × (warm-up + run) / run).
-  python3 - "$name" "$((after - before))" "$DURATION" "$WARMUP" "$OUT/$name".*.json <<'EOF' | tee -a "$OUT/results.txt"
+  python3 - "$name" "$((after - before))" "$DURATION" "$WARMUP" "$(client_cpu_us "$OUT/$name".*.time)" "$OUT/$name".*.json <<'EOF' | tee -a "$OUT/results.txt"
 import json, sys
-name, cpu_us, duration, warmup, files = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5:]
+name, cpu_us, duration, warmup, client_us, files = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), sys.argv[6:]
 runs = [json.load(open(f)) for f in files]
 ops = sum(r["ops_per_sec"] for r in runs)
 p50 = max(r["p50_us"] for r in runs) / 1000
 p99 = max(r["p99_us"] for r in runs) / 1000
 errors = sum(sum(r["errors"].values()) for r in runs)
 total = ops * (duration + warmup)
-print(f"{name:28} {ops:>10,.0f} ops/s  p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  errors {errors}")
+print(f"{name:28} {ops:>10,.0f} ops/s  p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  client cpu {client_us / total:5.1f} µs/op  errors {errors}")
 EOF
 }
 
@@ -129,6 +134,13 @@ cluster() {
   start_cluster
   bench cluster-set-c50 50 "${SET_C50[@]}"
   bench cluster-ss-16x8 16 "${SS_16X8[@]}"
+  stop_all
+}
+
+cluster_at_head() {
+  start_cluster
+  bench cluster-head-set-c50 50 "${SET_C50[@]}" --keys-at-head
+  bench cluster-head-ss-16x8 16 "${SS_16X8[@]}" --keys-at-head
   stop_all
 }
 
@@ -194,15 +206,16 @@ etcd_bench() {
   need_etcd
   start_etcd
   local before; before=$(cpu_sum "${SERVERS[@]}")
-  "$ETCD_BENCH" --endpoints "$ETCD_ENDPOINTS" --clients 50 --conns 50 --val-size 64 \
+  /usr/bin/time -f '%U %S' -o "$OUT/etcd-put-c50.time" \
+    "$ETCD_BENCH" --endpoints "$ETCD_ENDPOINTS" --clients 50 --conns 50 --val-size 64 \
     --key-space-size 10000 --duration "$DURATION" --warmup "$WARMUP" --json "$OUT/etcd-put-c50.json" \
     >"$OUT/etcd-put-c50.txt"
   local after; after=$(cpu_sum "${SERVERS[@]}")
-  python3 - "$((after - before))" "$DURATION" "$WARMUP" "$OUT/etcd-put-c50.json" <<'EOF' | tee -a "$OUT/results.txt"
+  python3 - "$((after - before))" "$DURATION" "$WARMUP" "$(client_cpu_us "$OUT/etcd-put-c50.time")" "$OUT/etcd-put-c50.json" <<'EOF' | tee -a "$OUT/results.txt"
 import json, sys
-cpu_us, duration, warmup, r = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), json.load(open(sys.argv[4]))
+cpu_us, duration, warmup, client_us, r = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), json.load(open(sys.argv[5]))
 total = r["ops_per_sec"] * (duration + warmup)
-print(f"{'etcd3-put-c50':28} {r['ops_per_sec']:>10,.0f} ops/s  p50 {r['p50_us'] / 1000:6.2f} ms  p99 {r['p99_us'] / 1000:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  errors {r['errors']}")
+print(f"{'etcd3-put-c50':28} {r['ops_per_sec']:>10,.0f} ops/s  p50 {r['p50_us'] / 1000:6.2f} ms  p99 {r['p99_us'] / 1000:6.2f} ms  server cpu {cpu_us / total:6.1f} µs/op  client cpu {client_us / total:5.1f} µs/op  errors {r['errors']}")
 EOF
   stop_all
 }
@@ -211,8 +224,9 @@ echo "== $(date -u +%FT%TZ) $("$MQSTATE" --version 2>/dev/null || echo mqstate) 
 case "$WHAT" in
   single) single ;;
   cluster) cluster ;;
+  cluster-at-head) cluster_at_head ;;
   etcd) etcd_bench ;;
   fsyncs) fsyncs ;;
   all) single; cluster; etcd_bench; fsyncs ;;
-  *) echo "unknown group: $WHAT (all|single|cluster|etcd|fsyncs)" >&2; exit 2 ;;
+  *) echo "unknown group: $WHAT (all|single|cluster|cluster-at-head|etcd|fsyncs)" >&2; exit 2 ;;
 esac

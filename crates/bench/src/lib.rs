@@ -17,6 +17,7 @@
 //! and the live progress line ([`progress`]); the end of a run prints a table and optionally writes
 //! `--json` and `--plot` ([`plot`]).
 
+mod heads;
 mod idle;
 mod plot;
 mod progress;
@@ -130,6 +131,11 @@ pub struct BenchArgs {
     /// publishers take the servers in turn (publishers one further along).
     #[arg(long, value_name = "HOST:PORT,...", value_delimiter = ',')]
     pub servers: Vec<String>,
+    /// State-store mode on a cluster: each connection sends only keys whose partition the node it
+    /// is connected to heads (learnt from each server's `cluster status` before the run), so no
+    /// request is forwarded between nodes — the chain alone, without the forwarding hop.
+    #[arg(long)]
+    pub keys_at_head: bool,
     #[command(flatten)]
     pub conn: ConnectionArgs,
 }

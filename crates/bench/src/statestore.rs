@@ -16,9 +16,11 @@ use rumqttc::v5::mqttbytes::v5::{Filter, Publish};
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::task::JoinSet;
 
+use super::heads::{Heads, MAX_PICKS};
 use super::stats::{classify, Outcome};
 use super::workload::{key_name, value_of_size, KeyChooser, Mix, Op};
 use super::{BenchArgs, Shared};
+use mqstate_cli::connection::ConnectionArgs;
 use mqstate_cli::dial::{Connection, Dialer};
 use mqstate_cli::error::CliError;
 use mqstate_cli::rpc;
@@ -44,6 +46,8 @@ pub struct Prepared {
     window: u16,
     mix: Mix,
     chooser: Arc<KeyChooser>,
+    /// `--keys-at-head`: the partitions each server heads.
+    heads: Option<Arc<Heads>>,
     value_size: usize,
     inflight: usize,
     timeout: Duration,
@@ -56,6 +60,10 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
     let inflight = usize::from(args.inflight);
     let prefix = args.conn.client_id("mqstate-bench");
     let dialers = Arc::new(dialers(args)?);
+    let heads = match args.keys_at_head {
+        true => Some(Arc::new(Heads::learn(&server_conns(args)?).await?)),
+        false => None,
+    };
     let mut opening = JoinSet::new();
     for i in 0..args.connections {
         let client_id = format!("{prefix}-{i}");
@@ -96,6 +104,7 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
         window: args.inflight,
         mix: args.mix.clone(),
         chooser: Arc::new(chooser),
+        heads,
         value_size: args.value_size,
         inflight,
         timeout: args.conn.timeout(),
@@ -104,8 +113,13 @@ pub async fn prepare(args: &BenchArgs) -> Result<super::Prepared, CliError> {
 
 /// A dialer per `--servers` entry, or the one of `--host`/`--port`.
 pub(crate) fn dialers(args: &BenchArgs) -> Result<Vec<Dialer>, CliError> {
+    server_conns(args)?.iter().map(Dialer::new).collect()
+}
+
+/// The connection flags of each `--servers` entry, or those of `--host`/`--port`.
+fn server_conns(args: &BenchArgs) -> Result<Vec<ConnectionArgs>, CliError> {
     if args.servers.is_empty() {
-        return Ok(vec![Dialer::new(&args.conn)?]);
+        return Ok(vec![args.conn.clone()]);
     }
     args.servers
         .iter()
@@ -120,7 +134,7 @@ pub(crate) fn dialers(args: &BenchArgs) -> Result<Vec<Dialer>, CliError> {
             let mut conn = args.conn.clone();
             conn.host = host.to_owned();
             conn.port = port;
-            Dialer::new(&conn)
+            Ok(conn)
         })
         .collect()
 }
@@ -144,6 +158,7 @@ impl Prepared {
                 server: opened.server,
                 mix: self.mix.clone(),
                 chooser: Arc::clone(&self.chooser),
+                heads: self.heads.clone(),
                 value_size: self.value_size,
                 inflight: self.inflight,
                 timeout: self.timeout,
@@ -169,6 +184,7 @@ struct Worker {
     server: usize,
     mix: Mix,
     chooser: Arc<KeyChooser>,
+    heads: Option<Arc<Heads>>,
     value_size: usize,
     inflight: usize,
     timeout: Duration,
@@ -296,7 +312,7 @@ impl Worker {
                     break;
                 }
                 let op = self.mix.pick(&mut client.rng);
-                let key = key_name(self.chooser.pick(&mut client.rng));
+                let key = self.pick_key(&mut client.rng);
                 client.seq += 1;
                 request.payload = encode_request(&op.request(&key, &value));
                 restamp(
@@ -321,6 +337,20 @@ impl Worker {
                 self.expire(pending);
             }
         }
+    }
+
+    /// The next request's key: with `--keys-at-head`, one the connected server heads.
+    fn pick_key(&self, rng: &mut StdRng) -> Bytes {
+        let mut key = key_name(self.chooser.pick(rng));
+        if let Some(heads) = &self.heads {
+            for _ in 1..MAX_PICKS {
+                if heads.heads(self.server, &key) {
+                    break;
+                }
+                key = key_name(self.chooser.pick(rng));
+            }
+        }
+        key
     }
 
     /// Gives up on requests unanswered for a whole reply timeout (their message expiry has passed:

@@ -134,8 +134,8 @@ fn missing(command: &str) -> CliError {
 }
 
 /// One request/response exchange on the admin topic; a reply with an error becomes
-/// [`CliError::Admin`].
-async fn call(
+/// [`CliError::Admin`]. Also the bench's way to learn where keys are headed.
+pub async fn call(
     conn: &ConnectionArgs,
     command: &str,
     request: &AdminCall,
