@@ -1,9 +1,10 @@
-//! A deterministic simulation of the data plane (decision 0055): three turmoil hosts each run the
+//! A deterministic simulation of the data plane (decision 0055): four turmoil hosts each run the
 //! real node — the control plane ([`ClusterNode`], openraft), the chains ([`Replication`]: driver,
 //! head, forwarding, remembered requests, the chain log on `mqstate-wal`, repair, re-entry) and a
 //! front end that hands each request to [`Replication::execute`], as the state-store service's
 //! router does — on turmoil's simulated TCP and time, with skewed wall clocks. The chain log's
-//! writer runs inline ([`WalOptions::inline`]) so that nothing runs outside simulated time.
+//! writer runs inline ([`WalOptions::inline`]) so that nothing runs outside simulated time. Nodes
+//! 1–3 found the cluster; node 4 is added during the faults, and partitions move to it.
 //!
 //! Clients send SET, SET NX, GET, DEL and VDEL on a few keys, each to a node the seed picks; a
 //! request without an answer (a timeout, a node gone, an `-ERR` of a request that ran out of time)
@@ -22,7 +23,7 @@
 //! runs seeds 1..=K (default 6); `MQSTATE_DATA_SIM_CHAOS_SECS` sets the simulated seconds of
 //! clients and faults (default 8). Two runs of a seed print the same `trace`.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
@@ -35,7 +36,7 @@ use mqstate_clock::{Clock, SharedClock};
 use mqstate_cluster::transport::socket::{Accept, BoxStream, Connect};
 use mqstate_cluster::transport::tcp::{serve, TcpTransport};
 use mqstate_cluster::transport::{
-    decode_body, encode_body, BoxFuture, Handler, Request, Response, Transport,
+    decode_body, encode_body, AdminRequest, BoxFuture, Handler, Request, Response, Transport,
 };
 use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId};
 use mqstate_protocol::{Hlc, RequestLimits};
@@ -49,7 +50,11 @@ use mqstate_wgl::{Model, Timed, UNKNOWN};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const NODES: [NodeId; 3] = [1, 2, 3];
+/// Every node: the founders (1, 2, 3) form the cluster; node 4 starts with `--join` and is added
+/// at a time the seed chooses, during the faults, so partitions move to it under load.
+const NODES: [NodeId; 4] = [1, 2, 3, 4];
+const FOUNDERS: [NodeId; 3] = [1, 2, 3];
+const JOINER: NodeId = 4;
 const PARTITIONS: u32 = 4;
 /// The cluster transport (Raft and chains) and the front end clients call.
 const PORT: u16 = 7000;
@@ -61,7 +66,7 @@ const CLIENTS: u64 = 4;
 /// A request's message expiry, which bounds how long the node it reached tries it.
 const REQUEST_EXPIRY: Duration = Duration::from_secs(4);
 /// How long a client waits for the front end's answer.
-const CALL_TIMEOUT: Duration = Duration::from_secs(6);
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// After the faults: this long for every key to be readable again.
 const SETTLE: Duration = Duration::from_secs(40);
 /// The simulation's wall clock starts here (2026-01-01).
@@ -149,11 +154,15 @@ async fn node(
     let config = NodeConfig {
         id,
         addr: format!("{}:{PORT}", host(id)),
-        peers: NODES
-            .iter()
-            .map(|&n| (n, format!("{}:{PORT}", host(n))))
-            .collect(),
-        join: false,
+        peers: if id == JOINER {
+            BTreeMap::new()
+        } else {
+            FOUNDERS
+                .iter()
+                .map(|&n| (n, format!("{}:{PORT}", host(n))))
+                .collect()
+        },
+        join: id == JOINER,
         dir: dir.join("cluster"),
         map: MapConfig {
             partition_count: PARTITIONS,
@@ -382,6 +391,7 @@ async fn client(
     seed: u64,
     until: Duration,
     history: Shared,
+    joined: Rc<Cell<bool>>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(1_000_003).wrapping_add(id));
     let transport = TcpTransport::over(Arc::new(SimConnect), None);
@@ -393,7 +403,13 @@ async fn client(
     while turmoil::sim_elapsed().unwrap_or_default() < until {
         seq += 1;
         let key = KEYS[rng.gen_range(0..KEYS.len())];
-        let node = NODES[rng.gen_range(0..NODES.len())];
+        // Node 4 takes requests once it is a member.
+        let up = if joined.get() {
+            NODES.len()
+        } else {
+            FOUNDERS.len()
+        };
+        let node = NODES[rng.gen_range(0..up)];
         let value = id << 32 | seq;
         let cmd = match rng.gen_range(0..100) {
             0..=29 => Cmd::Set { value, nx: false },
@@ -445,6 +461,45 @@ async fn final_reads(from: Duration, history: Shared) -> Result<(), Box<dyn std:
         }
     }
     Ok(())
+}
+
+/// Adds node 4 to the cluster at `at`, asking the founders in turn until one says it is done.
+async fn add_joiner(
+    at: Duration,
+    joined: Rc<Cell<bool>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    tokio::time::sleep(at).await;
+    let transport = TcpTransport::over(Arc::new(SimConnect), None);
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < SETTLE {
+        for id in FOUNDERS {
+            let request = Request::Admin(AdminRequest::AddNode {
+                id: JOINER,
+                addr: format!("{}:{PORT}", host(JOINER)),
+            });
+            let answer = transport
+                .call(
+                    &format!("{}:{PORT}", host(id)),
+                    request,
+                    Duration::from_secs(30),
+                )
+                .await;
+            match &answer {
+                Ok(Response::AdminDone) => {
+                    joined.set(true);
+                    return Ok(());
+                }
+                // A retry after a change that committed but whose answer was lost.
+                Ok(Response::Failed(reason)) if reason.contains("already a member") => {
+                    joined.set(true);
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(format!("node {JOINER} was not added in {SETTLE:?}").into())
 }
 
 /// The client id of the reads after the faults.
@@ -542,18 +597,26 @@ fn check_key(key: &str, ops: &[&Op]) -> Vec<String> {
         findings.push(format!("{key}: {e}"));
     }
     // Versions in real time: what returned before an operation began bounds what it sees.
+    let mut backwards_found = Vec::new();
     for a in ops.iter().filter(|op| op.returned != UNKNOWN) {
         let Some(va) = version_of(a) else { continue };
         for b in ops.iter().filter(|b| b.invoked > a.returned) {
             let Some(vb) = version_of(b) else { continue };
             let backwards = vb < va || (vb == va && matches!(b.outcome, Outcome::Written(_)));
             if backwards {
-                findings.push(format!(
+                backwards_found.push(format!(
                     "{key}: {:?} by c{} got version {vb} after {:?} by c{} had returned {va}",
                     b.cmd, b.client, a.cmd, a.client
                 ));
             }
         }
+    }
+    let more = backwards_found.len().saturating_sub(3);
+    findings.extend(backwards_found.into_iter().take(3));
+    if more > 0 {
+        findings.push(format!(
+            "{key}: and {more} more versions that went backwards"
+        ));
     }
     // Acknowledged writes survive: the last read shows the newest acknowledged SET unless a delete
     // may have come after it.
@@ -656,9 +719,17 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         sim.host(host(id), move || node(id, dir.clone(), Arc::clone(&skew)));
     }
     let history: Shared = Rc::default();
+    let joined: Rc<Cell<bool>> = Rc::default();
     for id in 1..=CLIENTS {
-        sim.client(format!("c{id}"), client(id, seed, chaos, history.clone()));
+        sim.client(
+            format!("c{id}"),
+            client(id, seed, chaos, history.clone(), joined.clone()),
+        );
     }
+    // The membership change: asked of the founders in turn (only the leader accepts) until one
+    // says it is done.
+    let add_at = Duration::from_millis(rng.gen_range(1_000..chaos.as_millis() as u64 / 2));
+    sim.client("admin", add_joiner(add_at, joined.clone()));
     // The last reads begin once the faults are over and the clients done.
     sim.client(
         "final",
@@ -669,10 +740,10 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
     );
 
     let mut schedule: Vec<(Duration, Fault)> = Vec::new();
-    let mut at = Duration::from_millis(rng.gen_range(2_000..3_000));
+    let mut at = Duration::from_millis(rng.gen_range(1_500..2_500));
     while at < chaos {
         let node = NODES[rng.gen_range(0..NODES.len())];
-        let lasting = Duration::from_millis(rng.gen_range(300..4_000));
+        let lasting = Duration::from_millis(rng.gen_range(300..3_000));
         let fault = match rng.gen_range(0..4) {
             0 => Fault::Crash(node, lasting),
             1 => Fault::Isolate(node, lasting),
@@ -688,7 +759,7 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
             ),
         };
         schedule.push((at, fault));
-        at += lasting + Duration::from_millis(rng.gen_range(200..2_000));
+        at += lasting + Duration::from_millis(rng.gen_range(100..1_000));
     }
     for (_, fault) in &schedule {
         let kind = match fault {
@@ -775,6 +846,11 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
             .hash(&mut trace);
     }
     figures.trace = trace.finish();
+    if let Ok(path) = std::env::var("MQSTATE_DATA_SIM_DUMP") {
+        // The history as text, to compare two runs of a seed line by line.
+        let text: String = history.ops.iter().map(|op| format!("{op:?}\n")).collect();
+        let _ = std::fs::write(format!("{path}.{seed}"), text);
+    }
     figures.ops += history.ops.len() as u64;
     figures.unknown += history
         .ops
@@ -845,19 +921,97 @@ fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults()
         .map(|(kind, n)| format!("{n} {kind}"))
         .collect();
     println!(
-        "data-plane turmoil sweep: {} seeds, {:.0} s simulated, faults: {}, {} operations ({} acknowledged writes, {} unknown), {} violating seeds, trace {:016x}; {:.1} s of real time",
+        "data-plane turmoil sweep: {} seeds, {:.0} s simulated, faults: {}, {} operations ({} acknowledged writes, {} unknown, {} of them -ERR), {} violating seeds, trace {:016x}; {:.1} s of real time",
         figures.seeds,
         figures.simulated.as_secs_f64(),
         faults.join(", "),
         figures.ops,
         figures.acked,
         figures.unknown,
+        figures.errors.values().sum::<u64>(),
         failures.len(),
         figures.trace,
         started.elapsed().as_secs_f64(),
     );
-    for (error, n) in &figures.errors {
-        println!("  {n} × -ERR {error} (taken as unknown)");
+    if seeds.len() == 1 {
+        for (error, n) in &figures.errors {
+            println!("  {n} × -ERR {error} (taken as unknown)");
+        }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn op(client: u64, cmd: Cmd, outcome: Outcome, invoked: u64, returned: u64) -> Op {
+    Op {
+        client,
+        node: 1,
+        key: "k",
+        cmd,
+        invoked,
+        returned,
+        outcome,
+    }
+}
+
+fn hlc(wall_ms: u64) -> Hlc {
+    Hlc {
+        wall_ms,
+        counter: 0,
+        node_id: "mqstate".into(),
+    }
+}
+
+/// The checks refuse what they must: a stale read, a version that goes back, a lost write; and
+/// accept a write whose answer never came showing up later.
+#[test]
+fn the_checks_catch_stale_reads_versions_going_back_and_lost_writes() {
+    let set = |value| Cmd::Set { value, nx: false };
+    let check = |ops: Vec<Op>| check_key("k", &ops.iter().collect::<Vec<_>>());
+    let fine = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(2, set(2), Outcome::Unknown, 3, UNKNOWN),
+        op(1, Cmd::Get, Outcome::Hit(1, hlc(10)), 4, 5),
+        op(1, Cmd::Get, Outcome::Hit(2, hlc(12)), 6, 7),
+        op(
+            3,
+            Cmd::Set { value: 3, nx: true },
+            Outcome::NotApplied,
+            8,
+            9,
+        ),
+        op(FINAL_CLIENT, Cmd::Get, Outcome::Hit(2, hlc(12)), 10, 11),
+    ];
+    assert_eq!(check(fine), Vec::<String>::new());
+
+    let stale = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(1, set(2), Outcome::Written(hlc(11)), 3, 4),
+        op(2, Cmd::Get, Outcome::Hit(1, hlc(10)), 5, 6),
+    ];
+    let findings = check(stale);
+    assert!(
+        findings.iter().any(|f| f.contains("not linearizable")),
+        "{findings:?}"
+    );
+    assert!(
+        findings.iter().any(|f| f.contains("after Set")),
+        "{findings:?}"
+    );
+
+    let back = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(1, set(2), Outcome::Written(hlc(9)), 3, 4),
+    ];
+    assert!(!check(back).is_empty(), "a later SET with a lower version");
+
+    let lost = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(2, Cmd::Del, Outcome::Deleted(1), 0, 1),
+        op(FINAL_CLIENT, Cmd::Get, Outcome::Miss, 3, 4),
+    ];
+    let findings = check(lost);
+    assert!(
+        findings.iter().any(|f| f.contains("is lost")),
+        "{findings:?}"
+    );
 }
