@@ -20,8 +20,11 @@
 //!   that may have come after it.
 //!
 //! `MQSTATE_DATA_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_DATA_SIM_SEEDS=K`
-//! runs seeds 1..=K (default 6); `MQSTATE_DATA_SIM_CHAOS_SECS` sets the simulated seconds of
-//! clients and faults (default 8). Two runs of a seed print the same `trace`.
+//! runs K seeds from `MQSTATE_DATA_SIM_FIRST` (default 1; K default 6);
+//! `MQSTATE_DATA_SIM_CHAOS_SECS` sets the simulated seconds of clients and faults (default 8).
+//! Two runs of a seed print the same `trace`. `MQSTATE_DATA_SIM_DUMP=FILE` writes each seed's
+//! history to `FILE.<seed>`; `MQSTATE_DATA_SIM_WATCH=1` prints each node's partitions every
+//! simulated second.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
@@ -946,7 +949,11 @@ fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults()
     let chaos = Duration::from_secs(env_u64("MQSTATE_DATA_SIM_CHAOS_SECS").unwrap_or(8));
     let seeds: Vec<u64> = match env_u64("MQSTATE_DATA_SIM_SEED") {
         Some(seed) => vec![seed],
-        None => (1..=env_u64("MQSTATE_DATA_SIM_SEEDS").unwrap_or(6)).collect(),
+        None => {
+            let first = env_u64("MQSTATE_DATA_SIM_FIRST").unwrap_or(1);
+            let count = env_u64("MQSTATE_DATA_SIM_SEEDS").unwrap_or(6);
+            (first..first + count).collect()
+        }
     };
     let started = Instant::now();
     let mut figures = Figures::default();
