@@ -18,10 +18,10 @@ mod harness;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use harness::wgl::{self, Kind};
 use harness::{Cluster, Rng};
 use mqstate_chain::{Answer, Config, Expect, NodeId, RequestId, Version, View, Write};
 use mqstate_cluster::control::{Command, ControlState, MapConfig, Outcome};
+use mqstate_wgl::register::{self as wgl, Kind};
 
 const NODES: [NodeId; 3] = [1, 2, 3];
 const KEYS: usize = 4;

@@ -208,12 +208,15 @@ impl Actor {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                // In this order, not at random: deterministic under simulation. A tick is due
+                // once per `TICK`, so it does not starve the inputs.
+                biased;
                 changed = stop.changed() => if changed.is_err() || *stop.borrow() { break },
+                _ = tick.tick() => self.tick().await,
                 input = rx.recv() => match input {
                     Some(input) => self.turn(input, &mut rx).await,
                     None => break,
                 },
-                _ = tick.tick() => self.tick().await,
             }
         }
         self.log.shutdown().await;
@@ -299,12 +302,14 @@ impl Actor {
                 partition
             }
             Input::Cancel { partition } => {
-                let gone: Vec<u64> = self
+                let mut gone: Vec<u64> = self
                     .waiting
                     .iter()
                     .filter(|(_, (p, answer))| *p == partition && answer.is_closed())
                     .map(|(&id, _)| id)
                     .collect();
+                // In request order, not the map's (deterministic under simulation).
+                gone.sort_unstable();
                 for id in gone {
                     self.waiting.remove(&id);
                     self.replica(partition).cancel(id);

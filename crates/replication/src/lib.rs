@@ -40,7 +40,10 @@ pub mod wire;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's: simulated time moves it (turmoil, paused test time), as every timer here.
+use tokio::time::Instant;
 
 use mqstate_chain::{Answer, Expect, Restored, View, Write};
 use mqstate_chain::{Key, Version};

@@ -134,11 +134,14 @@ impl Recent {
     /// The partitions waiting for their entries.
     pub fn unsynced(&self) -> Vec<u32> {
         let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
-        partitions
+        let mut unsynced: Vec<u32> = partitions
             .iter()
             .filter(|(_, t)| t.unsynced_since.is_some())
             .map(|(&p, _)| p)
-            .collect()
+            .collect();
+        // In partition order, not the map's: the syncs go out in it (deterministic under simulation).
+        unsynced.sort_unstable();
+        unsynced
     }
 
     /// This replica's live entries of `partition`, for a member that re-entered; `None` while it

@@ -8,7 +8,10 @@
 //! over the cluster transport) and is retried while the partition has no head acting, within the
 //! caller's budget; then it fails with the reason, and the caller refuses retryably.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's: simulated time moves it (turmoil, paused test time), as every timer here.
+use tokio::time::Instant;
 
 use mqstate_chain::{Answer, Expect, Version, Write};
 use mqstate_cluster::partition::partition_of;

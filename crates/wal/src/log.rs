@@ -227,7 +227,8 @@ impl Wal {
             } else {
                 0
             },
-        );
+        )
+        .inline(options.inline);
         let (durable, durable_rx) = watch::channel(active.durable.next_lsn);
         let metadata_file = MetadataFile::new(
             dir.clone(),

@@ -52,6 +52,12 @@ pub struct WalOptions {
     /// metadata alone says where the log starts. A purge ([`crate::Wal::compact`]) is then the
     /// application's promise that its snapshot covers the purged records. Default off.
     pub snapshot_elsewhere: bool,
+    /// The writer runs in the caller instead of on threads of its own: [`crate::WalWriter::append`]
+    /// writes and fsyncs the record before it returns (its commit is then ready), and the next
+    /// segment is prepared in the caller too. No group commit, so slow: for the deterministic
+    /// simulation (`crates/replication/tests/turmoil_sim.rs`), where work on other threads would
+    /// run outside simulated time. Default off.
+    pub inline: bool,
 }
 
 impl Default for WalOptions {
@@ -68,6 +74,7 @@ impl Default for WalOptions {
             failpoints: Failpoints::default(),
             preallocate_segments: true,
             snapshot_elsewhere: false,
+            inline: false,
         }
     }
 }

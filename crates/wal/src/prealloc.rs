@@ -33,6 +33,10 @@ pub(crate) struct Preallocator {
     pending: Option<JoinHandle<io::Result<PathBuf>>>,
     /// The active segment (by first LSN) a preparation was last attempted for: one attempt each.
     attempted_for: Option<u64>,
+    /// Prepared in the caller, not on a thread ([`crate::WalOptions::inline`]).
+    inline: bool,
+    /// A segment prepared in the caller, not taken yet.
+    ready: Option<PathBuf>,
 }
 
 impl Preallocator {
@@ -42,13 +46,25 @@ impl Preallocator {
             len,
             pending: None,
             attempted_for: None,
+            inline: false,
+            ready: None,
         }
+    }
+
+    /// Prepares segments in the caller of [`Preallocator::start_for`] when `inline`.
+    pub(crate) fn inline(mut self, inline: bool) -> Self {
+        self.inline = inline;
+        self
     }
 
     /// Starts preparing the segment to follow `active` (its first LSN), once per active segment,
     /// unless one is prepared or being prepared, or the disk is short of room.
     pub(crate) fn start_for(&mut self, active: u64) {
-        if self.len == 0 || self.pending.is_some() || self.attempted_for == Some(active) {
+        if self.len == 0
+            || self.pending.is_some()
+            || self.ready.is_some()
+            || self.attempted_for == Some(active)
+        {
             return;
         }
         self.attempted_for = Some(active);
@@ -57,6 +73,15 @@ impl Preallocator {
             return;
         }
         let (path, len) = (self.temp_dir.join(PREPARED_NAME), self.len);
+        if self.inline {
+            match prepare(&path, len) {
+                Ok(()) => self.ready = Some(path),
+                Err(error) => {
+                    tracing::warn!(%error, "preparing the next log segment failed; it will be created when needed")
+                }
+            }
+            return;
+        }
         let spawned = std::thread::Builder::new()
             .name("mqstate-wal-prealloc".into())
             .spawn(move || prepare(&path, len).map(|()| path));
@@ -68,6 +93,9 @@ impl Preallocator {
 
     /// The prepared segment if it is ready now (never waits).
     pub(crate) fn take_ready(&mut self) -> Option<PathBuf> {
+        if let Some(path) = self.ready.take() {
+            return Some(path);
+        }
         if !self.pending.as_ref()?.is_finished() {
             return None;
         }

@@ -27,6 +27,8 @@ use crate::snapshot::{write_snapshot, Snapshot, SnapshotWriter};
 use crate::stats::WalStats;
 use crate::{Lsn, Term};
 
+mod inline;
+
 struct Append {
     /// The LSN the record must get (a replica's append), or `None` for the next one.
     at: Option<Lsn>,
@@ -66,6 +68,8 @@ pub struct WalWriter {
     thread: Option<JoinHandle<()>>,
     /// Records the durable end in the metadata file every [`DURABLE_MARK_INTERVAL`].
     marker: Option<Marker>,
+    /// The log itself when the writer runs in the caller ([`crate::WalOptions::inline`]).
+    inline: Option<inline::Inline>,
 }
 
 /// How often the durable end is recorded in the metadata file while records are being fsynced
@@ -124,6 +128,9 @@ impl Future for PendingCommit {
 impl WalWriter {
     /// Moves `wal` onto a new writer thread.
     pub fn spawn(wal: Wal) -> Result<WalWriter, WalError> {
+        if wal.options().inline {
+            return Ok(inline::writer(wal));
+        }
         let dir = wal.data_dir().clone();
         let reader = wal.reader();
         let (tx, rx) = mpsc::channel(wal.options().queue_capacity.max(1));
@@ -165,6 +172,7 @@ impl WalWriter {
             reader,
             thread: Some(thread),
             marker: Some(marker),
+            inline: None,
         })
     }
 
@@ -207,18 +215,24 @@ impl WalWriter {
             data,
             done,
         });
-        self.tx.send(command).await.map_err(|_| WalError::Closed)?;
+        self.submit(command).await?;
         Ok(PendingCommit(rx))
+    }
+
+    /// Queues a command for the writer thread, or carries it out at once when inline.
+    async fn submit(&self, command: Command) -> Result<(), WalError> {
+        self.tx.send(command).await.map_err(|_| WalError::Closed)?;
+        if let Some(inline) = &self.inline {
+            inline.pump();
+        }
+        Ok(())
     }
 
     /// Removes every record at or after `lsn` (an uncommitted suffix); see
     /// [`Wal::truncate_from`]. Appends queued before it are written first.
     pub async fn truncate_from(&self, lsn: Lsn) -> Result<(), WalError> {
         let (done, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Truncate { from: lsn, done })
-            .await
-            .map_err(|_| WalError::Closed)?;
+        self.submit(Command::Truncate { from: lsn, done }).await?;
         rx.await.unwrap_or(Err(WalError::Closed))
     }
 
@@ -226,8 +240,7 @@ impl WalWriter {
     /// [`WalWriter::install_snapshot`] covers; see [`Wal::compact`].
     pub async fn purge(&self, upto: LogId) -> Result<(), WalError> {
         let (done, rx) = oneshot::channel();
-        let command = Command::Compact { upto, done };
-        self.tx.send(command).await.map_err(|_| WalError::Closed)?;
+        self.submit(Command::Compact { upto, done }).await?;
         let obsolete = rx.await.unwrap_or(Err(WalError::Closed))?;
         let dir = self.dir.clone();
         tokio::task::spawn_blocking(move || delete_segments(&dir, &obsolete))
@@ -239,10 +252,7 @@ impl WalWriter {
     /// if that succeeds.
     pub async fn retry(&self) -> Result<(), WalError> {
         let (done, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Retry { done })
-            .await
-            .map_err(|_| WalError::Closed)?;
+        self.submit(Command::Retry { done }).await?;
         rx.await.unwrap_or(Err(WalError::Closed))
     }
 
@@ -300,10 +310,7 @@ impl WalWriter {
     /// Writes and fsyncs everything queued, then stops the thread.
     pub async fn shutdown(mut self) -> Result<(), WalError> {
         let (done, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Shutdown { done })
-            .await
-            .map_err(|_| WalError::Closed)?;
+        self.submit(Command::Shutdown { done }).await?;
         let result = rx.await.unwrap_or(Err(WalError::Closed));
         if let Some(marker) = self.marker.take() {
             let _ = tokio::task::spawn_blocking(move || marker.stop()).await;
@@ -336,30 +343,45 @@ fn run(mut wal: Wal, mut rx: mpsc::Receiver<Command>, runtime: &tokio::runtime::
                 None => break,
             },
         };
-        match command {
-            Command::Append(first) => {
-                let batch = gather(&wal, &mut rx, first, &mut deferred);
-                commit(&mut wal, batch, &mut last_sync);
-            }
-            Command::Compact { upto, done } => {
-                let _ = done.send(wal.compact(upto));
-            }
-            Command::Truncate { from, done } => {
-                let _ = done.send(wal.truncate_from(from));
-            }
-            Command::Retry { done } => {
-                let _ = done.send(wal.retry());
-            }
-            Command::Shutdown { done } => {
-                let _ = done.send(wal.sync().and_then(|()| wal.mark_durable()));
-                return;
-            }
+        if !carry_out(&mut wal, &mut rx, command, &mut deferred, &mut last_sync) {
+            return;
         }
     }
     // Every handle is gone: flush what was written so a clean stop loses nothing.
     if let Err(error) = wal.sync().and_then(|()| wal.mark_durable()) {
         tracing::error!(%error, "final fsync of the write-ahead log failed");
     }
+}
+
+/// Carries out one command (an append with every append queued behind it); `false` once the log
+/// was shut down.
+fn carry_out(
+    wal: &mut Wal,
+    rx: &mut mpsc::Receiver<Command>,
+    command: Command,
+    deferred: &mut Option<Command>,
+    last_sync: &mut Instant,
+) -> bool {
+    match command {
+        Command::Append(first) => {
+            let batch = gather(wal, rx, first, deferred);
+            commit(wal, batch, last_sync);
+        }
+        Command::Compact { upto, done } => {
+            let _ = done.send(wal.compact(upto));
+        }
+        Command::Truncate { from, done } => {
+            let _ = done.send(wal.truncate_from(from));
+        }
+        Command::Retry { done } => {
+            let _ = done.send(wal.retry());
+        }
+        Command::Shutdown { done } => {
+            let _ = done.send(wal.sync().and_then(|()| wal.mark_durable()));
+            return false;
+        }
+    }
+    true
 }
 
 /// Waits for the next command; under `FsyncPolicy::Interval` fsyncs when the interval passes

@@ -360,3 +360,41 @@ async fn a_streamed_snapshot_is_installed_and_purges_the_log() {
         .collect();
     assert_eq!(replayed, vec![b"c".to_vec()]);
 }
+
+/// `WalOptions::inline` (the simulation's writer): the record is written and fsynced by the time
+/// `append` returns, segments rotate into prepared ones made in the caller, and what was appended
+/// reads back after a reopen.
+#[tokio::test(flavor = "current_thread")]
+async fn an_inline_writer_is_durable_when_append_returns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let options = || WalOptions {
+        inline: true,
+        segment_soft_limit_bytes: 4096,
+        segment_hard_limit_bytes: 8192,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(tmp.path(), options()).unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    let mut durable = writer.reader().durable();
+    let mut expected = Vec::new();
+    for i in 0..200u64 {
+        let data = format!("record {i:04} {}", "x".repeat(64));
+        expected.push(data.clone().into_bytes());
+        let before = *durable.borrow_and_update();
+        let commit = writer.append(1, Bytes::from(data)).await.unwrap();
+        assert_eq!(
+            *durable.borrow_and_update(),
+            before + 1,
+            "record {i} is durable before its commit is awaited"
+        );
+        let lsn = tokio::time::timeout(std::time::Duration::ZERO, commit)
+            .await
+            .expect("the commit of an inline append is ready")
+            .unwrap();
+        assert_eq!(lsn, before, "the next LSN is the durable end before it");
+    }
+    let segments = std::fs::read_dir(tmp.path().join("log")).unwrap().count();
+    assert!(segments > 2, "segments rotated: {segments}");
+    writer.shutdown().await.unwrap();
+    assert_eq!(reopen(tmp.path()), expected);
+}

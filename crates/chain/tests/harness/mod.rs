@@ -4,8 +4,6 @@
 
 #![allow(dead_code)]
 
-pub mod wgl;
-
 use std::collections::BTreeMap;
 
 use mqstate_chain::{

@@ -1,0 +1,1071 @@
+//! A deterministic simulation of the data plane (decision 0058): four turmoil hosts each run the
+//! real node — the control plane ([`ClusterNode`], openraft), the chains ([`Replication`]: driver,
+//! head, forwarding, remembered requests, the chain log on `mqstate-wal`, repair, re-entry) and a
+//! front end that hands each request to [`Replication::execute`], as the state-store service's
+//! router does — on turmoil's simulated TCP and time, with skewed wall clocks. The chain log's
+//! writer runs inline ([`WalOptions::inline`]) so that nothing runs outside simulated time. Nodes
+//! 1–3 found the cluster; node 4 is added during the faults, and partitions move to it.
+//!
+//! Clients send SET, SET NX, GET, DEL and VDEL on a few keys, each to a node the seed picks; a
+//! request without an answer (a timeout, a node gone, an `-ERR` of a request that ran out of time)
+//! is "may or may not have happened". The seed also draws the faults: node crashes and restarts
+//! (the disk stays), nodes cut off from the others, links that hold messages back, clock jumps.
+//! After the faults a last client reads every key. Checked per key:
+//!
+//! * linearizable (Wing–Gong–Lowe over the store's semantics, versions included: a write's version
+//!   is above every version the key had, a read sees the version of the write it reads);
+//! * no version goes backwards in real time (an operation started after another returned never
+//!   sees an older version; a SET started after it gets a newer one);
+//! * no acknowledged write is lost: the last read shows the newest acknowledged SET, or a delete
+//!   that may have come after it.
+//!
+//! `MQSTATE_DATA_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_DATA_SIM_SEEDS=K`
+//! runs K seeds from `MQSTATE_DATA_SIM_FIRST` (default 1; K default 6);
+//! `MQSTATE_DATA_SIM_CHAOS_SECS` sets the simulated seconds of clients and faults (default 8).
+//! Two runs of a seed print the same `trace`. `MQSTATE_DATA_SIM_DUMP=FILE` writes each seed's
+//! history to `FILE.<seed>`; `MQSTATE_DATA_SIM_WATCH=1` prints each node's partitions every
+//! simulated second.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mqstate_clock::{Clock, SharedClock};
+use mqstate_cluster::transport::socket::{Accept, BoxStream, Connect};
+use mqstate_cluster::transport::tcp::{serve, TcpTransport};
+use mqstate_cluster::transport::{
+    decode_body, encode_body, AdminRequest, BoxFuture, Handler, Request, Response, Transport,
+};
+use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId};
+use mqstate_protocol::{Hlc, RequestLimits};
+use mqstate_replication::head::HeadConfig;
+use mqstate_replication::log::ChainLog;
+use mqstate_replication::wire::{Executed, Routed};
+use mqstate_replication::Replication;
+use mqstate_store::StoreConfig;
+use mqstate_wal::WalOptions;
+use mqstate_wgl::{Model, Timed, UNKNOWN};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Every node: the founders (1, 2, 3) form the cluster; node 4 starts with `--join` and is added
+/// at a time the seed chooses, during the faults, so partitions move to it under load.
+const NODES: [NodeId; 4] = [1, 2, 3, 4];
+const FOUNDERS: [NodeId; 3] = [1, 2, 3];
+const JOINER: NodeId = 4;
+const PARTITIONS: u32 = 4;
+/// The cluster transport (Raft and chains) and the front end clients call.
+const PORT: u16 = 7000;
+const FRONT_PORT: u16 = 7001;
+const LEASE_MS: u64 = 1_000;
+const CLOCK_FACTOR_MS: u64 = 300;
+const KEYS: [&str; 3] = ["k0", "k1", "k2"];
+const CLIENTS: u64 = 4;
+/// A request's message expiry, which bounds how long the node it reached tries it.
+const REQUEST_EXPIRY: Duration = Duration::from_secs(4);
+/// How long a client waits for the front end's answer.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// After the faults: this long for node 4 to be added.
+const SETTLE: Duration = Duration::from_secs(40);
+/// After the faults: this long for every key to be readable again. A partition whose members all
+/// re-entered their chain waits out the requests they may have forgotten before its head executes
+/// (`recent::KEEP_AT_MOST_MS + CLOCK_MARGIN_MS`, 130 s; seed 6): an availability finding, reported
+/// in the summary, not a violation.
+const READABLE_WITHIN: Duration = Duration::from_secs(150);
+/// Keys readable later than this after the faults count as a slow recovery in the summary.
+const SLOW_RECOVERY: Duration = Duration::from_secs(30);
+/// The simulation's wall clock starts here (2026-01-01).
+const EPOCH_MS: u64 = 1_767_225_600_000;
+/// States the linearizability search of one key may visit.
+const SEARCH_BUDGET: usize = 4_000_000;
+
+fn host(id: NodeId) -> String {
+    format!("n{id}")
+}
+
+/// turmoil's simulated TCP behind the transport's socket port.
+struct SimConnect;
+
+impl Connect for SimConnect {
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, std::io::Result<BoxStream>> {
+        Box::pin(async move {
+            let stream = turmoil::net::TcpStream::connect(addr).await?;
+            Ok(Box::new(stream) as BoxStream)
+        })
+    }
+}
+
+struct SimListener(turmoil::net::TcpListener);
+
+impl Accept for SimListener {
+    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<(BoxStream, String)>> {
+        Box::pin(async move {
+            let (stream, peer) = self.0.accept().await?;
+            Ok((Box::new(stream) as BoxStream, peer.to_string()))
+        })
+    }
+}
+
+/// A node's wall clock: the simulation's, off by a skew the harness may change (a clock jump);
+/// monotonic time is tokio's (the host's simulated clock).
+#[derive(Debug)]
+struct SimClock {
+    skew_ms: Arc<AtomicI64>,
+}
+
+fn sim_ms() -> u64 {
+    turmoil::sim_elapsed().unwrap_or_default().as_millis() as u64
+}
+
+impl Clock for SimClock {
+    fn now_ms(&self) -> u64 {
+        (EPOCH_MS as i64 + sim_ms() as i64 + self.skew_ms.load(Ordering::Relaxed)) as u64
+    }
+
+    fn now(&self) -> std::time::Instant {
+        tokio::time::Instant::now().into_std()
+    }
+}
+
+/// The front end: what the state-store service's router does with a key command on a cluster
+/// node (`src/cluster.rs`, `ChainRouter::execute`): hand it to [`Replication::execute`].
+struct FrontEnd(Arc<Replication>);
+
+impl Handler for FrontEnd {
+    fn handle(&self, request: Request) -> BoxFuture<'_, Response> {
+        Box::pin(async move {
+            let Request::Data(body) = request else {
+                return Response::Failed("the front end takes state-store requests only".into());
+            };
+            match decode_body::<Routed>(&body) {
+                Ok(routed) => Response::Data(encode_body(&self.0.execute(routed).await)),
+                Err(e) => Response::Failed(format!("not a request: {e}")),
+            }
+        })
+    }
+}
+
+/// A node: control plane, data plane on a chain log in `dir`, the cluster listener and the front
+/// end. Runs until the host crashes.
+async fn node(
+    id: NodeId,
+    dir: PathBuf,
+    skew_ms: Arc<AtomicI64>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
+    let front = turmoil::net::TcpListener::bind(("0.0.0.0", FRONT_PORT)).await?;
+    let clock: SharedClock = Arc::new(SimClock { skew_ms });
+    let election = Duration::from_millis(250 + 60 * id);
+    let config = NodeConfig {
+        id,
+        addr: format!("{}:{PORT}", host(id)),
+        peers: if id == JOINER {
+            BTreeMap::new()
+        } else {
+            FOUNDERS
+                .iter()
+                .map(|&n| (n, format!("{}:{PORT}", host(n))))
+                .collect()
+        },
+        join: id == JOINER,
+        dir: dir.join("cluster"),
+        map: MapConfig {
+            partition_count: PARTITIONS,
+            replication_factor: 3,
+            lease_ms: LEASE_MS,
+            clock_factor_ms: CLOCK_FACTOR_MS,
+        },
+        heartbeat: Duration::from_millis(50),
+        election_timeout: election,
+        election_timeout_max: Some(election + Duration::from_millis(1)),
+        clock: Arc::clone(&clock),
+    };
+    let transport = TcpTransport::over(Arc::new(SimConnect), None);
+    let node = Arc::new(ClusterNode::start(config, Arc::new(transport)).await?);
+    let wal = WalOptions {
+        name: "chains",
+        inline: true,
+        // Small segments: rotation and the prepared next segment run too.
+        segment_soft_limit_bytes: 64 << 10,
+        segment_hard_limit_bytes: 256 << 10,
+        ..WalOptions::default()
+    };
+    // No compaction (`snapshot_every`): its snapshot is encoded and written on blocking threads.
+    let (log, restored) = ChainLog::open(&dir, wal)?;
+    let head = HeadConfig {
+        store: StoreConfig {
+            node_id: "mqstate".into(),
+            limits: Default::default(),
+        },
+        limits: RequestLimits::default(),
+        node: id,
+    };
+    let running = Replication::start(Arc::clone(&node), log, restored, head, clock);
+    let replication = Arc::clone(&running.replication);
+    tokio::spawn(serve(
+        SimListener(listener),
+        node.handler(),
+        std::future::pending(),
+    ));
+    tokio::spawn(serve(
+        SimListener(front),
+        Arc::new(FrontEnd(replication)),
+        std::future::pending(),
+    ));
+    if std::env::var_os("MQSTATE_DATA_SIM_WATCH").is_some() {
+        // What this node sees of the partitions, every simulated second (to follow a finding).
+        let node = Arc::clone(&node);
+        tokio::spawn(async move {
+            loop {
+                let status = node.status();
+                let parts: Vec<String> = status
+                    .partitions
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "p{} v{} chain {:?} read {:?}{} acting {:?}",
+                            p.id,
+                            p.view,
+                            p.chain,
+                            p.read_view,
+                            if p.pending { " pending" } else { "" },
+                            node.acting_view(p.id)
+                        )
+                    })
+                    .collect();
+                println!("t={} n{id}: {}", sim_ms(), parts.join(" | "));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+    }
+    // The host runs until it crashes, which drops its runtime and everything in it.
+    let _running = running;
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Cmd {
+    Set { value: u64, nx: bool },
+    Get,
+    Del,
+    Vdel { value: u64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Outcome {
+    Written(Hlc),
+    NotApplied,
+    Hit(u64, Hlc),
+    Miss,
+    /// DEL / VDEL: 1 deleted, 0 missing, -1 (VDEL) value differs.
+    Deleted(i64),
+    /// No answer, or an answer that does not say whether it ran.
+    Unknown,
+}
+
+#[derive(Debug, Clone)]
+struct Op {
+    client: u64,
+    node: NodeId,
+    key: &'static str,
+    cmd: Cmd,
+    /// Places in the one order of events of the run (all hosts run on one thread).
+    invoked: u64,
+    returned: u64,
+    outcome: Outcome,
+}
+
+#[derive(Default)]
+struct History {
+    /// The next event's place.
+    clock: u64,
+    ops: Vec<Op>,
+    /// `-ERR` texts taken as "unknown", with their counts.
+    errors: BTreeMap<String, u64>,
+    /// How long after the final reads began every key had answered one.
+    readable_after: Duration,
+}
+
+type Shared = Rc<RefCell<History>>;
+
+fn tick(history: &Shared) -> u64 {
+    let mut h = history.borrow_mut();
+    h.clock += 1;
+    h.clock
+}
+
+fn bulk(text: &str) -> String {
+    format!("${}\r\n{text}\r\n", text.len())
+}
+
+fn resp(cmd: &Cmd, key: &str) -> Vec<u8> {
+    let args: Vec<String> = match cmd {
+        Cmd::Set { value, nx: false } => vec!["SET".into(), key.into(), value.to_string()],
+        Cmd::Set { value, nx: true } => {
+            vec!["SET".into(), key.into(), value.to_string(), "NX".into()]
+        }
+        Cmd::Get => vec!["GET".into(), key.into()],
+        Cmd::Del => vec!["DEL".into(), key.into()],
+        Cmd::Vdel { value } => vec!["VDEL".into(), key.into(), value.to_string()],
+    };
+    let mut out = format!("*{}\r\n", args.len());
+    for a in &args {
+        out.push_str(&bulk(a));
+    }
+    out.into_bytes()
+}
+
+/// The outcome an answer says; `Err` for an `-ERR` (its text) or a reply that makes no sense.
+fn outcome(cmd: &Cmd, executed: &Executed) -> Result<Outcome, String> {
+    let text = String::from_utf8_lossy(&executed.payload).into_owned();
+    let version = || {
+        executed
+            .ts
+            .as_deref()
+            .and_then(|ts| Hlc::parse(ts).ok())
+            .ok_or_else(|| format!("{text:?} without a version"))
+    };
+    if let Some(error) = text.strip_prefix("-ERR ") {
+        return Err(error.trim_end().to_owned());
+    }
+    match (cmd, text.as_str()) {
+        (Cmd::Set { .. }, "+OK\r\n") => Ok(Outcome::Written(version()?)),
+        (Cmd::Set { nx: true, .. }, ":-1\r\n") => Ok(Outcome::NotApplied),
+        (Cmd::Get, "$-1\r\n") => Ok(Outcome::Miss),
+        (Cmd::Get, hit) if hit.starts_with('$') => {
+            let value = hit
+                .split("\r\n")
+                .nth(1)
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| format!("GET answered {hit:?}"))?;
+            Ok(Outcome::Hit(value, version()?))
+        }
+        (Cmd::Del, ":1\r\n") | (Cmd::Vdel { .. }, ":1\r\n") => Ok(Outcome::Deleted(1)),
+        (Cmd::Del, ":0\r\n") | (Cmd::Vdel { .. }, ":0\r\n") => Ok(Outcome::Deleted(0)),
+        (Cmd::Vdel { .. }, ":-1\r\n") => Ok(Outcome::Deleted(-1)),
+        _ => Err(format!("unexpected reply {text:?} to {cmd:?}")),
+    }
+}
+
+/// `-ERR` texts that do not say whether the request ran: the node gave up retrying it, but an
+/// attempt may have reached the head.
+fn indeterminate(error: &str) -> bool {
+    error.starts_with("the cluster could not serve the request in time")
+}
+
+/// Sends one request to `node`'s front end and records it.
+async fn call(
+    transport: &TcpTransport,
+    history: &Shared,
+    client: u64,
+    seq: u64,
+    node: NodeId,
+    key: &'static str,
+    cmd: Cmd,
+) -> Result<Outcome, String> {
+    let now_ms = EPOCH_MS + sim_ms();
+    let routed = Routed {
+        client_id: format!("c{client}"),
+        correlation: seq.to_be_bytes().to_vec(),
+        key: key.as_bytes().to_vec(),
+        payload: resp(&cmd, key),
+        ts: Some(format!("{now_ms:015}:{:05}:c{client}", 0)),
+        fencing_token: None,
+        expiry_ms: REQUEST_EXPIRY.as_millis() as u64,
+        // Set by `Replication::execute`, as on a real front end.
+        deadline_ms: 0,
+    };
+    let invoked = tick(history);
+    let answer = transport
+        .call(
+            &format!("{}:{FRONT_PORT}", host(node)),
+            Request::Data(encode_body(&routed)),
+            CALL_TIMEOUT,
+        )
+        .await;
+    let result = match answer {
+        Ok(Response::Data(body)) => match decode_body::<Executed>(&body) {
+            Ok(executed) => match outcome(&cmd, &executed) {
+                Ok(outcome) => Ok(outcome),
+                Err(error) if indeterminate(&error) => {
+                    let mut h = history.borrow_mut();
+                    *h.errors.entry(error).or_default() += 1;
+                    Ok(Outcome::Unknown)
+                }
+                Err(error) => Err(error),
+            },
+            Err(e) => Err(format!("an answer that does not decode: {e}")),
+        },
+        Ok(other) => Err(format!("the front end answered {other:?}")),
+        // Not reached, cut off, crashed, or no answer in time: it may have run.
+        Err(_) => Ok(Outcome::Unknown),
+    };
+    let outcome = result.clone().unwrap_or(Outcome::Unknown);
+    let returned = match outcome {
+        Outcome::Unknown => UNKNOWN,
+        _ => tick(history),
+    };
+    history.borrow_mut().ops.push(Op {
+        client,
+        node,
+        key,
+        cmd,
+        invoked,
+        returned,
+        outcome,
+    });
+    result
+}
+
+/// A client: requests on random keys to random nodes until `until`, one at a time.
+async fn client(
+    id: u64,
+    seed: u64,
+    until: Duration,
+    history: Shared,
+    joined: Rc<Cell<bool>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(1_000_003).wrapping_add(id));
+    let transport = TcpTransport::over(Arc::new(SimConnect), None);
+    // Values this client wrote, for its VDELs (the latest most often).
+    let mut written: Vec<u64> = Vec::new();
+    let mut seq = 0u64;
+    // The cluster forms in the first second or two; requests before that wait in the nodes.
+    tokio::time::sleep(Duration::from_millis(rng.gen_range(500..1_500))).await;
+    while turmoil::sim_elapsed().unwrap_or_default() < until {
+        seq += 1;
+        let key = KEYS[rng.gen_range(0..KEYS.len())];
+        // Node 4 takes requests once it is a member.
+        let up = if joined.get() {
+            NODES.len()
+        } else {
+            FOUNDERS.len()
+        };
+        let node = NODES[rng.gen_range(0..up)];
+        let value = id << 32 | seq;
+        let cmd = match rng.gen_range(0..100) {
+            0..=29 => Cmd::Set { value, nx: false },
+            30..=44 => Cmd::Set { value, nx: true },
+            45..=79 => Cmd::Get,
+            80..=89 => Cmd::Del,
+            _ => Cmd::Vdel {
+                value: match written.last() {
+                    Some(&v) if rng.gen_bool(0.7) => v,
+                    _ => id << 32 | rng.gen_range(1..=seq),
+                },
+            },
+        };
+        if let Cmd::Set { value, .. } = cmd {
+            written.push(value);
+        }
+        if let Err(e) = call(&transport, &history, id, seq, node, key, cmd).await {
+            return Err(format!("client {id}: {e}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(1..40))).await;
+    }
+    Ok(())
+}
+
+/// After the faults: reads every key until it answers, from each node in turn.
+async fn final_reads(from: Duration, history: Shared) -> Result<(), Box<dyn std::error::Error>> {
+    tokio::time::sleep(from).await;
+    let transport = TcpTransport::over(Arc::new(SimConnect), None);
+    let started = tokio::time::Instant::now();
+    let mut seq = 0;
+    for key in KEYS {
+        let mut attempt = 0usize;
+        loop {
+            seq += 1;
+            attempt += 1;
+            let node = NODES[attempt % NODES.len()];
+            match call(&transport, &history, FINAL_CLIENT, seq, node, key, Cmd::Get).await {
+                Ok(Outcome::Unknown) => {}
+                Ok(_) => break,
+                Err(e) => return Err(format!("final read of {key}: {e}").into()),
+            }
+            if started.elapsed() > READABLE_WITHIN {
+                return Err(format!(
+                    "{key} is still not readable {READABLE_WITHIN:?} after the faults stopped"
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    history.borrow_mut().readable_after = started.elapsed();
+    Ok(())
+}
+
+/// Adds node 4 to the cluster at `at`, asking the founders in turn until one says it is done.
+async fn add_joiner(
+    at: Duration,
+    joined: Rc<Cell<bool>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    tokio::time::sleep(at).await;
+    let transport = TcpTransport::over(Arc::new(SimConnect), None);
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < SETTLE {
+        for id in FOUNDERS {
+            let request = Request::Admin(AdminRequest::AddNode {
+                id: JOINER,
+                addr: format!("{}:{PORT}", host(JOINER)),
+            });
+            let answer = transport
+                .call(
+                    &format!("{}:{PORT}", host(id)),
+                    request,
+                    Duration::from_secs(30),
+                )
+                .await;
+            match &answer {
+                Ok(Response::AdminDone) => {
+                    joined.set(true);
+                    return Ok(());
+                }
+                // A retry after a change that committed but whose answer was lost.
+                Ok(Response::Failed(reason)) if reason.contains("already a member") => {
+                    joined.set(true);
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(format!("node {JOINER} was not added in {SETTLE:?}").into())
+}
+
+/// The client id of the reads after the faults.
+const FINAL_CLIENT: u64 = 99;
+
+/// One key's sequential specification: the state store's semantics of the commands used here.
+struct KeyModel;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct KeyState {
+    /// The value, and its version unless written by a request whose answer never came.
+    entry: Option<(u64, Option<Hlc>)>,
+    /// The highest version the key is known to have had: every later write's is above it.
+    floor: Option<Hlc>,
+}
+
+impl Model for KeyModel {
+    type State = KeyState;
+    type Op = (Cmd, Outcome);
+
+    fn step(&self, state: &KeyState, (cmd, outcome): &(Cmd, Outcome)) -> Option<KeyState> {
+        let above_floor = |v: &Hlc| state.floor.as_ref().is_none_or(|f| v > f);
+        let written = |value: u64, version: Option<&Hlc>| KeyState {
+            entry: Some((value, version.cloned())),
+            floor: version.cloned().or_else(|| state.floor.clone()),
+        };
+        let deleted = || KeyState {
+            entry: None,
+            floor: state.floor.clone(),
+        };
+        let present = state.entry.is_some();
+        let holds = |v: u64| state.entry.as_ref().is_some_and(|(value, _)| *value == v);
+        match (cmd, outcome) {
+            (Cmd::Set { value, nx }, Outcome::Written(v)) => {
+                (above_floor(v) && !(*nx && present)).then(|| written(*value, Some(v)))
+            }
+            (Cmd::Set { nx: true, .. }, Outcome::NotApplied) => present.then(|| state.clone()),
+            // Placed means it ran: NX only takes effect on an absent key.
+            (Cmd::Set { value, nx }, Outcome::Unknown) => Some(if *nx && present {
+                state.clone()
+            } else {
+                written(*value, None)
+            }),
+            (Cmd::Get, Outcome::Miss) => (!present).then(|| state.clone()),
+            (Cmd::Get, Outcome::Hit(value, v)) => match &state.entry {
+                Some((held, Some(version))) if held == value && version == v => Some(state.clone()),
+                // The value of a write whose answer never came: its version shows here.
+                Some((held, None)) if held == value && above_floor(v) => {
+                    Some(written(*value, Some(v)))
+                }
+                _ => None,
+            },
+            (Cmd::Get, Outcome::Unknown) => Some(state.clone()),
+            (Cmd::Del, Outcome::Deleted(1)) => present.then(deleted),
+            (Cmd::Del, Outcome::Deleted(0)) => (!present).then(deleted),
+            (Cmd::Del, Outcome::Unknown) => Some(deleted()),
+            (Cmd::Vdel { value }, Outcome::Deleted(1)) => holds(*value).then(deleted),
+            (Cmd::Vdel { .. }, Outcome::Deleted(0)) => (!present).then(deleted),
+            (Cmd::Vdel { value }, Outcome::Deleted(-1)) => {
+                (present && !holds(*value)).then(|| state.clone())
+            }
+            (Cmd::Vdel { value }, Outcome::Unknown) => Some(if holds(*value) {
+                deleted()
+            } else {
+                state.clone()
+            }),
+            _ => None,
+        }
+    }
+}
+
+fn version_of(op: &Op) -> Option<&Hlc> {
+    match &op.outcome {
+        Outcome::Written(v) | Outcome::Hit(_, v) => Some(v),
+        _ => None,
+    }
+}
+
+/// The checks of one key's operations; each finding a line.
+fn check_key(key: &str, ops: &[&Op]) -> Vec<String> {
+    let mut findings = Vec::new();
+    let timed: Vec<Timed<(Cmd, Outcome)>> = ops
+        .iter()
+        .map(|op| Timed {
+            op: (op.cmd.clone(), op.outcome.clone()),
+            invoked: op.invoked,
+            returned: op.returned,
+        })
+        .collect();
+    let initial = KeyState {
+        entry: None,
+        floor: None,
+    };
+    if let Err(e) = mqstate_wgl::check(&KeyModel, &timed, initial, SEARCH_BUDGET) {
+        findings.push(format!("{key}: {e}"));
+    }
+    // Versions in real time: what returned before an operation began bounds what it sees.
+    let mut backwards_found = Vec::new();
+    for a in ops.iter().filter(|op| op.returned != UNKNOWN) {
+        let Some(va) = version_of(a) else { continue };
+        for b in ops.iter().filter(|b| b.invoked > a.returned) {
+            let Some(vb) = version_of(b) else { continue };
+            let backwards = vb < va || (vb == va && matches!(b.outcome, Outcome::Written(_)));
+            if backwards {
+                backwards_found.push(format!(
+                    "{key}: {:?} by c{} got version {vb} after {:?} by c{} had returned {va}",
+                    b.cmd, b.client, a.cmd, a.client
+                ));
+            }
+        }
+    }
+    let more = backwards_found.len().saturating_sub(3);
+    findings.extend(backwards_found.into_iter().take(3));
+    if more > 0 {
+        findings.push(format!(
+            "{key}: and {more} more versions that went backwards"
+        ));
+    }
+    // Acknowledged writes survive: the last read shows the newest acknowledged SET unless a delete
+    // may have come after it.
+    let newest = ops
+        .iter()
+        .filter(|op| matches!(op.outcome, Outcome::Written(_)))
+        .max_by_key(|op| version_of(op).cloned());
+    let last_read = ops.iter().rev().find(|op| {
+        op.client == FINAL_CLIENT && matches!(op.outcome, Outcome::Hit(..) | Outcome::Miss)
+    });
+    if let (Some(newest), Some(last)) = (newest, last_read) {
+        let acked = version_of(newest).cloned();
+        let deleted_after = ops.iter().any(|op| {
+            matches!(op.cmd, Cmd::Del | Cmd::Vdel { .. })
+                && matches!(op.outcome, Outcome::Deleted(1) | Outcome::Unknown)
+                && op.returned > newest.invoked
+        });
+        let lost = match &last.outcome {
+            Outcome::Hit(_, v) => Some(v) < acked.as_ref(),
+            Outcome::Miss => !deleted_after,
+            _ => false,
+        };
+        if lost {
+            findings.push(format!(
+                "{key}: the acknowledged {:?} by c{} (version {}) is lost: the last read got {:?}",
+                newest.cmd,
+                newest.client,
+                acked.map(|v| v.to_string()).unwrap_or_default(),
+                last.outcome
+            ));
+        }
+    }
+    findings
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// The node's process dies (its disk stays); it restarts after the given time.
+    Crash(NodeId, Duration),
+    /// The node is cut off from the other nodes (what is in flight is lost) for a while.
+    Isolate(NodeId, Duration),
+    /// Messages between two nodes are held back for a while, then delivered.
+    Hold(NodeId, NodeId, Duration),
+    /// The node's wall clock jumps to another offset within the bound the leases assume.
+    Jump(NodeId, i64),
+}
+
+#[derive(Debug, Default)]
+struct Figures {
+    seeds: u64,
+    simulated: Duration,
+    faults: BTreeMap<&'static str, u64>,
+    ops: u64,
+    acked: u64,
+    unknown: u64,
+    errors: BTreeMap<String, u64>,
+    /// Seeds whose keys became readable only after [`SLOW_RECOVERY`], with how long it took.
+    slow: Vec<(u64, Duration)>,
+    /// A hash of every operation of every seed, in order: equal for two runs of one seed when
+    /// the run is reproduced exactly.
+    trace: u64,
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a number")),
+    )
+}
+
+fn data_root() -> tempfile::TempDir {
+    // tmpfs when there is one: every chain append is fsynced.
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir() {
+        if let Ok(dir) = tempfile::tempdir_in(shm) {
+            return dir;
+        }
+    }
+    tempfile::tempdir().unwrap()
+}
+
+/// Runs one seed; its violations, if any, with how to reproduce them.
+fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let root = data_root();
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(seed)
+        .simulation_duration(chaos + READABLE_WITHIN + Duration::from_secs(30))
+        .tick_duration(Duration::from_millis(1))
+        .tcp_capacity(1 << 16)
+        .min_message_latency(Duration::from_millis(1))
+        .max_message_latency(Duration::from_millis(rng.gen_range(2..20)))
+        .build();
+    let mut skews = BTreeMap::new();
+    for id in NODES {
+        let dir = root.path().join(host(id));
+        let skew = rng.gen_range(-(CLOCK_FACTOR_MS as i64) / 2..=CLOCK_FACTOR_MS as i64 / 2);
+        let skew = Arc::new(AtomicI64::new(skew));
+        skews.insert(id, Arc::clone(&skew));
+        sim.host(host(id), move || node(id, dir.clone(), Arc::clone(&skew)));
+    }
+    let history: Shared = Rc::default();
+    let joined: Rc<Cell<bool>> = Rc::default();
+    for id in 1..=CLIENTS {
+        sim.client(
+            format!("c{id}"),
+            client(id, seed, chaos, history.clone(), joined.clone()),
+        );
+    }
+    // The membership change: asked of the founders in turn (only the leader accepts) until one
+    // says it is done.
+    let add_at = Duration::from_millis(rng.gen_range(1_000..chaos.as_millis() as u64 / 2));
+    sim.client("admin", add_joiner(add_at, joined.clone()));
+    // The last reads begin once the faults are over and the clients done.
+    sim.client(
+        "final",
+        final_reads(
+            chaos + CALL_TIMEOUT + Duration::from_secs(2),
+            history.clone(),
+        ),
+    );
+
+    let mut schedule: Vec<(Duration, Fault)> = Vec::new();
+    let mut at = Duration::from_millis(rng.gen_range(1_500..2_500));
+    while at < chaos {
+        let node = NODES[rng.gen_range(0..NODES.len())];
+        let lasting = Duration::from_millis(rng.gen_range(300..3_000));
+        let fault = match rng.gen_range(0..4) {
+            0 => Fault::Crash(node, lasting),
+            1 => Fault::Isolate(node, lasting),
+            2 => {
+                let other = NODES[(NODES.iter().position(|&n| n == node).unwrap_or(0)
+                    + rng.gen_range(1..NODES.len()))
+                    % NODES.len()];
+                Fault::Hold(node, other, lasting)
+            }
+            _ => Fault::Jump(
+                node,
+                rng.gen_range(-(CLOCK_FACTOR_MS as i64) / 2..=CLOCK_FACTOR_MS as i64 / 2),
+            ),
+        };
+        schedule.push((at, fault));
+        at += lasting + Duration::from_millis(rng.gen_range(100..1_000));
+    }
+    for (_, fault) in &schedule {
+        let kind = match fault {
+            Fault::Crash(..) => "crash",
+            Fault::Isolate(..) => "isolate",
+            Fault::Hold(..) => "hold",
+            Fault::Jump(..) => "clock jump",
+        };
+        *figures.faults.entry(kind).or_default() += 1;
+    }
+
+    let mut schedule = schedule.into_iter().peekable();
+    let mut ending: Option<(Duration, Fault)> = None;
+    let end_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
+        Fault::Crash(n, _) => sim.bounce(host(n)),
+        Fault::Isolate(n, _) => {
+            for other in NODES.iter().filter(|&&o| o != n) {
+                sim.repair(host(n), host(*other));
+            }
+        }
+        Fault::Hold(a, b, _) => sim.release(host(a), host(b)),
+        Fault::Jump(..) => {}
+    };
+    let outcome = loop {
+        let done = match sim.step() {
+            Ok(done) => done,
+            Err(e) => break Err(format!("{e}")),
+        };
+        if done {
+            break Ok(());
+        }
+        let now = sim.elapsed();
+        if let Some((until, fault)) = ending {
+            // Every fault is over when the clients stop.
+            if now >= until || now >= chaos {
+                end_fault(&mut sim, fault);
+                ending = None;
+            }
+        }
+        if ending.is_none() && now < chaos && schedule.peek().is_some_and(|(at, _)| now >= *at) {
+            let Some((_, fault)) = schedule.next() else {
+                continue;
+            };
+            let lasting = match fault {
+                Fault::Crash(n, lasting) => {
+                    sim.crash(host(n));
+                    lasting
+                }
+                Fault::Isolate(n, lasting) => {
+                    for other in NODES.iter().filter(|&&o| o != n) {
+                        sim.partition(host(n), host(*other));
+                    }
+                    lasting
+                }
+                Fault::Hold(a, b, lasting) => {
+                    sim.hold(host(a), host(b));
+                    lasting
+                }
+                Fault::Jump(n, skew) => {
+                    skews[&n].store(skew, Ordering::Relaxed);
+                    Duration::ZERO
+                }
+            };
+            ending = Some((now + lasting, fault));
+        }
+    };
+    figures.seeds += 1;
+    figures.simulated += sim.elapsed();
+    drop(sim);
+
+    let history = history.borrow();
+    let mut trace = DefaultHasher::new();
+    figures.trace.hash(&mut trace);
+    for op in &history.ops {
+        (
+            op.client,
+            op.node,
+            op.key,
+            &op.cmd,
+            op.invoked,
+            op.returned,
+            &op.outcome,
+        )
+            .hash(&mut trace);
+    }
+    figures.trace = trace.finish();
+    if let Ok(path) = std::env::var("MQSTATE_DATA_SIM_DUMP") {
+        // The history as text, to compare two runs of a seed line by line.
+        let text: String = history.ops.iter().map(|op| format!("{op:?}\n")).collect();
+        let _ = std::fs::write(format!("{path}.{seed}"), text);
+    }
+    figures.ops += history.ops.len() as u64;
+    figures.unknown += history
+        .ops
+        .iter()
+        .filter(|op| op.outcome == Outcome::Unknown)
+        .count() as u64;
+    figures.acked += history
+        .ops
+        .iter()
+        .filter(|op| matches!(op.outcome, Outcome::Written(_) | Outcome::Deleted(1)))
+        .count() as u64;
+    for (error, n) in &history.errors {
+        *figures.errors.entry(error.clone()).or_default() += n;
+    }
+    if history.readable_after > SLOW_RECOVERY {
+        figures.slow.push((seed, history.readable_after));
+    }
+
+    let mut findings = Vec::new();
+    if let Err(e) = outcome {
+        findings.push(format!("the run failed: {e}"));
+    }
+    let by_key: BTreeMap<&str, Vec<&Op>> = history.ops.iter().fold(BTreeMap::new(), |mut m, op| {
+        m.entry(op.key).or_insert_with(Vec::new).push(op);
+        m
+    });
+    for (key, ops) in &by_key {
+        findings.extend(check_key(key, ops));
+    }
+    let reads: BTreeSet<&str> = history
+        .ops
+        .iter()
+        .filter(|op| op.client == FINAL_CLIENT && op.returned != UNKNOWN)
+        .map(|op| op.key)
+        .collect();
+    if findings.is_empty() && reads.len() != KEYS.len() {
+        findings.push(format!("only {reads:?} were read after the faults"));
+    }
+    if findings.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "seed {seed} (reproduce: MQSTATE_DATA_SIM_SEED={seed} cargo test -p mqstate-replication --test turmoil_sim -- --nocapture):\n  {}",
+            findings.join("\n  ")
+        ))
+    }
+}
+
+#[test]
+fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "off".to_owned()))
+        .with_test_writer()
+        .try_init();
+    let chaos = Duration::from_secs(env_u64("MQSTATE_DATA_SIM_CHAOS_SECS").unwrap_or(8));
+    let seeds: Vec<u64> = match env_u64("MQSTATE_DATA_SIM_SEED") {
+        Some(seed) => vec![seed],
+        None => {
+            let first = env_u64("MQSTATE_DATA_SIM_FIRST").unwrap_or(1);
+            let count = env_u64("MQSTATE_DATA_SIM_SEEDS").unwrap_or(6);
+            (first..first + count).collect()
+        }
+    };
+    let started = Instant::now();
+    let mut figures = Figures::default();
+    let mut failures = Vec::new();
+    for &seed in &seeds {
+        if let Err(e) = run_seed(seed, chaos, &mut figures) {
+            failures.push(e);
+        }
+    }
+    let faults: Vec<String> = figures
+        .faults
+        .iter()
+        .map(|(kind, n)| format!("{n} {kind}"))
+        .collect();
+    println!(
+        "data-plane turmoil sweep: {} seeds, {:.0} s simulated, faults: {}, {} operations ({} acknowledged writes, {} unknown, {} of them -ERR), {} violating seeds, trace {:016x}; {:.1} s of real time",
+        figures.seeds,
+        figures.simulated.as_secs_f64(),
+        faults.join(", "),
+        figures.ops,
+        figures.acked,
+        figures.unknown,
+        figures.errors.values().sum::<u64>(),
+        failures.len(),
+        figures.trace,
+        started.elapsed().as_secs_f64(),
+    );
+    for (seed, after) in &figures.slow {
+        println!(
+            "  seed {seed}: a key became readable only {:.0} s after the faults stopped",
+            after.as_secs_f64()
+        );
+    }
+    if seeds.len() == 1 {
+        for (error, n) in &figures.errors {
+            println!("  {n} × -ERR {error} (taken as unknown)");
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn op(client: u64, cmd: Cmd, outcome: Outcome, invoked: u64, returned: u64) -> Op {
+    Op {
+        client,
+        node: 1,
+        key: "k",
+        cmd,
+        invoked,
+        returned,
+        outcome,
+    }
+}
+
+fn hlc(wall_ms: u64) -> Hlc {
+    Hlc {
+        wall_ms,
+        counter: 0,
+        node_id: "mqstate".into(),
+    }
+}
+
+/// The checks refuse what they must: a stale read, a version that goes back, a lost write; and
+/// accept a write whose answer never came showing up later.
+#[test]
+fn the_checks_catch_stale_reads_versions_going_back_and_lost_writes() {
+    let set = |value| Cmd::Set { value, nx: false };
+    let check = |ops: Vec<Op>| check_key("k", &ops.iter().collect::<Vec<_>>());
+    let fine = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(2, set(2), Outcome::Unknown, 3, UNKNOWN),
+        op(1, Cmd::Get, Outcome::Hit(1, hlc(10)), 4, 5),
+        op(1, Cmd::Get, Outcome::Hit(2, hlc(12)), 6, 7),
+        op(
+            3,
+            Cmd::Set { value: 3, nx: true },
+            Outcome::NotApplied,
+            8,
+            9,
+        ),
+        op(FINAL_CLIENT, Cmd::Get, Outcome::Hit(2, hlc(12)), 10, 11),
+    ];
+    assert_eq!(check(fine), Vec::<String>::new());
+
+    let stale = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(1, set(2), Outcome::Written(hlc(11)), 3, 4),
+        op(2, Cmd::Get, Outcome::Hit(1, hlc(10)), 5, 6),
+    ];
+    let findings = check(stale);
+    assert!(
+        findings.iter().any(|f| f.contains("not linearizable")),
+        "{findings:?}"
+    );
+    assert!(
+        findings.iter().any(|f| f.contains("after Set")),
+        "{findings:?}"
+    );
+
+    let back = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(1, set(2), Outcome::Written(hlc(9)), 3, 4),
+    ];
+    assert!(!check(back).is_empty(), "a later SET with a lower version");
+
+    let lost = vec![
+        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
+        op(2, Cmd::Del, Outcome::Deleted(1), 0, 1),
+        op(FINAL_CLIENT, Cmd::Get, Outcome::Miss, 3, 4),
+    ];
+    let findings = check(lost);
+    assert!(
+        findings.iter().any(|f| f.contains("is lost")),
+        "{findings:?}"
+    );
+}
