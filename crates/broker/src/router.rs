@@ -539,4 +539,88 @@ mod tests {
             .collect();
         assert_eq!(order, ["a", "b", "m", "q", "z"]);
     }
+
+    /// A port that knows no other node: only so that the router counts as a cluster node's.
+    struct Alone;
+
+    impl Peers for Alone {
+        fn subscribed(&self, _: &str, _: Option<&str>) -> Option<Settled> {
+            None
+        }
+        fn unsubscribed(&self, _: &str, _: Option<&str>) {}
+        fn plan(&self, _: &str, _: bool) -> crate::peers::Plan {
+            crate::peers::Plan::default()
+        }
+        fn forward(
+            &self,
+            _: Vec<(crate::peers::PeerId, Vec<GroupKey>)>,
+            _: Forward<'_>,
+        ) -> Option<Settled> {
+            None
+        }
+        fn claim(&self, _: &str) -> Option<Settled> {
+            None
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivery_reaches_only_sessions_put_back_since() {
+        let recorder = Arc::new(Recorder::default());
+        let journal: Arc<dyn SessionJournal> = recorder.clone();
+        let clock: SharedClock = Arc::new(ManualClock::starting_at(1_000));
+        let router = Router::new(
+            QueueLimit::messages(10),
+            0,
+            Some(journal.clone()),
+            clock.clone(),
+        );
+        assert!(router.attach_peers(Arc::new(Alone)));
+        let since = clock.now();
+        let second = std::time::Duration::from_secs(1);
+        // a: never put back; b: put back after; c: before; q: after, but in a shared group.
+        for (id, put_back) in [
+            ("a", None),
+            ("b", Some(since + second)),
+            ("c", since.checked_sub(second)),
+            ("q", Some(since + second)),
+        ] {
+            let session = Arc::new(SessionHandle::new(
+                id.into(),
+                60,
+                Some(journal.clone()),
+                clock.clone(),
+            ));
+            drop(session.lock());
+            let filter = if id == "q" { "$share/g/t/#" } else { "t/+" };
+            router.subscribe(
+                &session,
+                parse_filter(filter).unwrap(),
+                options(QoS::AtLeastOnce),
+            );
+            if let Some(at) = put_back {
+                router.note_put_back(id.into(), at);
+            }
+        }
+        recorder.0.lock().unwrap().clear();
+        let message = Message {
+            topic: "t/1".into(),
+            payload: Bytes::from_static(b"x"),
+            qos: QoS::AtLeastOnce,
+            retain: false,
+            properties: Default::default(),
+        };
+        let routed = router.route_redelivered(message, None, (clock.now(), 1_000), since);
+        assert_eq!(routed.offered, 1);
+        let got: Vec<String> = recorder
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|c| match c {
+                SessionChange::Appended { client_id, .. } => Some(client_id.to_string()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(got, ["b"]);
+    }
 }

@@ -18,6 +18,10 @@
 //! * A publish on this node: the broker asks [`Peers::plan`] (which nodes have a matching route,
 //!   and which node serves each matching shared group this time, round robin over the nodes
 //!   holding members), fans out locally, then [`Peers::forward`] queues one copy per target.
+//! * A QoS 1/2 publish that matches a route of a node that just died (or whose copy did not reach
+//!   its target) is held: its acknowledgement waits until that node's sessions were adopted, then
+//!   it goes again to the sessions put back since it arrived, here and on every live node with a
+//!   matching route ([`wire::Item::Redeliver`], decision 0057 "Held publishes").
 
 pub mod table;
 pub mod wire;
