@@ -405,10 +405,38 @@ async fn retained_clears_and_replacements_reach_a_node_that_was_down() {
     drop((probe, publisher));
 }
 
+/// Publishes `<prefix>0`, `<prefix>1`, … at QoS 1 on `held/t`, each awaiting its PUBACK, until 5 s
+/// after `since` (at least 20); the client, how many, and those acknowledged 0x00.
+async fn publish_sequence(
+    mut publisher: Raw,
+    prefix: String,
+    since: Instant,
+) -> (Raw, usize, Vec<String>) {
+    let mut ok = Vec::new();
+    let mut i = 0;
+    while since.elapsed() < Duration::from_secs(5) || i < 20 {
+        assert!(since.elapsed() < WAIT, "publishing for {WAIT:?}");
+        let payload = format!("{prefix}{i}");
+        let code = publisher
+            .publish("held/t", QoS::AtLeastOnce, &payload)
+            .await;
+        assert!(
+            code == 0x00 || code == 0x10,
+            "PUBACK of {payload}: reason {code:#04x}"
+        );
+        if code == 0x00 {
+            ok.push(payload);
+        }
+        i += 1;
+    }
+    (publisher, i, ok)
+}
+
 /// Issue 16: what a publisher got PUBACK 0x00 for is not lost for a persistent session whose
 /// node died, though it was published before that session was adopted (decision 0057, "held
 /// publishes"). A subscriber on node 1 disconnects, node 1 is killed, and a publisher on node 2
-/// publishes a numbered sequence of QoS 1 messages at once, for ~5 s, each awaiting its PUBACK;
+/// publishes a numbered sequence of QoS 1 messages at once, for ~5 s, each awaiting its PUBACK
+/// (four more join it 0.25 s apart);
 /// the subscriber, back on node 3 once its session was adopted, gets every message acknowledged
 /// 0x00 (duplicates allowed at QoS 1). (Before: those published until node 2 skipped node 1 were
 /// forwarded to the dead node and acknowledged; the next ones, until the adoption, matched
@@ -436,26 +464,43 @@ async fn publishes_acknowledged_while_a_dead_nodes_session_awaits_adoption_are_n
     );
     let mut acked = BTreeSet::from(["before".to_owned()]);
 
+    // Four more publishers starting 0.25 s apart, so that some publish while node 2 still
+    // forwards to node 1 and others after it skipped node 1 but before the adoption.
+    let mut others = Vec::new();
+    for k in 0..4 {
+        others.push(
+            accepted(n2, &format!("held-pub-{k}"), true, 0, None)
+                .await
+                .0,
+        );
+    }
+
     tokio::task::block_in_place(|| nodes[0].server.kill9());
     let killed = Instant::now();
-    let mut i = 0;
-    while killed.elapsed() < Duration::from_secs(5) || i < 20 {
-        assert!(killed.elapsed() < WAIT, "publishing for {WAIT:?}");
-        let payload = format!("m{i}");
-        let code = publisher
-            .publish("held/t", QoS::AtLeastOnce, &payload)
-            .await;
-        assert!(
-            code == 0x00 || code == 0x10,
-            "PUBACK of {payload}: reason {code:#04x}"
-        );
-        if code == 0x00 {
-            acked.insert(payload);
-        }
-        i += 1;
+    let mut tasks = vec![tokio::spawn(publish_sequence(
+        publisher,
+        "m".to_owned(),
+        killed,
+    ))];
+    for (k, publisher) in others.into_iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        tasks.push(tokio::spawn(publish_sequence(
+            publisher,
+            format!("p{k}-"),
+            killed,
+        )));
     }
+    let mut published = 0;
+    let mut publisher = None;
+    for task in tasks {
+        let (client, count, ok) = task.await.expect("publisher task");
+        published += count;
+        acked.extend(ok);
+        publisher.get_or_insert(client);
+    }
+    let mut publisher = publisher.expect("a publisher");
     eprintln!(
-        "{i} published in {:?} after kill -9, {} acknowledged 0x00",
+        "{published} published in {:?} after kill -9, {} acknowledged 0x00",
         killed.elapsed(),
         acked.len() - 1
     );
