@@ -404,3 +404,154 @@ async fn retained_clears_and_replacements_reach_a_node_that_was_down() {
     assert_eq!(retained_at(n2, "r-check-2").await, expected, "node 2");
     drop((probe, publisher));
 }
+
+/// Publishes `<prefix>0`, `<prefix>1`, … at QoS 1 on `held/t`, each awaiting its PUBACK, until 5 s
+/// after `since` (at least 20); the client, how many, and those acknowledged 0x00.
+async fn publish_sequence(
+    mut publisher: Raw,
+    prefix: String,
+    since: Instant,
+) -> (Raw, usize, Vec<String>) {
+    let mut ok = Vec::new();
+    let mut i = 0;
+    while since.elapsed() < Duration::from_secs(5) || i < 20 {
+        assert!(since.elapsed() < WAIT, "publishing for {WAIT:?}");
+        let payload = format!("{prefix}{i}");
+        let code = publisher
+            .publish("held/t", QoS::AtLeastOnce, &payload)
+            .await;
+        assert!(
+            code == 0x00 || code == 0x10,
+            "PUBACK of {payload}: reason {code:#04x}"
+        );
+        if code == 0x00 {
+            ok.push(payload);
+        }
+        i += 1;
+    }
+    (publisher, i, ok)
+}
+
+/// Issue 16: what a publisher got PUBACK 0x00 for is not lost for a persistent session whose
+/// node died, though it was published before that session was adopted (decision 0057, "held
+/// publishes"). A subscriber on node 1 disconnects, node 1 is killed, and a publisher on node 2
+/// publishes a numbered sequence of QoS 1 messages at once, for ~5 s, each awaiting its PUBACK
+/// (four more join it 0.25 s apart);
+/// the subscriber, back on node 3 once its session was adopted, gets every message acknowledged
+/// 0x00 (duplicates allowed at QoS 1). (Before: those published until node 2 skipped node 1 were
+/// forwarded to the dead node and acknowledged; the next ones, until the adoption, matched
+/// nothing; both lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_acknowledged_while_a_dead_nodes_session_awaits_adoption_are_not_lost() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+
+    let (mut subscriber, present) = accepted(n1, "held-sub", false, 3600, None).await;
+    assert!(!present);
+    subscriber.subscribe("held/t", QoS::AtLeastOnce).await;
+    subscriber.disconnect().await;
+    let (mut publisher, _) = accepted(n2, "held-pub", true, 0, None).await;
+    assert_eq!(
+        publisher
+            .publish("held/t", QoS::AtLeastOnce, "before")
+            .await,
+        0x00
+    );
+    let mut acked = BTreeSet::from(["before".to_owned()]);
+
+    // Four more publishers starting 0.25 s apart, so that some publish while node 2 still
+    // forwards to node 1 and others after it skipped node 1 but before the adoption.
+    let mut others = Vec::new();
+    for k in 0..4 {
+        others.push(
+            accepted(n2, &format!("held-pub-{k}"), true, 0, None)
+                .await
+                .0,
+        );
+    }
+
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    let killed = Instant::now();
+    let mut tasks = vec![tokio::spawn(publish_sequence(
+        publisher,
+        "m".to_owned(),
+        killed,
+    ))];
+    for (k, publisher) in others.into_iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        tasks.push(tokio::spawn(publish_sequence(
+            publisher,
+            format!("p{k}-"),
+            killed,
+        )));
+    }
+    let mut published = 0;
+    let mut publisher = None;
+    for task in tasks {
+        let (client, count, ok) = task.await.expect("publisher task");
+        published += count;
+        acked.extend(ok);
+        publisher.get_or_insert(client);
+    }
+    let mut publisher = publisher.expect("a publisher");
+    eprintln!(
+        "{published} published in {:?} after kill -9, {} acknowledged 0x00",
+        killed.elapsed(),
+        acked.len() - 1
+    );
+
+    // Back on node 3 once adopted (Session Present = 1).
+    let mut subscriber = loop {
+        assert!(
+            killed.elapsed() < WAIT,
+            "held-sub not adopted after {WAIT:?}"
+        );
+        let (client, present) = accepted(n3, "held-sub", false, 3600, None).await;
+        if present {
+            break client;
+        }
+        client.disconnect().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // A last message after the reconnect: queued behind whatever was queued for the session, so
+    // once it arrives nothing queued is still coming.
+    assert_eq!(
+        publisher.publish("held/t", QoS::AtLeastOnce, "end").await,
+        0x00
+    );
+    let mut got = BTreeSet::new();
+    let mut copies = 0;
+    loop {
+        let p = subscriber.next_publish().await;
+        if p.qos == QoS::AtLeastOnce {
+            subscriber
+                .send(Packet::PubAck(PubAck::new(p.pkid, None)))
+                .await;
+        }
+        let payload = String::from_utf8_lossy(&p.payload).into_owned();
+        if payload == "end" {
+            break;
+        }
+        copies += 1;
+        got.insert(payload);
+    }
+    let lost: Vec<&String> = acked.difference(&got).collect();
+    eprintln!(
+        "received {} messages ({copies} copies) of {} acknowledged",
+        got.len(),
+        acked.len()
+    );
+    assert!(
+        lost.is_empty(),
+        "{} acknowledged 0x00 and lost, among them {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+    subscriber.disconnect().await;
+    drop(publisher);
+}

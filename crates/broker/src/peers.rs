@@ -112,6 +112,26 @@ impl crate::Broker {
             .durable
     }
 
+    /// Fans out again a publish held while a node that had a subscriber of it died: only to the
+    /// non-shared subscriptions of sessions put back on this node (adopted, handed over) within
+    /// the last `put_back_within` — the others had it the first time (decision 0057). `age`:
+    /// how long ago the origin received it. Resolves when what it changed is durable.
+    pub fn accept_redelivered(
+        &self,
+        message: Message,
+        origin: Option<&str>,
+        age: std::time::Duration,
+        put_back_within: std::time::Duration,
+    ) -> Vec<crate::Durable> {
+        let received = self.received_ago(age);
+        let now = self.inner.clock.now();
+        let since = now.checked_sub(put_back_within).unwrap_or(now);
+        self.inner
+            .router
+            .route_redelivered(message, origin, received, since)
+            .durable
+    }
+
     /// Takes in a retained message another node holds — or, with an empty payload, a clear it
     /// remembers — if it is newer than what this node holds or cleared on its topic (the later
     /// one wins, decision 0057). `age`: how long ago that node received it.

@@ -1,6 +1,7 @@
 //! Routing: the subscription trie and the retained store, and fan-out of one message into the
 //! queues of the sessions it matches.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
 
@@ -43,7 +44,14 @@ pub(crate) struct Router {
     clock: SharedClock,
     /// The other nodes of a cluster; never set on a single node (decision 0044).
     peers: OnceLock<Arc<dyn Peers>>,
+    /// In a cluster, when each session was last put back on this node (adopted, handed over):
+    /// a publish held for a node that died goes again only to these (decision 0057).
+    put_back: Mutex<HashMap<Arc<str>, Instant>>,
 }
+
+/// How long the instant a session was put back is kept (a publish is redelivered within
+/// the mesh's settle bound, well under this).
+const PUT_BACK_MEMORY: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Which shared groups a fan-out serves.
 #[derive(Clone, Copy)]
@@ -54,6 +62,8 @@ enum Scope<'a> {
     AllBut(&'a [GroupKey]),
     /// A publish forwarded by another node: only these, which it assigned to this node.
     Only(&'a [GroupKey]),
+    /// A publish redelivered: no shared group, and only sessions put back here since then.
+    PutBackSince(Instant),
 }
 
 impl Scope<'_> {
@@ -62,6 +72,7 @@ impl Scope<'_> {
             (_, None) | (Scope::All, _) => true,
             (Scope::AllBut(elsewhere), Some((f, g))) => !elsewhere.iter().any(|k| k.is(f, g)),
             (Scope::Only(mine), Some((f, g))) => mine.iter().any(|k| k.is(f, g)),
+            (Scope::PutBackSince(_), Some(_)) => false,
         }
     }
 }
@@ -94,7 +105,38 @@ impl Router {
             journal,
             clock,
             peers: OnceLock::new(),
+            put_back: Mutex::default(),
         }
+    }
+
+    /// `client_id`'s session was put back on this node `at` (remembered in a cluster only).
+    pub(crate) fn note_put_back(&self, client_id: Arc<str>, at: Instant) {
+        if self.peers.get().is_none() {
+            return;
+        }
+        let mut put_back = self.put_back.lock().unwrap_or_else(|p| p.into_inner());
+        if put_back.len() >= 1024 {
+            put_back.retain(|_, when| at.saturating_duration_since(*when) < PUT_BACK_MEMORY);
+        }
+        put_back.insert(client_id, at);
+    }
+
+    /// Fans out a publish again, to the non-shared subscriptions of sessions put back on this
+    /// node at or after `since` only: a publish held while the node that had its subscriber
+    /// died (decision 0057). Never forwarded.
+    pub(crate) fn route_redelivered(
+        &self,
+        message: Message,
+        origin: Option<&str>,
+        (at, at_ms): (Instant, u64),
+        since: Instant,
+    ) -> Routed {
+        self.fan_out(
+            Arc::new(message),
+            origin,
+            (at, Some(at_ms)),
+            Scope::PutBackSince(since),
+        )
     }
 
     /// Attaches the other nodes of a cluster and tells them, one call per subscription, what this
@@ -324,6 +366,12 @@ impl Router {
         }
         let mut targets: Vec<Target> = Vec::new();
         {
+            let put_back = match scope {
+                Scope::PutBackSince(_) => {
+                    Some(self.put_back.lock().unwrap_or_else(|p| p.into_inner()))
+                }
+                _ => None,
+            };
             let trie = self.trie.read().unwrap_or_else(|p| p.into_inner());
             trie.for_each_match(&message.topic, |client, sub, group| {
                 let shared = group.is_some();
@@ -331,6 +379,11 @@ impl Router {
                     || !scope.serves(group)
                 {
                     return;
+                }
+                if let (Scope::PutBackSince(since), Some(put_back)) = (scope, &put_back) {
+                    if put_back.get(&**client).is_none_or(|at| *at < since) {
+                        return;
+                    }
                 }
                 targets.push(Target {
                     session: sub.session.clone(),
@@ -485,5 +538,89 @@ mod tests {
             })
             .collect();
         assert_eq!(order, ["a", "b", "m", "q", "z"]);
+    }
+
+    /// A port that knows no other node: only so that the router counts as a cluster node's.
+    struct Alone;
+
+    impl Peers for Alone {
+        fn subscribed(&self, _: &str, _: Option<&str>) -> Option<Settled> {
+            None
+        }
+        fn unsubscribed(&self, _: &str, _: Option<&str>) {}
+        fn plan(&self, _: &str, _: bool) -> crate::peers::Plan {
+            crate::peers::Plan::default()
+        }
+        fn forward(
+            &self,
+            _: Vec<(crate::peers::PeerId, Vec<GroupKey>)>,
+            _: Forward<'_>,
+        ) -> Option<Settled> {
+            None
+        }
+        fn claim(&self, _: &str) -> Option<Settled> {
+            None
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivery_reaches_only_sessions_put_back_since() {
+        let recorder = Arc::new(Recorder::default());
+        let journal: Arc<dyn SessionJournal> = recorder.clone();
+        let clock: SharedClock = Arc::new(ManualClock::starting_at(1_000));
+        let router = Router::new(
+            QueueLimit::messages(10),
+            0,
+            Some(journal.clone()),
+            clock.clone(),
+        );
+        assert!(router.attach_peers(Arc::new(Alone)));
+        let since = clock.now();
+        let second = std::time::Duration::from_secs(1);
+        // a: never put back; b: put back after; c: before; q: after, but in a shared group.
+        for (id, put_back) in [
+            ("a", None),
+            ("b", Some(since + second)),
+            ("c", since.checked_sub(second)),
+            ("q", Some(since + second)),
+        ] {
+            let session = Arc::new(SessionHandle::new(
+                id.into(),
+                60,
+                Some(journal.clone()),
+                clock.clone(),
+            ));
+            drop(session.lock());
+            let filter = if id == "q" { "$share/g/t/#" } else { "t/+" };
+            router.subscribe(
+                &session,
+                parse_filter(filter).unwrap(),
+                options(QoS::AtLeastOnce),
+            );
+            if let Some(at) = put_back {
+                router.note_put_back(id.into(), at);
+            }
+        }
+        recorder.0.lock().unwrap().clear();
+        let message = Message {
+            topic: "t/1".into(),
+            payload: Bytes::from_static(b"x"),
+            qos: QoS::AtLeastOnce,
+            retain: false,
+            properties: Default::default(),
+        };
+        let routed = router.route_redelivered(message, None, (clock.now(), 1_000), since);
+        assert_eq!(routed.offered, 1);
+        let got: Vec<String> = recorder
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|c| match c {
+                SessionChange::Appended { client_id, .. } => Some(client_id.to_string()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(got, ["b"]);
     }
 }

@@ -687,6 +687,7 @@ impl Inner {
         ));
         // Nothing noted above reaches the journal unless the registry takes the session.
         let epoch = self.registry.restore(handle.clone(), will).ok_or(())?;
+        self.router.note_put_back(client_id.clone(), now);
         for (raw, options) in &subscriptions {
             if let Some(filter) = topic::parse_filter(raw) {
                 // The other nodes learn of it too; nobody waits for a SUBACK here.

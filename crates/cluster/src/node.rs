@@ -266,6 +266,11 @@ impl ClusterNode {
             .collect()
     }
 
+    /// The cluster's timing and shape (lease, clock factor, partitions).
+    pub fn map_config(&self) -> MapConfig {
+        self.inner.config.map
+    }
+
     /// The transport this node sends with (the data plane reuses it).
     pub fn transport(&self) -> Arc<dyn Transport> {
         Arc::clone(&self.inner.transport)

@@ -1,6 +1,7 @@
 //! The receiving side: batches from the other nodes, applied in the order each sender sent them.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use mqstate_broker::GroupKey;
 use mqstate_cluster::transport::BoxFuture;
@@ -57,6 +58,10 @@ impl Inbound {
                     Item::Removed(route) => state.tables.remote_removed(from, &route),
                     Item::Publish(p) => work.push(Work::Publish(p)),
                     Item::Claim(client_id) => work.push(Work::Claim(client_id)),
+                    Item::Redeliver {
+                        publish,
+                        put_back_within_ms,
+                    } => work.push(Work::Redeliver(publish, put_back_within_ms)),
                 }
             }
         }
@@ -90,6 +95,18 @@ impl Inbound {
                         &groups,
                     ));
                 }
+                Work::Redeliver(p, within_ms) => {
+                    let Some((message, age)) = p.message.into_message() else {
+                        tracing::warn!(node = from, "mesh: publish with an unknown QoS dropped");
+                        continue;
+                    };
+                    durable.extend(broker.accept_redelivered(
+                        message,
+                        p.origin.as_deref(),
+                        age,
+                        Duration::from_millis(within_ms),
+                    ));
+                }
                 Work::Claim(client_id) => broker.take_over_here(&client_id).await,
             }
         }
@@ -106,4 +123,5 @@ enum Work {
     Retained(wire::WireMessage),
     Publish(wire::WirePublish),
     Claim(String),
+    Redeliver(wire::WirePublish, u64),
 }

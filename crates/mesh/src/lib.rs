@@ -18,6 +18,10 @@
 //! * A publish on this node: the broker asks [`Peers::plan`] (which nodes have a matching route,
 //!   and which node serves each matching shared group this time, round robin over the nodes
 //!   holding members), fans out locally, then [`Peers::forward`] queues one copy per target.
+//! * A QoS 1/2 publish that matches a route of a node that just died (or whose copy did not reach
+//!   its target) is held: its acknowledgement waits until that node's sessions were adopted, then
+//!   it goes again to the sessions put back since it arrived, here and on every live node with a
+//!   matching route ([`wire::Item::Redeliver`], decision 0057 "Held publishes").
 
 pub mod table;
 pub mod wire;
@@ -33,6 +37,7 @@ use mqstate_broker::{Broker, Forward, GroupKey, PeerId, Peers, Plan, Settled};
 use mqstate_cluster::{ClusterNode, NodeId};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::peer::Outbox;
 use crate::table::Tables;
@@ -45,6 +50,12 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(8);
 pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often membership is read from the control plane.
 const MEMBERSHIP_PERIOD: Duration = Duration::from_millis(250);
+/// After a node's lease lapsed, how long until its orphaned sessions are adopted and the
+/// adopter's routes reached the others: two rounds of the sessions' `ADOPT_EVERY` (1 s).
+const ADOPTION_SLACK: Duration = Duration::from_secs(2);
+/// How much earlier than a held publish's receipt a session put back counts as one that may
+/// have missed it: a bound on a batch's transit (a call not answered within it failed).
+const REDELIVERY_MARGIN: Duration = CALL_TIMEOUT;
 
 /// The mesh of one node.
 pub struct Mesh {
@@ -58,6 +69,10 @@ struct Shared {
     incarnation: u64,
     broker: Broker,
     node: Arc<ClusterNode>,
+    /// From a node's going down until its persistent sessions live on another node (lease +
+    /// clock factor + [`ADOPTION_SLACK`]): a QoS 1/2 publish that matched its routes meanwhile
+    /// is held and delivered again after (decision 0057).
+    adoption_window: Duration,
     state: Mutex<State>,
 }
 
@@ -79,9 +94,14 @@ impl Shared {
 impl Mesh {
     /// Attaches the mesh to `broker` and `node`, and starts following membership.
     pub fn start(node: Arc<ClusterNode>, broker: Broker, incarnation: u64) -> Mesh {
+        let map = node.map_config();
+        let adoption_window =
+            Duration::from_millis(map.lease_ms.saturating_add(map.clock_factor_ms))
+                + ADOPTION_SLACK;
         let shared = Arc::new(Shared {
             me: node.id(),
             incarnation,
+            adoption_window,
             broker: broker.clone(),
             node: Arc::clone(&node),
             state: Mutex::default(),
@@ -166,6 +186,100 @@ fn settled(waits: Vec<oneshot::Receiver<()>>) -> Option<Settled> {
     }))
 }
 
+/// A QoS 1/2 publish this node forwarded: its publisher's PUBACK/PUBREC waits until every
+/// target took it in or, for a target that did not (it died, or was down lately), until that
+/// node's sessions were adopted elsewhere and the publish was given again to the sessions put
+/// back since it arrived (decision 0057).
+struct Held {
+    shared: Arc<Shared>,
+    message: Arc<mqstate_broker::Message>,
+    origin: Option<String>,
+    received: Instant,
+}
+
+impl Held {
+    async fn settle(self, waits: Vec<(NodeId, oneshot::Receiver<()>)>, mut missed: Vec<NodeId>) {
+        let window = self.shared.adoption_window;
+        let settle = async {
+            for (node, wait) in waits {
+                if wait.await.is_err() {
+                    missed.push(node);
+                }
+            }
+            if missed.is_empty() {
+                return;
+            }
+            let until = {
+                let state = self.shared.lock();
+                missed
+                    .iter()
+                    .filter_map(|node| state.outboxes.get(node).and_then(|o| o.last_down))
+                    .map(|down| down + window)
+                    .max()
+            };
+            if let Some(until) = until {
+                tokio::time::sleep_until(until).await;
+            }
+            self.redeliver().await;
+        };
+        if tokio::time::timeout(SETTLE_TIMEOUT + window, settle)
+            .await
+            .is_err()
+        {
+            tracing::warn!("mesh: other nodes did not answer within {SETTLE_TIMEOUT:?}; going on");
+        }
+    }
+
+    /// Gives the message again, here and to every live node with a matching route, to the
+    /// sessions put back since (a little before) it arrived: the adopted ones.
+    async fn redeliver(&self) {
+        let age = self.received.elapsed();
+        let within = age + REDELIVERY_MARGIN;
+        let within_ms = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
+        let topic = &*self.message.topic;
+        let mut waits = Vec::new();
+        {
+            let mut state = self.shared.lock();
+            let state = &mut *state;
+            let live: Vec<NodeId> = state
+                .outboxes
+                .iter()
+                .filter(|(_, o)| o.is_live())
+                .map(|(&id, _)| id)
+                .collect();
+            for node in state.tables.plain_matches(topic, &live) {
+                let Some(outbox) = state.outboxes.get_mut(&node) else {
+                    continue;
+                };
+                let item = Item::Redeliver {
+                    publish: WirePublish {
+                        message: WireMessage::from_message(&self.message, age),
+                        origin: self.origin.clone(),
+                        groups: Vec::new(),
+                    },
+                    put_back_within_ms: within_ms,
+                };
+                waits.extend(outbox.push(Some(item), true));
+            }
+        }
+        let here = self.shared.broker.accept_redelivered(
+            (*self.message).clone(),
+            self.origin.as_deref(),
+            age,
+            within,
+        );
+        for durable in here {
+            if let Err(error) = durable.await {
+                tracing::error!(%error, "mesh: a redelivered message is not durable here");
+            }
+        }
+        for wait in waits {
+            // A node that fails now is a second failure in the window: not held again.
+            let _ = wait.await;
+        }
+    }
+}
+
 /// The broker's peers port.
 struct Port(Arc<Shared>);
 
@@ -212,10 +326,23 @@ impl Peers for Port {
             .filter(|(_, o)| o.is_live())
             .map(|(&id, _)| id)
             .collect();
-        if live.is_empty() {
+        // Nodes gone down lately whose sessions may not have been adopted yet: a publish matching
+        // their routes is planned for them too, and `forward` holds it (if acknowledged).
+        let window = self.0.adoption_window;
+        let lately_down: Vec<NodeId> = state
+            .outboxes
+            .iter()
+            .filter(|(_, o)| !o.is_live() && o.last_down.is_some_and(|t| t.elapsed() < window))
+            .map(|(&id, _)| id)
+            .collect();
+        if live.is_empty() && lately_down.is_empty() {
             return Plan::default();
         }
-        state.tables.plan(topic, retain, &live)
+        let mut plan = state.tables.plan(topic, retain, &live);
+        for node in state.tables.plain_matches(topic, &lately_down) {
+            plan.targets.push((node, Vec::new()));
+        }
+        plan
     }
 
     fn forward(
@@ -223,12 +350,18 @@ impl Peers for Port {
         targets: Vec<(PeerId, Vec<GroupKey>)>,
         forward: Forward<'_>,
     ) -> Option<Settled> {
+        let received = Instant::now();
         let message = WireMessage::from_message(forward.message, Duration::ZERO);
         let origin = forward.origin.map(str::to_owned);
         let mut state = self.0.lock();
         let mut waits = Vec::new();
+        // Nodes a copy did not reach (a QoS 1/2 publish only: the others are not held).
+        let mut missed = Vec::new();
         for (node, groups) in targets {
             let Some(outbox) = state.outboxes.get_mut(&node).filter(|o| o.is_live()) else {
+                if forward.acknowledged {
+                    missed.push(node);
+                }
                 continue;
             };
             let item = Item::Publish(WirePublish {
@@ -239,9 +372,21 @@ impl Peers for Port {
                     .map(|k| (k.filter.to_string(), k.group.to_string()))
                     .collect(),
             });
-            waits.extend(outbox.push(Some(item), forward.acknowledged));
+            if let Some(wait) = outbox.push(Some(item), forward.acknowledged) {
+                waits.push((node, wait));
+            }
         }
-        settled(waits)
+        drop(state);
+        if !forward.acknowledged {
+            return None;
+        }
+        let held = Held {
+            shared: Arc::clone(&self.0),
+            message: Arc::clone(forward.message),
+            origin,
+            received,
+        };
+        Some(Box::pin(held.settle(waits, missed)))
     }
 
     fn claim(&self, client_id: &str) -> Option<Settled> {

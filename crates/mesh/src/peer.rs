@@ -7,6 +7,7 @@ use mqstate_cluster::transport::{Request, Response};
 use mqstate_cluster::NodeId;
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::wire::{self, Batch, Item, Reply, WireMessage};
 use crate::{Shared, CALL_TIMEOUT};
@@ -30,6 +31,8 @@ pub(crate) struct Outbox {
     member_up: bool,
     /// The last call got no answer: nothing is queued for it until one does.
     unreachable: bool,
+    /// When the node last stopped being live (counted down or not answering).
+    pub last_down: Option<Instant>,
     wake: Arc<Notify>,
     pub task: JoinHandle<()>,
 }
@@ -45,6 +48,7 @@ impl Outbox {
             resync: true,
             member_up: up,
             unreachable: false,
+            last_down: None,
             wake,
             task,
         }
@@ -56,11 +60,20 @@ impl Outbox {
     }
 
     pub(crate) fn set_member_up(&mut self, up: bool) {
+        let was_live = self.is_live();
         if self.member_up && !up {
             tracing::info!(addr = %self.addr, "mesh: the control plane counts a node down; skipping it");
             self.skip();
         }
         self.member_up = up;
+        self.note_liveness(was_live);
+    }
+
+    /// Remembers when the node stopped being live (`was_live`: it was before the change).
+    fn note_liveness(&mut self, was_live: bool) {
+        if was_live && !self.is_live() {
+            self.last_down = Some(Instant::now());
+        }
     }
 
     /// Queues `item` (if any); with `wait`, returns what resolves once it is answered.
@@ -148,7 +161,8 @@ async fn send(shared: Arc<Shared>, id: NodeId, wake: Arc<Notify>) {
             let Some(outbox) = state.outboxes.get_mut(&id) else {
                 return;
             };
-            match reply {
+            let was_live = outbox.is_live();
+            let failed = match reply {
                 Ok(Reply::Accepted) => {
                     if outbox.unreachable {
                         tracing::info!(node = id, "mesh: node answers again");
@@ -191,7 +205,9 @@ async fn send(shared: Arc<Shared>, id: NodeId, wake: Arc<Notify>) {
                     drop(waiters);
                     true
                 }
-            }
+            };
+            outbox.note_liveness(was_live);
+            failed
         };
         if failed {
             tokio::time::sleep(RETRY).await;

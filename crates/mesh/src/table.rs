@@ -70,6 +70,21 @@ impl Tables {
         self.remote.remove(&node);
     }
 
+    /// Those of `nodes` with a non-shared route matching `topic`.
+    pub fn plain_matches(&self, topic: &str, nodes: &[NodeId]) -> Vec<NodeId> {
+        nodes
+            .iter()
+            .copied()
+            .filter(|node| {
+                self.remote.get(node).is_some_and(|routes| {
+                    routes
+                        .iter()
+                        .any(|r| r.group.is_none() && topic_matches(&r.filter, topic))
+                })
+            })
+            .collect()
+    }
+
     /// Where a publish on `topic` goes among the `live` other nodes: each one with a matching
     /// non-shared route gets a copy; each shared group matching anywhere goes to one holder, in
     /// turn (this node included); a retained message goes to every live node (each keeps the
@@ -158,6 +173,7 @@ mod tests {
             t.plan("c", true, &[2, 3]).targets,
             vec![(2, vec![]), (3, vec![])]
         );
+        assert_eq!(t.plain_matches("a/x", &[2, 3, 4]), vec![2, 4]);
         // `$` topics are not matched by leading wildcards, as in the trie.
         t.replace_remote(2, vec![r("#", None)]);
         assert!(t.plan("$SYS/x", false, &[2]).is_empty());

@@ -41,6 +41,13 @@ pub enum Item {
     Publish(WirePublish),
     /// A client id connected on the sender: the receiver's connection with it is taken over.
     Claim(String),
+    /// A publish held while a node that had a subscriber of it died, sent again once that
+    /// node's sessions were adopted: the receiver gives it only to sessions it put back within
+    /// the last `put_back_within_ms` (the others had it already), no shared group (decision 0057).
+    Redeliver {
+        publish: WirePublish,
+        put_back_within_ms: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
