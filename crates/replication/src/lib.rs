@@ -346,20 +346,11 @@ impl Replication {
                 }
                 DataResponse::Received
             }
-            Ok(DataRequest::Interest {
-                node,
-                generation,
-                keys,
-            }) => {
-                self.notifier.receive_interest(node, generation, keys);
-                DataResponse::Received
-            }
-            Ok(DataRequest::Notify(changes)) => {
-                if let Some(queued) = self.notifier.deliver_here(changes) {
-                    let _ = queued.await;
-                }
-                DataResponse::Received
-            }
+            Ok(request @ (DataRequest::Interest { .. } | DataRequest::Notify(_))) => self
+                .notifier
+                .handle(request)
+                .await
+                .unwrap_or_else(|| DataResponse::Refused("not a notification request".into())),
             Ok(DataRequest::Scan { partitions, page }) => {
                 DataResponse::Scanned(self.scan_here(partitions, &page).await)
             }

@@ -146,6 +146,12 @@ pub enum DataResponse {
     SessionWritten(RowWritten),
     /// `None`: this member re-entered too and cannot vouch for its entries yet.
     Recent(Option<Vec<crate::recent::Exported>>),
+    /// The answer to [`DataRequest::Interest`]: the answering node's own interest, so that a
+    /// node that (re)started learns every member's in its first round.
+    Interest {
+        generation: u64,
+        keys: Vec<Vec<u8>>,
+    },
 }
 
 /// How these messages are encoded and decoded: as every message inside the cluster transport.
