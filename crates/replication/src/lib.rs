@@ -259,6 +259,10 @@ impl Replication {
             // read above committed every write of the key so far, that request's included.
             let id = RequestId::of(&request.client_id, &request.correlation);
             if let Some(first) = self.recent.first_reply(partition, &id, self.clock.now_ms()) {
+                // Its head may have died between commit and hand-over (robustness seed 401).
+                if let Some(row) = &value {
+                    self.renotify_retry(request, row).await;
+                }
                 return Ok(Executed {
                     payload: first.reply.to_vec(),
                     ts: first.reply_ts.as_ref().map(Hlc::to_string),
