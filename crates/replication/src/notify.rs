@@ -387,7 +387,7 @@ impl Shared {
     ) -> Option<oneshot::Receiver<()>> {
         let mut outboxes = lock(&self.outboxes);
         let outbox = outboxes.entry(member).or_insert_with(|| {
-            let outbox = Outbox::default();
+            let outbox = Outbox::new();
             tokio::spawn(send_to(Arc::clone(self), member, Arc::clone(&outbox.wake)));
             outbox
         });
@@ -412,7 +412,6 @@ impl Shared {
 }
 
 /// The changes kept for one peer, in commit order, until it acknowledges them (sans I/O).
-#[derive(Default)]
 struct Outbox {
     queue: VecDeque<Entry>,
     /// Bytes of the keys and values queued.
@@ -436,15 +435,22 @@ fn size(change: &Committed) -> usize {
 }
 
 impl Outbox {
+    fn new() -> Outbox {
+        Outbox {
+            queue: VecDeque::new(),
+            bytes: 0,
+            next: 0,
+            healthy: true,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
     fn len(&self) -> usize {
         self.queue.len()
     }
 
     /// Queues `change`; how many of the oldest were dropped to stay within the bounds.
     fn push(&mut self, change: Committed, ack: Option<oneshot::Sender<()>>) -> usize {
-        if self.next == 0 {
-            self.healthy = true;
-        }
         self.bytes += size(&change);
         self.queue.push_back(Entry {
             seq: self.next,
@@ -594,7 +600,7 @@ mod tests {
 
     #[test]
     fn an_outbox_sends_in_order_again_until_acknowledged() {
-        let mut outbox = Outbox::default();
+        let mut outbox = Outbox::new();
         let (tx, mut rx) = oneshot::channel();
         outbox.push(change("a", 1), Some(tx));
         outbox.push(change("b", 2), None);
@@ -619,14 +625,14 @@ mod tests {
 
     #[test]
     fn an_outbox_drops_what_the_peer_no_longer_observes_and_stays_bounded() {
-        let mut outbox = Outbox::default();
+        let mut outbox = Outbox::new();
         outbox.push(change("a", 1), None);
         outbox.push(change("b", 2), None);
         let (batch, _) = outbox.batch(|key| key == b"b").unwrap();
         assert_eq!(versions(&batch), versions(&[change("b", 2)]));
         assert_eq!(outbox.len(), 1);
 
-        let mut outbox = Outbox::default();
+        let mut outbox = Outbox::new();
         let mut dropped = 0;
         for n in 0..(OUTBOX_MAX as u64 + 5) {
             dropped += outbox.push(change("k", n), None);
