@@ -245,6 +245,10 @@ impl Replication {
                 "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
             ))?;
             if let Some(first) = first {
+                // Its head may have died between commit and hand-over (robustness seed 401).
+                if let Some(row) = &value {
+                    self.renotify_retry(request, row).await;
+                }
                 return Ok(Executed {
                     payload: first.reply.to_vec(),
                     ts: first.reply_ts.as_ref().map(Hlc::to_string),
@@ -332,20 +336,11 @@ impl Replication {
                 }
                 DataResponse::Received
             }
-            Ok(DataRequest::Interest {
-                node,
-                generation,
-                keys,
-            }) => {
-                self.notifier.receive_interest(node, generation, keys);
-                DataResponse::Received
-            }
-            Ok(DataRequest::Notify(changes)) => {
-                if let Some(queued) = self.notifier.deliver_here(changes) {
-                    let _ = queued.await;
-                }
-                DataResponse::Received
-            }
+            Ok(request @ (DataRequest::Interest { .. } | DataRequest::Notify(_))) => self
+                .notifier
+                .handle(request)
+                .await
+                .unwrap_or_else(|| DataResponse::Refused("not a notification request".into())),
             Ok(DataRequest::Scan { partitions, page }) => {
                 DataResponse::Scanned(self.scan_here(partitions, &page).await)
             }

@@ -1,43 +1,58 @@
-//! KEYNOTIFY across nodes (decision 0046): registrations stay where the observer is
+//! KEYNOTIFY across nodes (decisions 0046 and 0059): registrations stay where the observer is
 //! connected (session state, in that node's state machine); what crosses nodes is *interest* —
 //! the set of keys some client of a node observes — and *committed changes* of those keys.
 //!
 //! * Interest: a node whose observed keys change sends the whole set, with a growing generation,
 //!   to every member, and answers the KEYNOTIFY only once they acknowledged it (or the bounded wait
 //!   passed), so a write executed at any head after the reply is notified. Every second the set is
-//!   sent again, so a member that restarted or missed it learns it.
+//!   sent again, and each member answers with its own set: a node that (re)started learns every
+//!   member's interest in its first round. A member's interest is forgotten only when the control
+//!   plane no longer counts it a member, never for silence (a paused or cut-off node still has
+//!   its observers). A member whose interest this node has not learnt yet observes every key, as
+//!   far as this node knows (if the control plane counts it up): changes are kept for it until
+//!   its set says which it wants.
 //! * Changes: a partition's head, once a write is committed (phase 2 done, `Written`), hands the
 //!   change to every node with interest in its key — itself directly, others through one ordered
-//!   queue per peer — and waits (bounded) for their acknowledgement before the writer's reply goes
-//!   out. An observing node delivers a change only if its version is above the last one it
-//!   delivered for the key: never twice, never out of order.
+//!   outbox per peer ([`Outbox`]) — and waits (bounded) for the up, reachable ones to take it
+//!   before the writer's reply goes out. The outbox keeps what the peer has not acknowledged and
+//!   sends it again, in order, until the peer takes it, no longer observes the key or is no
+//!   longer a member (bounded: the oldest go first beyond [`OUTBOX_MAX`]). An observing node
+//!   delivers a change only if its version is above the last one it delivered for the key: never
+//!   twice, never out of order, so re-sends are harmless.
 //! * Fail-over: a new head takes over the writes its predecessor had not completed (the rows it
 //!   holds locked) and, once repair committed them, notifies them; a retried request answered from
 //!   the row (the duplicate check) notifies its change again. Versions make both harmless.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use mqstate_cluster::transport::{Request, Response};
 use mqstate_cluster::ClusterNode;
 use mqstate_protocol::Hlc;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::wire::{decode, encode, Committed, DataRequest, DataResponse};
 
 /// How long a node waits for the other members to take its interest, or a head for an observing
-/// node to take a change, before going on without them (a member down has no observers).
+/// node to take a change, before going on without them (the change stays in the outbox).
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(2);
-/// How often a node sends its interest again to every member.
+/// How often a node sends its interest again to every member (and learns theirs).
 pub const INTEREST_EVERY: Duration = Duration::from_secs(1);
-/// A member's interest not heard again for this long is forgotten: the member is down (its
-/// observers with it), and writes must not wait for it.
-pub const INTEREST_TTL: Duration = Duration::from_secs(5);
+/// Changes kept for one peer, at most (count, bytes of keys and values): beyond them the oldest
+/// are dropped, with a warning.
+pub const OUTBOX_MAX: usize = 32_768;
+pub const OUTBOX_MAX_BYTES: usize = 32 << 20;
 /// Changes sent to one peer in one message, at most.
 const BATCH: usize = 256;
+/// A failed send to a peer is tried again after this, doubling up to [`RETRY_MAX`].
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(1);
+/// The control plane's member list is read again at most this often (reading it clones the
+/// Raft metrics: not once per write).
+const MEMBERS_EVERY: Duration = Duration::from_millis(200);
 
 /// Where the changes for this node's observers go: the state-store service.
 pub trait Sink: Send + Sync + 'static {
@@ -53,20 +68,49 @@ struct Local {
     keys: HashMap<Vec<u8>, Option<Hlc>>,
 }
 
-/// Another member's interest: its generation, the keys observed there, when it was last heard.
-type Interest = (u64, BTreeSet<Vec<u8>>, Instant);
+/// What this node knows of the other members.
+#[derive(Default)]
+struct Members {
+    /// When the list below was read from the control plane (`None`: never).
+    read_at: Option<Instant>,
+    /// Every other member, and whether the control plane counts it up.
+    up: HashMap<u64, bool>,
+    /// Their interest, as far as learnt: generation and keys. A member missing here observes
+    /// everything, as far as this node knows.
+    interest: HashMap<u64, (u64, BTreeSet<Vec<u8>>)>,
+}
 
-/// A change on its way to a peer, and who waits for its acknowledgement.
-type Outgoing = (Committed, oneshot::Sender<()>);
+impl Members {
+    /// Whether `member` may observe `key`: its set says so, or this node has not learnt its set
+    /// yet and it is up (a member down since before this node started has no observers left
+    /// here to keep changes for; one whose set is known keeps it while down).
+    fn observes(&self, member: u64, up: bool, key: &[u8]) -> bool {
+        match self.interest.get(&member) {
+            Some((_, keys)) => keys.contains(key),
+            None => up,
+        }
+    }
+
+    /// Whether `member` still wants changes of `key` (for the outbox: unknown keeps everything).
+    fn wants(&self, member: u64, key: &[u8]) -> bool {
+        self.interest
+            .get(&member)
+            .is_none_or(|(_, keys)| keys.contains(key))
+    }
+}
 
 /// The notification side of a node's data plane.
 pub struct Notifier {
-    node: Arc<ClusterNode>,
+    shared: Arc<Shared>,
     local: Mutex<Local>,
-    /// Other members' interest: generation and keys.
-    remote: Mutex<HashMap<u64, Interest>>,
     sink: OnceLock<Arc<dyn Sink>>,
-    peers: Mutex<HashMap<u64, mpsc::UnboundedSender<Outgoing>>>,
+}
+
+/// What a peer's sending task shares with the notifier.
+struct Shared {
+    node: Arc<ClusterNode>,
+    members: Mutex<Members>,
+    outboxes: Mutex<HashMap<u64, Outbox>>,
 }
 
 impl Notifier {
@@ -74,14 +118,16 @@ impl Notifier {
     /// node's previous runs.
     pub fn new(node: Arc<ClusterNode>, start_ms: u64) -> Notifier {
         Notifier {
-            node,
+            shared: Arc::new(Shared {
+                node,
+                members: Mutex::new(Members::default()),
+                outboxes: Mutex::new(HashMap::new()),
+            }),
             local: Mutex::new(Local {
                 generation: start_ms.saturating_mul(1_000_000),
                 keys: HashMap::new(),
             }),
-            remote: Mutex::new(HashMap::new()),
             sink: OnceLock::new(),
-            peers: Mutex::new(HashMap::new()),
         }
     }
 
@@ -112,81 +158,126 @@ impl Notifier {
         }
     }
 
-    /// Sends this node's interest to every other member, waiting for them (bounded).
+    /// Sends this node's interest to every other member, waiting for them (bounded), and takes
+    /// the interest each answers with.
     pub async fn send_interest(&self) {
-        let (generation, keys) = {
-            let local = lock(&self.local);
-            let mut keys: Vec<Vec<u8>> = local.keys.keys().cloned().collect();
-            keys.sort();
-            (local.generation, keys)
-        };
+        let (generation, keys) = self.interest();
         let frame = encode(&DataRequest::Interest {
-            node: self.node.id(),
+            node: self.shared.node.id(),
             generation,
             keys,
         });
+        self.shared.refresh_members(true);
         let mut calls = JoinSet::new();
-        for member in self.node.status().members {
-            if member.id == self.node.id() {
+        for (member, addr, _) in self.shared.node.members() {
+            if member == self.shared.node.id() {
                 continue;
             }
-            let Some(addr) = self.node.addr_of(member.id) else {
-                continue;
-            };
-            let transport = self.node.transport();
+            let transport = self.shared.node.transport();
             let frame = frame.clone();
             calls.spawn(async move {
-                if let Err(e) = transport
+                let answer = transport
                     .call(&addr, Request::Data(frame), ACK_TIMEOUT)
-                    .await
-                {
-                    tracing::debug!(to = member.id, "observed keys not delivered: {e}");
-                }
+                    .await;
+                (member, answer)
             });
         }
-        while calls.join_next().await.is_some() {}
+        while let Some(joined) = calls.join_next().await {
+            let Ok((member, answer)) = joined else {
+                continue;
+            };
+            match answer {
+                Ok(Response::Data(bytes)) => match decode::<DataResponse>(&bytes) {
+                    Ok(DataResponse::Interest { generation, keys }) => {
+                        self.receive_interest(member, generation, keys);
+                    }
+                    // A node of the previous release: it took ours, and pushes its own.
+                    Ok(DataResponse::Received) => {}
+                    other => tracing::debug!(to = member, "observed keys answered {other:?}"),
+                },
+                Ok(other) => tracing::debug!(to = member, "observed keys answered {other:?}"),
+                Err(e) => tracing::debug!(to = member, "observed keys not delivered: {e}"),
+            }
+        }
+    }
+
+    /// This node's interest: its generation and keys, sorted.
+    fn interest(&self) -> (u64, Vec<Vec<u8>>) {
+        let local = lock(&self.local);
+        let mut keys: Vec<Vec<u8>> = local.keys.keys().cloned().collect();
+        keys.sort();
+        (local.generation, keys)
     }
 
     /// Another member's interest.
     pub fn receive_interest(&self, node: u64, generation: u64, keys: Vec<Vec<u8>>) {
-        let mut remote = lock(&self.remote);
-        let now = Instant::now();
-        let entry = remote
-            .entry(node)
-            .or_insert_with(|| (0, BTreeSet::new(), now));
-        if generation > entry.0 {
-            *entry = (generation, keys.into_iter().collect(), now);
-        } else if generation == entry.0 {
-            entry.2 = now;
+        if node == self.shared.node.id() {
+            return;
+        }
+        let mut members = lock(&self.shared.members);
+        let known = members.interest.get(&node).map(|(g, _)| *g);
+        if known.is_none_or(|known| generation > known) {
+            members
+                .interest
+                .insert(node, (generation, keys.into_iter().collect()));
         }
     }
 
-    /// Whether any node (this one included) observes `key`.
-    pub fn is_observed(&self, key: &[u8]) -> bool {
-        let now = Instant::now();
-        lock(&self.local).keys.contains_key(key)
-            || lock(&self.remote)
-                .values()
-                .any(|interest| fresh(interest, now) && interest.1.contains(key))
+    /// Answers the notification requests of the data plane (another member's interest, changes
+    /// for this node's observers); `None` for any other request.
+    pub async fn handle(&self, request: DataRequest) -> Option<DataResponse> {
+        match request {
+            DataRequest::Interest {
+                node,
+                generation,
+                keys,
+            } => {
+                self.receive_interest(node, generation, keys);
+                let (generation, keys) = self.interest();
+                Some(DataResponse::Interest { generation, keys })
+            }
+            DataRequest::Notify(changes) => {
+                if let Some(queued) = self.deliver_here(changes) {
+                    let _ = queued.await;
+                }
+                Some(DataResponse::Received)
+            }
+            _ => None,
+        }
     }
 
-    /// Notifies every node observing the key of a committed change; resolves once they took it
-    /// (bounded by [`ACK_TIMEOUT`]).
+    /// Whether any node (this one included) may observe `key`.
+    pub fn is_observed(&self, key: &[u8]) -> bool {
+        if lock(&self.local).keys.contains_key(key) {
+            return true;
+        }
+        self.shared.refresh_members(false);
+        let members = lock(&self.shared.members);
+        members
+            .up
+            .iter()
+            .any(|(&member, &up)| members.observes(member, up, key))
+    }
+
+    /// Notifies every node observing the key of a committed change: queued for each, and
+    /// resolves once the up, reachable ones took it (bounded by [`ACK_TIMEOUT`]); the others
+    /// get it when they can.
     pub async fn publish(&self, change: Committed) {
         let here = lock(&self.local).keys.contains_key(&change.key);
-        let now = Instant::now();
-        let others: Vec<u64> = lock(&self.remote)
-            .iter()
-            .filter(|(node, interest)| {
-                **node != self.node.id() && fresh(interest, now) && interest.1.contains(&change.key)
-            })
-            .map(|(&node, _)| node)
-            .collect();
+        self.shared.refresh_members(false);
+        let others: Vec<(u64, bool)> = {
+            let members = lock(&self.shared.members);
+            members
+                .up
+                .iter()
+                .filter(|(&member, &up)| members.observes(member, up, &change.key))
+                .map(|(&member, &up)| (member, up))
+                .collect()
+        };
         let mut acks = Vec::with_capacity(others.len() + 1);
-        for node in others {
-            let (tx, rx) = oneshot::channel();
-            if self.queue_for(node).send((change.clone(), tx)).is_ok() {
-                acks.push(rx);
+        for (member, up) in others {
+            if let Some(ack) = self.shared.queue(member, change.clone(), up) {
+                acks.push(ack);
             }
         }
         if here {
@@ -234,59 +325,326 @@ impl Notifier {
         drop(local);
         Some(rx)
     }
+}
 
-    fn queue_for(&self, node: u64) -> mpsc::UnboundedSender<Outgoing> {
-        let mut peers = lock(&self.peers);
-        if let Some(tx) = peers.get(&node).filter(|tx| !tx.is_closed()) {
-            return tx.clone();
+impl Shared {
+    /// Reads the member list from the control plane again if it is older than
+    /// [`MEMBERS_EVERY`] (or `now`), and forgets the interest and outboxes of former members.
+    fn refresh_members(self: &Arc<Self>, now: bool) {
+        {
+            let members = lock(&self.members);
+            if !now
+                && members
+                    .read_at
+                    .is_some_and(|at| at.elapsed() < MEMBERS_EVERY)
+            {
+                return;
+            }
         }
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(send_to(Arc::clone(&self.node), node, rx));
-        peers.insert(node, tx.clone());
-        tx
+        let me = self.node.id();
+        let up: HashMap<u64, bool> = self
+            .node
+            .members()
+            .into_iter()
+            .filter(|(id, _, _)| *id != me)
+            .map(|(id, _, up)| (id, up))
+            .collect();
+        if up.is_empty() {
+            // No membership applied yet (starting): nothing to forget on its word.
+            return;
+        }
+        let mut members = lock(&self.members);
+        members.interest.retain(|id, _| up.contains_key(id));
+        members.up = up;
+        members.read_at = Some(Instant::now());
+        let gone: Vec<u64> = lock(&self.outboxes)
+            .keys()
+            .filter(|id| !members.up.contains_key(id))
+            .copied()
+            .collect();
+        drop(members);
+        let mut outboxes = lock(&self.outboxes);
+        for id in gone {
+            if let Some(outbox) = outboxes.remove(&id) {
+                tracing::info!(
+                    to = id,
+                    dropped = outbox.len(),
+                    "notifications for a node that is no member any more dropped"
+                );
+                outbox.wake.notify_one();
+            }
+        }
+    }
+
+    /// Puts `change` in `member`'s outbox (starting its sending task if needed); the receiver
+    /// resolves once the member took it, if it is worth waiting for: the member is up and its
+    /// last send went through.
+    fn queue(
+        self: &Arc<Self>,
+        member: u64,
+        change: Committed,
+        up: bool,
+    ) -> Option<oneshot::Receiver<()>> {
+        let mut outboxes = lock(&self.outboxes);
+        let outbox = outboxes.entry(member).or_insert_with(|| {
+            let outbox = Outbox::new();
+            tokio::spawn(send_to(Arc::clone(self), member, Arc::clone(&outbox.wake)));
+            outbox
+        });
+        let wait = up && outbox.healthy;
+        let (ack, rx) = if wait {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let dropped = outbox.push(change, ack);
+        if dropped > 0 {
+            tracing::warn!(
+                to = member,
+                dropped,
+                "notifications for a node that takes none dropped (its outbox is full)"
+            );
+        }
+        outbox.wake.notify_one();
+        rx
     }
 }
 
-/// One peer's queue: batches sent in order, each acknowledged before the next.
-async fn send_to(node: Arc<ClusterNode>, to: u64, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
-            match rx.try_recv() {
-                Ok(next) => batch.push(next),
-                Err(_) => break,
+/// The changes kept for one peer, in commit order, until it acknowledges them (sans I/O).
+struct Outbox {
+    queue: VecDeque<Entry>,
+    /// Bytes of the keys and values queued.
+    bytes: usize,
+    /// Sequence number of the next change queued.
+    next: u64,
+    /// The last send went through (or none was tried): writers wait for this peer.
+    healthy: bool,
+    wake: Arc<Notify>,
+}
+
+struct Entry {
+    seq: u64,
+    change: Committed,
+    /// The writer waiting for the peer to take it, if any.
+    ack: Option<oneshot::Sender<()>>,
+}
+
+fn size(change: &Committed) -> usize {
+    change.key.len() + change.version.len() + change.value.as_ref().map_or(0, Vec::len)
+}
+
+impl Outbox {
+    fn new() -> Outbox {
+        Outbox {
+            queue: VecDeque::new(),
+            bytes: 0,
+            next: 0,
+            healthy: true,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Queues `change`; how many of the oldest were dropped to stay within the bounds.
+    fn push(&mut self, change: Committed, ack: Option<oneshot::Sender<()>>) -> usize {
+        self.bytes += size(&change);
+        self.queue.push_back(Entry {
+            seq: self.next,
+            change,
+            ack,
+        });
+        self.next += 1;
+        let mut dropped = 0;
+        while self.queue.len() > 1
+            && (self.queue.len() > OUTBOX_MAX || self.bytes > OUTBOX_MAX_BYTES)
+        {
+            if let Some(old) = self.queue.pop_front() {
+                self.bytes -= size(&old.change);
+                dropped += 1;
             }
         }
-        let (changes, acks): (Vec<Committed>, Vec<oneshot::Sender<()>>) = batch.into_iter().unzip();
-        let Some(addr) = node.addr_of(to) else {
-            tracing::debug!(to, "notifications for a node that is no member dropped");
+        dropped
+    }
+
+    /// Drops what the peer no longer wants, then the next changes to send (at most [`BATCH`])
+    /// and the sequence number of the last of them.
+    fn batch(&mut self, wants: impl Fn(&[u8]) -> bool) -> Option<(Vec<Committed>, u64)> {
+        let before = self.queue.len();
+        self.queue.retain(|entry| wants(&entry.change.key));
+        if self.queue.len() != before {
+            self.bytes = self.queue.iter().map(|e| size(&e.change)).sum();
+        }
+        let last = self
+            .queue
+            .get(self.queue.len().min(BATCH).checked_sub(1)?)?
+            .seq;
+        let changes = self
+            .queue
+            .iter()
+            .take(BATCH)
+            .map(|e| e.change.clone())
+            .collect();
+        Some((changes, last))
+    }
+
+    /// The peer took everything up to `last`.
+    fn acked(&mut self, last: u64) {
+        while self.queue.front().is_some_and(|e| e.seq <= last) {
+            if let Some(entry) = self.queue.pop_front() {
+                self.bytes -= size(&entry.change);
+                if let Some(ack) = entry.ack {
+                    let _ = ack.send(());
+                }
+            }
+        }
+        self.healthy = true;
+    }
+}
+
+/// One peer's sending task: the outbox's changes in order, each batch acknowledged before the
+/// next, a failed one sent again (after a pause) until taken; ends when the peer is no member.
+async fn send_to(shared: Arc<Shared>, to: u64, wake: Arc<Notify>) {
+    let mut pause = RETRY_MIN;
+    loop {
+        let next = {
+            let members = lock(&shared.members);
+            let mut outboxes = lock(&shared.outboxes);
+            // Gone (the peer left), or replaced by a newer task's outbox (it left and came back).
+            let Some(outbox) = outboxes
+                .get_mut(&to)
+                .filter(|o| Arc::ptr_eq(&o.wake, &wake))
+            else {
+                return;
+            };
+            outbox.batch(|key| members.wants(to, key))
+        };
+        let Some((changes, last)) = next else {
+            wake.notified().await;
+            continue;
+        };
+        let Some(addr) = shared.node.addr_of(to) else {
+            // Not a member by this node's control plane: the outbox goes at the next refresh.
+            tokio::time::sleep(RETRY_MAX).await;
+            shared.refresh_members(true);
             continue;
         };
         let frame = encode(&DataRequest::Notify(changes));
-        match node
+        let taken = match shared
+            .node
             .transport()
             .call(&addr, Request::Data(frame), ACK_TIMEOUT)
             .await
         {
             Ok(Response::Data(bytes)) => match decode::<DataResponse>(&bytes) {
-                Ok(DataResponse::Received) => {}
-                other => tracing::warn!(to, "notifications answered {other:?}"),
+                Ok(DataResponse::Received) => true,
+                other => {
+                    tracing::warn!(to, "notifications answered {other:?}");
+                    false
+                }
             },
-            Ok(other) => tracing::warn!(to, "notifications answered {other:?}"),
-            // Its clients are gone with it if it is down; if it is slow, they miss the change
-            // (counted by the log line, not retried: a later change of the key supersedes it).
-            Err(e) => tracing::warn!(to, "notifications not delivered: {e}"),
+            Ok(other) => {
+                tracing::warn!(to, "notifications answered {other:?}");
+                false
+            }
+            Err(e) => {
+                tracing::debug!(to, "notifications not delivered now, kept: {e}");
+                false
+            }
+        };
+        {
+            let mut outboxes = lock(&shared.outboxes);
+            let Some(outbox) = outboxes
+                .get_mut(&to)
+                .filter(|o| Arc::ptr_eq(&o.wake, &wake))
+            else {
+                return;
+            };
+            if taken {
+                outbox.acked(last);
+            } else {
+                outbox.healthy = false;
+            }
         }
-        for ack in acks {
-            let _ = ack.send(());
+        if taken {
+            pause = RETRY_MIN;
+        } else {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RETRY_MAX);
         }
     }
 }
 
-fn fresh(interest: &Interest, now: Instant) -> bool {
-    now.saturating_duration_since(interest.2) < INTEREST_TTL
-}
-
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn change(key: &str, n: u64) -> Committed {
+        Committed {
+            key: key.as_bytes().to_vec(),
+            version: format!("{n:015}:00000:1"),
+            value: Some(vec![0; 10]),
+        }
+    }
+
+    fn versions(batch: &[Committed]) -> Vec<String> {
+        batch.iter().map(|c| c.version.clone()).collect()
+    }
+
+    #[test]
+    fn an_outbox_sends_in_order_again_until_acknowledged() {
+        let mut outbox = Outbox::new();
+        let (tx, mut rx) = oneshot::channel();
+        outbox.push(change("a", 1), Some(tx));
+        outbox.push(change("b", 2), None);
+        let (first, last) = outbox.batch(|_| true).unwrap();
+        assert_eq!(
+            versions(&first),
+            versions(&[change("a", 1), change("b", 2)])
+        );
+        // A change queued while the batch was out, and the batch not taken: all sent again.
+        outbox.push(change("a", 3), None);
+        let (again, _) = outbox.batch(|_| true).unwrap();
+        assert_eq!(again.len(), 3);
+        assert!(rx.try_recv().is_err(), "not acknowledged yet");
+        outbox.acked(last);
+        assert_eq!(rx.try_recv(), Ok(()));
+        let (rest, last) = outbox.batch(|_| true).unwrap();
+        assert_eq!(versions(&rest), versions(&[change("a", 3)]));
+        outbox.acked(last);
+        assert!(outbox.batch(|_| true).is_none());
+        assert_eq!(outbox.bytes, 0);
+    }
+
+    #[test]
+    fn an_outbox_drops_what_the_peer_no_longer_observes_and_stays_bounded() {
+        let mut outbox = Outbox::new();
+        outbox.push(change("a", 1), None);
+        outbox.push(change("b", 2), None);
+        let (batch, _) = outbox.batch(|key| key == b"b").unwrap();
+        assert_eq!(versions(&batch), versions(&[change("b", 2)]));
+        assert_eq!(outbox.len(), 1);
+
+        let mut outbox = Outbox::new();
+        let mut dropped = 0;
+        for n in 0..(OUTBOX_MAX as u64 + 5) {
+            dropped += outbox.push(change("k", n), None);
+        }
+        assert_eq!(dropped, 5);
+        assert_eq!(outbox.len(), OUTBOX_MAX);
+        let (batch, _) = outbox.batch(|_| true).unwrap();
+        assert_eq!(
+            batch[0].version,
+            change("k", 5).version,
+            "the oldest went first"
+        );
+        assert_eq!(batch.len(), BATCH);
+    }
 }

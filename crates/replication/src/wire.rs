@@ -154,6 +154,12 @@ pub enum DataResponse {
     /// The outcome of each request of an [`DataRequest::ExecuteMany`], in its order: the reply,
     /// or why it was not executed here (the sender retries it within its expiry).
     ExecutedMany(Vec<Result<Executed, String>>),
+    /// The answer to [`DataRequest::Interest`]: the answering node's own interest, so that a
+    /// node that (re)started learns every member's in its first round.
+    Interest {
+        generation: u64,
+        keys: Vec<Vec<u8>>,
+    },
 }
 
 /// How these messages are encoded and decoded: as every message inside the cluster transport.

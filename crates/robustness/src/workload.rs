@@ -610,7 +610,7 @@ pub fn spawn_clients(
             seed ^ (0x100 + i as u64),
         )));
     }
-    // On a cluster only with `--cluster-observers` (docs/robustness.md says what fails).
+    // On a cluster unless `--no-cluster-observers`.
     let observers = if observers { OBSERVERS } else { 0 };
     let observers = (0..observers)
         .map(|i| tokio::spawn(observer(shared.clone(), i)))
