@@ -9,11 +9,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mqstate_cluster::sim::quick_config;
 use mqstate_cluster::transport::socket::TokioTcp;
 use mqstate_cluster::transport::tcp::{serve_with, TcpTransport};
 use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::transport::{Request, Response, Transport, TransportError};
-use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
+use mqstate_cluster::{ClusterNode, NodeId, Status};
 use mqstate_testcerts::Ca;
 use tokio::net::TcpListener;
 
@@ -56,23 +57,8 @@ async fn start(
     peers: &BTreeMap<NodeId, String>,
     tls: NodeTls,
 ) -> ClusterNode {
-    let config = NodeConfig {
-        id,
-        addr: peers[&id].clone(),
-        peers: peers.clone(),
-        join: false,
-        dir: root.join(format!("n{id}")),
-        map: MapConfig {
-            partition_count: 4,
-            replication_factor: 3,
-            lease_ms: 600,
-            clock_factor_ms: 200,
-        },
-        heartbeat: Duration::from_millis(50),
-        election_timeout: Duration::from_millis(300),
-        election_timeout_max: None,
-        clock: mqstate_clock::system(),
-    };
+    let dir = root.join(format!("n{id}"));
+    let config = quick_config(id, peers[&id].clone(), peers.clone(), dir, 4);
     let transport = TcpTransport::over(Arc::new(TokioTcp), Some(tls.clone()));
     let node = ClusterNode::start(config, Arc::new(transport))
         .await
