@@ -35,7 +35,7 @@ use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::three_nodes;
 use common::mqtt::Raw;
-use common::state::{hlc_now, request_properties, StateClient, INVOKE_TOPIC, OK};
+use common::state::{hlc_now, request_properties, set_note, StateClient, INVOKE_TOPIC, OK};
 
 /// Hang guard of every wait (fail-over, adoption, expiry): generous, the machine is shared.
 const WAIT: Duration = Duration::from_secs(120);
@@ -87,18 +87,6 @@ async fn next_will(watcher: &mut Raw) -> String {
             other => panic!("unexpected {other:?}"),
         }
     }
-}
-
-/// The payload of a SET notification of `value`.
-fn set_note(value: &[u8]) -> Vec<u8> {
-    let mut out = format!(
-        "*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n${}\r\n",
-        value.len()
-    )
-    .into_bytes();
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
-    out
 }
 
 /// `observer` (subscribed to its response topic) sends KEYNOTIFY `key` and waits for `+OK`.

@@ -15,7 +15,7 @@ use crate::transport::mem::MemNetwork;
 use crate::transport::socket::{Accept, BoxStream, Connect};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::BoxFuture;
-use crate::{ClusterNode, MapConfig, NodeConfig, NodeId};
+use crate::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
 
 /// A node's config with the quick timings the in-process tests use (a 600 ms lease, 300 ms
 /// election timeout) on the system clock; it joins when it lists no founders.
@@ -58,6 +58,27 @@ pub async fn mem_node(net: &MemNetwork, config: NodeConfig) -> ClusterNode {
         .expect("node starts");
     net.register(&addr, node.handler());
     node
+}
+
+/// Polls `check` until it holds; panics naming `what` after 30 s (on tokio's clock).
+pub async fn eventually(what: &str, check: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within 30 s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The state `status` gives member `id` ("up", "down", …), if it is a member.
+pub fn state_of(status: &Status, id: NodeId) -> Option<&str> {
+    status
+        .members
+        .iter()
+        .find(|m| m.id == id)
+        .map(|m| m.state.as_str())
 }
 
 /// The cluster port of every simulated host.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use mqstate_cluster::sim::{mem_addr as addr, mem_node, quick_config};
+use mqstate_cluster::sim::{mem_addr as addr, mem_node, quick_config, state_of};
 use mqstate_cluster::transport::mem::MemNetwork;
 use mqstate_cluster::{ClusterNode, NodeId, Status};
 
@@ -42,14 +42,6 @@ async fn eventually(nodes: &[&ClusterNode], what: &str, check: impl Fn(&Status) 
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-fn state_of(status: &Status, id: NodeId) -> Option<&str> {
-    status
-        .members
-        .iter()
-        .find(|m| m.id == id)
-        .map(|m| m.state.as_str())
 }
 
 fn settled(status: &Status) -> bool {

@@ -9,12 +9,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use mqstate_cluster::sim::quick_config;
+use mqstate_cluster::sim::{eventually, quick_config, state_of};
 use mqstate_cluster::transport::socket::TokioTcp;
 use mqstate_cluster::transport::tcp::{serve_with, TcpTransport};
 use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::transport::{Request, Response, Transport, TransportError};
-use mqstate_cluster::{ClusterNode, NodeId, Status};
+use mqstate_cluster::{ClusterNode, NodeId};
 use mqstate_testcerts::Ca;
 use tokio::net::TcpListener;
 
@@ -70,25 +70,6 @@ async fn start(
         std::future::pending(),
     ));
     node
-}
-
-async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not within 30 s: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn state_of(status: &Status, id: NodeId) -> Option<&str> {
-    status
-        .members
-        .iter()
-        .find(|m| m.id == id)
-        .map(|m| m.state.as_str())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

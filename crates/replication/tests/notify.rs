@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use mqstate_cluster::sim::{mem_addr as addr, mem_node, quick_config};
+use mqstate_cluster::sim::{eventually, mem_addr as addr, mem_node, quick_config};
 use mqstate_cluster::transport::mem::MemNetwork;
 use mqstate_cluster::transport::BoxFuture;
 use mqstate_cluster::{ClusterNode, DataHandler, NodeId, Status};
@@ -141,18 +141,6 @@ impl Cluster {
             self.notifiers[0].is_observed(key)
         })
         .await;
-    }
-}
-
-/// Polls `check` until it holds, or panics after 30 s.
-async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not within 30 s: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
