@@ -505,7 +505,7 @@ fn repair_rebuilds_a_damaged_metadata_file() {
     runtime().block_on(set_keys(server.addr, &numbered(4)));
 }
 
-/// Issue 11 item 12: `data verify /etc` said clean.
+/// Issue 11 item 12: `data verify /etc` said clean (and `inspect` showed it as empty).
 #[test]
 fn verify_of_a_directory_that_is_not_a_data_directory_is_not_clean() {
     let other = tempfile::tempdir().unwrap();
@@ -524,6 +524,19 @@ fn verify_of_a_directory_that_is_not_a_data_directory_is_not_clean() {
             "{}",
             text(&out.stdout)
         );
+        // Nor does inspect show it as an empty data directory.
+        let out = data_tool(&["inspect"], &dir);
+        let complaint = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{}: {complaint}", dir.display());
+        assert!(complaint.contains("not a data directory"), "{complaint}");
+    }
+    // A file given for the directory: named as a file, not as missing.
+    let file = other.path().join("hosts");
+    for tool in ["inspect", "verify"] {
+        let out = data_tool(&[tool], &file);
+        let complaint = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{tool}: {complaint}");
+        assert!(complaint.contains("not a directory"), "{tool}: {complaint}");
     }
 }
 
