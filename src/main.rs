@@ -14,6 +14,7 @@ mod cluster;
 mod data;
 mod manual;
 mod metrics;
+mod repeated_logs;
 mod serve;
 mod settings;
 
