@@ -80,7 +80,6 @@ impl<S: Subscriber> Filter<S> for RepeatedLogs {
 
 #[cfg(test)]
 mod tests {
-    use std::io::Write;
     use std::sync::{Arc, Mutex};
 
     use tracing_subscriber::layer::SubscriberExt;
@@ -88,27 +87,22 @@ mod tests {
 
     use super::*;
 
+    /// The fields of every event that reaches it.
     #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
+    struct Lines(Arc<Mutex<Vec<String>>>);
 
-    impl Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
+    impl<S: Subscriber> Layer<S> for Lines {
+        fn on_event(&self, event: &Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            let mut text = String::new();
+            event.record(&mut Key(&mut text));
+            self.0.lock().unwrap().push(text);
         }
     }
 
     #[test]
     fn a_repeated_openraft_warning_is_logged_once_and_others_pass() {
-        let out = Captured::default();
-        let writer = out.clone();
-        let layer = tracing_subscriber::fmt::layer()
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .with_filter(RepeatedLogs::default());
+        let lines = Lines::default();
+        let layer = lines.clone().with_filter(RepeatedLogs::default());
         let subscriber = tracing_subscriber::registry().with(layer);
         tracing::subscriber::with_default(subscriber, || {
             for i in 0..5 {
@@ -119,7 +113,7 @@ mod tests {
             }
             tracing::error!(target: "openraft::replication", err = "cannot reach 127.0.0.1:7002", "RPCError");
         });
-        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let text = lines.0.lock().unwrap().join("\n");
         assert_eq!(text.matches("7003").count(), 1, "{text}");
         assert_eq!(text.matches("7002").count(), 1, "another peer: {text}");
         assert_eq!(text.matches("vote changed").count(), 5, "{text}");
