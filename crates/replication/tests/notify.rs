@@ -14,41 +14,18 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mqstate_cluster::sim::{eventually, mem_addr as addr, mem_node, quick_config};
 use mqstate_cluster::transport::mem::MemNetwork;
 use mqstate_cluster::transport::BoxFuture;
-use mqstate_cluster::{ClusterNode, DataHandler, MapConfig, NodeConfig, NodeId, Status};
+use mqstate_cluster::{ClusterNode, DataHandler, NodeId, Status};
 use mqstate_replication::notify::{Notifier, Sink};
 use mqstate_replication::wire::{decode, encode, Committed, DataRequest};
 use tokio::sync::oneshot;
 
-fn addr(id: NodeId) -> String {
-    format!("node-{id}")
-}
-
 async fn start(net: &MemNetwork, root: &Path, id: NodeId) -> ClusterNode {
-    let founders = [1, 2, 3];
-    let config = NodeConfig {
-        id,
-        addr: addr(id),
-        peers: founders.iter().map(|&id| (id, addr(id))).collect(),
-        join: false,
-        dir: root.join(format!("n{id}")),
-        map: MapConfig {
-            partition_count: 3,
-            replication_factor: 3,
-            lease_ms: 600,
-            clock_factor_ms: 200,
-        },
-        heartbeat: Duration::from_millis(50),
-        election_timeout: Duration::from_millis(300),
-        election_timeout_max: None,
-        clock: mqstate_clock::system(),
-    };
-    let node = ClusterNode::start(config, Arc::new(net.transport(&addr(id))))
-        .await
-        .expect("node starts");
-    net.register(&addr(id), node.handler());
-    node
+    let founders = [1, 2, 3].map(|id| (id, addr(id))).into();
+    let config = quick_config(id, addr(id), founders, root.join(format!("n{id}")), 3);
+    mem_node(net, config).await
 }
 
 /// The notifier a node's data requests go to; replaced when the node's data plane "restarts".
@@ -156,17 +133,14 @@ impl Cluster {
         self.planes[i].set(Arc::clone(&notifier));
         (notifier, seen)
     }
-}
 
-/// Polls `check` until it holds, or panics after 30 s.
-async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not within 30 s: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    /// Node 2 watches `key`; returns once node 1, the head in these tests, knows its interest.
+    async fn observe(&self, key: &[u8]) {
+        self.notifiers[1].watch(key.to_vec(), true).await;
+        eventually("the head knows the observer's interest", || {
+            self.notifiers[0].is_observed(key)
+        })
+        .await;
     }
 }
 
@@ -187,12 +161,8 @@ fn version(n: u64) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_the_observing_node_could_not_take_reaches_it_after_the_heal() {
     let cluster = Cluster::start().await;
-    let (head, observer) = (&cluster.notifiers[0], &cluster.notifiers[1]);
-    observer.watch(b"k".to_vec(), true).await;
-    eventually("the head knows the observer's interest", || {
-        head.is_observed(b"k")
-    })
-    .await;
+    cluster.observe(b"k").await;
+    let head = &cluster.notifiers[0];
 
     cluster.net.cut(&addr(1), &addr(2));
     // Resolves after the bounded wait: the writer's reply does not wait for the cut-off node.
@@ -214,12 +184,8 @@ async fn a_change_the_observing_node_could_not_take_reaches_it_after_the_heal() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_member_keeps_its_interest() {
     let cluster = Cluster::start().await;
-    let (head, observer) = (&cluster.notifiers[0], &cluster.notifiers[1]);
-    observer.watch(b"k".to_vec(), true).await;
-    eventually("the head knows the observer's interest", || {
-        head.is_observed(b"k")
-    })
-    .await;
+    cluster.observe(b"k").await;
+    let head = &cluster.notifiers[0];
     // No resend of the interest in the meantime (the node's background task is not running
     // here): as when the node was stopped and resumed.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -238,12 +204,7 @@ async fn a_silent_member_keeps_its_interest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_head_notifies_before_hearing_the_members_again() {
     let cluster = Cluster::start().await;
-    let observer = &cluster.notifiers[1];
-    observer.watch(b"k".to_vec(), true).await;
-    eventually("the old head knows the observer's interest", || {
-        cluster.notifiers[0].is_observed(b"k")
-    })
-    .await;
+    cluster.observe(b"k").await;
 
     let (restarted, _) = cluster.notifier(0);
     assert!(
