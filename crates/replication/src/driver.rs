@@ -22,6 +22,7 @@ use tokio::task::JoinHandle;
 
 use crate::batch::Peers;
 use crate::log::ChainLog;
+use crate::notify::TrailNotes;
 use crate::recent::Recent;
 use crate::space::{self, CatchUp};
 
@@ -76,6 +77,7 @@ impl Driver {
         log: ChainLog,
         restored: BTreeMap<u32, Restored>,
         recent: Arc<Recent>,
+        trail: TrailNotes,
         clock: SharedClock,
         stop: watch::Receiver<bool>,
     ) -> (Driver, JoinHandle<()>) {
@@ -93,6 +95,7 @@ impl Driver {
             catch_up: CatchUp::default(),
             failpoints: mqstate_wal::Failpoints::from_env(),
             recent,
+            trail,
             clock,
         };
         let task = tokio::spawn(actor.run(rx, stop));
@@ -195,6 +198,8 @@ struct Actor {
     failpoints: mqstate_wal::Failpoints,
     /// The requests of the rows persisted here, for the head's retries ([`crate::recent`]).
     recent: Arc<Recent>,
+    /// The changes of observed keys persisted here, for observers that missed some ([`crate::trail`]).
+    trail: TrailNotes,
     clock: SharedClock,
 }
 
@@ -374,6 +379,7 @@ impl Actor {
             match output {
                 Output::Persist { index, records } => {
                     self.recent.note(partition, &records, self.clock.now_ms());
+                    self.trail.note(partition, &records, self.clock.now_ms());
                     match self.log.append(partition, records).await {
                         Ok(commit) => {
                             let tx = self.tx.clone();
