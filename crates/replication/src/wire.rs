@@ -108,6 +108,15 @@ pub enum DataRequest {
     /// this one (`forward`: one frame per batch, not one call per request). Answered by
     /// [`DataResponse::ExecutedMany`], in the same order.
     ExecuteMany(Vec<Routed>),
+    /// The head's remembered requests of `partition` ([`crate::recent`]), sent with the end of its
+    /// recovery copy under `view` (`Item::CopyDone`): the replica that caught up knows what the
+    /// chain ran without asking the members, one of which may fail first (decision 0050).
+    /// Answered [`DataResponse::Received`].
+    RecentOfHead {
+        partition: u32,
+        view: u64,
+        entries: Vec<crate::recent::Exported>,
+    },
 }
 
 /// The condition of a session row write: compare-and-set on the row's version.
