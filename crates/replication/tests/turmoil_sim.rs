@@ -24,7 +24,13 @@
 //! `MQSTATE_DATA_SIM_CHAOS_SECS` sets the simulated seconds of clients and faults (default 8).
 //! Two runs of a seed print the same `trace`. `MQSTATE_DATA_SIM_DUMP=FILE` writes each seed's
 //! history to `FILE.<seed>`; `MQSTATE_DATA_SIM_WATCH=1` prints each node's partitions every
-//! simulated second.
+//! simulated second; `RUST_LOG` logs with the simulated time, so two runs' logs diff line by line.
+//! `scripts/sim-seeds.sh COUNT [FIRST]` runs many seeds in parallel; with `REPLAY=1` it runs each
+//! twice and compares the histories byte for byte.
+//!
+//! Every key must be readable again within [`READABLE_WITHIN`] after the faults: a partition
+//! left without a head fails the seed (seed 6 did, before the head's remembered requests came
+//! with its recovery copy).
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
