@@ -41,7 +41,7 @@ pub mod space;
 pub mod trail;
 pub mod wire;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -91,7 +91,7 @@ pub struct Replication {
     pub notifier: Notifier,
     deadlines: Deadlines,
     /// The view under which this node last took each partition over as its head.
-    taken_over: Mutex<HashMap<u32, u64>>,
+    taken_over: Mutex<BTreeMap<u32, u64>>,
     /// The requests this node's replicas saw executed lately ([`recent`]).
     recent: Arc<Recent>,
 }
@@ -161,7 +161,7 @@ impl Replication {
             floor: Mutex::new(None),
             notifier,
             deadlines: Deadlines::default(),
-            taken_over: Mutex::new(HashMap::new()),
+            taken_over: Mutex::new(BTreeMap::new()),
             recent,
         });
         // Weak: the node outlives nothing it hands requests to, and shuts down once we are gone.
@@ -381,6 +381,16 @@ impl Replication {
             Ok(DataRequest::Recent { partition }) => {
                 DataResponse::Recent(self.recent.export(partition, self.clock.now_ms()))
             }
+            Ok(DataRequest::RecentOfHead {
+                partition,
+                view,
+                entries,
+            }) => {
+                if self.recent.import(partition, view, entries) {
+                    tracing::debug!(partition, view, "remembered requests synced from the head");
+                }
+                DataResponse::Received
+            }
             Ok(request @ (DataRequest::SessionRead { .. } | DataRequest::SessionWrite { .. })) => {
                 self.handle_session(request).await
             }
@@ -437,7 +447,7 @@ impl Replication {
     /// remember ([`recent`]): every member that can vouch for its entries is asked, and their
     /// union is what the chain ran.
     async fn sync_recent(&self) {
-        for partition in self.recent.unsynced() {
+        for (partition, cleared) in self.recent.unsynced() {
             let Some(p) = self.node.partition(space::control(partition)) else {
                 continue;
             };
@@ -460,13 +470,9 @@ impl Replication {
                     }
                 }
             }
-            if answered {
-                tracing::debug!(
-                    partition,
-                    entries = merged.len(),
-                    "remembered requests synced from the chain"
-                );
-                self.recent.import(partition, merged);
+            // Not if it re-entered again meanwhile: the members' entries may predate that.
+            if answered && self.recent.import(partition, cleared, merged) {
+                tracing::debug!(partition, "remembered requests synced from the chain");
             }
         }
     }

@@ -153,11 +153,12 @@ impl Observed {
 struct Members {
     /// When the list below was read from the control plane (`None`: never).
     read_at: Option<Instant>,
-    /// Every other member, and whether the control plane counts it up.
-    up: HashMap<u64, bool>,
+    /// Every other member, and whether the control plane counts it up. Ordered: changes are
+    /// queued and sent to the members in this order (deterministic under simulation).
+    up: BTreeMap<u64, bool>,
     /// Their interest, as far as learnt: generation and keys. A member missing here observes
     /// everything, as far as this node knows.
-    interest: HashMap<u64, (u64, BTreeSet<Vec<u8>>)>,
+    interest: BTreeMap<u64, (u64, BTreeSet<Vec<u8>>)>,
 }
 
 impl Members {
@@ -199,7 +200,7 @@ pub struct Notifier {
 struct Shared {
     node: Arc<ClusterNode>,
     members: Mutex<Members>,
-    outboxes: Mutex<HashMap<u64, Outbox>>,
+    outboxes: Mutex<BTreeMap<u64, Outbox>>,
     local: Mutex<Local>,
     sink: OnceLock<Arc<dyn Sink>>,
     trail: Mutex<Trail>,
@@ -228,7 +229,7 @@ impl Notifier {
             shared: Arc::new(Shared {
                 node,
                 members: Mutex::new(Members::default()),
-                outboxes: Mutex::new(HashMap::new()),
+                outboxes: Mutex::new(BTreeMap::new()),
                 local: Mutex::new(Local {
                     generation: start_ms.saturating_mul(1_000_000),
                     keys: HashMap::new(),
@@ -580,7 +581,7 @@ impl Shared {
             }
         }
         let me = self.node.id();
-        let up: HashMap<u64, bool> = self
+        let up: BTreeMap<u64, bool> = self
             .node
             .members()
             .into_iter()

@@ -122,6 +122,15 @@ pub enum DataRequest {
     /// observing the key starts (older changes still on their way are not delivered). Answered
     /// by [`DataResponse::Current`].
     Current { key: Vec<u8> },
+    /// The head's remembered requests of `partition` ([`crate::recent`]), sent with the end of its
+    /// recovery copy under `view` (`Item::CopyDone`): the replica that caught up knows what the
+    /// chain ran without asking the members, one of which may fail first (decision 0050).
+    /// Answered [`DataResponse::Received`].
+    RecentOfHead {
+        partition: u32,
+        view: u64,
+        entries: Vec<crate::recent::Exported>,
+    },
 }
 
 /// The condition of a session row write: compare-and-set on the row's version.
