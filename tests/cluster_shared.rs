@@ -9,6 +9,9 @@
 //! node 3 with Session Present = 1. (Before: a message whose group node 2 assigned to node 1 was
 //! held but given again to no shared group, and a group held only by a node that was down
 //! matched nothing: lost.)
+//!
+//! And a held publish whose redelivery misses a node (it hangs just then) is held again: the
+//! sessions that node adopted get it once it answers again.
 
 mod common;
 
@@ -17,7 +20,10 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rumqttc::v5::mqttbytes::v5::{ConnectReturnCode, Packet, PubAck, PubComp, PubRec};
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::v5::{
+    ConnectReturnCode, LastWill, LastWillProperties, Packet, PubAck, PubComp, PubRec,
+};
 use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::{formed_cluster, Node};
@@ -29,9 +35,20 @@ const WAIT: Duration = Duration::from_secs(120);
 /// Connects, retrying while the server refuses retryably (0x88 while the session's partition
 /// is between heads, 0x89), within [`WAIT`].
 async fn accepted(addr: SocketAddr, id: &str, clean_start: bool, expiry: u32) -> (Raw, bool) {
+    accepted_will(addr, id, clean_start, expiry, None).await
+}
+
+/// [`accepted`] with a will.
+async fn accepted_will(
+    addr: SocketAddr,
+    id: &str,
+    clean_start: bool,
+    expiry: u32,
+    will: Option<LastWill>,
+) -> (Raw, bool) {
     let started = Instant::now();
     loop {
-        match Raw::connect(addr, id, clean_start, expiry).await {
+        match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
             Connected::Accepted {
                 client,
                 session_present,
@@ -59,6 +76,16 @@ fn freeze(node: &Node) {
         .status()
         .expect("kill -STOP");
     assert!(status.success(), "kill -STOP failed");
+}
+
+/// The node answers again (SIGCONT).
+fn resume(node: &Node) {
+    let status = Command::new("kill")
+        .arg("-CONT")
+        .arg(node.server.pid().to_string())
+        .status()
+        .expect("kill -CONT");
+    assert!(status.success(), "kill -CONT failed");
 }
 
 /// Persistent session `id` on `addr` in shared group `g` on `topic` (QoS `qos`), and on
@@ -303,4 +330,104 @@ async fn a_shared_group_held_only_on_a_dead_node_gets_every_acknowledged_message
     nothing_lost(&acked, &received);
     only.disconnect().await;
     drop(publisher);
+}
+
+/// The will of `id`, at once, on `will/<id>`: published when its session is adopted (its
+/// connection was lost with its node).
+fn will_of(id: &str) -> Option<LastWill> {
+    let properties = LastWillProperties {
+        delay_interval: Some(0),
+        payload_format_indicator: None,
+        message_expiry_interval: None,
+        content_type: None,
+        response_topic: None,
+        correlation_data: None,
+        user_properties: Vec::new(),
+    };
+    Some(LastWill::new(
+        format!("will/{id}"),
+        Bytes::from_static(b"gone"),
+        QoS::AtLeastOnce,
+        false,
+        Some(properties),
+    ))
+}
+
+/// Decision 0060 (c): six persistent sessions connected to node 1 subscribe (non-shared); node 1
+/// hangs while node 2's publishers publish, so their messages are held. Once every session was
+/// adopted (its will came), node 3 — the adopter of some — hangs too, past the call timeout, just
+/// when the held messages are given again; then it answers again. Every session, resumed on
+/// node 3, gets every message acknowledged 0x00. (Before: a redelivery node 3 did not answer was
+/// not held again, lost for the sessions node 3 adopted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_publish_whose_redelivery_misses_a_node_is_held_again() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    let (mut watcher, _) = accepted(n2, "c-watcher", true, 0).await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let ids: Vec<String> = (0..6).map(|k| format!("c-sub-{k}")).collect();
+    let mut subscribers = Vec::new();
+    for id in &ids {
+        let (mut client, _) = accepted_will(n1, id, true, 3600, will_of(id)).await;
+        client.subscribe("c/t", QoS::AtLeastOnce).await;
+        client
+            .subscribe(&format!("end/{id}"), QoS::AtLeastOnce)
+            .await;
+        subscribers.push(client);
+    }
+    let clients = publishers(n2).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let publishing = tokio::spawn(publish_for_a_while(
+        clients,
+        "c/t",
+        QoS::AtLeastOnce,
+        frozen,
+    ));
+    let mut wills = BTreeSet::new();
+    while wills.len() < ids.len() {
+        assert!(frozen.elapsed() < WAIT, "wills after {WAIT:?}: {wills:?}");
+        match watcher.recv().await {
+            Packet::Publish(p) => {
+                watcher
+                    .send(Packet::PubAck(PubAck::new(p.pkid, None)))
+                    .await;
+                wills.insert(String::from_utf8_lossy(&p.topic).into_owned());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // Every session adopted; the held messages go again about now.
+    freeze(&nodes[2]);
+    eprintln!(
+        "all adopted, node 3 hangs {:?} after node 1",
+        frozen.elapsed()
+    );
+    // Past the mesh's call timeout (8 s): node 2's call to node 3 fails.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    resume(&nodes[2]);
+    let (acked, mut publisher) = publishing.await.expect("publishing");
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    drop(subscribers);
+
+    for id in &ids {
+        let client = resumed(n3, id, frozen).await;
+        assert_eq!(
+            publisher
+                .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
+                .await,
+            0x00
+        );
+        let (client, received) = read_to_end(client, id.clone()).await;
+        eprint!("{id}: ");
+        nothing_lost(&acked, &received);
+        client.disconnect().await;
+    }
+    drop((publisher, watcher));
 }
