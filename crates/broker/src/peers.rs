@@ -112,23 +112,26 @@ impl crate::Broker {
             .durable
     }
 
-    /// Fans out again a publish held while a node that had a subscriber of it died: only to the
+    /// Fans out again a publish held while a node that had a subscriber of it died: to the
     /// non-shared subscriptions of sessions put back on this node (adopted, handed over) within
-    /// the last `put_back_within` — the others had it the first time (decision 0057). `age`:
-    /// how long ago the origin received it. Resolves when what it changed is durable.
+    /// the last `put_back_within` only — the others had it the first time (decision 0057) — and
+    /// to one member of each of `groups`, shared groups the node that failed was to serve
+    /// (decision 0062). `age`: how long ago the origin received it. Resolves when what it
+    /// changed is durable.
     pub fn accept_redelivered(
         &self,
         message: Message,
         origin: Option<&str>,
         age: std::time::Duration,
         put_back_within: std::time::Duration,
+        groups: &[GroupKey],
     ) -> Vec<crate::Durable> {
         let received = self.received_ago(age);
         let now = self.inner.clock.now();
         let since = now.checked_sub(put_back_within).unwrap_or(now);
         self.inner
             .router
-            .route_redelivered(message, origin, received, since)
+            .route_redelivered(message, origin, received, since, groups)
             .durable
     }
 

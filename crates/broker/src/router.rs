@@ -62,8 +62,9 @@ enum Scope<'a> {
     AllBut(&'a [GroupKey]),
     /// A publish forwarded by another node: only these, which it assigned to this node.
     Only(&'a [GroupKey]),
-    /// A publish redelivered: no shared group, and only sessions put back here since then.
-    PutBackSince(Instant),
+    /// A publish redelivered: of the non-shared subscriptions only those of sessions put back
+    /// here since then, and of the shared groups only these (a node that failed was to serve).
+    Redelivered(Instant, &'a [GroupKey]),
 }
 
 impl Scope<'_> {
@@ -71,8 +72,9 @@ impl Scope<'_> {
         match (self, shared) {
             (_, None) | (Scope::All, _) => true,
             (Scope::AllBut(elsewhere), Some((f, g))) => !elsewhere.iter().any(|k| k.is(f, g)),
-            (Scope::Only(mine), Some((f, g))) => mine.iter().any(|k| k.is(f, g)),
-            (Scope::PutBackSince(_), Some(_)) => false,
+            (Scope::Only(mine) | Scope::Redelivered(_, mine), Some((f, g))) => {
+                mine.iter().any(|k| k.is(f, g))
+            }
         }
     }
 }
@@ -122,20 +124,21 @@ impl Router {
     }
 
     /// Fans out a publish again, to the non-shared subscriptions of sessions put back on this
-    /// node at or after `since` only: a publish held while the node that had its subscriber
-    /// died (decision 0057). Never forwarded.
+    /// node at or after `since` only, and to one member of each of `groups`: a publish held
+    /// while the node that had its subscriber died (decisions 0057, 0062). Never forwarded.
     pub(crate) fn route_redelivered(
         &self,
         message: Message,
         origin: Option<&str>,
         (at, at_ms): (Instant, u64),
         since: Instant,
+        groups: &[GroupKey],
     ) -> Routed {
         self.fan_out(
             Arc::new(message),
             origin,
             (at, Some(at_ms)),
-            Scope::PutBackSince(since),
+            Scope::Redelivered(since, groups),
         )
     }
 
@@ -367,7 +370,7 @@ impl Router {
         let mut targets: Vec<Target> = Vec::new();
         {
             let put_back = match scope {
-                Scope::PutBackSince(_) => {
+                Scope::Redelivered(..) => {
                     Some(self.put_back.lock().unwrap_or_else(|p| p.into_inner()))
                 }
                 _ => None,
@@ -380,7 +383,9 @@ impl Router {
                 {
                     return;
                 }
-                if let (Scope::PutBackSince(since), Some(put_back)) = (scope, &put_back) {
+                if let (Scope::Redelivered(since, _), Some(put_back), false) =
+                    (scope, &put_back, shared)
+                {
                     if put_back.get(&**client).is_none_or(|at| *at < since) {
                         return;
                     }
@@ -612,7 +617,7 @@ mod tests {
             }
         }
         test.recorder.0.lock().unwrap().clear();
-        let routed = router.route_redelivered(message(), None, (clock.now(), 1_000), since);
+        let routed = router.route_redelivered(message(), None, (clock.now(), 1_000), since, &[]);
         assert_eq!(routed.offered, 1);
         let got: Vec<String> = test
             .recorder
@@ -626,5 +631,32 @@ mod tests {
             })
             .collect();
         assert_eq!(got, ["b"]);
+
+        // A shared group a failed node was to serve: one of its members gets it, put back or not.
+        test.recorder.0.lock().unwrap().clear();
+        let group = GroupKey {
+            filter: "t/#".into(),
+            group: "g".into(),
+        };
+        let routed = router.route_redelivered(
+            message(),
+            None,
+            (clock.now(), 1_000),
+            since + second * 2,
+            &[group],
+        );
+        assert_eq!(routed.offered, 1);
+        let got: Vec<String> = test
+            .recorder
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|c| match c {
+                SessionChange::Appended { client_id, .. } => Some(client_id.to_string()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(got, ["q"]);
     }
 }

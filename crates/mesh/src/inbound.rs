@@ -80,19 +80,11 @@ impl Inbound {
                         tracing::warn!(node = from, "mesh: publish with an unknown QoS dropped");
                         continue;
                     };
-                    let groups: Vec<GroupKey> = p
-                        .groups
-                        .into_iter()
-                        .map(|(filter, group)| GroupKey {
-                            filter: filter.into(),
-                            group: group.into(),
-                        })
-                        .collect();
                     durable.extend(broker.accept_forwarded(
                         message,
                         p.origin.as_deref(),
                         age,
-                        &groups,
+                        &group_keys(p.groups),
                     ));
                 }
                 Work::Redeliver(p, within_ms) => {
@@ -105,6 +97,7 @@ impl Inbound {
                         p.origin.as_deref(),
                         age,
                         Duration::from_millis(within_ms),
+                        &group_keys(p.groups),
                     ));
                 }
                 Work::Claim(client_id) => broker.take_over_here(&client_id).await,
@@ -117,6 +110,16 @@ impl Inbound {
         }
         Reply::Accepted
     }
+}
+
+fn group_keys(groups: Vec<(String, String)>) -> Vec<GroupKey> {
+    groups
+        .into_iter()
+        .map(|(filter, group)| GroupKey {
+            filter: filter.into(),
+            group: group.into(),
+        })
+        .collect()
 }
 
 enum Work {

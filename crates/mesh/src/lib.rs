@@ -21,7 +21,9 @@
 //! * A QoS 1/2 publish that matches a route of a node that just died (or whose copy did not reach
 //!   its target) is held: its acknowledgement waits until that node's sessions were adopted, then
 //!   it goes again to the sessions put back since it arrived, here and on every live node with a
-//!   matching route ([`wire::Item::Redeliver`], decision 0057 "Held publishes").
+//!   matching route ([`wire::Item::Redeliver`], decision 0057 "Held publishes"), and each shared
+//!   group that node was to serve goes to one live member (a group held only by nodes down
+//!   lately is planned for them, so held too); a node missed again holds it again (decision 0062).
 
 pub mod table;
 pub mod wire;
@@ -186,10 +188,20 @@ fn settled(waits: Vec<oneshot::Receiver<()>>) -> Option<Settled> {
     }))
 }
 
+/// How often a held publish is held again at most: a target that fails while it is given again
+/// (a second failure in the window) holds it once more, until that node's sessions were adopted.
+const MAX_HOLDS: u32 = 3;
+
+/// Targets a copy did not reach, each with the shared groups it was to serve.
+type Missed = Vec<(NodeId, Vec<GroupKey>)>;
+/// Copies under way: the target, its groups, and what resolves once it took the copy in.
+type Waits = Vec<(NodeId, Vec<GroupKey>, oneshot::Receiver<()>)>;
+
 /// A QoS 1/2 publish this node forwarded: its publisher's PUBACK/PUBREC waits until every
 /// target took it in or, for a target that did not (it died, or was down lately), until that
-/// node's sessions were adopted elsewhere and the publish was given again to the sessions put
-/// back since it arrived (decision 0057).
+/// node's sessions were adopted elsewhere and the publish was given again — to the sessions put
+/// back since it arrived, and each shared group the target was to serve to another holder
+/// (decisions 0057, 0062). A target that fails then holds it again, [`MAX_HOLDS`] times at most.
 struct Held {
     shared: Arc<Shared>,
     message: Arc<mqstate_broker::Message>,
@@ -198,85 +210,128 @@ struct Held {
 }
 
 impl Held {
-    async fn settle(self, waits: Vec<(NodeId, oneshot::Receiver<()>)>, mut missed: Vec<NodeId>) {
+    async fn settle(self, waits: Waits, missed: Missed) {
         let window = self.shared.adoption_window;
         let settle = async {
-            for (node, wait) in waits {
-                if wait.await.is_err() {
-                    missed.push(node);
+            let (mut waits, mut missed) = (waits, missed);
+            for holds in 0.. {
+                for (node, groups, wait) in waits.drain(..) {
+                    if wait.await.is_err() {
+                        missed.push((node, groups));
+                    }
                 }
+                if missed.is_empty() {
+                    return;
+                }
+                if holds == MAX_HOLDS {
+                    tracing::warn!(
+                        topic = %self.message.topic,
+                        "mesh: a held publish still missed a node after {MAX_HOLDS} holds; going on"
+                    );
+                    return;
+                }
+                let until = {
+                    let state = self.shared.lock();
+                    missed
+                        .iter()
+                        .filter_map(|(node, _)| state.outboxes.get(node).and_then(|o| o.last_down))
+                        .map(|down| down + window)
+                        .max()
+                };
+                if let Some(until) = until {
+                    tokio::time::sleep_until(until).await;
+                }
+                let mut groups: Vec<GroupKey> =
+                    missed.drain(..).flat_map(|(_, groups)| groups).collect();
+                groups.sort();
+                groups.dedup();
+                (waits, missed) = self.redeliver(&groups).await;
             }
-            if missed.is_empty() {
-                return;
-            }
-            let until = {
-                let state = self.shared.lock();
-                missed
-                    .iter()
-                    .filter_map(|node| state.outboxes.get(node).and_then(|o| o.last_down))
-                    .map(|down| down + window)
-                    .max()
-            };
-            if let Some(until) = until {
-                tokio::time::sleep_until(until).await;
-            }
-            self.redeliver().await;
         };
-        if tokio::time::timeout(SETTLE_TIMEOUT + window, settle)
-            .await
-            .is_err()
-        {
-            tracing::warn!("mesh: other nodes did not answer within {SETTLE_TIMEOUT:?}; going on");
+        let bound = SETTLE_TIMEOUT + (window + CALL_TIMEOUT) * MAX_HOLDS;
+        if tokio::time::timeout(bound, settle).await.is_err() {
+            tracing::warn!("mesh: other nodes did not answer within {bound:?}; going on");
         }
     }
 
-    /// Gives the message again, here and to every live node with a matching route, to the
-    /// sessions put back since (a little before) it arrived: the adopted ones.
-    async fn redeliver(&self) {
+    /// Gives the message again, here and to every node with a matching non-shared route, to the
+    /// sessions put back since (a little before) it arrived — the adopted ones — and each of
+    /// `groups` to one holder, live ones first. What it could not hand over, and what to wait
+    /// for, go back to [`Held::settle`].
+    async fn redeliver(&self, groups: &[GroupKey]) -> (Waits, Missed) {
         let age = self.received.elapsed();
         let within = age + REDELIVERY_MARGIN;
         let within_ms = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
         let topic = &*self.message.topic;
-        let mut waits = Vec::new();
-        {
+        let (mut waits, mut missed) = (Vec::new(), Vec::new());
+        let here = {
             let mut state = self.shared.lock();
             let state = &mut *state;
-            let live: Vec<NodeId> = state
-                .outboxes
-                .iter()
-                .filter(|(_, o)| o.is_live())
-                .map(|(&id, _)| id)
-                .collect();
-            for node in state.tables.plain_matches(topic, &live) {
-                let Some(outbox) = state.outboxes.get_mut(&node) else {
+            let (live, down) = state.live_and_down(self.shared.adoption_window);
+            let replan = state.tables.replan(topic, groups, &live, &down);
+            if !replan.unserved.is_empty() {
+                tracing::warn!(
+                    %topic,
+                    groups = ?replan.unserved,
+                    "mesh: a held publish's shared groups have no member left on any node"
+                );
+            }
+            for (node, groups) in replan.targets {
+                let Some(outbox) = state.outboxes.get_mut(&node).filter(|o| o.is_live()) else {
+                    missed.push((node, groups));
                     continue;
                 };
                 let item = Item::Redeliver {
                     publish: WirePublish {
                         message: WireMessage::from_message(&self.message, age),
                         origin: self.origin.clone(),
-                        groups: Vec::new(),
+                        groups: wire_groups(&groups),
                     },
                     put_back_within_ms: within_ms,
                 };
-                waits.extend(outbox.push(Some(item), true));
+                if let Some(wait) = outbox.push(Some(item), true) {
+                    waits.push((node, groups, wait));
+                }
             }
-        }
-        let here = self.shared.broker.accept_redelivered(
+            replan.here
+        };
+        let durable = self.shared.broker.accept_redelivered(
             (*self.message).clone(),
             self.origin.as_deref(),
             age,
             within,
+            &here,
         );
-        for durable in here {
+        for durable in durable {
             if let Err(error) = durable.await {
                 tracing::error!(%error, "mesh: a redelivered message is not durable here");
             }
         }
-        for wait in waits {
-            // A node that fails now is a second failure in the window: not held again.
-            let _ = wait.await;
+        (waits, missed)
+    }
+}
+
+fn wire_groups(groups: &[GroupKey]) -> Vec<(String, String)> {
+    groups
+        .iter()
+        .map(|k| (k.filter.to_string(), k.group.to_string()))
+        .collect()
+}
+
+impl State {
+    /// The live other nodes, and those not live that stopped being live less than `window`
+    /// ago (their sessions may not have been adopted yet).
+    fn live_and_down(&self, window: Duration) -> (Vec<NodeId>, Vec<NodeId>) {
+        let mut live = Vec::new();
+        let mut down = Vec::new();
+        for (&id, outbox) in &self.outboxes {
+            if outbox.is_live() {
+                live.push(id);
+            } else if outbox.last_down.is_some_and(|t| t.elapsed() < window) {
+                down.push(id);
+            }
         }
+        (live, down)
     }
 }
 
@@ -320,29 +375,13 @@ impl Peers for Port {
     fn plan(&self, topic: &str, retain: bool) -> Plan {
         let mut state = self.0.lock();
         let state = &mut *state;
-        let live: Vec<NodeId> = state
-            .outboxes
-            .iter()
-            .filter(|(_, o)| o.is_live())
-            .map(|(&id, _)| id)
-            .collect();
         // Nodes gone down lately whose sessions may not have been adopted yet: a publish matching
         // their routes is planned for them too, and `forward` holds it (if acknowledged).
-        let window = self.0.adoption_window;
-        let lately_down: Vec<NodeId> = state
-            .outboxes
-            .iter()
-            .filter(|(_, o)| !o.is_live() && o.last_down.is_some_and(|t| t.elapsed() < window))
-            .map(|(&id, _)| id)
-            .collect();
-        if live.is_empty() && lately_down.is_empty() {
+        let (live, down) = state.live_and_down(self.0.adoption_window);
+        if live.is_empty() && down.is_empty() {
             return Plan::default();
         }
-        let mut plan = state.tables.plan(topic, retain, &live);
-        for node in state.tables.plain_matches(topic, &lately_down) {
-            plan.targets.push((node, Vec::new()));
-        }
-        plan
+        state.tables.plan(topic, retain, &live, &down)
     }
 
     fn forward(
@@ -360,20 +399,17 @@ impl Peers for Port {
         for (node, groups) in targets {
             let Some(outbox) = state.outboxes.get_mut(&node).filter(|o| o.is_live()) else {
                 if forward.acknowledged {
-                    missed.push(node);
+                    missed.push((node, groups));
                 }
                 continue;
             };
             let item = Item::Publish(WirePublish {
                 message: message.clone(),
                 origin: origin.clone(),
-                groups: groups
-                    .iter()
-                    .map(|k| (k.filter.to_string(), k.group.to_string()))
-                    .collect(),
+                groups: wire_groups(&groups),
             });
             if let Some(wait) = outbox.push(Some(item), forward.acknowledged) {
-                waits.push((node, wait));
+                waits.push((node, groups, wait));
             }
         }
         drop(state);

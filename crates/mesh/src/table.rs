@@ -88,47 +88,35 @@ impl Tables {
     /// Where a publish on `topic` goes among the `live` other nodes: each one with a matching
     /// non-shared route gets a copy; each shared group matching anywhere goes to one holder, in
     /// turn (this node included); a retained message goes to every live node (each keeps the
-    /// retained set).
-    pub fn plan(&mut self, topic: &str, retain: bool, live: &[NodeId]) -> Plan {
+    /// retained set). Nodes `down` lately, whose sessions may not have been adopted yet, get a
+    /// copy if a non-shared route of theirs matches, and serve a group none of whose holders
+    /// is live: the mesh holds what it cannot deliver to them (decision 0062).
+    pub fn plan(&mut self, topic: &str, retain: bool, live: &[NodeId], down: &[NodeId]) -> Plan {
         let mut targets: BTreeMap<NodeId, (bool, Vec<GroupKey>)> = BTreeMap::new();
-        let mut groups: BTreeMap<GroupKey, Vec<Holder>> = BTreeMap::new();
-        for route in self.local.keys() {
-            if let Some(key) = route.group_key() {
-                if topic_matches(&route.filter, topic) {
-                    groups.entry(key).or_default().push(Holder::Here);
-                }
-            }
-        }
-        for &node in live {
-            if retain {
+        if retain {
+            for &node in live {
                 targets.entry(node).or_default();
             }
-            let Some(routes) = self.remote.get(&node) else {
-                continue;
-            };
-            for route in routes {
-                if !topic_matches(&route.filter, topic) {
-                    continue;
-                }
-                match route.group_key() {
-                    None => targets.entry(node).or_default().0 = true,
-                    Some(key) => groups.entry(key).or_default().push(Holder::Peer(node)),
-                }
-            }
+        }
+        for node in self.plain_matches(topic, live) {
+            targets.entry(node).or_default().0 = true;
+        }
+        for node in self.plain_matches(topic, down) {
+            targets.entry(node).or_default().0 = true;
         }
         let mut plan = Plan::default();
-        for (key, holders) in groups {
-            if holders == [Holder::Here] {
+        for (key, holders) in self.group_holders(topic, None, live, down) {
+            if holders.live == [Holder::Here] {
                 continue;
             }
-            let turn = self.turns.entry(key.clone()).or_default();
-            let pick = holders[*turn % holders.len()];
-            *turn = turn.wrapping_add(1);
-            if let Holder::Peer(node) = pick {
-                if holders[0] == Holder::Here {
-                    plan.elsewhere.push(key.clone());
+            match self.pick(&key, &holders) {
+                Some(Holder::Peer(node)) => {
+                    if holders.live.first() == Some(&Holder::Here) {
+                        plan.elsewhere.push(key.clone());
+                    }
+                    targets.entry(node).or_default().1.push(key);
                 }
-                targets.entry(node).or_default().1.push(key);
+                Some(Holder::Here) | None => {}
             }
         }
         plan.targets = targets
@@ -138,6 +126,116 @@ impl Tables {
             .collect();
         plan
     }
+
+    /// Where a held publish on `topic` goes again: every node of `live` and `down` with a
+    /// matching non-shared route (the receiver gives it only to the sessions it put back
+    /// since), and each of `groups` — which a node that failed was to serve — to one holder as
+    /// [`Tables::plan`] picks it, live ones first. `here`: the groups this node serves.
+    pub fn replan(
+        &mut self,
+        topic: &str,
+        groups: &[GroupKey],
+        live: &[NodeId],
+        down: &[NodeId],
+    ) -> Replan {
+        let mut targets: BTreeMap<NodeId, Vec<GroupKey>> = BTreeMap::new();
+        for node in self.plain_matches(topic, live) {
+            targets.entry(node).or_default();
+        }
+        for node in self.plain_matches(topic, down) {
+            targets.entry(node).or_default();
+        }
+        let mut replan = Replan::default();
+        for (key, holders) in self.group_holders(topic, Some(groups), live, down) {
+            match self.pick(&key, &holders) {
+                Some(Holder::Here) => replan.here.push(key),
+                Some(Holder::Peer(node)) => targets.entry(node).or_default().push(key),
+                None => {}
+            }
+        }
+        for key in groups {
+            let served = replan.here.contains(key) || targets.values().any(|g| g.contains(key));
+            if !served {
+                replan.unserved.push(key.clone());
+            }
+        }
+        replan.targets = targets.into_iter().collect();
+        replan
+    }
+
+    /// The holders of every shared group matching `topic` (of `only`, if given): this node and
+    /// the `live` nodes, and apart the `down` ones.
+    fn group_holders(
+        &self,
+        topic: &str,
+        only: Option<&[GroupKey]>,
+        live: &[NodeId],
+        down: &[NodeId],
+    ) -> BTreeMap<GroupKey, Holders> {
+        let mut groups: BTreeMap<GroupKey, Holders> = BTreeMap::new();
+        let wanted = |key: &GroupKey| only.is_none_or(|only| only.contains(key));
+        for route in self.local.keys() {
+            if let Some(key) = route.group_key().filter(|k| wanted(k)) {
+                if topic_matches(&route.filter, topic) {
+                    groups.entry(key).or_default().live.push(Holder::Here);
+                }
+            }
+        }
+        for (nodes, is_live) in [(live, true), (down, false)] {
+            for &node in nodes {
+                let Some(routes) = self.remote.get(&node) else {
+                    continue;
+                };
+                for route in routes {
+                    let Some(key) = route.group_key().filter(|k| wanted(k)) else {
+                        continue;
+                    };
+                    if !topic_matches(&route.filter, topic) {
+                        continue;
+                    }
+                    let holders = groups.entry(key).or_default();
+                    if is_live {
+                        holders.live.push(Holder::Peer(node));
+                    } else {
+                        holders.down.push(node);
+                    }
+                }
+            }
+        }
+        groups
+    }
+
+    /// One holder of a group, in turn: a live one if any, else one of the nodes down lately.
+    fn pick(&mut self, key: &GroupKey, holders: &Holders) -> Option<Holder> {
+        let turn = self.turns.entry(key.clone()).or_default();
+        let pick = if holders.live.is_empty() {
+            Holder::Peer(*holders.down.get(*turn % holders.down.len().max(1))?)
+        } else {
+            holders.live[*turn % holders.live.len()]
+        };
+        *turn = turn.wrapping_add(1);
+        Some(pick)
+    }
+}
+
+/// The holders of one shared group.
+#[derive(Debug, Default)]
+struct Holders {
+    /// This node first (if it holds members), then the live nodes.
+    live: Vec<Holder>,
+    /// Nodes down lately that held members (their sessions may be adopted elsewhere soon).
+    down: Vec<NodeId>,
+}
+
+/// Where a held publish goes again ([`Tables::replan`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Replan {
+    /// Each other node that gets it, with the groups it serves.
+    pub targets: Vec<(NodeId, Vec<GroupKey>)>,
+    /// The groups this node serves.
+    pub here: Vec<GroupKey>,
+    /// The groups that no node holds members of any more (their members ended).
+    pub unserved: Vec<GroupKey>,
 }
 
 #[cfg(test)]
@@ -164,19 +262,19 @@ mod tests {
         t.replace_remote(2, vec![r("a/+", None)]);
         t.replace_remote(3, vec![r("b", None)]);
         t.replace_remote(4, vec![r("#", None)]);
-        let plan = t.plan("a/x", false, &[2, 3]);
+        let plan = t.plan("a/x", false, &[2, 3], &[]);
         assert_eq!(plan.targets, vec![(2, vec![])]);
         assert!(plan.elsewhere.is_empty());
-        assert!(t.plan("c", false, &[2, 3]).is_empty());
+        assert!(t.plan("c", false, &[2, 3], &[]).is_empty());
         // A retained message (or its clear) reaches every live node.
         assert_eq!(
-            t.plan("c", true, &[2, 3]).targets,
+            t.plan("c", true, &[2, 3], &[]).targets,
             vec![(2, vec![]), (3, vec![])]
         );
         assert_eq!(t.plain_matches("a/x", &[2, 3, 4]), vec![2, 4]);
         // `$` topics are not matched by leading wildcards, as in the trie.
         t.replace_remote(2, vec![r("#", None)]);
-        assert!(t.plan("$SYS/x", false, &[2]).is_empty());
+        assert!(t.plan("$SYS/x", false, &[2], &[]).is_empty());
     }
 
     #[test]
@@ -195,7 +293,7 @@ mod tests {
         };
         let mut here = 0;
         for _ in 0..4 {
-            let plan = t.plan("s/1", false, &[2, 3]);
+            let plan = t.plan("s/1", false, &[2, 3], &[]);
             // The other group lives on node 3 alone: every message.
             assert!(plan.targets.contains(&(3, vec![other.clone()])), "{plan:?}");
             if plan.elsewhere.is_empty() {
@@ -207,5 +305,47 @@ mod tests {
             }
         }
         assert_eq!(here, 2, "each message to one holder, in turn");
+    }
+
+    #[test]
+    fn a_group_held_only_on_nodes_down_lately_goes_to_them_and_live_holders_come_first() {
+        let mut t = Tables::default();
+        let key = GroupKey {
+            filter: "s/+".into(),
+            group: "g".into(),
+        };
+        t.replace_remote(2, vec![r("s/+", Some("g")), r("p", None)]);
+        t.replace_remote(3, vec![r("s/+", Some("g"))]);
+        // Node 2 is down lately, node 3 live: node 3 serves every message.
+        for _ in 0..3 {
+            let plan = t.plan("s/1", false, &[3], &[2]);
+            assert_eq!(plan.targets, vec![(3, vec![key.clone()])]);
+        }
+        // Only node 2 holds members: it is planned (and the mesh holds what it cannot deliver).
+        assert_eq!(
+            t.plan("s/1", false, &[], &[2]).targets,
+            vec![(2, vec![key.clone()])]
+        );
+        // A non-shared route of a node down lately matches too.
+        assert_eq!(t.plan("p", false, &[3], &[2]).targets, vec![(2, vec![])]);
+
+        // Given again: the group to a live holder (here, or node 3), never to one of its
+        // non-shared routes' nodes only.
+        let again = t.replan("s/1", std::slice::from_ref(&key), &[3], &[]);
+        assert_eq!(again.targets, vec![(3, vec![key.clone()])]);
+        assert!(again.here.is_empty() && again.unserved.is_empty());
+        t.local_added(r("s/+", Some("g")));
+        let mut here = 0;
+        for _ in 0..4 {
+            let again = t.replan("s/1", std::slice::from_ref(&key), &[3], &[]);
+            here += again.here.len();
+        }
+        assert_eq!(here, 2, "in turn with node 3");
+        // No holder left anywhere: unserved.
+        t.local_removed(&r("s/+", Some("g")));
+        let again = t.replan("s/1", std::slice::from_ref(&key), &[], &[]);
+        assert_eq!(again.unserved, vec![key.clone()]);
+        // Non-shared routes of live nodes get it again (for sessions put back since).
+        assert_eq!(t.replan("p", &[], &[2], &[]).targets, vec![(2, vec![])]);
     }
 }

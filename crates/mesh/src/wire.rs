@@ -43,7 +43,8 @@ pub enum Item {
     Claim(String),
     /// A publish held while a node that had a subscriber of it died, sent again once that
     /// node's sessions were adopted: the receiver gives it only to sessions it put back within
-    /// the last `put_back_within_ms` (the others had it already), no shared group (decision 0057).
+    /// the last `put_back_within_ms` (the others had it already), and to one member of each of
+    /// `publish.groups` (a group a failed node was to serve; decisions 0057, 0062).
     Redeliver {
         publish: WirePublish,
         put_back_within_ms: u64,

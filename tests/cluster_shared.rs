@@ -1,0 +1,433 @@
+//! Shared subscriptions whose members sit on different nodes, when a node fails (issue 16,
+//! decision 0062), on three real `mqstate serve` processes with a raw MQTT 5 client.
+//!
+//! Node 1 hangs (SIGSTOP: calls to it go unanswered until the control plane counts it down) and
+//! then dies (`kill -9`) while a publisher on node 2 publishes a numbered sequence to a shared
+//! group, each message awaiting its acknowledgement. A member of the group has a persistent
+//! session on node 1. What was acknowledged 0x00 reaches some member of the group: another live
+//! member, or — when node 1 held the only members — node 1's session once adopted, back on
+//! node 3 with Session Present = 1. (Before: a message whose group node 2 assigned to node 1 was
+//! held but given again to no shared group, and a group held only by a node that was down
+//! matched nothing: lost.)
+//!
+//! And a held publish whose redelivery misses a node (it hangs just then) is held again: the
+//! sessions that node adopted get it once it answers again.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::v5::{
+    ConnectReturnCode, LastWill, LastWillProperties, Packet, PubAck, PubComp, PubRec,
+};
+use rumqttc::v5::mqttbytes::QoS;
+
+use common::cluster::{formed_cluster, Node};
+use common::mqtt::{Connected, Raw};
+
+/// Hang guard of every wait (fail-over, adoption): generous, the machine is shared.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Connects, retrying while the server refuses retryably (0x88 while the session's partition
+/// is between heads, 0x89), within [`WAIT`].
+async fn accepted(addr: SocketAddr, id: &str, clean_start: bool, expiry: u32) -> (Raw, bool) {
+    accepted_will(addr, id, clean_start, expiry, None).await
+}
+
+/// [`accepted`] with a will.
+async fn accepted_will(
+    addr: SocketAddr,
+    id: &str,
+    clean_start: bool,
+    expiry: u32,
+    will: Option<LastWill>,
+) -> (Raw, bool) {
+    let started = Instant::now();
+    loop {
+        match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
+            Connected::Accepted {
+                client,
+                session_present,
+            } => return (client, session_present),
+            Connected::Refused(
+                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
+            ) => {
+                assert!(
+                    started.elapsed() < WAIT,
+                    "{id} still refused ({code:?}) after {WAIT:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
+        }
+    }
+}
+
+/// The node stops answering (SIGSTOP) without closing anything: calls to it hang until they
+/// time out or the control plane counts it down.
+fn freeze(node: &Node) {
+    let status = Command::new("kill")
+        .arg("-STOP")
+        .arg(node.server.pid().to_string())
+        .status()
+        .expect("kill -STOP");
+    assert!(status.success(), "kill -STOP failed");
+}
+
+/// The node answers again (SIGCONT).
+fn resume(node: &Node) {
+    let status = Command::new("kill")
+        .arg("-CONT")
+        .arg(node.server.pid().to_string())
+        .status()
+        .expect("kill -CONT");
+    assert!(status.success(), "kill -CONT failed");
+}
+
+/// Persistent session `id` on `addr` in shared group `g` on `topic` (QoS `qos`), and on
+/// `end/<id>` (non-shared: its marker tells the session's queue was read to the end).
+async fn member(addr: SocketAddr, id: &str, topic: &str, qos: QoS) -> Raw {
+    let (mut client, present) = accepted(addr, id, true, 3600).await;
+    assert!(!present);
+    client.subscribe(&format!("$share/g/{topic}"), qos).await;
+    client
+        .subscribe(&format!("end/{id}"), QoS::AtLeastOnce)
+        .await;
+    client
+}
+
+/// Reads (and acknowledges, QoS 2 to PUBCOMP) every message until the marker on `end/<id>`;
+/// the payloads of the others, in order (copies included).
+async fn read_to_end(mut client: Raw, id: String) -> (Raw, Vec<String>) {
+    let end = format!("end/{id}");
+    let mut got = Vec::new();
+    loop {
+        match client.recv().await {
+            Packet::Publish(p) => {
+                match p.qos {
+                    QoS::AtLeastOnce => {
+                        client.send(Packet::PubAck(PubAck::new(p.pkid, None))).await
+                    }
+                    QoS::ExactlyOnce => {
+                        client.send(Packet::PubRec(PubRec::new(p.pkid, None))).await
+                    }
+                    QoS::AtMostOnce => {}
+                }
+                if p.topic == end.as_bytes() {
+                    return (client, got);
+                }
+                got.push(String::from_utf8_lossy(&p.payload).into_owned());
+            }
+            Packet::PubRel(rel) => {
+                client
+                    .send(Packet::PubComp(PubComp::new(rel.pkid, None)))
+                    .await
+            }
+            Packet::PingResp(_) => {}
+            other => panic!("{id}: unexpected {other:?}"),
+        }
+    }
+}
+
+/// What one publisher did.
+struct Published {
+    client: Raw,
+    count: usize,
+    /// Acknowledged 0x00 (PUBACK, or PUBREC then PUBCOMP).
+    ok: Vec<String>,
+    /// Answered 0x10 (no matching subscribers).
+    no_match: usize,
+}
+
+/// Publishes `<prefix>0`, `<prefix>1`, … on `topic` at `qos`, each awaiting its
+/// acknowledgement, until 5 s after `since` (at least 5).
+async fn publish_sequence(
+    mut client: Raw,
+    topic: &'static str,
+    qos: QoS,
+    prefix: String,
+    since: Instant,
+) -> Published {
+    let (mut ok, mut no_match, mut count) = (Vec::new(), 0, 0);
+    while since.elapsed() < Duration::from_secs(5) || count < 5 {
+        assert!(since.elapsed() < WAIT, "publishing for {WAIT:?}");
+        let payload = format!("{prefix}{count}");
+        let code = client.publish(topic, qos, &payload).await;
+        match code {
+            0x00 => ok.push(payload),
+            0x10 => no_match += 1,
+            other => panic!("acknowledgement of {payload}: reason {other:#04x}"),
+        }
+        count += 1;
+    }
+    Published {
+        client,
+        count,
+        ok,
+        no_match,
+    }
+}
+
+/// Five publishers on `addr`, connected before the failure (a CONNECT waits for every live
+/// node to hear of its client id).
+async fn publishers(addr: SocketAddr) -> Vec<Raw> {
+    let mut clients = Vec::new();
+    for k in 0..5 {
+        clients.push(accepted(addr, &format!("pub-{k}"), true, 0).await.0);
+    }
+    clients
+}
+
+/// The `clients` (the first one now, the others 0.25 s apart) publishing to `topic` at `qos`
+/// for ~5 s after `since`; every payload acknowledged 0x00, and a client.
+async fn publish_for_a_while(
+    clients: Vec<Raw>,
+    topic: &'static str,
+    qos: QoS,
+    since: Instant,
+) -> (BTreeSet<String>, Raw) {
+    let mut tasks = Vec::new();
+    for (k, client) in clients.into_iter().enumerate() {
+        tasks.push(tokio::spawn(publish_sequence(
+            client,
+            topic,
+            qos,
+            format!("p{k}-"),
+            since,
+        )));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let (mut acked, mut published, mut no_match, mut client) = (BTreeSet::new(), 0, 0, None);
+    for task in tasks {
+        let p = task.await.expect("publisher task");
+        published += p.count;
+        no_match += p.no_match;
+        acked.extend(p.ok);
+        client.get_or_insert(p.client);
+    }
+    eprintln!(
+        "{published} published in {:?}: {} acknowledged 0x00, {no_match} answered 0x10",
+        since.elapsed(),
+        acked.len()
+    );
+    (acked, client.expect("a publisher"))
+}
+
+/// `id`'s persistent session back on `addr` once adopted (Session Present = 1).
+async fn resumed(addr: SocketAddr, id: &str, since: Instant) -> Raw {
+    loop {
+        assert!(since.elapsed() < WAIT, "{id} not adopted after {WAIT:?}");
+        let (client, present) = accepted(addr, id, false, 3600).await;
+        if present {
+            return client;
+        }
+        client.disconnect().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Asserts every acknowledged payload is among those received.
+fn nothing_lost(acked: &BTreeSet<String>, received: &[String]) {
+    let got: BTreeSet<&String> = received.iter().collect();
+    let lost: Vec<&String> = acked.iter().filter(|p| !got.contains(p)).collect();
+    eprintln!(
+        "received {} messages ({} copies) of {} acknowledged",
+        got.len(),
+        received.len(),
+        acked.len()
+    );
+    assert!(
+        lost.is_empty(),
+        "{} acknowledged 0x00 and lost, among them {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+}
+
+/// Members on node 1 (persistent, away) and node 3 (connected); node 1 hangs, then dies. What
+/// node 2 assigned to node 1 meanwhile reaches the member on node 3 or node 1's session once
+/// adopted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_group_loses_nothing_acknowledged_when_a_members_node_dies() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    let away = member(n1, "sh-away", "sh/a", QoS::AtLeastOnce).await;
+    away.disconnect().await;
+    let live = member(n3, "sh-live", "sh/a", QoS::AtLeastOnce).await;
+    let reader = tokio::spawn(read_to_end(live, "sh-live".to_owned()));
+    let clients = publishers(n2).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let (acked, mut publisher) =
+        publish_for_a_while(clients, "sh/a", QoS::AtLeastOnce, frozen).await;
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+
+    // Every acknowledged message is in a queue by now: each member's marker comes after.
+    assert_eq!(
+        publisher
+            .publish("end/sh-live", QoS::AtLeastOnce, "end")
+            .await,
+        0x00
+    );
+    let (live, mut received) = reader.await.expect("sh-live reader");
+    eprintln!("sh-live on node 3 received {}", received.len());
+    let away = resumed(n3, "sh-away", frozen).await;
+    assert_eq!(
+        publisher
+            .publish("end/sh-away", QoS::AtLeastOnce, "end")
+            .await,
+        0x00
+    );
+    let (away, from_away) = read_to_end(away, "sh-away".to_owned()).await;
+    eprintln!("sh-away, adopted, received {}", from_away.len());
+    received.extend(from_away);
+    nothing_lost(&acked, &received);
+    away.disconnect().await;
+    live.disconnect().await;
+    drop(publisher);
+}
+
+/// The only member of the group has a persistent session on node 1, which hangs, then dies:
+/// what is published at QoS 2 meanwhile is held and reaches that session once adopted, back on
+/// node 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_group_held_only_on_a_dead_node_gets_every_acknowledged_message_once_adopted() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    let only = member(n1, "sh-only", "sh/b", QoS::ExactlyOnce).await;
+    only.disconnect().await;
+    let clients = publishers(n2).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let (acked, mut publisher) =
+        publish_for_a_while(clients, "sh/b", QoS::ExactlyOnce, frozen).await;
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+
+    let only = resumed(n3, "sh-only", frozen).await;
+    assert_eq!(
+        publisher
+            .publish("end/sh-only", QoS::AtLeastOnce, "end")
+            .await,
+        0x00
+    );
+    let (only, received) = read_to_end(only, "sh-only".to_owned()).await;
+    nothing_lost(&acked, &received);
+    only.disconnect().await;
+    drop(publisher);
+}
+
+/// The will of `id`, at once, on `will/<id>`: published when its session is adopted (its
+/// connection was lost with its node).
+fn will_of(id: &str) -> Option<LastWill> {
+    let properties = LastWillProperties {
+        delay_interval: Some(0),
+        payload_format_indicator: None,
+        message_expiry_interval: None,
+        content_type: None,
+        response_topic: None,
+        correlation_data: None,
+        user_properties: Vec::new(),
+    };
+    Some(LastWill::new(
+        format!("will/{id}"),
+        Bytes::from_static(b"gone"),
+        QoS::AtLeastOnce,
+        false,
+        Some(properties),
+    ))
+}
+
+/// Decision 0062 (c): six persistent sessions connected to node 1 subscribe (non-shared); node 1
+/// hangs while node 2's publishers publish, so their messages are held. Once every session was
+/// adopted (its will came), node 3 — the adopter of some — hangs too, past the call timeout, just
+/// when the held messages are given again; then it answers again. Every session, resumed on
+/// node 3, gets every message acknowledged 0x00. (Before: a redelivery node 3 did not answer was
+/// not held again, lost for the sessions node 3 adopted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_publish_whose_redelivery_misses_a_node_is_held_again() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    let (mut watcher, _) = accepted(n2, "c-watcher", true, 0).await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let ids: Vec<String> = (0..6).map(|k| format!("c-sub-{k}")).collect();
+    let mut subscribers = Vec::new();
+    for id in &ids {
+        let (mut client, _) = accepted_will(n1, id, true, 3600, will_of(id)).await;
+        client.subscribe("c/t", QoS::AtLeastOnce).await;
+        client
+            .subscribe(&format!("end/{id}"), QoS::AtLeastOnce)
+            .await;
+        subscribers.push(client);
+    }
+    let clients = publishers(n2).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let publishing = tokio::spawn(publish_for_a_while(
+        clients,
+        "c/t",
+        QoS::AtLeastOnce,
+        frozen,
+    ));
+    let mut wills = BTreeSet::new();
+    while wills.len() < ids.len() {
+        assert!(frozen.elapsed() < WAIT, "wills after {WAIT:?}: {wills:?}");
+        match watcher.recv().await {
+            Packet::Publish(p) => {
+                watcher
+                    .send(Packet::PubAck(PubAck::new(p.pkid, None)))
+                    .await;
+                wills.insert(String::from_utf8_lossy(&p.topic).into_owned());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // Every session adopted; the held messages go again about now.
+    freeze(&nodes[2]);
+    eprintln!(
+        "all adopted, node 3 hangs {:?} after node 1",
+        frozen.elapsed()
+    );
+    // Past the mesh's call timeout (8 s): node 2's call to node 3 fails.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    resume(&nodes[2]);
+    let (acked, mut publisher) = publishing.await.expect("publishing");
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    drop(subscribers);
+
+    for id in &ids {
+        let client = resumed(n3, id, frozen).await;
+        assert_eq!(
+            publisher
+                .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
+                .await,
+            0x00
+        );
+        let (client, received) = read_to_end(client, id.clone()).await;
+        eprint!("{id}: ");
+        nothing_lost(&acked, &received);
+        client.disconnect().await;
+    }
+    drop((publisher, watcher));
+}
