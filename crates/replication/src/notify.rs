@@ -323,7 +323,7 @@ impl Notifier {
     /// `key` is observed here now, from its committed version as `start` reads it at the key's
     /// head (`None`: no row, or not known): changes up to that version are not delivered here,
     /// and later ones wait until it is known. Resolves once the other members took the new set
-    /// (bounded, as [`Notifier::watch`]) and the start is known.
+    /// (bounded, as [`Notifier::watch`]) and then the start was read.
     pub async fn observe(&self, key: Vec<u8>, start: impl Future<Output = Option<String>>) {
         let newly = {
             let mut local = lock(&self.shared.local);
@@ -344,8 +344,10 @@ impl Notifier {
         if !newly {
             return;
         }
-        let ((), start) = tokio::join!(self.send_interest(), start);
-        let start = start.and_then(|v| Hlc::parse(&v).ok());
+        // Read after the members took the interest: a write they executed before (so did not
+        // hand over here, nor keep in their trails) is at or below the start.
+        self.send_interest().await;
+        let start = start.await.and_then(|v| Hlc::parse(&v).ok());
         let mut out = Vec::new();
         {
             let mut local = lock(&self.shared.local);
