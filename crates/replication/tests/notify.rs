@@ -219,9 +219,9 @@ async fn a_change_the_observing_node_could_not_take_reaches_it_after_the_heal() 
     cluster.net.cut(&addr(1), &addr(2));
     // Resolves after the bounded wait: the writer's reply does not wait for the cut-off node.
     head.publish(change(b"k", 1)).await;
-    head.publish(change(b"k", 2)).await;
+    head.publish(after(b"k", 2, 1)).await;
     cluster.net.heal_all();
-    head.publish(change(b"k", 3)).await;
+    head.publish(after(b"k", 3, 2)).await;
 
     let seen = &cluster.seen[1];
     eventually("the observer got every change", || {
