@@ -23,6 +23,24 @@ struct Node<T> {
     /// Shared subscription groups at this filter, by group name (ordered: a message matching
     /// several groups reaches them in the same order every time).
     shared: BTreeMap<Box<str>, SharedGroup<T>>,
+    /// Whether `children` has a `#` or a `+` level: most nodes have neither, and a publish then
+    /// looks its topic's level up once instead of three times (every lookup hashes a string).
+    wildcards: Wildcards,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Wildcards {
+    hash: bool,
+    plus: bool,
+}
+
+impl Wildcards {
+    fn of<T>(children: &HashMap<Box<str>, Node<T>>) -> Wildcards {
+        Wildcards {
+            hash: children.contains_key("#"),
+            plus: children.contains_key("+"),
+        }
+    }
 }
 
 struct SharedGroup<T> {
@@ -39,6 +57,7 @@ impl<T> Default for Node<T> {
             children: HashMap::new(),
             subscribers: BTreeMap::new(),
             shared: BTreeMap::new(),
+            wildcards: Wildcards::default(),
         }
     }
 }
@@ -69,6 +88,10 @@ impl<T> Trie<T> {
     ) -> bool {
         let mut node = &mut self.root;
         for level in filter.split('/') {
+            if matches!(level, "#" | "+") && !node.children.contains_key(level) {
+                node.children.insert(level.into(), Node::default());
+                node.wildcards = Wildcards::of(&node.children);
+            }
             node = node.children.entry(level.into()).or_default();
         }
         match group {
@@ -145,6 +168,7 @@ impl<T> Trie<T> {
         let removed = Self::remove_at(child, rest, group, client, pred);
         if child.is_empty() {
             node.children.remove(*first);
+            node.wildcards = Wildcards::of(&node.children);
         }
         removed
     }
@@ -193,22 +217,33 @@ impl<T> Trie<T> {
         first: bool,
         visit: &mut impl FnMut(&Arc<str>, &T, Shared<'_>),
     ) {
+        debug_assert!(
+            node.wildcards.hash == node.children.contains_key("#")
+                && node.wildcards.plus == node.children.contains_key("+"),
+            "the wildcard flags follow the children"
+        );
         match levels.next() {
             None => {
                 Self::emit(node, visit);
                 // "a/#" also matches "a".
-                if let Some(hash) = node.children.get("#") {
-                    Self::emit(hash, visit);
+                if node.wildcards.hash {
+                    if let Some(hash) = node.children.get("#") {
+                        Self::emit(hash, visit);
+                    }
                 }
             }
             Some(level) => {
                 // Wildcards at the first level never match `$` topics.
                 if !(first && level.starts_with('$')) {
-                    if let Some(hash) = node.children.get("#") {
-                        Self::emit(hash, visit);
+                    if node.wildcards.hash {
+                        if let Some(hash) = node.children.get("#") {
+                            Self::emit(hash, visit);
+                        }
                     }
-                    if let Some(plus) = node.children.get("+") {
-                        Self::walk(plus, levels.clone(), false, visit);
+                    if node.wildcards.plus {
+                        if let Some(plus) = node.children.get("+") {
+                            Self::walk(plus, levels.clone(), false, visit);
+                        }
                     }
                 }
                 if let Some(child) = node.children.get(level) {
@@ -319,6 +354,33 @@ mod tests {
                 let client: Arc<str> = format!("c{i}").into();
                 trie.insert(f, None, &client, i as u32);
                 if topic::matches(f, &topic) { expected.push((client.to_string(), i as u32)); }
+            }
+            expected.sort();
+            prop_assert_eq!(matched(&trie, &topic), expected);
+        }
+
+        /// It still agrees once some subscriptions are removed again (the nodes' wildcard flags
+        /// follow their children both ways).
+        #[test]
+        fn trie_agrees_with_matcher_after_removals(
+            filters in proptest::collection::vec("(a|\\+)(/(a|\\+|#)){0,2}", 1..8),
+            removed in proptest::collection::vec(any::<bool>(), 8),
+            topic in "a(/a){0,2}",
+        ) {
+            let mut trie = Trie::default();
+            for (i, f) in filters.iter().enumerate() {
+                if topic::is_valid_filter(f) {
+                    trie.insert(f, None, &format!("c{i}").into(), i as u32);
+                }
+            }
+            let mut expected = Vec::new();
+            for (i, f) in filters.iter().enumerate() {
+                if !topic::is_valid_filter(f) { continue; }
+                if removed[i] {
+                    trie.remove(f, None, &format!("c{i}"));
+                } else if topic::matches(f, &topic) {
+                    expected.push((format!("c{i}"), i as u32));
+                }
             }
             expected.sort();
             prop_assert_eq!(matched(&trie, &topic), expected);

@@ -20,7 +20,7 @@
 //! would have. Reads and refused writes leave no record: after a restart their retry executes
 //! again, which changes nothing.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{hash_map, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -83,20 +83,26 @@ impl<W> DedupCache<W> {
     /// Looks a request up; a first sighting is recorded as in flight until `expiry` from `now`.
     pub fn check(&mut self, key: RequestId, expiry: Duration, now: Instant, waiter: W) -> Seen<W> {
         self.evict(now, 1);
-        match self.entries.get_mut(&key) {
-            Some((Entry::Done(reply, _), deadline)) if *deadline > now => {
-                return Seen::Done(reply.clone(), waiter)
-            }
-            Some((Entry::InFlight(waiters), _)) => {
-                waiters.push(waiter);
-                return Seen::Pending;
-            }
-            _ => {}
-        }
+        // One lookup (each hashes the key) for both the answer and the insertion.
         let deadline = now + expiry;
+        match self.entries.entry(key) {
+            hash_map::Entry::Occupied(mut held) => match held.get_mut() {
+                (Entry::Done(reply, _), deadline) if *deadline > now => {
+                    return Seen::Done(reply.clone(), waiter)
+                }
+                (Entry::InFlight(waiters), _) => {
+                    waiters.push(waiter);
+                    return Seen::Pending;
+                }
+                expired => {
+                    *expired = (Entry::InFlight(Vec::new()), deadline);
+                }
+            },
+            hash_map::Entry::Vacant(free) => {
+                free.insert((Entry::InFlight(Vec::new()), deadline));
+            }
+        }
         self.push_order(key, deadline);
-        self.entries
-            .insert(key, (Entry::InFlight(Vec::new()), deadline));
         debug_assert!(self.entries.len() <= self.max_entries);
         debug_assert!(
             self.order.len() >= self.entries.len(),

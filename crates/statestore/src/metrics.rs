@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter, Histogram};
 use mqstate_protocol::Command;
 
 /// The `command` label of a request whose command was not (or could not be) parsed.
@@ -35,11 +35,36 @@ pub fn command_label(command: Option<&Command>) -> &'static str {
     }
 }
 
-/// A request that got a reply from execution (or a `not_durable` one), with its latency.
-pub fn request_completed(command: &'static str, result: &'static str, took: Duration) {
-    request_counted(command, result);
-    histogram!("mqstate_statestore_request_duration_seconds", "command" => command)
-        .record(took.as_secs_f64());
+/// A request that got a reply from execution (or a `not_durable` one), with its latency, counted by
+/// the one task that completes requests: the handles of each
+/// `(command, result)` are looked up once, not at every request (each lookup builds the metric's key
+/// with its labels, hashes it and searches the recorder's registry under a lock). Handles belong to
+/// the recorder installed when they were made: make this after the recorder (as `serve` does).
+#[derive(Default)]
+pub struct Completed {
+    /// A few dozen at most (commands × results); the labels are compared as pointers first.
+    handles: Vec<(&'static str, &'static str, Counter, Histogram)>,
+}
+
+impl Completed {
+    pub fn record(&mut self, command: &'static str, result: &'static str, took: Duration) {
+        let found = self
+            .handles
+            .iter()
+            .position(|(c, r, _, _)| *c == command && *r == result);
+        let i = found.unwrap_or_else(|| {
+            self.handles.push((
+                command,
+                result,
+                counter!("mqstate_statestore_requests_total", "command" => command, "result" => result),
+                histogram!("mqstate_statestore_request_duration_seconds", "command" => command),
+            ));
+            self.handles.len() - 1
+        });
+        let (_, _, counter, histogram) = &self.handles[i];
+        counter.increment(1);
+        histogram.record(took.as_secs_f64());
+    }
 }
 
 /// A request answered or dropped without being executed.

@@ -168,6 +168,7 @@ pub(super) async fn complete(
     settler: Settler,
 ) {
     let mut rollbacks = Rollbacks::default();
+    let mut completed = metrics::Completed::default();
     while let Some(Queued { epoch, outcome }) = rx.recv().await {
         match outcome {
             Outcome::Snapshot(pending) => snapshot_schedule::write_when_durable(
@@ -236,7 +237,7 @@ pub(super) async fn complete(
                 }
                 if let Some(timing) = timing {
                     let result = if released { timing.result } else { NOT_DURABLE };
-                    metrics::request_completed(timing.command, result, timing.received.elapsed());
+                    completed.record(timing.command, result, timing.received.elapsed());
                 }
             }
         }

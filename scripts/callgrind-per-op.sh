@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# User-space instructions per durable SET of one build, exact on a busy machine (issue 13):
+#
+#   scripts/callgrind-per-op.sh LABEL SERVER_BINARY [LOADGEN_BINARY] [REQUESTS]
+#
+# The server runs under `valgrind --tool=callgrind`; after a warm-up of 500 SETs (50 clients × 1,
+# 64-byte values, `--fsync always`, as cpu-per-op.sh's set-c50) the counters are zeroed
+# (`callgrind_control -z`), REQUESTS (default 2000) SETs run, and the counters are dumped
+# (`callgrind_control -d`). Prints the instructions per SET; the dump ($OUT/LABEL/cg.out.1) gives the
+# split by function (`callgrind_annotate --inclusive=yes`). Valgrind hides SHA-NI, so the request
+# id's SHA-256 counts several times what it costs on the real CPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+label=$1; bin=$(realpath "$2"); shift 2
+gen="$bin"
+if [ $# -gt 0 ] && [ -x "$1" ]; then gen=$(realpath "$1"); shift; fi
+n=${1:-2000}
+OUT="${OUT:-target/bench-results/callgrind}"; dir="$OUT/$label"; rm -rf "$dir"; mkdir -p "$dir"
+. scripts/lib/ports.sh
+port=$(free_port)
+valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "$bin" serve --listen "127.0.0.1:$port" \
+  --data-dir "$dir/data" --fsync always >"$dir/server.log" 2>&1 &
+vpid=$!
+trap 'kill $vpid 2>/dev/null; wait $vpid 2>/dev/null; rm -rf "$dir/data"' EXIT
+wait_port "$port" 1200
+load=(bench --port "$port" --connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64)
+"$gen" "${load[@]}" --requests 500 >/dev/null 2>&1
+callgrind_control -z "$vpid" >/dev/null
+"$gen" "${load[@]}" --requests "$n" >"$dir/bench.out" 2>&1
+callgrind_control -d "$vpid" >/dev/null
+ir=$(callgrind_annotate "$dir/cg.out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+printf '%s\tinstructions/op %d\n' "$label" "$((ir / n))"
