@@ -9,19 +9,12 @@
 //! it carries out the replicas' outputs, so the writes and messages that arrived together become
 //! one log batch per partition (one group-commit fsync for all of them) and one message per peer
 //! per partition, which [`Peers`] sends on in one frame per hop.
-//!
-//! A command at the head is one input ([`Driver::read_then`]): the committed row is read and, in
-//! the same turn, the head's decision about it turned into the write, so a write costs the
-//! driver one hand-off instead of two (on a chain of one, the write is then answered in the turn
-//! its batch became durable; decision 0060).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use mqstate_chain::{
-    Answer, Config, Key, Message, Output, Replica, Restored, Version, View, Write,
-};
+use mqstate_chain::{Answer, Config, Key, Message, Output, Replica, Restored, View, Write};
 use mqstate_clock::SharedClock;
 use mqstate_cluster::ClusterNode;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -37,22 +30,10 @@ pub const TICK: Duration = Duration::from_millis(100);
 /// Inputs taken in one turn at most, so ticks and the log's durability reports are not starved.
 pub const MAX_INPUTS_PER_TURN: usize = 1024;
 
-/// The head's decision on a committed row (its value and version), made in the driver task as
-/// soon as the read is answered: the write to make, or none (the read's answer goes back as it
-/// is). It must be quick: every replica of the node waits while it runs.
-pub type Then = Box<dyn FnOnce(Option<Vec<u8>>, Option<Version>) -> Option<Write> + Send>;
-
 enum Input {
     Read {
         partition: u32,
         key: Key,
-        answer: oneshot::Sender<Answer>,
-    },
-    /// A read whose answer goes to `then` first ([`Driver::read_then`]).
-    ReadThen {
-        partition: u32,
-        key: Key,
-        then: Then,
         answer: oneshot::Sender<Answer>,
     },
     Write {
@@ -106,7 +87,6 @@ impl Driver {
             restored,
             replicas: BTreeMap::new(),
             waiting: HashMap::new(),
-            then: HashMap::new(),
             next_request: 1,
             peers: Peers::new(Arc::clone(&node)),
             tx: tx.clone(),
@@ -128,32 +108,6 @@ impl Driver {
             Input::Read {
                 partition,
                 key,
-                answer,
-            },
-            rx,
-            timeout,
-        )
-        .await
-    }
-
-    /// A read of `key` at the head whose committed row goes to `then` in the driver task: the write
-    /// it returns is made at once and its answer is this call's (`Written`, `ConditionFailed`, ...);
-    /// without a write, the read's answer with its value moved to `then`. `Unavailable` if no answer within `timeout` (the outcome
-    /// of a write is then unknown: it may still complete).
-    pub async fn read_then(
-        &self,
-        partition: u32,
-        key: Key,
-        then: Then,
-        timeout: Duration,
-    ) -> Answer {
-        let (answer, rx) = oneshot::channel();
-        self.ask(
-            partition,
-            Input::ReadThen {
-                partition,
-                key,
-                then,
                 answer,
             },
             rx,
@@ -233,8 +187,6 @@ struct Actor {
     replicas: BTreeMap<u32, Replica>,
     /// Requests waiting for their answer, by the replica's request id.
     waiting: HashMap<u64, (u32, oneshot::Sender<Answer>)>,
-    /// What reads admitted by [`Driver::read_then`] do with their answer, by request id.
-    then: HashMap<u64, Then>,
     next_request: u64,
     peers: Peers,
     tx: mpsc::UnboundedSender<Input>,
@@ -339,18 +291,6 @@ impl Actor {
                 self.replica(partition).read(request, key);
                 partition
             }
-            Input::ReadThen {
-                partition,
-                key,
-                then,
-                answer,
-            } => {
-                self.refresh_view(partition);
-                let request = self.admit(partition, answer);
-                self.then.insert(request, then);
-                self.replica(partition).read(request, key);
-                partition
-            }
             Input::Write {
                 partition,
                 write,
@@ -372,7 +312,6 @@ impl Actor {
                 gone.sort_unstable();
                 for id in gone {
                     self.waiting.remove(&id);
-                    self.then.remove(&id);
                     self.replica(partition).cancel(id);
                 }
                 partition
@@ -428,19 +367,9 @@ impl Actor {
         self.compact();
     }
 
-    /// Does what the replica of `partition` asks, in order, until it asks nothing more (a read
-    /// answered to its `then` may have started a write).
+    /// Does what the replica of `partition` asks, in order.
     async fn carry_out(&mut self, partition: u32) {
-        loop {
-            let outputs = self.replica(partition).take_outputs();
-            if outputs.is_empty() {
-                return;
-            }
-            self.carry_out_once(partition, outputs).await;
-        }
-    }
-
-    async fn carry_out_once(&mut self, partition: u32, outputs: Vec<Output>) {
+        let outputs = self.replica(partition).take_outputs();
         for output in outputs {
             match output {
                 Output::Persist { index, records } => {
@@ -477,21 +406,6 @@ impl Actor {
                     self.peers.send(to, partition, message)
                 }
                 Output::Reply { request, answer } => {
-                    let answer = match (self.then.remove(&request), answer) {
-                        (Some(then), Answer::Value { value, version }) => {
-                            match then(value, version) {
-                                Some(write) => {
-                                    self.write_instead(partition, request, write);
-                                    continue;
-                                }
-                                None => Answer::Value {
-                                    value: None,
-                                    version,
-                                },
-                            }
-                        }
-                        (_, answer) => answer,
-                    };
                     if let Some((_, waiting)) = self.waiting.remove(&request) {
                         let _ = waiting.send(answer);
                     }
@@ -505,16 +419,6 @@ impl Actor {
                 }
             }
         }
-    }
-
-    /// The write a read's `then` decided on, answered to the read's asker (under a request id of
-    /// its own). Its outputs are carried out by the caller's next round.
-    fn write_instead(&mut self, partition: u32, read: u64, write: Write) {
-        let Some((_, answer)) = self.waiting.remove(&read) else {
-            return;
-        };
-        let request = self.admit(partition, answer);
-        self.replica(partition).write(request, write);
     }
 
     /// The chain failpoints (`crate::failpoint`), checked before a chain message leaves.

@@ -81,10 +81,10 @@ pub struct Replication {
     node: Arc<ClusterNode>,
     driver: Driver,
     forwarder: Forwarder,
-    config: Arc<HeadConfig>,
+    config: HeadConfig,
     clock: SharedClock,
     /// The highest HLC this node handed out at a head.
-    floor: Arc<Mutex<Option<Hlc>>>,
+    floor: Mutex<Option<Hlc>>,
     pub notifier: Notifier,
     deadlines: Deadlines,
     /// The view under which this node last took each partition over as its head.
@@ -152,9 +152,9 @@ impl Replication {
             node: Arc::clone(&node),
             driver,
             forwarder: Forwarder::new(Arc::clone(&node)),
-            config: Arc::new(config),
+            config,
             clock,
-            floor: Arc::new(Mutex::new(None)),
+            floor: Mutex::new(None),
             notifier,
             deadlines: Deadlines::default(),
             taken_over: Mutex::new(HashMap::new()),
@@ -225,20 +225,76 @@ impl Replication {
         .head()
     }
 
-    /// At the head: read the committed row, execute, write the new row through the chain — the
-    /// read, the execution and the write in one turn of the driver ([`Driver::read_then`]).
+    /// At the head: read the committed row, execute, write the new row through the chain.
     async fn execute_here(&self, partition: u32, request: &Routed) -> Result<Executed, String> {
-        let id = RequestId::of(&request.client_id, &request.correlation);
         for _ in 0..MAX_ATTEMPTS {
-            let decided = Arc::new(Mutex::new(None));
-            let then = self.decide(partition, request.clone(), id, Arc::clone(&decided));
-            let answer = self
+            let (value, version) = match self
                 .driver
-                .read_then(partition, request.key.clone(), then, STEP_TIMEOUT)
-                .await;
-            let decided = decided.lock().unwrap_or_else(|p| p.into_inner()).take();
-            match (answer, decided) {
-                (Answer::Written { .. }, Some(Decided::Write { delta, reply })) => {
+                .read(partition, request.key.clone(), STEP_TIMEOUT)
+                .await
+            {
+                Answer::Value { value, version } => (value, version),
+                other => return Err(not_served(partition, &other)),
+            };
+            // A retry of a request the chain ran before (its front end lost the answer in a
+            // fail-over or a pause), though later writes replaced its row: its first reply. The
+            // read above committed every write of the key so far, that request's included.
+            let id = RequestId::of(&request.client_id, &request.correlation);
+            let first = self.recent.first_reply(partition, &id, self.clock.now_ms());
+            let first = first.map_err(|recent::Unsynced| format!(
+                "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
+            ))?;
+            if let Some(first) = first {
+                // Its head may have died between commit and hand-over (robustness seed 401).
+                if let Some(row) = &value {
+                    self.renotify_retry(request, row).await;
+                }
+                return Ok(Executed {
+                    payload: first.reply.to_vec(),
+                    ts: first.reply_ts.as_ref().map(Hlc::to_string),
+                });
+            }
+            let floor = self.floor.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let (step, high) = head::step(
+                &self.config,
+                request,
+                value.as_deref(),
+                self.clock.now_ms(),
+                floor.as_ref(),
+            );
+            if let Some(high) = high {
+                let mut floor = self.floor.lock().unwrap_or_else(|p| p.into_inner());
+                if floor.as_ref().is_none_or(|f| high > *f) {
+                    *floor = Some(high);
+                }
+            }
+            let (value_to_write, new_version, reply) = match step {
+                Step::Reply(reply) => {
+                    if let Some(row) = &value {
+                        self.renotify_retry(request, row).await;
+                    }
+                    return Ok(reply);
+                }
+                Step::Write {
+                    value,
+                    version,
+                    reply,
+                } => (value, version, reply),
+            };
+            let expect = match (&value, version) {
+                (Some(_), Some(current)) => Expect::Version(current),
+                _ => Expect::Absent,
+            };
+            // Read before the row moves into the chain: its deadline and change, once committed.
+            let delta = rows::delta_of(&value_to_write);
+            let write = Write {
+                key: request.key.clone(),
+                value: Some(value_to_write),
+                version: new_version,
+                expect,
+            };
+            match self.driver.write(partition, write, STEP_TIMEOUT).await {
+                Answer::Written { .. } => {
                     match delta {
                         Ok(delta) => self.committed(partition, &delta).await,
                         Err(e) => {
@@ -247,119 +303,15 @@ impl Replication {
                     }
                     return Ok(reply);
                 }
-                (Answer::Value { .. }, Some(Decided::Reply { reply, row })) => {
-                    // A retry answered from its row (its first reply): its head may have died
-                    // between commit and hand-over (robustness seed 401).
-                    if let Some(row) = &row {
-                        self.renotify_retry(request, row).await;
-                    }
-                    return Ok(reply);
-                }
-                (Answer::Value { .. }, Some(Decided::Unsynced)) => {
-                    return Err(format!(
-                        "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
-                    ))
-                }
                 // Another write to the key came first: execute again on the row it left.
-                (Answer::ConditionFailed { .. } | Answer::StaleVersion { .. }, _) => continue,
-                (other, _) => return Err(not_served(partition, &other)),
+                Answer::ConditionFailed { .. } | Answer::StaleVersion { .. } => continue,
+                other => return Err(not_served(partition, &other)),
             }
         }
         Err(format!(
             "partition {partition}: the key kept changing under {MAX_ATTEMPTS} attempts"
         ))
     }
-
-    /// What the head does with the committed row of `request`'s key, in the driver task: a
-    /// retry of a request the chain ran before (its front end lost the answer in a fail-over or
-    /// a pause), though later writes replaced its row, gets its first reply — the read committed
-    /// every write of the key so far, that request's included; any other request executes with
-    /// the store's semantics. The outcome goes to `decided`; the write, if any, to the chain.
-    fn decide(
-        &self,
-        partition: u32,
-        request: Routed,
-        id: RequestId,
-        decided: Arc<Mutex<Option<Decided>>>,
-    ) -> driver::Then {
-        let recent = Arc::clone(&self.recent);
-        let config = Arc::clone(&self.config);
-        let floor = Arc::clone(&self.floor);
-        let clock = Arc::clone(&self.clock);
-        Box::new(move |value, version| {
-            let (outcome, write) = match recent.first_reply(partition, &id, clock.now_ms()) {
-                Err(recent::Unsynced) => (Decided::Unsynced, None),
-                Ok(Some(first)) => (
-                    Decided::Reply {
-                        reply: Executed {
-                            payload: first.reply.to_vec(),
-                            ts: first.reply_ts.as_ref().map(Hlc::to_string),
-                        },
-                        row: value,
-                    },
-                    None,
-                ),
-                Ok(None) => {
-                    let now = floor.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                    let (step, high) = head::step(
-                        &config,
-                        &request,
-                        value.as_deref(),
-                        clock.now_ms(),
-                        now.as_ref(),
-                    );
-                    if let Some(high) = high {
-                        let mut floor = floor.lock().unwrap_or_else(|p| p.into_inner());
-                        if floor.as_ref().is_none_or(|f| high > *f) {
-                            *floor = Some(high);
-                        }
-                    }
-                    match step {
-                        Step::Reply(reply) => (Decided::Reply { reply, row: value }, None),
-                        Step::Write {
-                            value: new_value,
-                            version: new_version,
-                            reply,
-                        } => {
-                            let expect = match (&value, version) {
-                                (Some(_), Some(current)) => Expect::Version(current),
-                                _ => Expect::Absent,
-                            };
-                            // Read before the row moves into the chain: its deadline and
-                            // change, once committed.
-                            let delta = rows::delta_of(&new_value);
-                            let write = Write {
-                                key: request.key,
-                                value: Some(new_value),
-                                version: new_version,
-                                expect,
-                            };
-                            (Decided::Write { delta, reply }, Some(write))
-                        }
-                    }
-                }
-            };
-            *decided.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
-            write
-        })
-    }
-}
-
-/// What the head decided on a request's committed row ([`Replication::decide`]).
-enum Decided {
-    /// Answered without a write: an error, a read, a condition not met, or a retry's first
-    /// reply; `row` is the committed row (for a retry's change to be notified again).
-    Reply {
-        reply: Executed,
-        row: Option<Vec<u8>>,
-    },
-    /// The row written through the chain: its change and the reply once committed.
-    Write {
-        delta: Result<mqstate_store::Delta, mqstate_store::StoreError>,
-        reply: Executed,
-    },
-    /// This head has not learnt the requests the chain ran yet ([`recent`]).
-    Unsynced,
 }
 
 fn not_served(partition: u32, answer: &Answer) -> String {
