@@ -62,6 +62,24 @@ impl Server {
         server
     }
 
+    /// Starts a one-member cluster on a fresh data directory, whatever [`CHAIN_OF_ONE_ENV`] says,
+    /// once its chains serve.
+    pub fn start_chain_of_one() -> Server {
+        let temp = tempfile::tempdir().expect("temp dir");
+        let data_dir = temp.path().join("data");
+        let mut server = Server {
+            child: None,
+            addr: free_addr(),
+            cluster_addr: Some(free_addr()),
+            data_dir,
+            extra_args: Vec::new(),
+            env: Vec::new(),
+            _temp: Some(temp),
+        };
+        server.spawn();
+        server
+    }
+
     /// Starts a server on `data_dir` (which the caller owns) with extra `serve` flags and
     /// environment variables.
     pub fn start_in(data_dir: &Path, extra_args: &[&str], env: &[(&str, &str)]) -> Server {
