@@ -64,6 +64,8 @@ pub enum Command {
 pub enum DataError {
     #[error("{}: no such directory; pass the directory given to `mqstate serve --data-dir`", .0.display())]
     NoDirectory(PathBuf),
+    #[error("{}: a file, not a directory; pass the directory given to `mqstate serve --data-dir`", .0.display())]
+    NotADirectory(PathBuf),
     #[error(transparent)]
     Wal(#[from] WalError),
     #[error(
@@ -102,6 +104,8 @@ pub fn run(cmd: Command) -> ExitCode {
 fn existing_dir(dir: &Path) -> Result<(), DataError> {
     if dir.is_dir() {
         Ok(())
+    } else if dir.exists() {
+        Err(DataError::NotADirectory(dir.to_path_buf()))
     } else {
         Err(DataError::NoDirectory(dir.to_path_buf()))
     }
@@ -202,11 +206,21 @@ fn inspect(dir: &Path, as_json: bool, max_bytes: usize) -> Result<ExitCode, Data
     let mut sessions_json = Value::Null;
     let mut chains_json = Value::Null;
     let mut store_json = Value::Null;
-    for log in Log::present(dir) {
+    let logs = Log::present(dir);
+    let only_store = logs.len() == 1;
+    for log in logs {
         let log_dir = log.dir(dir);
         let report = tools::inspect(&log_dir, &|data: &[u8]| {
             log.describe(data, max_bytes, as_json)
         })?;
+        if only_store
+            && report.metadata.is_none()
+            && report.snapshot.is_none()
+            && report.segments.is_empty()
+        {
+            // Nothing to show, and exit 0 would read as "an empty data directory".
+            return Err(WalError::NotADataDirectory { path: log_dir }.into());
+        }
         let snapshot = SnapshotFacts::read(log, &log_dir);
         if as_json {
             let doc = report_json(&report, &snapshot);

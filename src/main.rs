@@ -14,6 +14,7 @@ mod cluster;
 mod data;
 mod manual;
 mod metrics;
+mod repeated_logs;
 mod serve;
 mod settings;
 
@@ -93,7 +94,7 @@ fn main() -> ExitCode {
                 Run::Serve(settings)
             }
             Err(e) => {
-                eprintln!("mqstate: {e:#}");
+                eprintln!("mqstate: {}", error_chain(&e));
                 return ExitCode::FAILURE;
             }
         },
@@ -112,7 +113,7 @@ fn main() -> ExitCode {
                 return match serve::run(settings).await {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {
-                        eprintln!("mqstate: {e:#}");
+                        eprintln!("mqstate: {}", error_chain(&e));
                         ExitCode::FAILURE
                     }
                 }
@@ -130,12 +131,29 @@ fn main() -> ExitCode {
             Command::Passwd(args) => match auth::passwd::run(args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("mqstate passwd: {e:#}");
+                    eprintln!("mqstate passwd: {}", error_chain(&e));
                     ExitCode::FAILURE
                 }
             },
         }
     })
+}
+
+/// An error and its causes, `: `-separated like `{:#}`, except a cause whose text the message
+/// before it already ends with (an error that prints its source, an `io::Error` most often): one
+/// "Permission denied (os error 13)", not two.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.is_empty() {
+            text = part;
+        } else if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+    }
+    text
 }
 
 /// `mqstate data inspect | head` and `mqstate scan '*' | head` end quietly when the reader goes away,
@@ -147,4 +165,30 @@ fn quiet_on_closed_pipe() {
     // SAFETY: SIG_DFL installs no handler code, and this runs before any other thread exists (the
     // async runtime is built afterwards), so nothing races with the change of disposition.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("open the lock file /d/LOCK: {source}")]
+    struct Shows {
+        #[source]
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn a_cause_the_message_already_shows_is_printed_once() {
+        let io = std::io::Error::from_raw_os_error(13);
+        let shown = io.to_string();
+        let e =
+            anyhow::Error::new(Shows { source: io }).context("cannot open the data directory /d");
+        assert_eq!(
+            error_chain(&e),
+            format!("cannot open the data directory /d: open the lock file /d/LOCK: {shown}")
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_chain(&plain), "outer: inner");
+    }
 }

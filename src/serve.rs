@@ -495,16 +495,25 @@ async fn shutdown_signal() {
 }
 
 fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .map_err(|e| anyhow::anyhow!("invalid log filter {filter:?}: {e}"))?;
     // Colour codes only on a terminal: in a file or the journal they are noise (`\x1b[2m…`).
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let layer = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
+    let repeats = crate::repeated_logs::RepeatedLogs::default();
+    let registry = tracing_subscriber::registry();
     let result = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => registry
+            .with(layer.with_filter(filter).with_filter(repeats))
+            .try_init(),
+        LogFormat::Json => registry
+            .with(layer.json().with_filter(filter).with_filter(repeats))
+            .try_init(),
     };
     result.map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
 }

@@ -30,20 +30,17 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use std::collections::BTreeMap;
 
-use rumqttc::v5::mqttbytes::v5::{
-    ConnectReturnCode, LastWill, LastWillProperties, Packet, PingReq, PubAck, Publish,
-};
+use rumqttc::v5::mqttbytes::v5::{LastWill, LastWillProperties, Packet, PingReq, PubAck, Publish};
 use rumqttc::v5::mqttbytes::QoS;
 
-use common::cluster::formed_cluster;
-use common::mqtt::{Connected, Raw};
-use common::state::{hlc_now, request_properties, StateClient, INVOKE_TOPIC, OK};
+use common::cluster::three_nodes;
+use common::mqtt::Raw;
+use common::state::{hlc_now, request_properties, set_note, StateClient, INVOKE_TOPIC, OK};
 
 /// Hang guard of every wait (fail-over, adoption, expiry): generous, the machine is shared.
 const WAIT: Duration = Duration::from_secs(120);
 
-/// Connects as a client should: retrying while the server refuses retryably (0x88 while the
-/// session's partition is between heads, 0x89), within [`WAIT`].
+/// [`Raw::accept_within`] [`WAIT`].
 async fn accepted(
     addr: SocketAddr,
     id: &str,
@@ -51,25 +48,7 @@ async fn accepted(
     expiry: u32,
     will: Option<LastWill>,
 ) -> (Raw, bool) {
-    let started = Instant::now();
-    loop {
-        match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
-            Connected::Accepted {
-                client,
-                session_present,
-            } => return (client, session_present),
-            Connected::Refused(
-                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
-            ) => {
-                assert!(
-                    started.elapsed() < WAIT,
-                    "{id} still refused ({code:?}) after {WAIT:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
-        }
-    }
+    Raw::accept_within(addr, id, clean_start, expiry, will, WAIT).await
 }
 
 /// The will of `id`: on `will/<id>`, QoS 1, after `delay` seconds.
@@ -110,18 +89,6 @@ async fn next_will(watcher: &mut Raw) -> String {
     }
 }
 
-/// The payload of a SET notification of `value`.
-fn set_note(value: &[u8]) -> Vec<u8> {
-    let mut out = format!(
-        "*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n${}\r\n",
-        value.len()
-    )
-    .into_bytes();
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
-    out
-}
-
 /// `observer` (subscribed to its response topic) sends KEYNOTIFY `key` and waits for `+OK`.
 async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
     let response_topic = format!("clients/{id}/statestore/response");
@@ -155,13 +122,7 @@ async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
     let (mut watcher, _) = accepted(n2, "will-watcher", true, 0, None).await;
     watcher.subscribe("will/#", QoS::AtLeastOnce).await;
@@ -324,13 +285,7 @@ async fn retained_at(addr: SocketAddr, id: &str) -> BTreeMap<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retained_clears_and_replacements_reach_a_node_that_was_down() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
     let (mut publisher, _) = accepted(n1, "retainer", true, 0, None).await;
     // Node 3 holds both messages (the nodes' mesh forms in the background: publish again
     // until it does).
@@ -443,13 +398,7 @@ async fn publish_sequence(
 /// nothing; both lost.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publishes_acknowledged_while_a_dead_nodes_session_awaits_adoption_are_not_lost() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
     let (mut subscriber, present) = accepted(n1, "held-sub", false, 3600, None).await;
     assert!(!present);

@@ -20,46 +20,21 @@ use std::time::{Duration, Instant};
 use rumqttc::v5::mqttbytes::v5::ConnectReturnCode;
 use rumqttc::v5::mqttbytes::QoS;
 
-use common::cluster::formed_cluster;
+use common::cluster::three_nodes;
 use common::mqtt::{Connected, Raw, Received};
 
 /// How long a reconnect may keep being refused retryably (fail-over included) before the test
 /// gives up: generous, the machine is shared.
 const RECONNECT_WITHIN: Duration = Duration::from_secs(120);
 
-/// Connects as a client should: retrying while the server refuses retryably (0x88 while the
-/// session's partition is between heads, 0x89), within [`RECONNECT_WITHIN`].
+/// [`Raw::accept_within`] [`RECONNECT_WITHIN`], without a will.
 async fn accepted(addr: SocketAddr, id: &str, clean_start: bool, expiry: u32) -> (Raw, bool) {
-    let started = Instant::now();
-    loop {
-        match Raw::connect(addr, id, clean_start, expiry).await {
-            Connected::Accepted {
-                client,
-                session_present,
-            } => return (client, session_present),
-            Connected::Refused(
-                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
-            ) => {
-                assert!(
-                    started.elapsed() < RECONNECT_WITHIN,
-                    "{id} still refused ({code:?}) after {RECONNECT_WITHIN:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
-        }
-    }
+    Raw::accept_within(addr, id, clean_start, expiry, None, RECONNECT_WITHIN).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_persistent_session_survives_kill_9_of_its_node() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
     let (mut sub, present) = accepted(n1, "survivor", false, 3600).await;
     assert!(!present, "a new session");
@@ -158,13 +133,7 @@ async fn a_persistent_session_survives_kill_9_of_its_node() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_moves_between_live_nodes_and_a_clean_start_discards_it() {
-    let root = tempfile::tempdir().unwrap();
-    let nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, _nodes, [n1, n2, n3]) = three_nodes();
 
     let (mut sub, present) = accepted(n1, "mover", false, 3600).await;
     assert!(!present);

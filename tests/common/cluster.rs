@@ -57,6 +57,19 @@ pub fn formed_cluster(root: &Path) -> Vec<Node> {
     nodes
 }
 
+/// [`formed_cluster`] for an async test (a multi-threaded runtime), in a fresh directory: the
+/// directory (keep it), the nodes and their MQTT addresses.
+pub fn three_nodes() -> (tempfile::TempDir, Vec<Node>, [SocketAddr; 3]) {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let addrs = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    (root, nodes, addrs)
+}
+
 pub fn start_node(root: &Path, id: u64, cluster_addr: SocketAddr, membership: &[&str]) -> Node {
     start_node_with(root, id, cluster_addr, membership, &[])
 }

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
@@ -343,6 +343,38 @@ impl Raw {
             },
             Packet::ConnAck(ack) => Connected::Refused(ack.code),
             other => panic!("expected CONNACK, got {other:?}"),
+        }
+    }
+
+    /// Connects as a client should: retrying while the server refuses retryably (0x88 while the
+    /// session's partition is between heads, as during a fail-over; 0x89), for at most `bound`.
+    /// The client and Session Present; panics on any other refusal.
+    pub async fn accept_within(
+        addr: SocketAddr,
+        id: &str,
+        clean_start: bool,
+        expiry: u32,
+        will: Option<LastWill>,
+        bound: Duration,
+    ) -> (Raw, bool) {
+        let started = Instant::now();
+        loop {
+            match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
+                Connected::Accepted {
+                    client,
+                    session_present,
+                } => return (client, session_present),
+                Connected::Refused(
+                    code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
+                ) => {
+                    assert!(
+                        started.elapsed() < bound,
+                        "{id} still refused ({code:?}) after {bound:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
+            }
         }
     }
 

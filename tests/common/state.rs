@@ -21,6 +21,13 @@ pub fn bulk(value: &[u8]) -> bytes::Bytes {
     mqstate_protocol::Reply::Bulk(bytes::Bytes::copy_from_slice(value)).encode()
 }
 
+/// The payload of the KEYNOTIFY notification of a SET to `value`.
+pub fn set_note(value: &[u8]) -> Vec<u8> {
+    let mut out = b"*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n".to_vec();
+    out.extend_from_slice(&bulk(value));
+    out
+}
+
 pub fn hlc_now() -> String {
     hlc_in(0)
 }

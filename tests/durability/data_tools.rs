@@ -505,7 +505,7 @@ fn repair_rebuilds_a_damaged_metadata_file() {
     runtime().block_on(set_keys(server.addr, &numbered(4)));
 }
 
-/// Issue 11 item 12: `data verify /etc` said clean.
+/// Issue 11 item 12: `data verify /etc` said clean (and `inspect` showed it as empty).
 #[test]
 fn verify_of_a_directory_that_is_not_a_data_directory_is_not_clean() {
     let other = tempfile::tempdir().unwrap();
@@ -524,6 +524,19 @@ fn verify_of_a_directory_that_is_not_a_data_directory_is_not_clean() {
             "{}",
             text(&out.stdout)
         );
+        // Nor does inspect show it as an empty data directory.
+        let out = data_tool(&["inspect"], &dir);
+        let complaint = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{}: {complaint}", dir.display());
+        assert!(complaint.contains("not a data directory"), "{complaint}");
+    }
+    // A file given for the directory: named as a file, not as missing.
+    let file = other.path().join("hosts");
+    for tool in ["inspect", "verify"] {
+        let out = data_tool(&[tool], &file);
+        let complaint = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{tool}: {complaint}");
+        assert!(complaint.contains("not a directory"), "{tool}: {complaint}");
     }
 }
 
@@ -679,4 +692,32 @@ fn a_data_directory_in_use_refuses_a_second_server_and_repair() {
 
     // The first server is untouched and keeps serving.
     runtime().block_on(set_keys(server.addr, &numbered(1)));
+}
+
+/// A data directory that is a file, or that this user may not write: the server refuses to start,
+/// naming the path and the cause once.
+#[test]
+fn a_data_directory_that_is_a_file_is_refused_naming_it() {
+    let temp = tempfile::tempdir().unwrap();
+    let dir = temp.path().join("data");
+    fs::write(&dir, b"not a directory").unwrap();
+    let log = temp.path().join("serve.log");
+    let (mut server, _) = spawn_serve(&dir, &log);
+    let status = wait_exit(&mut server, "a server on a file as its data directory");
+    assert!(!status.success());
+    let refusal = fs::read_to_string(&log).unwrap();
+    assert!(
+        refusal.contains(&dir.display().to_string()) && refusal.contains("not a directory"),
+        "the refusal names the path and why: {refusal}"
+    );
+    assert_eq!(
+        refusal.matches("not a directory").count(),
+        1,
+        "the cause once: {refusal}"
+    );
+    assert_eq!(
+        fs::read(&dir).unwrap(),
+        b"not a directory",
+        "the file is untouched"
+    );
 }

@@ -277,3 +277,42 @@ async fn hostile_clients_leave_memory_bounded_and_others_served() {
     );
     drop((stuck, flooder));
 }
+
+/// Bytes that are not MQTT, sent where a CONNECT should come: the connection is closed and the
+/// log says why, naming the peer.
+#[test]
+fn garbage_instead_of_connect_is_closed_with_a_log_line_naming_the_problem() {
+    let addr = common::free_addr();
+    let listen = addr.to_string();
+    let server = std::thread::spawn(move || {
+        common::serve_stderr(
+            &["--listen", &listen],
+            &[("MQSTATE_LOG", "info")],
+            "handshake refused",
+        )
+    });
+    let deadline = std::time::Instant::now() + common::START_TIMEOUT;
+    let mut socket = loop {
+        match std::net::TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) => {
+                assert!(std::time::Instant::now() < deadline, "no server: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    };
+    use std::io::{Read, Write};
+    socket.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    socket.set_read_timeout(Some(GUARD)).unwrap();
+    let mut reply = Vec::new();
+    let _ = socket.read_to_end(&mut reply);
+    assert!(reply.is_empty(), "no reply to garbage: {reply:?}");
+    let (stderr, status) = server.join().unwrap();
+    assert!(status.is_none(), "the server is still up: {stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("handshake refused"))
+        .unwrap_or_else(|| panic!("no log line: {stderr}"));
+    assert!(line.contains("not an MQTT CONNECT"), "{line}");
+    assert!(line.contains("127.0.0.1"), "{line}");
+}

@@ -14,22 +14,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::cluster::{formed_cluster, AGREEMENT_TIMEOUT};
-use common::state::{StateClient, OK};
+use common::state::{set_note, StateClient, OK};
 
 /// A hang guard for the whole test, not a performance claim: three processes on a loaded machine.
 const TEST_BOUND: Duration = Duration::from_secs(300);
-
-/// The payload of a SET notification of `value`.
-fn set_note(value: &[u8]) -> Vec<u8> {
-    let mut out = format!(
-        "*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n${}\r\n",
-        value.len()
-    )
-    .into_bytes();
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
-    out
-}
 
 /// A state-store client with a persistent session (clean start off, an hour's expiry) on `addr`,
 /// connecting again while the cluster fails over (bounded).

@@ -15,7 +15,7 @@ use rumqttc::v5::{AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, S
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use common::state::parse_scan;
+use common::state::{parse_scan, set_note};
 
 const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 const NOTIFY_PREFIX: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/";
@@ -112,12 +112,6 @@ fn notify_topic(client_id: &str, key: &[u8]) -> String {
 }
 
 const NOTIFY_DELETE: &[u8] = b"*2\r\n$6\r\nNOTIFY\r\n$6\r\nDELETE\r\n";
-
-fn notify_set(value: &[u8]) -> Vec<u8> {
-    let mut out = b"*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n".to_vec();
-    out.extend_from_slice(&bulk(value));
-    out
-}
 
 fn user_prop<'a>(props: &'a PublishProperties, name: &str) -> Option<&'a str> {
     let mut values = props
@@ -1261,7 +1255,7 @@ async fn keynotify_topics_payloads_and_order() {
         n.topic(),
         "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/636C69656E742D696431/command/notify/534F4D454B4559"
     );
-    assert_eq!(n.payload(), &notify_set(b"hello")[..]);
+    assert_eq!(n.payload(), &set_note(b"hello")[..]);
     assert_eq!(
         n.ts(),
         set.ts(),
@@ -1274,7 +1268,7 @@ async fn keynotify_topics_payloads_and_order() {
 
     let set_empty = w.expect(&[b"SET", key, b""], b"+OK\r\n").await;
     let n = w.notification().await;
-    assert_eq!(n.payload(), &notify_set(b"")[..]);
+    assert_eq!(n.payload(), &set_note(b"")[..]);
     assert_eq!(n.ts(), set_empty.ts());
 
     // Not notified: a SET not applied, DEL/VDEL of a missing key, a VDEL mismatch.
@@ -1292,7 +1286,7 @@ async fn keynotify_topics_payloads_and_order() {
     w.expect(&[b"DEL", key], b":0\r\n").await;
     w.expect(&[b"VDEL", key, b"x"], b":0\r\n").await;
     w.expect(&[b"SET", key, b"v"], b"+OK\r\n").await;
-    assert_eq!(w.notification().await.payload(), &notify_set(b"v")[..]);
+    assert_eq!(w.notification().await.payload(), &set_note(b"v")[..]);
     let vdel = w.expect(&[b"VDEL", key, b"v"], b":1\r\n").await;
     let n = w.notification().await;
     assert_eq!(n.payload(), NOTIFY_DELETE);
@@ -1343,8 +1337,8 @@ async fn notifications_go_to_each_observer_exactly_once() {
     let n1 = watcher.notification().await;
     let n2 = watcher.notification().await;
     assert_eq!(n1.topic(), notify_topic("wire-watcher", b"k"));
-    assert_eq!((n1.payload(), n1.ts()), (&notify_set(b"1")[..], set1.ts()));
-    assert_eq!((n2.payload(), n2.ts()), (&notify_set(b"2")[..], set2.ts()));
+    assert_eq!((n1.payload(), n1.ts()), (&set_note(b"1")[..], set1.ts()));
+    assert_eq!((n2.payload(), n2.ts()), (&set_note(b"2")[..], set2.ts()));
     // A round trip after the writes: a duplicate would be queued before this reply.
     watcher.expect(&[b"GET", b"k"], b"$1\r\n2\r\n").await;
     watcher.assert_no_notification();
@@ -1385,7 +1379,7 @@ async fn expiry_is_active_and_notifies_delete() {
     let set = w
         .expect(&[b"SET", b"k", b"v", b"PX", b"300"], b"+OK\r\n")
         .await;
-    assert_eq!(w.notification().await.payload(), &notify_set(b"v")[..]);
+    assert_eq!(w.notification().await.payload(), &set_note(b"v")[..]);
     // No reads: only an active expiry can produce this DELETE (WAIT bounds the test, not the server).
     let n = w.notification().await;
     assert_eq!(n.payload(), NOTIFY_DELETE);

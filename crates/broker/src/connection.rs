@@ -262,7 +262,7 @@ pub(crate) async fn open(
             tracing::debug!(%peer, "no CONNECT within the connect timeout; closing");
             return None;
         }
-        Ok(Err(reply)) => {
+        Ok(Err((reply, why))) => {
             if !reply.is_empty() {
                 let _ = tokio::time::timeout(
                     inner.config.close_timeout,
@@ -270,7 +270,7 @@ pub(crate) async fn open(
                 )
                 .await;
             }
-            tracing::debug!(%peer, "handshake refused");
+            tracing::info!(%peer, why, "handshake refused");
             return None;
         }
         Ok(Ok(c)) => c,
@@ -314,7 +314,7 @@ pub(crate) async fn refuse_over_limit(
             )
             .await
         }
-        Ok(Err(reply)) if !reply.is_empty() => {
+        Ok(Err((reply, _))) if !reply.is_empty() => {
             let _ = tokio::time::timeout(close_timeout, transport::send(&mut stream, &reply)).await;
         }
         _ => {}
@@ -327,15 +327,16 @@ async fn read_connect(
     rd: &mut Stream,
     rbuf: &mut BytesMut,
     max_packet_size: u32,
-) -> Result<(Codec, Box<ConnectInfo>), BytesMut> {
+) -> Result<(Codec, Box<ConnectInfo>), (BytesMut, &'static str)> {
     let mut codec: Option<Codec> = None;
     loop {
         if codec.is_none() {
             match codec::probe(rbuf) {
                 Probe::Incomplete => {}
-                Probe::NotMqtt => return Err(BytesMut::new()),
+                Probe::NotMqtt => return Err((BytesMut::new(), "not an MQTT CONNECT")),
                 Probe::UnsupportedLevel(level) => {
-                    return Err(BytesMut::from(codec::unsupported_level_connack(level)))
+                    let reply = BytesMut::from(codec::unsupported_level_connack(level));
+                    return Err((reply, "unsupported MQTT protocol level"));
                 }
                 Probe::Mqtt(v) => codec = Some(Codec::new(v, max_packet_size)),
             }
@@ -344,23 +345,23 @@ async fn read_connect(
             match c.decode(rbuf) {
                 Ok(Some(Inbound::Connect(connect))) => {
                     let Some(codec) = codec else {
-                        return Err(BytesMut::new());
+                        return Err((BytesMut::new(), "no codec"));
                     };
                     return Ok((codec, connect));
                 }
-                Ok(Some(_)) => return Err(BytesMut::new()),
+                Ok(Some(_)) => return Err((BytesMut::new(), "the first packet is not a CONNECT")),
                 Ok(None) => {}
                 Err(v) => {
                     let mut reply = BytesMut::new();
                     if c.version() == Version::V5 || v.code == reason::CLIENT_ID_NOT_VALID {
                         c.refuse_connack(v.code, Some(v.reason), &mut reply);
                     }
-                    return Err(reply);
+                    return Err((reply, v.reason));
                 }
             }
         }
         match transport::read_some(rd, rbuf).await {
-            Ok(0) | Err(_) => return Err(BytesMut::new()),
+            Ok(0) | Err(_) => return Err((BytesMut::new(), "closed before its CONNECT")),
             Ok(_) => {}
         }
     }

@@ -483,8 +483,15 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn fan_out_reaches_the_journal_in_client_id_order() {
+    /// A router whose sessions' changes a [`Recorder`] keeps, on a manual clock at 1 000 ms.
+    struct Fixture {
+        recorder: Arc<Recorder>,
+        journal: Arc<dyn SessionJournal>,
+        clock: SharedClock,
+        router: Router,
+    }
+
+    fn router_for_test() -> Fixture {
         let recorder = Arc::new(Recorder::default());
         let journal: Arc<dyn SessionJournal> = recorder.clone();
         let clock: SharedClock = Arc::new(ManualClock::starting_at(1_000));
@@ -494,35 +501,57 @@ mod tests {
             Some(journal.clone()),
             clock.clone(),
         );
-        // Created in an order that is neither sorted nor the order of their addresses.
-        for id in ["m", "b", "z", "a", "q"] {
+        Fixture {
+            recorder,
+            journal,
+            clock,
+            router,
+        }
+    }
+
+    impl Fixture {
+        /// A session `id` subscribed at QoS 1 to `t/+`, or, for `q`, in the shared group
+        /// `$share/g/t/#`.
+        fn subscriber(&self, id: &str) {
             let session = Arc::new(SessionHandle::new(
                 id.into(),
                 60,
-                Some(journal.clone()),
-                clock.clone(),
+                Some(self.journal.clone()),
+                self.clock.clone(),
             ));
             drop(session.lock()); // hands its Created to the journal
             let filter = if id == "q" { "$share/g/t/#" } else { "t/+" };
-            router.subscribe(
+            self.router.subscribe(
                 &session,
                 parse_filter(filter).unwrap(),
                 options(QoS::AtLeastOnce),
             );
         }
-        recorder.0.lock().unwrap().clear();
-        let routed = router.route(
-            Message {
-                topic: "t/1".into(),
-                payload: Bytes::from_static(b"x"),
-                qos: QoS::AtLeastOnce,
-                retain: false,
-                properties: Default::default(),
-            },
-            None,
-        );
+    }
+
+    /// A QoS 1 message on `t/1`.
+    fn message() -> Message {
+        Message {
+            topic: "t/1".into(),
+            payload: Bytes::from_static(b"x"),
+            qos: QoS::AtLeastOnce,
+            retain: false,
+            properties: Default::default(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fan_out_reaches_the_journal_in_client_id_order() {
+        let test = router_for_test();
+        // Created in an order that is neither sorted nor the order of their addresses.
+        for id in ["m", "b", "z", "a", "q"] {
+            test.subscriber(id);
+        }
+        test.recorder.0.lock().unwrap().clear();
+        let routed = test.router.route(message(), None);
         assert_eq!(routed.offered, 5);
-        let order: Vec<String> = recorder
+        let order: Vec<String> = test
+            .recorder
             .0
             .lock()
             .unwrap()
@@ -565,15 +594,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_redelivery_reaches_only_sessions_put_back_since() {
-        let recorder = Arc::new(Recorder::default());
-        let journal: Arc<dyn SessionJournal> = recorder.clone();
-        let clock: SharedClock = Arc::new(ManualClock::starting_at(1_000));
-        let router = Router::new(
-            QueueLimit::messages(10),
-            0,
-            Some(journal.clone()),
-            clock.clone(),
-        );
+        let test = router_for_test();
+        let (router, clock) = (&test.router, &test.clock);
         assert!(router.attach_peers(Arc::new(Alone)));
         let since = clock.now();
         let second = std::time::Duration::from_secs(1);
@@ -584,34 +606,16 @@ mod tests {
             ("c", since.checked_sub(second)),
             ("q", Some(since + second)),
         ] {
-            let session = Arc::new(SessionHandle::new(
-                id.into(),
-                60,
-                Some(journal.clone()),
-                clock.clone(),
-            ));
-            drop(session.lock());
-            let filter = if id == "q" { "$share/g/t/#" } else { "t/+" };
-            router.subscribe(
-                &session,
-                parse_filter(filter).unwrap(),
-                options(QoS::AtLeastOnce),
-            );
+            test.subscriber(id);
             if let Some(at) = put_back {
                 router.note_put_back(id.into(), at);
             }
         }
-        recorder.0.lock().unwrap().clear();
-        let message = Message {
-            topic: "t/1".into(),
-            payload: Bytes::from_static(b"x"),
-            qos: QoS::AtLeastOnce,
-            retain: false,
-            properties: Default::default(),
-        };
-        let routed = router.route_redelivered(message, None, (clock.now(), 1_000), since);
+        test.recorder.0.lock().unwrap().clear();
+        let routed = router.route_redelivered(message(), None, (clock.now(), 1_000), since);
         assert_eq!(routed.offered, 1);
-        let got: Vec<String> = recorder
+        let got: Vec<String> = test
+            .recorder
             .0
             .lock()
             .unwrap()

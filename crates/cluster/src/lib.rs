@@ -17,6 +17,8 @@ pub mod log_store;
 pub mod network;
 pub mod node;
 pub mod partition;
+#[cfg(feature = "sim")]
+pub mod sim;
 pub mod state_machine;
 pub mod status;
 pub mod transport;

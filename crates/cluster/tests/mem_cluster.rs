@@ -3,45 +3,25 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
+use mqstate_cluster::sim::{mem_addr as addr, mem_node, quick_config, state_of};
 use mqstate_cluster::transport::mem::MemNetwork;
-use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
+use mqstate_cluster::{ClusterNode, NodeId, Status};
 
 const PARTITIONS: u32 = 6;
-
-fn addr(id: NodeId) -> String {
-    format!("node-{id}")
-}
 
 fn peers(ids: &[NodeId]) -> BTreeMap<NodeId, String> {
     ids.iter().map(|&id| (id, addr(id))).collect()
 }
 
 async fn start(net: &MemNetwork, root: &Path, id: NodeId, founders: &[NodeId]) -> ClusterNode {
-    let config = NodeConfig {
-        id,
-        addr: addr(id),
-        peers: peers(founders),
-        join: founders.is_empty(),
-        dir: root.join(format!("n{id}")),
-        map: MapConfig {
-            partition_count: PARTITIONS,
-            replication_factor: 3,
-            lease_ms: 600,
-            clock_factor_ms: 200,
-        },
-        heartbeat: Duration::from_millis(50),
-        election_timeout: Duration::from_millis(300),
-        election_timeout_max: None,
-        clock: mqstate_clock::system(),
-    };
-    let node = ClusterNode::start(config, Arc::new(net.transport(&addr(id))))
-        .await
-        .expect("node starts");
-    net.register(&addr(id), node.handler());
-    node
+    let dir = root.join(format!("n{id}"));
+    mem_node(
+        net,
+        quick_config(id, addr(id), peers(founders), dir, PARTITIONS),
+    )
+    .await
 }
 
 async fn crash(net: &MemNetwork, node: ClusterNode) {
@@ -62,14 +42,6 @@ async fn eventually(nodes: &[&ClusterNode], what: &str, check: impl Fn(&Status) 
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-fn state_of(status: &Status, id: NodeId) -> Option<&str> {
-    status
-        .members
-        .iter()
-        .find(|m| m.id == id)
-        .map(|m| m.state.as_str())
 }
 
 fn settled(status: &Status) -> bool {

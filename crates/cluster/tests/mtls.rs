@@ -9,11 +9,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mqstate_cluster::sim::{eventually, quick_config, state_of};
 use mqstate_cluster::transport::socket::TokioTcp;
 use mqstate_cluster::transport::tcp::{serve_with, TcpTransport};
 use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::transport::{Request, Response, Transport, TransportError};
-use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
+use mqstate_cluster::{ClusterNode, NodeId};
 use mqstate_testcerts::Ca;
 use tokio::net::TcpListener;
 
@@ -56,23 +57,8 @@ async fn start(
     peers: &BTreeMap<NodeId, String>,
     tls: NodeTls,
 ) -> ClusterNode {
-    let config = NodeConfig {
-        id,
-        addr: peers[&id].clone(),
-        peers: peers.clone(),
-        join: false,
-        dir: root.join(format!("n{id}")),
-        map: MapConfig {
-            partition_count: 4,
-            replication_factor: 3,
-            lease_ms: 600,
-            clock_factor_ms: 200,
-        },
-        heartbeat: Duration::from_millis(50),
-        election_timeout: Duration::from_millis(300),
-        election_timeout_max: None,
-        clock: mqstate_clock::system(),
-    };
+    let dir = root.join(format!("n{id}"));
+    let config = quick_config(id, peers[&id].clone(), peers.clone(), dir, 4);
     let transport = TcpTransport::over(Arc::new(TokioTcp), Some(tls.clone()));
     let node = ClusterNode::start(config, Arc::new(transport))
         .await
@@ -84,25 +70,6 @@ async fn start(
         std::future::pending(),
     ));
     node
-}
-
-async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not within 30 s: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn state_of(status: &Status, id: NodeId) -> Option<&str> {
-    status
-        .members
-        .iter()
-        .find(|m| m.id == id)
-        .map(|m| m.state.as_str())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,12 +23,13 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mqstate_clock::Clock;
+use mqstate_cluster::sim::{
+    addr, data_root, env_u64, host, sim_config, sim_transport, SimClock, SimListener, PORT,
+};
 use mqstate_cluster::status::PartitionStatus;
-use mqstate_cluster::transport::socket::{Accept, BoxStream, Connect};
-use mqstate_cluster::transport::tcp::{serve, TcpTransport};
-use mqstate_cluster::transport::{AdminRequest, BoxFuture, Request, Response, Transport};
-use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig, NodeId};
+use mqstate_cluster::transport::tcp::serve;
+use mqstate_cluster::transport::{AdminRequest, Request, Response, Transport};
+use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -38,64 +39,12 @@ const NODES: [NodeId; 4] = [1, 2, 3, 4];
 const FOUNDERS: [NodeId; 3] = [1, 2, 3];
 const JOINER: NodeId = 4;
 const PARTITIONS: u32 = 4;
-const PORT: u16 = 7000;
 const LEASE_MS: u64 = 1_000;
 /// Live nodes report what they see every this many simulated milliseconds, all at once.
 const SAMPLE_EVERY_MS: u64 = 2;
 const CLOCK_FACTOR_MS: u64 = 300;
 /// Once the faults stop: this long for every node to converge.
 const SETTLE: Duration = Duration::from_secs(30);
-/// The simulation's wall clock starts here (2026-01-01).
-const EPOCH_MS: u64 = 1_767_225_600_000;
-
-fn addr(id: NodeId) -> String {
-    format!("n{id}:{PORT}")
-}
-
-fn host(id: NodeId) -> String {
-    format!("n{id}")
-}
-
-/// turmoil's simulated TCP behind the transport's socket port.
-struct SimConnect;
-
-impl Connect for SimConnect {
-    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, std::io::Result<BoxStream>> {
-        Box::pin(async move {
-            let stream = turmoil::net::TcpStream::connect(addr).await?;
-            Ok(Box::new(stream) as BoxStream)
-        })
-    }
-}
-
-struct SimListener(turmoil::net::TcpListener);
-
-impl Accept for SimListener {
-    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<(BoxStream, String)>> {
-        Box::pin(async move {
-            let (stream, peer) = self.0.accept().await?;
-            Ok((Box::new(stream) as BoxStream, peer.to_string()))
-        })
-    }
-}
-
-/// A node's wall clock: the simulation's, off by a fixed skew; monotonic time is tokio's (the
-/// host's simulated clock).
-#[derive(Debug)]
-struct SimClock {
-    skew_ms: i64,
-}
-
-impl Clock for SimClock {
-    fn now_ms(&self) -> u64 {
-        let elapsed = turmoil::sim_elapsed().unwrap_or_default().as_millis() as i64;
-        (EPOCH_MS as i64 + elapsed + self.skew_ms) as u64
-    }
-
-    fn now(&self) -> std::time::Instant {
-        tokio::time::Instant::now().into_std()
-    }
-}
 
 /// What a live node reported at one simulated millisecond.
 #[derive(Debug, Clone)]
@@ -260,26 +209,6 @@ impl Checker {
     }
 }
 
-fn env_u64(name: &str) -> Option<u64> {
-    let value = std::env::var(name).ok()?;
-    Some(
-        value
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={value:?} is not a number")),
-    )
-}
-
-fn data_root() -> tempfile::TempDir {
-    // tmpfs when there is one: the nodes fsync every append.
-    let shm = std::path::Path::new("/dev/shm");
-    if shm.is_dir() {
-        if let Ok(dir) = tempfile::tempdir_in(shm) {
-            return dir;
-        }
-    }
-    tempfile::tempdir().unwrap()
-}
-
 /// Runs one seed; returns its figures, or the violations with the seed to reproduce them.
 fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -303,29 +232,15 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
             let samples = samples.clone();
             async move {
                 let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
-                let election = Duration::from_millis(250 + 60 * id);
-                let config = NodeConfig {
-                    id,
-                    addr: addr(id),
-                    peers: if id == JOINER {
-                        BTreeMap::new()
-                    } else {
-                        FOUNDERS.iter().map(|&n| (n, addr(n))).collect()
-                    },
-                    join: id == JOINER,
-                    dir,
-                    map: MapConfig {
-                        partition_count: PARTITIONS,
-                        replication_factor: 3,
-                        lease_ms: LEASE_MS,
-                        clock_factor_ms: CLOCK_FACTOR_MS,
-                    },
-                    heartbeat: Duration::from_millis(50),
-                    election_timeout: election,
-                    election_timeout_max: Some(election + Duration::from_millis(1)),
-                    clock: Arc::new(SimClock { skew_ms }),
+                let map = MapConfig {
+                    partition_count: PARTITIONS,
+                    replication_factor: 3,
+                    lease_ms: LEASE_MS,
+                    clock_factor_ms: CLOCK_FACTOR_MS,
                 };
-                let transport = TcpTransport::over(Arc::new(SimConnect), None);
+                let clock = Arc::new(SimClock::fixed(skew_ms));
+                let config = sim_config(id, &FOUNDERS, dir, map, clock);
+                let transport = sim_transport();
                 let node = ClusterNode::start(config, Arc::new(transport)).await?;
                 tokio::spawn(serve(
                     SimListener(listener),
@@ -351,7 +266,7 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         let added = added.clone();
         sim.client("admin", async move {
             tokio::time::sleep(ask_at).await;
-            let transport = TcpTransport::over(Arc::new(SimConnect), None);
+            let transport = sim_transport();
             loop {
                 for id in FOUNDERS {
                     let request = Request::Admin(AdminRequest::AddNode {

@@ -85,6 +85,14 @@ impl DataDir {
     /// Creates `<data>/`, `log/` and `temp/` if missing.
     pub(crate) fn create(&self) -> Result<(), WalError> {
         for dir in [self.root.clone(), self.log_dir(), self.temp_dir()] {
+            if dir.exists() && !dir.is_dir() {
+                // create_dir_all would say only "File exists".
+                let e = std::io::Error::new(
+                    std::io::ErrorKind::NotADirectory,
+                    "it is a file, not a directory",
+                );
+                return Err(WalError::io("use as a directory", &dir)(e));
+            }
             fs::create_dir_all(&dir).map_err(WalError::io("create directory", &dir))?;
         }
         Ok(())

@@ -1,0 +1,207 @@
+//! Test support (feature `sim`): control-plane nodes in one process for the tests of this crate
+//! and of the crates above it — over the in-memory transport ([`mem_node`]) or as turmoil hosts on
+//! its simulated TCP and time ([`SimConnect`], [`SimListener`], [`SimClock`], [`sim_config`]).
+//! Never part of a release build.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mqstate_clock::{Clock, SharedClock};
+
+use crate::transport::mem::MemNetwork;
+use crate::transport::socket::{Accept, BoxStream, Connect};
+use crate::transport::tcp::TcpTransport;
+use crate::transport::BoxFuture;
+use crate::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
+
+/// A node's config with the quick timings the in-process tests use (a 600 ms lease, 300 ms
+/// election timeout) on the system clock; it joins when it lists no founders.
+pub fn quick_config(
+    id: NodeId,
+    addr: String,
+    peers: BTreeMap<NodeId, String>,
+    dir: PathBuf,
+    partition_count: u32,
+) -> NodeConfig {
+    NodeConfig {
+        id,
+        addr,
+        join: peers.is_empty(),
+        peers,
+        dir,
+        map: MapConfig {
+            partition_count,
+            replication_factor: 3,
+            lease_ms: 600,
+            clock_factor_ms: 200,
+        },
+        heartbeat: Duration::from_millis(50),
+        election_timeout: Duration::from_millis(300),
+        election_timeout_max: None,
+        clock: mqstate_clock::system(),
+    }
+}
+
+/// A node's address on a [`MemNetwork`].
+pub fn mem_addr(id: NodeId) -> String {
+    format!("node-{id}")
+}
+
+/// Starts the node `config` describes over `net` and has it answer at its address there.
+pub async fn mem_node(net: &MemNetwork, config: NodeConfig) -> ClusterNode {
+    let addr = config.addr.clone();
+    let node = ClusterNode::start(config, Arc::new(net.transport(&addr)))
+        .await
+        .expect("node starts");
+    net.register(&addr, node.handler());
+    node
+}
+
+/// Polls `check` until it holds; panics naming `what` after 30 s (on tokio's clock).
+pub async fn eventually(what: &str, check: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within 30 s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The state `status` gives member `id` ("up", "down", …), if it is a member.
+pub fn state_of(status: &Status, id: NodeId) -> Option<&str> {
+    status
+        .members
+        .iter()
+        .find(|m| m.id == id)
+        .map(|m| m.state.as_str())
+}
+
+/// The cluster port of every simulated host.
+pub const PORT: u16 = 7000;
+/// The simulation's wall clock starts here (2026-01-01).
+pub const EPOCH_MS: u64 = 1_767_225_600_000;
+
+/// The turmoil host name of node `id`.
+pub fn host(id: NodeId) -> String {
+    format!("n{id}")
+}
+
+/// Node `id`'s cluster address in the simulation.
+pub fn addr(id: NodeId) -> String {
+    format!("{}:{PORT}", host(id))
+}
+
+/// Simulated milliseconds since the simulation began (0 outside one).
+pub fn sim_ms() -> u64 {
+    turmoil::sim_elapsed().unwrap_or_default().as_millis() as u64
+}
+
+/// A simulated node's config: it founds the cluster with `founders`, or joins when it is not one
+/// of them. Its election timeout is its own and pinned (see [`NodeConfig::election_timeout_max`]).
+pub fn sim_config(
+    id: NodeId,
+    founders: &[NodeId],
+    dir: PathBuf,
+    map: MapConfig,
+    clock: SharedClock,
+) -> NodeConfig {
+    let join = !founders.contains(&id);
+    let election = Duration::from_millis(250 + 60 * id);
+    NodeConfig {
+        id,
+        addr: addr(id),
+        peers: if join {
+            BTreeMap::new()
+        } else {
+            founders.iter().map(|&n| (n, addr(n))).collect()
+        },
+        join,
+        dir,
+        map,
+        heartbeat: Duration::from_millis(50),
+        election_timeout: election,
+        election_timeout_max: Some(election + Duration::from_millis(1)),
+        clock,
+    }
+}
+
+/// The cluster transport over turmoil's simulated TCP.
+pub fn sim_transport() -> TcpTransport {
+    TcpTransport::over(Arc::new(SimConnect), None)
+}
+
+/// turmoil's simulated TCP behind the transport's socket port.
+pub struct SimConnect;
+
+impl Connect for SimConnect {
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, std::io::Result<BoxStream>> {
+        Box::pin(async move {
+            let stream = turmoil::net::TcpStream::connect(addr).await?;
+            Ok(Box::new(stream) as BoxStream)
+        })
+    }
+}
+
+pub struct SimListener(pub turmoil::net::TcpListener);
+
+impl Accept for SimListener {
+    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<(BoxStream, String)>> {
+        Box::pin(async move {
+            let (stream, peer) = self.0.accept().await?;
+            Ok((Box::new(stream) as BoxStream, peer.to_string()))
+        })
+    }
+}
+
+/// A node's wall clock: the simulation's, off by a skew the harness may change (a clock jump);
+/// monotonic time is tokio's (the host's simulated clock).
+#[derive(Debug)]
+pub struct SimClock {
+    pub skew_ms: Arc<AtomicI64>,
+}
+
+impl SimClock {
+    /// A clock off by `skew_ms` for good.
+    pub fn fixed(skew_ms: i64) -> SimClock {
+        SimClock {
+            skew_ms: Arc::new(AtomicI64::new(skew_ms)),
+        }
+    }
+}
+
+impl Clock for SimClock {
+    fn now_ms(&self) -> u64 {
+        (EPOCH_MS as i64 + sim_ms() as i64 + self.skew_ms.load(Ordering::Relaxed)) as u64
+    }
+
+    fn now(&self) -> std::time::Instant {
+        tokio::time::Instant::now().into_std()
+    }
+}
+
+/// The number in the environment variable `name`, if set; panics naming it if not a number.
+pub fn env_u64(name: &str) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a number")),
+    )
+}
+
+/// A directory for the simulated nodes' disks: on tmpfs when there is one, since they fsync
+/// every append.
+pub fn data_root() -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir() {
+        if let Ok(dir) = tempfile::tempdir_in(shm) {
+            return dir;
+        }
+    }
+    tempfile::tempdir().expect("a temporary directory")
+}
