@@ -17,6 +17,8 @@
 # record is replayed (the default threshold makes the figure depend on where the last snapshot falls).
 # With THREADS=1 each server workload also prints its CPU and context switches per request by thread
 # name (runtime workers, log writer, ...): where a change moves work between threads (decision 0056).
+# With CHAIN_OF_ONE=1 the server is a one-member cluster (`--node-id 1 --peers 1=...`): the state
+# store's keys on chains of one, the same binary's other path (issue 15, decision 0060).
 # One line per workload goes to $OUT/results.tsv. Alternate builds in a loop for side-by-side figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,8 +44,20 @@ per_thread() { # name label n before after
 cpu_us() { awk -v tck="$(getconf CLK_TCK)" '{printf "%d", ($14 + $15) * 1000000 / tck}' "/proc/$1/stat"; }
 start() {
   PORT=$(free_port); DATA=$(mktemp -d -p "${TMPDIR:-/tmp}" mqstate-cpu.XXXXXX)
-  "$bin" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" "$@" >>"$OUT/server-$label.log" 2>&1 &
+  local cluster=()
+  if [ "${CHAIN_OF_ONE:-0}" = 1 ]; then
+    local cport; cport=$(free_port)
+    cluster=(--node-id 1 --cluster-listen "127.0.0.1:$cport" --peers "1=127.0.0.1:$cport")
+  fi
+  "$bin" serve --listen "127.0.0.1:$PORT" --data-dir "$DATA" "${cluster[@]}" "$@" >>"$OUT/server-$label.log" 2>&1 &
   SPID=$!; wait_port "$PORT" 300
+  if [ "${CHAIN_OF_ONE:-0}" = 1 ]; then # formed: a write goes through its chain
+    local tries
+    for tries in $(seq 300); do
+      "$gen" set --port "$PORT" --timeout 2 bench-ready ok >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+  fi
 }
 stop() { kill "$SPID" 2>/dev/null; wait "$SPID" 2>/dev/null; rm -rf "$DATA"; }
 trap stop EXIT
@@ -75,8 +89,10 @@ one() { # name requests serve-flags... -- bench-flags...
   local c1 x1; c1=$(cpu_us "$SPID"); x1=$(ctx "$SPID")
   [ "${THREADS:-0}" = 1 ] && threads "$SPID" >"$OUT/threads-after"
   stop
-  printf '%s\t%s\tcpu_us/op %.2f\tctxsw/op %.2f\n' "$name" "$label" "$(echo "($c1 - $c0) / $n" | bc -l)" \
-    "$(echo "($x1 - $x0) / $n" | bc -l)" | tee -a "$OUT/results.tsv"
+  printf '%s\t%s\tcpu_us/op %.2f\tctxsw/op %.2f\t%s\n' "$name" "$label" "$(echo "($c1 - $c0) / $n" | bc -l)" \
+    "$(echo "($x1 - $x0) / $n" | bc -l)" \
+    "$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("ops/s %.0f\tp99_ms %.2f\terrors %d" % (d["ops_per_sec"], d["p99_us"] / 1000, sum(d["errors"].values())))' "$OUT/$name-$label.json")" \
+    | tee -a "$OUT/results.tsv"
   [ "${THREADS:-0}" = 1 ] && per_thread "$name" "$label" "$n" "$OUT/threads-before" "$OUT/threads-after"
   return 0
 }

@@ -17,9 +17,22 @@ use std::time::{Duration, Instant};
 /// How long a server may take to start accepting connections (recovery included).
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Set to `1`, every [`Server`] runs as a one-member cluster (`--node-id 1 --peers 1=…`): the
+/// state store's keys on chains of one instead of the single node's executor (issue 15, decision
+/// 0060). `MQSTATE_TEST_CHAIN_OF_ONE=1 cargo test --test statestore` runs the single-node
+/// scenarios through the chain path.
+pub const CHAIN_OF_ONE_ENV: &str = "MQSTATE_TEST_CHAIN_OF_ONE";
+
+/// Whether this test run asked for chains of one ([`CHAIN_OF_ONE_ENV`]).
+pub fn chain_of_one() -> bool {
+    std::env::var(CHAIN_OF_ONE_ENV).is_ok_and(|v| v == "1")
+}
+
 pub struct Server {
     child: Option<Child>,
     pub addr: SocketAddr,
+    /// The cluster address of a one-member cluster ([`chain_of_one`]); kept across restarts.
+    cluster_addr: Option<SocketAddr>,
     data_dir: PathBuf,
     extra_args: Vec<String>,
     env: Vec<(String, String)>,
@@ -39,8 +52,27 @@ impl Server {
         let mut server = Server {
             child: None,
             addr: free_addr(),
+            cluster_addr: chain_of_one().then(free_addr),
             data_dir,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
+            _temp: Some(temp),
+        };
+        server.spawn();
+        server
+    }
+
+    /// Starts a one-member cluster on a fresh data directory, whatever [`CHAIN_OF_ONE_ENV`] says,
+    /// once its chains serve.
+    pub fn start_chain_of_one() -> Server {
+        let temp = tempfile::tempdir().expect("temp dir");
+        let data_dir = temp.path().join("data");
+        let mut server = Server {
+            child: None,
+            addr: free_addr(),
+            cluster_addr: Some(free_addr()),
+            data_dir,
+            extra_args: Vec::new(),
             env: Vec::new(),
             _temp: Some(temp),
         };
@@ -54,6 +86,7 @@ impl Server {
         let mut server = Server {
             child: None,
             addr: free_addr(),
+            cluster_addr: chain_of_one().then(free_addr),
             data_dir: data_dir.to_path_buf(),
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             env: env
@@ -87,6 +120,7 @@ impl Server {
             .arg("--data-dir")
             .arg(&self.data_dir)
             .args(&self.extra_args)
+            .args(self.cluster_args())
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env(
                 "MQSTATE_LOG",
@@ -100,7 +134,56 @@ impl Server {
         self.wait_ready();
     }
 
+    fn cluster_args(&self) -> Vec<String> {
+        // A test that configures a cluster itself keeps its own.
+        if self.extra_args.iter().any(|a| a == "--node-id") {
+            return Vec::new();
+        }
+        match self.cluster_addr {
+            Some(addr) => vec![
+                "--node-id".into(),
+                "1".into(),
+                "--cluster-listen".into(),
+                addr.to_string(),
+                "--peers".into(),
+                format!("1={addr}"),
+            ],
+            None => Vec::new(),
+        }
+    }
+
     fn wait_ready(&mut self) {
+        self.wait_listening();
+        if !self.cluster_args().is_empty() {
+            self.wait_formed();
+        }
+    }
+
+    /// A one-member cluster answers a GET through its chain once it formed and its views act.
+    fn wait_formed(&mut self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let status = Command::new(env!("CARGO_BIN_EXE_mqstate"))
+                .args(["get", "--port", &self.port().to_string(), "--timeout", "2"])
+                .arg("__chain_of_one_formed")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("run mqstate get");
+            // 0: found, 1: not found — either way the chain answered.
+            if matches!(status.code(), Some(0 | 1)) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the one-member cluster on {} did not form in time",
+                self.addr
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn wait_listening(&mut self) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)).is_ok() {

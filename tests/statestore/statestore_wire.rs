@@ -1560,3 +1560,30 @@ async fn requests_over_the_per_client_rate_get_quota_exceeded_and_others_are_ser
     let mut modest = Wire::connect(server.port(), "wire-modest").await;
     modest.expect(&[b"GET", b"rate-k"], b"$1\r\nv\r\n").await;
 }
+
+/// A client's pipelined SET then GET of a key run in that order on the router path too, where
+/// each request waits in a task of its own (decision 0060): the GET reads the SET's value. Before
+/// the fix a GET could reach the head first and answer nil (the flood test, on a chain of one).
+#[tokio::test]
+async fn pipelined_set_then_get_of_a_key_run_in_order_on_a_chain_of_one() {
+    let server = common::Server::start_chain_of_one();
+    let mut w = Wire::connect(server.port(), "wire-order").await;
+    let mut sent = Vec::new();
+    for i in 0..100 {
+        let (key, value) = (format!("order/{i}"), format!("value-{i}"));
+        let set = w
+            .send(Req::new(&[b"SET", key.as_bytes(), value.as_bytes()]))
+            .await;
+        let get = w.send(Req::new(&[b"GET", key.as_bytes()])).await;
+        sent.push((set, get, value));
+    }
+    for (set, get, value) in sent {
+        assert_eq!(w.reply(&set).await.payload(), b"+OK\r\n");
+        let got = w.reply(&get).await;
+        assert_eq!(
+            String::from_utf8_lossy(got.payload()),
+            format!("${}\r\n{value}\r\n", value.len()),
+            "the GET pipelined behind the SET of {value}"
+        );
+    }
+}

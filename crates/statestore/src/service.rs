@@ -46,6 +46,7 @@ use crate::rate::RequestRates;
 
 mod clock_ceiling;
 mod completer;
+mod key_order;
 mod log;
 mod notify_exec;
 mod request;
@@ -213,6 +214,7 @@ pub async fn run(
         notify,
         pending_queue: None,
         expiry_held_until: None,
+        key_order: key_order::KeyOrder::default(),
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -239,6 +241,8 @@ struct Executor {
     pending_queue: Option<notify_exec::PendingQueue>,
     /// No expiry before then: the last one's append was refused.
     expiry_held_until: Option<tokio::time::Instant>,
+    /// A client's routed key commands, in arrival order per key.
+    key_order: key_order::KeyOrder,
 }
 
 /// How often the duplicate-request cache forgets expired requests without waiting for new ones,

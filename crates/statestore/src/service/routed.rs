@@ -1,6 +1,7 @@
 //! Key commands of a cluster node: checked here, executed at their partition's head through the
 //! [`Router`], answered through the completer (so the duplicate cache completes and the reply
-//! goes out like any other). The executor does not wait: each routed request waits in its own task.
+//! goes out like any other). The executor does not wait: each routed request waits in its own task,
+//! after the same client's previous request for the same key ([`super::key_order`]).
 //!
 //! KEYNOTIFY and KEYNOTIFY STOP register here (the observer's session is here); when a key becomes
 //! observed here, the reply waits until the router told the other nodes, so a write executed at
@@ -167,6 +168,7 @@ impl Executor {
                 });
             }
         };
+        let mut turn = self.key_order.turn(&request.client_id, &key);
         let routed = RoutedRequest {
             client_id: request.client_id.clone(),
             correlation: request.correlation_data.clone(),
@@ -177,7 +179,10 @@ impl Executor {
             expiry: request.expiry,
         };
         self.reply_later(request, label, started, acker, async move {
+            // After the client's previous request for the key (a pipelined SET then GET).
+            turn.wait().await;
             let reply = router.0.execute(routed).await;
+            drop(turn);
             (reply.payload, reply.ts)
         });
     }
