@@ -46,6 +46,18 @@ pub struct StoredEntry {
     pub released: bool,
 }
 
+impl StoredSession {
+    /// The will to publish if the session ends now: its pending delayed will, or, if its client
+    /// was connected (the node that held it died), that connection's will.
+    pub fn will_at_end(&self) -> Option<&Will> {
+        match (&self.will, self.detached_at_ms) {
+            (Some((will, _)), _) => Some(will),
+            (None, None) => self.connected_will.as_ref(),
+            (None, Some(_)) => None,
+        }
+    }
+}
+
 impl Restored {
     /// Applies one change. Changes about sessions or messages that do not exist are ignored: they
     /// are older than the snapshot image (which already has their effect) or raced a session's end.
