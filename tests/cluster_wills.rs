@@ -12,15 +12,17 @@
 
 mod common;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{ConnectReturnCode, LastWill, LastWillProperties, Packet, PubAck};
+use rumqttc::v5::mqttbytes::v5::{
+    ConnectReturnCode, LastWill, LastWillProperties, Packet, PingReq, PubAck, Publish,
+};
 use rumqttc::v5::mqttbytes::QoS;
 
-use common::cluster::formed_cluster;
+use common::cluster::{agreed, eventually, formed_cluster, Node};
 use common::mqtt::{Connected, Raw};
 
 /// Hang guard of every wait (fail-over, settling a dead node's rows): generous, the machine is
@@ -162,4 +164,134 @@ async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
         "no will published twice or for a client that left normally"
     );
     drop((publisher, watcher));
+}
+
+/// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.
+async fn retain(c: &mut Raw, topic: &str, payload: &str) {
+    let mut p = Publish::new(
+        topic,
+        QoS::AtLeastOnce,
+        Bytes::from(payload.to_owned()),
+        None,
+    );
+    p.retain = true;
+    p.pkid = c.pkid();
+    let pkid = p.pkid;
+    c.send(Packet::Publish(p)).await;
+    match c.recv().await {
+        Packet::PubAck(ack) if ack.pkid == pkid => {}
+        other => panic!("expected PUBACK {pkid}, got {other:?}"),
+    }
+}
+
+/// The retained messages a new subscriber to `r/#` on `addr` gets: topic → payload (they come
+/// in topic order, before the answer to a ping sent after the SUBACK).
+async fn retained_at(addr: SocketAddr, id: &str) -> BTreeMap<String, String> {
+    let (mut c, _) = accepted(addr, id, true, 0, None).await;
+    c.subscribe("r/#", QoS::AtMostOnce).await;
+    c.send(Packet::PingReq(PingReq)).await;
+    let mut got = BTreeMap::new();
+    loop {
+        match c.recv().await {
+            Packet::PingResp(_) => break,
+            Packet::Publish(p) => {
+                got.insert(
+                    String::from_utf8_lossy(&p.topic).into_owned(),
+                    String::from_utf8_lossy(&p.payload).into_owned(),
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    c.disconnect().await;
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_clear_survives_the_restart_of_every_node_that_saw_it() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    let (mut publisher, _) = accepted(n1, "retainer", true, 0, None).await;
+    // Node 3 holds the message (the nodes' mesh forms in the background: publish again until
+    // it does).
+    let before = BTreeMap::from([("r/gone".to_owned(), "v1".to_owned())]);
+    let started = Instant::now();
+    for attempt in 0.. {
+        retain(&mut publisher, "r/gone", "v1").await;
+        if retained_at(n3, &format!("r-before-{attempt}")).await == before {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "node 3 never got the retained message"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Stopped (not killed): what it holds is in its journal.
+    tokio::task::block_in_place(|| nodes[2].server.stop());
+    // Cleared while node 3 is down, and a marker (last in topic order) that tells when node 3
+    // took in the others' retained sets.
+    retain(&mut publisher, "r/gone", "").await;
+    retain(&mut publisher, "r/zz-marker", "m").await;
+    drop(publisher);
+    // Every node that saw the clear restarts, together (one after the other, the second would
+    // learn the clear back from the first): only their journals remember it now.
+    tokio::task::block_in_place(|| {
+        nodes[0].server.kill9();
+        nodes[1].server.kill9();
+        nodes[0].server.restart();
+        nodes[1].server.restart();
+        nodes[2].server.restart();
+        let refs: Vec<&Node> = nodes.iter().collect();
+        let (_, took) = eventually("the restarted nodes agree", || agreed(&refs, &[1, 2, 3]));
+        eprintln!("the cluster is back in {took:?}");
+    });
+
+    let expected = BTreeMap::from([("r/zz-marker".to_owned(), "m".to_owned())]);
+    let restarted = Instant::now();
+    for attempt in 0.. {
+        let got = retained_at(n3, &format!("r-after-{attempt}")).await;
+        if got.contains_key("r/zz-marker") {
+            assert_eq!(got, expected, "node 3 after its restart");
+            eprintln!(
+                "node 3 learned the retained set {:?} after its restart",
+                restarted.elapsed()
+            );
+            break;
+        }
+        assert!(
+            restarted.elapsed() < WAIT,
+            "node 3 never learned the retained set: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Node 3's own resync reached node 1 (it precedes this route on its stream): its stale
+    // copy did not come back on the others.
+    let (mut publisher, _) = accepted(n1, "prober", true, 0, None).await;
+    let (mut probe, _) = accepted(n3, "r-probe", true, 0, None).await;
+    probe.subscribe("probe3", QoS::AtMostOnce).await;
+    let started = Instant::now();
+    loop {
+        let mut p = Publish::new("probe3", QoS::AtMostOnce, Bytes::from_static(b"p"), None);
+        p.pkid = 0;
+        publisher.send(Packet::Publish(p)).await;
+        let heard = tokio::time::timeout(Duration::from_millis(300), probe.recv()).await;
+        if let Ok(Packet::Publish(_)) = heard {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "node 3's routes never reached node 1"
+        );
+    }
+    assert_eq!(retained_at(n1, "r-check-1").await, expected, "node 1");
+    assert_eq!(retained_at(n2, "r-check-2").await, expected, "node 2");
+    drop((probe, publisher));
 }

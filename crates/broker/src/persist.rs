@@ -172,8 +172,13 @@ pub enum SessionChange {
         message: Arc<Message>,
         received_at_ms: u64,
     },
-    /// The retained message of `topic` was cleared.
-    RetainedCleared { topic: ByteString },
+    /// The retained message of `topic` was cleared, at `at_ms` where a cluster node remembers
+    /// the clear (decision 0060: the clear is a tombstone that outlives a restart, so that a node
+    /// that was away and still holds the old message does not bring it back).
+    RetainedCleared {
+        topic: ByteString,
+        at_ms: Option<u64>,
+    },
 }
 
 /// Conversions between the wall-clock ms the journal stores and the `Instant`s the broker computes

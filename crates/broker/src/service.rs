@@ -408,6 +408,13 @@ impl Broker {
             inner.router.restore_retained(message, at);
             report.retained += 1;
         }
+        // Oldest first: the newest are kept if there are more than the store remembers.
+        let mut clears: Vec<_> = restored.retained_clears.into_iter().collect();
+        clears.sort_unstable_by_key(|(_, at_ms)| *at_ms);
+        for (topic, at_ms) in clears {
+            let at = wall::to_instant(at_ms, now, now_ms);
+            inner.router.restore_clear(&topic, at);
+        }
         let mut due_wills = Vec::new();
         let mut timers = Vec::new();
         for (client_id, stored) in restored.sessions {
