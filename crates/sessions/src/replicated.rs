@@ -459,7 +459,7 @@ impl SessionSource for ReplicatedSessions {
             // over or the cluster forms): a row held elsewhere is deleted in the background.
             // (With a copy here, the delete is waited for, as for a persistent session.)
             tokio::spawn(async move {
-                if let Err(e) = locate(&shared, client_id.clone(), true, false).await {
+                if let Err(e) = discard_clean_start(&shared, client_id.clone()).await {
                     tracing::warn!(%client_id, "a clean start could not discard the session's row: {e}");
                 }
             });
@@ -471,6 +471,26 @@ impl SessionSource for ReplicatedSessions {
                 .map_err(JournalError)
         })
     }
+}
+
+/// The background discard of a clean start that keeps no row: as `locate`, except that the
+/// will row of a clean session connected to another running node is left to that node, which
+/// publishes the will and deletes the row when the claim ends its connection — or, if it died
+/// and is not counted down yet, to whoever settles its rows once it is (decision 0060).
+async fn discard_clean_start(shared: &Shared, client_id: Arc<str>) -> Result<(), String> {
+    let rows = shared.rows()?;
+    let found = read_row(&*rows, &client_id).await?;
+    if let Some(row) = &found.row {
+        let session = &row.session;
+        let will_row = session.expiry_secs == 0
+            && session.detached_at_ms.is_none()
+            && session.connected_will.is_some();
+        if will_row && !held_by_nobody(shared, &*rows, &client_id, row) {
+            tracing::debug!(%client_id, owner = row.owner, "a clean start leaves a connected clean session's will row to its node");
+            return Ok(());
+        }
+    }
+    locate(shared, client_id, true, false).await.map(drop)
 }
 
 /// A client's row as read at its partition's head.
@@ -1157,8 +1177,14 @@ mod tests {
         let (a, b) = (node(1, &rows), node(2, &rows));
         let _broker = with_broker(&b);
         clean_with_will(&a).await;
-        // Node 1 is up: its connection was taken over by the claim and publishes the will.
+        // Node 1 is up: its connection was taken over by the claim and publishes the will, and
+        // deletes the row; a clean start without a will of its own leaves the row to it.
         assert!(!held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
+        assert_eq!(b.locate("c", true, false, false).await, Ok(Located::Here));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(rows.0.lock().unwrap()["c"].0.is_some(), "left to node 1");
         rows.1.lock().unwrap().push(1);
         assert!(held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
         // The client is back on node 2 (no will of its own) before node 1's rows were settled.
