@@ -588,10 +588,10 @@ fn now_ms() -> u64 {
 /// Makes the row found this node's: written back with this node as owner under a new epoch
 /// (compare-and-set on the version read), or deleted for a clean start; the session is then
 /// claimed here, waiting for the broker's `Created`, and its client's registrations are in force.
-/// A row that nobody running holds (its node died) whose session ended — or that a clean start
-/// discards — is deleted and its will published here, as its own node would have (decision
-/// 0060): the compare-and-set makes this node the only one that does. `Ok(None)`: the row
-/// changed since it was read.
+/// A row whose session ended is deleted, not taken. One that nobody running holds (its node
+/// died) whose session ended — or that a clean start discards — has its will published here, as
+/// its own node would have (decision 0060): the compare-and-set makes this node the only one
+/// that does. `Ok(None)`: the row changed since it was read.
 async fn take_over(
     shared: &Shared,
     rows: &dyn SessionRows,
@@ -601,14 +601,20 @@ async fn take_over(
 ) -> Result<Option<Located>, String> {
     let known_epoch = shared.lock().entries.get(&client_id).map_or(0, |e| e.epoch);
     let epoch = known_epoch.max(found.row.as_ref().map_or(0, |r| r.epoch)) + 1;
-    let settle = found.row.as_ref().is_some_and(|row| {
-        (clean_start || ended(&row.session, now_ms()))
-            && held_by_nobody(shared, rows, &client_id, row)
+    // An ended session is not taken: its row goes. Its will is published here only if no
+    // running node holds it (a live owner publishes it itself, from its own timers or when the
+    // claim ends its connection).
+    let (ended, nobody) = found.row.as_ref().map_or((false, false), |row| {
+        (
+            ended(&row.session, now_ms()),
+            held_by_nobody(shared, rows, &client_id, row),
+        )
     });
+    let settle = nobody && (clean_start || ended);
     let mut observed = Vec::new();
     let mut will = None;
     let (base, located) = match found.row {
-        Some(mut row) if !clean_start && !settle => {
+        Some(mut row) if !clean_start && !ended => {
             row.owner = shared.node;
             row.epoch = epoch;
             let value = row::encode(&client_id, &row);
@@ -1201,6 +1207,19 @@ mod tests {
             "deleted by the clean start"
         );
         assert!(b.adopt_orphans().await.is_empty(), "nothing left to settle");
+    }
+
+    #[tokio::test]
+    async fn a_clean_sessions_will_row_is_never_resumed() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let broker = with_broker(&b);
+        clean_with_will(&a).await;
+        // Node 1 is up (its connection ended by the claim publishes the will there): Clean
+        // Start 0 elsewhere finds the session ended, not a session to resume.
+        assert_eq!(b.locate("c", false, false, false).await, Ok(Located::Gone));
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
+        assert_eq!(broker.session_count(), 0);
     }
 
     impl SessionRow {
