@@ -18,7 +18,7 @@
 # With THREADS=1 each server workload also prints its CPU and context switches per request by thread
 # name (runtime workers, log writer, ...): where a change moves work between threads (decision 0056).
 # With CHAIN_OF_ONE=1 the server is a one-member cluster (`--node-id 1 --peers 1=...`): the state
-# store's keys on chains of one, the same binary's other path (issue 15, decision 0060).
+# store's keys on chains of one, the same binary's other path (issue 15, decision 0064).
 # One line per workload goes to $OUT/results.tsv. Alternate builds in a loop for side-by-side figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -204,9 +204,10 @@ fn text(change: &SessionChange, max_bytes: usize) -> String {
             "retained-set {} received-at-ms {received_at_ms}",
             message(m, max_bytes)
         ),
-        SessionChange::RetainedCleared { topic } => format!(
-            "retained-cleared topic {}",
-            Shown::new(topic.as_bytes(), max_bytes)
+        SessionChange::RetainedCleared { topic, at_ms } => format!(
+            "retained-cleared topic {}{}",
+            Shown::new(topic.as_bytes(), max_bytes),
+            at_ms.map_or_else(String::new, |at| format!(" at-ms {at}"))
         ),
     }
 }

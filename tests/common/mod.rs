@@ -19,7 +19,7 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Set to `1`, every [`Server`] runs as a one-member cluster (`--node-id 1 --peers 1=…`): the
 /// state store's keys on chains of one instead of the single node's executor (issue 15, decision
-/// 0060). `MQSTATE_TEST_CHAIN_OF_ONE=1 cargo test --test statestore` runs the single-node
+/// 0064). `MQSTATE_TEST_CHAIN_OF_ONE=1 cargo test --test statestore` runs the single-node
 /// scenarios through the chain path.
 pub const CHAIN_OF_ONE_ENV: &str = "MQSTATE_TEST_CHAIN_OF_ONE";
 

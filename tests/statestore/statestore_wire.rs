@@ -1562,7 +1562,7 @@ async fn requests_over_the_per_client_rate_get_quota_exceeded_and_others_are_ser
 }
 
 /// A client's pipelined SET then GET of a key run in that order on the router path too, where
-/// each request waits in a task of its own (decision 0060): the GET reads the SET's value. Before
+/// each request waits in a task of its own (decision 0064): the GET reads the SET's value. Before
 /// the fix a GET could reach the head first and answer nil (the flood test, on a chain of one).
 #[tokio::test]
 async fn pipelined_set_then_get_of_a_key_run_in_order_on_a_chain_of_one() {

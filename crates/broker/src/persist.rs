@@ -7,7 +7,9 @@
 //! What is journalled: sessions with a Session Expiry Interval above 0 (clean, expiry-0 sessions
 //! cost nothing), their subscriptions, their QoS 1/2 messages (queued and in flight, with the packet
 //! id and phase), the packet ids of their inbound QoS 2 publishes awaiting PUBREL, their pending
-//! delayed will, and every retained message. QoS 0 messages are not.
+//! delayed will, and every retained message. QoS 0 messages are not. A journal that keeps clean
+//! wills (a cluster node's, [`SessionJournal::keeps_clean_wills`]) also gets the will of a clean
+//! session's client while it is connected.
 //!
 //! Ordering contract: every change about one session is recorded while that session's lock is held,
 //! so the journal sees a session's changes in the order they were made. Each change is an
@@ -48,6 +50,13 @@ pub trait SessionJournal: Send + Sync {
     /// acknowledges something (PUBACK/PUBREC/PUBCOMP, SUBACK, UNSUBACK, CONNACK); other changes
     /// are recorded and not waited for.
     fn record(&self, changes: Vec<SessionChange>) -> Durable;
+
+    /// Whether a clean session (expiry 0) whose client set a will is recorded too, as `Created`
+    /// and `WillSet` at CONNECT and `Deleted` when it ends: a cluster node's journal, so that the
+    /// will outlives the node (decision 0063). Nothing else of such a session is recorded.
+    fn keeps_clean_wills(&self) -> bool {
+        false
+    }
 }
 
 /// What a [`SessionSource`] found.
@@ -71,7 +80,8 @@ pub enum Located {
 /// fresh session in place of one that exists.
 pub trait SessionSource: Send + Sync {
     /// Where `client_id`'s session is. `clean_start`: the client discards any session (the
-    /// source drops it everywhere); `persistent`: the new connection's session expiry is above 0;
+    /// source drops it everywhere); `persistent`: the new connection's session is kept by the
+    /// journal (its expiry is above 0, or its client set a will the journal keeps);
     /// `held_here`: this broker holds a copy.
     fn locate(
         &self,
@@ -162,8 +172,13 @@ pub enum SessionChange {
         message: Arc<Message>,
         received_at_ms: u64,
     },
-    /// The retained message of `topic` was cleared.
-    RetainedCleared { topic: ByteString },
+    /// The retained message of `topic` was cleared, at `at_ms` where a cluster node remembers
+    /// the clear (decision 0063: the clear is a tombstone that outlives a restart, so that a node
+    /// that was away and still holds the old message does not bring it back).
+    RetainedCleared {
+        topic: ByteString,
+        at_ms: Option<u64>,
+    },
 }
 
 /// Conversions between the wall-clock ms the journal stores and the `Instant`s the broker computes

@@ -63,6 +63,28 @@ impl RetainedStore {
         self.clears.get_or_insert_with(Clears::default);
     }
 
+    /// Whether clears are remembered (and journalled with their time).
+    pub(crate) fn keeps_clears(&self) -> bool {
+        self.clears.is_some()
+    }
+
+    /// Remembers a clear read back from the journal, made at `at` (from now on, clears are
+    /// remembered: only a cluster node's journal has them). Older than a retained message held
+    /// for the topic: nothing to remember.
+    pub(crate) fn restore_clear(&mut self, topic: &ByteString, at: Instant) {
+        if self
+            .by_topic
+            .get(topic)
+            .is_some_and(|r| r.received_at >= at)
+        {
+            return;
+        }
+        self.by_topic.remove(topic);
+        self.clears
+            .get_or_insert_with(Clears::default)
+            .note(topic, at);
+    }
+
     /// Applies a PUBLISH with RETAIN set: an empty payload deletes, anything else replaces.
     pub(crate) fn apply(&mut self, message: &Arc<Message>, received_at: Instant) {
         debug_assert!(message.retain);

@@ -310,6 +310,7 @@ impl Router {
         let change = if message.payload.is_empty() {
             SessionChange::RetainedCleared {
                 topic: message.topic.clone(),
+                at_ms: retained.keeps_clears().then_some(received.1),
             }
         } else {
             SessionChange::RetainedSet {
@@ -354,14 +355,16 @@ impl Router {
             retained.apply(&message, now);
             // Recorded under the store's lock, so the journal sees a topic's changes in order.
             if let Some(journal) = &self.journal {
+                let now_ms = now_ms.unwrap_or_else(|| self.clock.now_ms());
                 let change = if message.payload.is_empty() {
                     SessionChange::RetainedCleared {
                         topic: message.topic.clone(),
+                        at_ms: retained.keeps_clears().then_some(now_ms),
                     }
                 } else {
                     SessionChange::RetainedSet {
                         message: message.clone(),
-                        received_at_ms: now_ms.unwrap_or_else(|| self.clock.now_ms()),
+                        received_at_ms: now_ms,
                     }
                 };
                 durable.push(journal.record(vec![change]));
@@ -438,16 +441,28 @@ impl Router {
 
     /// The changes that recreate the retained store from nothing.
     pub(crate) fn retained_image(&self, now: Instant, now_ms: u64) -> Vec<SessionChange> {
-        self.retained
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .all(now)
-            .into_iter()
-            .map(|r| SessionChange::RetainedSet {
-                message: r.message,
-                received_at_ms: wall::to_ms(r.received_at, now, now_ms),
-            })
-            .collect()
+        let mut retained = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+        // The clears remembered (at most `CLEARS_KEPT`: the journal's tombstones are compacted
+        // to those by every snapshot), then the messages.
+        let clears =
+            retained
+                .clears()
+                .into_iter()
+                .map(|(topic, at)| SessionChange::RetainedCleared {
+                    topic,
+                    at_ms: Some(wall::to_ms(at, now, now_ms)),
+                });
+        let mut image: Vec<SessionChange> = clears.collect();
+        image.extend(
+            retained
+                .all(now)
+                .into_iter()
+                .map(|r| SessionChange::RetainedSet {
+                    message: r.message,
+                    received_at_ms: wall::to_ms(r.received_at, now, now_ms),
+                }),
+        );
+        image
     }
 
     /// Puts back a retained message read from the journal.
@@ -457,15 +472,25 @@ impl Router {
             .unwrap_or_else(|p| p.into_inner())
             .apply(&message, received_at);
     }
+
+    /// Puts back a clear read from the journal (a cluster node's), made at `at`.
+    pub(crate) fn restore_clear(&self, topic: &bytestring::ByteString, at: Instant) {
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .restore_clear(topic, at);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::message::QoS;
+    use crate::persist::Restored;
     use crate::topic::parse_filter;
     use bytes::Bytes;
     use mqstate_clock::ManualClock;
+    use std::time::Duration;
 
     /// Keeps what it is told, in order.
     #[derive(Default)]
@@ -486,6 +511,63 @@ mod tests {
             retain_handling: 0,
             subscription_id: None,
         }
+    }
+
+    /// Decision 0063: a cluster node journals a clear with its time, and a restarted node
+    /// remembers it, so a stale copy offered by a node that was away does not come back.
+    #[tokio::test(start_paused = true)]
+    async fn a_clear_is_journalled_with_its_time_and_outlives_a_restart() {
+        let recorder = Arc::new(Recorder::default());
+        let journal: Arc<dyn SessionJournal> = recorder.clone();
+        let clock: SharedClock = Arc::new(ManualClock::starting_at(1_000));
+        let router = Router::new(
+            QueueLimit::messages(10),
+            0,
+            Some(journal.clone()),
+            clock.clone(),
+        );
+        router.retained.lock().unwrap().keep_clears();
+        let retained = |payload: &'static [u8]| Message {
+            topic: "r".into(),
+            payload: Bytes::from_static(payload),
+            qos: QoS::AtMostOnce,
+            retain: true,
+            properties: Default::default(),
+        };
+        drop(router.route(retained(b"v1"), None));
+        tokio::time::advance(Duration::from_millis(10)).await;
+        drop(router.route(retained(b""), None));
+
+        let mut restored = Restored::default();
+        for change in recorder.0.lock().unwrap().drain(..) {
+            restored.apply(change);
+        }
+        assert!(restored.retained.is_empty());
+        assert_eq!(restored.retained_clears.get("r"), Some(&1_010));
+
+        tokio::time::advance(Duration::from_millis(10)).await;
+        let again = Router::new(QueueLimit::messages(10), 0, Some(journal), clock.clone());
+        let (now, now_ms) = (clock.now(), clock.now_ms());
+        for (topic, at_ms) in &restored.retained_clears {
+            again.restore_clear(topic, wall::to_instant(*at_ms, now, now_ms));
+        }
+        assert_eq!(
+            again.retained_image(now, now_ms),
+            [SessionChange::RetainedCleared {
+                topic: "r".into(),
+                at_ms: Some(1_010)
+            }],
+            "a snapshot keeps the clear"
+        );
+        let stale = (now - Duration::from_millis(20), 1_000);
+        assert!(again
+            .adopt_retained(Arc::new(retained(b"v1")), stale)
+            .is_none());
+        assert!(again.retained_matching("r", now).is_empty(), "not back");
+        assert!(again
+            .adopt_retained(Arc::new(retained(b"v2")), (now, now_ms))
+            .is_some());
+        assert_eq!(again.retained_matching("r", now).len(), 1, "a later one is");
     }
 
     /// A router whose sessions' changes a [`Recorder`] keeps, on a manual clock at 1 000 ms.

@@ -408,6 +408,13 @@ impl Broker {
             inner.router.restore_retained(message, at);
             report.retained += 1;
         }
+        // Oldest first: the newest are kept if there are more than the store remembers.
+        let mut clears: Vec<_> = restored.retained_clears.into_iter().collect();
+        clears.sort_unstable_by_key(|(_, at_ms)| *at_ms);
+        for (topic, at_ms) in clears {
+            let at = wall::to_instant(at_ms, now, now_ms);
+            inner.router.restore_clear(&topic, at);
+        }
         let mut due_wills = Vec::new();
         let mut timers = Vec::new();
         for (client_id, stored) in restored.sessions {
@@ -483,6 +490,14 @@ impl Broker {
             }
             Err(Untaken::Missing) => false,
         }
+    }
+
+    /// Publishes the will of a session that ended with its node (decision 0063): the node died
+    /// while its client was connected, or with its delayed will pending, and the cluster node
+    /// that settled the session's row found it ended (expired, or discarded by a clean start).
+    pub fn publish_will(&self, will: Will) {
+        tracing::info!(topic = %will.message.topic, "will of a session ended on a dead node published");
+        drop(self.inner.router.route(will.message, None));
     }
 
     /// Puts a session handed over by another node ([`Broker::export_session`]) into this running
@@ -587,7 +602,7 @@ impl Inner {
         if expire_at_ms.is_some_and(|at| at <= now_ms) {
             // Expired while the server was down (or the session in transit): its will goes now,
             // at the latest.
-            due_wills.extend(stored.will.map(|(w, _)| w));
+            due_wills.extend(stored.will_at_end().cloned());
             if let (Some(journal), Origin::Journal) = (&self.journal, origin) {
                 drop(journal.record(vec![SessionChange::Deleted { client_id }]));
             }
@@ -719,6 +734,7 @@ impl Inner {
         let mut state = handle.lock();
         // Not ours to delete: the owner's copy lives on.
         state.in_journal = false;
+        state.connected_will = None;
         state.end();
         debug_assert!(state.changes.is_empty());
         drop(state);

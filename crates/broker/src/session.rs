@@ -127,8 +127,10 @@ pub struct SessionState {
     pub next_seq: u64,
     /// When the connection ended (wall-clock ms); `None` while connected.
     pub detached_at_ms: Option<u64>,
-    /// The will of the connected client, kept (and journalled) for a persistent session only:
-    /// if the node dies, whoever puts the session back publishes it (decision 0054).
+    /// The will of the connected client, kept (and journalled) for a persistent session, and for
+    /// a clean one where the journal keeps clean wills (then only it is journalled of the
+    /// session: its "will row", decision 0063): if the node dies, whoever puts the session back
+    /// publishes it (decision 0054).
     pub(crate) connected_will: Option<Box<Will>>,
     /// A journal is installed and the session has not ended.
     pub(crate) journalled: bool,
@@ -195,6 +197,7 @@ impl SessionState {
     /// A connection resumed the session with `expiry_secs`.
     pub(crate) fn attached(&mut self, expiry_secs: u32, clock: &dyn Clock) {
         self.detached_at_ms = None;
+        self.drop_will_row();
         self.connected_will = None;
         let was_journalled = self.in_journal;
         self.set_expiry(expiry_secs, clock);
@@ -219,22 +222,52 @@ impl SessionState {
     }
 
     /// The connected client's will (after `attached`, or on a new session): kept and journalled
-    /// if the session is.
-    pub(crate) fn set_will(&mut self, will: Option<&Will>) {
-        let Some(will) = will.filter(|_| self.in_journal) else {
+    /// if the session is. A clean session's will is kept by a journal that keeps clean wills (a
+    /// cluster node: the will must outlive the node, decision 0063), on its own.
+    fn set_will(&mut self, will: Option<&Will>, clean_wills: bool) {
+        let Some(will) = will else {
             return;
         };
-        self.connected_will = Some(Box::new(will.clone()));
-        self.note(|client_id| SessionChange::WillSet {
-            client_id,
-            will: will.clone(),
-        });
+        if self.in_journal {
+            self.connected_will = Some(Box::new(will.clone()));
+            self.note(|client_id| SessionChange::WillSet {
+                client_id,
+                will: will.clone(),
+            });
+        } else if self.journalled && clean_wills {
+            debug_assert_eq!(self.expiry_interval_secs, 0);
+            self.connected_will = Some(Box::new(will.clone()));
+            self.changes.push(SessionChange::Created {
+                client_id: self.client_id.clone(),
+                expiry_secs: self.expiry_interval_secs,
+            });
+            self.changes.push(SessionChange::WillSet {
+                client_id: self.client_id.clone(),
+                will: will.clone(),
+            });
+        }
+    }
+
+    /// Whether the journal holds this clean session's will (and nothing else of it).
+    fn has_will_row(&self) -> bool {
+        self.journalled && !self.in_journal && self.connected_will.is_some()
+    }
+
+    /// The journal's copy of a clean session's will goes (its connection ended or was replaced).
+    fn drop_will_row(&mut self) {
+        if self.has_will_row() {
+            self.connected_will = None;
+            self.changes.push(SessionChange::Deleted {
+                client_id: self.client_id.clone(),
+            });
+        }
     }
 
     /// The session ended: deleted from the journal, and nothing more is noted (a router that still
     /// holds the handle must not add messages to a later session of the same client).
     pub(crate) fn end(&mut self) {
         self.note(|client_id| SessionChange::Deleted { client_id });
+        self.drop_will_row();
         self.in_journal = false;
         self.journalled = false;
     }
@@ -569,6 +602,13 @@ pub(crate) struct SessionGuard<'a> {
 }
 
 impl SessionGuard<'_> {
+    /// The connected client's will (after `attached`, or on a new session), kept as
+    /// [`SessionState::set_will`] says.
+    pub(crate) fn set_will(&mut self, will: Option<&Will>) {
+        let clean_wills = self.journal.is_some_and(|j| j.keeps_clean_wills());
+        self.state.set_will(will, clean_wills);
+    }
+
     /// Hands the changes noted so far to the journal; `None` if there were none.
     pub(crate) fn commit(&mut self) -> Option<Durable> {
         let journal = self.journal?;

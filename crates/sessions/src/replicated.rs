@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use mqstate_broker::{
     Broker, Durable, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
-    SessionSource,
+    SessionSource, StoredSession,
 };
 pub use mqstate_chain::Version;
 use tokio::sync::watch;
@@ -182,8 +182,16 @@ impl ReplicatedSessions {
                 .entries
                 .get_key_value(client_id)
                 .map(|(id, _)| id.clone());
+            // A clean session's row (its will only) keeps no registrations: they end with it.
+            let persistent = state
+                .mirror
+                .sessions
+                .get(client_id)
+                .is_some_and(|s| s.expiry_secs > 0);
             match (id, state.entries.get_mut(client_id)) {
-                (Some(id), Some(entry)) if entry.role == Role::Owned && entry.observed != keys => {
+                (Some(id), Some(entry))
+                    if persistent && entry.role == Role::Owned && entry.observed != keys =>
+                {
                     entry.observed = keys;
                     entry.generation += 1;
                     if !entry.flushing {
@@ -251,6 +259,12 @@ impl Shared {
 }
 
 impl SessionJournal for ReplicatedSessions {
+    /// The will of a clean session's client is a row too while it is connected, so that the node
+    /// that settles a dead node's rows publishes it (decision 0063).
+    fn keeps_clean_wills(&self) -> bool {
+        true
+    }
+
     fn record(&self, changes: Vec<SessionChange>) -> Durable {
         let mut retained = Vec::new();
         let mut waits = Vec::new();
@@ -445,7 +459,7 @@ impl SessionSource for ReplicatedSessions {
             // over or the cluster forms): a row held elsewhere is deleted in the background.
             // (With a copy here, the delete is waited for, as for a persistent session.)
             tokio::spawn(async move {
-                if let Err(e) = locate(&shared, client_id.clone(), true, false).await {
+                if let Err(e) = discard_clean_start(&shared, client_id.clone()).await {
                     tracing::warn!(%client_id, "a clean start could not discard the session's row: {e}");
                 }
             });
@@ -457,6 +471,26 @@ impl SessionSource for ReplicatedSessions {
                 .map_err(JournalError)
         })
     }
+}
+
+/// The background discard of a clean start that keeps no row: as `locate`, except that the
+/// will row of a clean session connected to another running node is left to that node, which
+/// publishes the will and deletes the row when the claim ends its connection — or, if it died
+/// and is not counted down yet, to whoever settles its rows once it is (decision 0063).
+async fn discard_clean_start(shared: &Shared, client_id: Arc<str>) -> Result<(), String> {
+    let rows = shared.rows()?;
+    let found = read_row(&*rows, &client_id).await?;
+    if let Some(row) = &found.row {
+        let session = &row.session;
+        let will_row = session.expiry_secs == 0
+            && session.detached_at_ms.is_none()
+            && session.connected_will.is_some();
+        if will_row && !held_by_nobody(shared, &*rows, &client_id, row) {
+            tracing::debug!(%client_id, owner = row.owner, "a clean start leaves a connected clean session's will row to its node");
+            return Ok(());
+        }
+    }
+    locate(shared, client_id, true, false).await.map(drop)
 }
 
 /// A client's row as read at its partition's head.
@@ -489,33 +523,98 @@ async fn locate(
     held_here: bool,
 ) -> Result<Located, String> {
     let rows = shared.rows()?;
-    let found = read_row(&*rows, &client_id).await?;
-    if let (Some(row), false, true) = (&found.row, clean_start, held_here) {
-        let state = shared.lock();
-        if let Some(entry) = state.entries.get(&client_id) {
-            if entry.role == Role::Owned && row.owner == shared.node && row.epoch == entry.epoch {
-                return Ok(Located::Here);
+    for _ in 0..TAKE_OVER_TRIES {
+        let found = read_row(&*rows, &client_id).await?;
+        if let (Some(row), false, true) = (&found.row, clean_start, held_here) {
+            let state = shared.lock();
+            if let Some(entry) = state.entries.get(&client_id) {
+                if entry.role == Role::Owned && row.owner == shared.node && row.epoch == entry.epoch
+                {
+                    return Ok(Located::Here);
+                }
             }
         }
+        // The row changed between the read and the write (its owner wrote it, or another node
+        // settled it): read it again.
+        if let Some(located) =
+            take_over(shared, &*rows, client_id.clone(), found, clean_start).await?
+        {
+            return Ok(located);
+        }
     }
-    take_over(shared, &*rows, client_id, found, clean_start).await
+    Err(format!(
+        "the session of {client_id} kept changing while it was taken over"
+    ))
+}
+
+/// Reads of a row that changed under a take-over before the CONNECT is refused (retryably).
+const TAKE_OVER_TRIES: usize = 3;
+
+/// Whether the connection (or delayed will) that `row` describes is no longer held by any
+/// running node: its owner is down, or is this node under an earlier run (it restarted).
+fn held_by_nobody(
+    shared: &Shared,
+    rows: &dyn SessionRows,
+    client_id: &str,
+    row: &SessionRow,
+) -> bool {
+    if row.owner == shared.node {
+        shared
+            .lock()
+            .entries
+            .get(client_id)
+            .is_none_or(|e| e.epoch != row.epoch)
+    } else {
+        !rows.is_up(row.owner)
+    }
+}
+
+/// Whether `session` has ended by `now_ms`: its expiry passed since its client left, or its
+/// client was connected to a clean session (expiry 0: the session ended with the connection).
+fn ended(session: &StoredSession, now_ms: u64) -> bool {
+    match session.detached_at_ms {
+        None => session.expiry_secs == 0,
+        Some(_) if session.expiry_secs == u32::MAX => false,
+        Some(at_ms) => at_ms.saturating_add(u64::from(session.expiry_secs) * 1000) <= now_ms,
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Makes the row found this node's: written back with this node as owner under a new epoch
 /// (compare-and-set on the version read), or deleted for a clean start; the session is then
 /// claimed here, waiting for the broker's `Created`, and its client's registrations are in force.
+/// A row whose session ended is deleted, not taken. One that nobody running holds (its node
+/// died) whose session ended — or that a clean start discards — has its will published here, as
+/// its own node would have (decision 0063): the compare-and-set makes this node the only one
+/// that does. `Ok(None)`: the row changed since it was read.
 async fn take_over(
     shared: &Shared,
     rows: &dyn SessionRows,
     client_id: Arc<str>,
     found: Found,
     clean_start: bool,
-) -> Result<Located, String> {
+) -> Result<Option<Located>, String> {
     let known_epoch = shared.lock().entries.get(&client_id).map_or(0, |e| e.epoch);
     let epoch = known_epoch.max(found.row.as_ref().map_or(0, |r| r.epoch)) + 1;
+    // An ended session is not taken: its row goes. Its will is published here only if no
+    // running node holds it (a live owner publishes it itself, from its own timers or when the
+    // claim ends its connection).
+    let (ended, nobody) = found.row.as_ref().map_or((false, false), |row| {
+        (
+            ended(&row.session, now_ms()),
+            held_by_nobody(shared, rows, &client_id, row),
+        )
+    });
+    let settle = nobody && (clean_start || ended);
     let mut observed = Vec::new();
+    let mut will = None;
     let (base, located) = match found.row {
-        Some(mut row) if !clean_start => {
+        Some(mut row) if !clean_start && !ended => {
             row.owner = shared.node;
             row.epoch = epoch;
             let value = row::encode(&client_id, &row);
@@ -524,16 +623,29 @@ async fn take_over(
                     observed = row.observed;
                     (Some(version), Located::Taken(Box::new(row.session)))
                 }
-                Err(_) => return Err("the session changed while it was taken over".into()),
+                Err(_) => return Ok(None),
             }
         }
-        // A clean start discards the session everywhere.
-        Some(_) => match rows.write(&client_id, None, found.version).await? {
-            Ok(version) => (Some(version), Located::Gone),
-            Err(_) => return Err("the session changed while it was discarded".into()),
+        // A clean start discards the session everywhere; an ended one goes too.
+        Some(row) => match rows.write(&client_id, None, found.version).await? {
+            Ok(version) => {
+                if settle {
+                    will = row.session.will_at_end().cloned();
+                }
+                (Some(version), Located::Gone)
+            }
+            Err(_) => return Ok(None),
         },
         None => (found.version, Located::Gone),
     };
+    if let Some(will) = will {
+        match shared.broker.get() {
+            Some(broker) => broker.publish_will(will),
+            None => {
+                tracing::error!(%client_id, "the will of a session ended on a dead node is lost: no broker attached")
+            }
+        }
+    }
     {
         let mut state = shared.lock();
         state.mirror.sessions.remove(&client_id);
@@ -565,7 +677,7 @@ async fn take_over(
             }
         }
     }
-    Ok(located)
+    Ok(Some(located))
 }
 
 /// How often a node looks for orphaned sessions (decision 0054).
@@ -660,9 +772,14 @@ async fn adopt(
     if found.row.as_ref().map(|r| (r.owner, r.epoch)) != Some(seen) {
         return Ok(false);
     }
-    let Located::Taken(session) = take_over(shared, rows, client_id.clone(), found, false).await?
-    else {
-        return Ok(false);
+    let session = match take_over(shared, rows, client_id.clone(), found, false).await? {
+        Some(Located::Taken(session)) => session,
+        // It had ended: its row is deleted and its will published.
+        Some(_) => {
+            tracing::info!(%client_id, owner = seen.0, "the ended session of a dead node settled");
+            return Ok(true);
+        }
+        None => return Ok(false),
     };
     tracing::info!(%client_id, owner = seen.0, "orphaned session adopted");
     // A stale copy of an earlier run (none is expected) makes way for the row's session.
@@ -1001,6 +1118,108 @@ mod tests {
         assert_eq!(b.adopt_orphans().await.len(), 1);
         assert_eq!(broker.session_count(), 0);
         assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
+    }
+
+    /// `node` locates client `c` as a clean client with a will, which is kept as its row.
+    async fn clean_with_will(node: &ReplicatedSessions) {
+        assert_eq!(node.locate("c", true, true, false).await, Ok(Located::Gone));
+        let will = mqstate_broker::will::Will {
+            message: mqstate_broker::Message {
+                topic: ByteString::from("will/c"),
+                payload: bytes::Bytes::from_static(b"gone"),
+                qos: QoS::AtLeastOnce,
+                retain: false,
+                properties: Default::default(),
+            },
+            delay_secs: 30,
+        };
+        node.record(vec![
+            SessionChange::Created {
+                client_id: "c".into(),
+                expiry_secs: 0,
+            },
+            SessionChange::WillSet {
+                client_id: "c".into(),
+                will,
+            },
+        ])
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_will_row_of_a_clean_session_on_a_dead_node_is_settled_once() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let broker = with_broker(&b);
+        clean_with_will(&a).await;
+        let row = row_of(&rows);
+        assert_eq!(row.session.expiry_secs, 0);
+        assert!(row.session.connected_will.is_some(), "the will is kept");
+        assert_eq!(
+            row.session.will_at_end().map(|w| w.delay_secs),
+            Some(30),
+            "a clean session ends with its connection: its will is due then"
+        );
+
+        assert!(b.adopt_orphans().await.is_empty(), "node 1 is up");
+        rows.1.lock().unwrap().push(1);
+        assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "settled: deleted");
+        assert_eq!(broker.session_count(), 0, "nothing to resume");
+        assert!(b.adopt_orphans().await.is_empty(), "settled once");
+        // The old owner is fenced.
+        assert!(a
+            .record(vec![SessionChange::Deleted {
+                client_id: "c".into()
+            }])
+            .await
+            .is_err());
+    }
+
+    #[tokio::test]
+    async fn a_clean_start_settles_the_will_row_of_a_dead_node_and_not_of_a_live_one() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let _broker = with_broker(&b);
+        clean_with_will(&a).await;
+        // Node 1 is up: its connection was taken over by the claim and publishes the will, and
+        // deletes the row; a clean start without a will of its own leaves the row to it.
+        assert!(!held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
+        assert_eq!(b.locate("c", true, false, false).await, Ok(Located::Here));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(rows.0.lock().unwrap()["c"].0.is_some(), "left to node 1");
+        rows.1.lock().unwrap().push(1);
+        assert!(held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
+        // The client is back on node 2 (no will of its own) before node 1's rows were settled.
+        assert_eq!(b.locate("c", true, false, false).await, Ok(Located::Here));
+        for _ in 0..100 {
+            if rows.0.lock().unwrap()["c"].0.is_none() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            rows.0.lock().unwrap()["c"].0,
+            None,
+            "deleted by the clean start"
+        );
+        assert!(b.adopt_orphans().await.is_empty(), "nothing left to settle");
+    }
+
+    #[tokio::test]
+    async fn a_clean_sessions_will_row_is_never_resumed() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let broker = with_broker(&b);
+        clean_with_will(&a).await;
+        // Node 1 is up (its connection ended by the claim publishes the will there): Clean
+        // Start 0 elsewhere finds the session ended, not a session to resume.
+        assert_eq!(b.locate("c", false, false, false).await, Ok(Located::Gone));
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
+        assert_eq!(broker.session_count(), 0);
     }
 
     impl SessionRow {

@@ -132,7 +132,10 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
         .sessions
         .remove(client_id)
         .ok_or(RowError::OtherClient)?;
-    if !restored.sessions.is_empty() || !restored.retained.is_empty() {
+    if !restored.sessions.is_empty()
+        || !restored.retained.is_empty()
+        || !restored.retained_clears.is_empty()
+    {
         return Err(RowError::OtherClient);
     }
     Ok(SessionRow {

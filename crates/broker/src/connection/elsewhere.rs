@@ -27,7 +27,8 @@ impl Connection {
             .locate(
                 &self.client_id,
                 self.connect.clean_start,
-                self.session_expiry_secs > 0,
+                // Kept in the cluster: a persistent session, or a clean one's will (decision 0063).
+                self.session_expiry_secs > 0 || self.will.is_some(),
                 held_here,
             )
             .await;

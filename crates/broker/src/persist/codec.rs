@@ -38,6 +38,7 @@ const WILL_CANCELLED: u8 = b'w';
 const WILL_SET: u8 = b'V';
 const RETAINED_SET: u8 = b'T';
 const RETAINED_CLEARED: u8 = b't';
+const RETAINED_CLEARED_AT: u8 = b'x';
 
 // Property presence bits of an encoded message.
 const PROP_UTF8: u8 = 1;
@@ -226,9 +227,17 @@ fn encode_change(change: &SessionChange, out: &mut BytesMut) {
             encode_message(message, out);
             out.put_u64(*received_at_ms);
         }
-        SessionChange::RetainedCleared { topic } => {
+        SessionChange::RetainedCleared { topic, at_ms: None } => {
             out.put_u8(RETAINED_CLEARED);
             put_bin(out, topic.as_bytes());
+        }
+        SessionChange::RetainedCleared {
+            topic,
+            at_ms: Some(at_ms),
+        } => {
+            out.put_u8(RETAINED_CLEARED_AT);
+            put_bin(out, topic.as_bytes());
+            out.put_u64(*at_ms);
         }
     }
 }
@@ -553,6 +562,11 @@ fn decode_change(r: &mut Reader<'_>) -> Result<SessionChange, DecodeError> {
         },
         RETAINED_CLEARED => SessionChange::RetainedCleared {
             topic: r.string("topic")?,
+            at_ms: None,
+        },
+        RETAINED_CLEARED_AT => SessionChange::RetainedCleared {
+            topic: r.string("topic")?,
+            at_ms: Some(r.u64("cleared at")?),
         },
         _ => {
             return Err(DecodeError {
@@ -733,7 +747,12 @@ mod tests {
                 message: Arc::new(m),
                 received_at_ms: at
             }),
-            text().prop_map(|t| SessionChange::RetainedCleared { topic: t.into() }),
+            (text(), proptest::option::of(any::<u64>())).prop_map(|(t, at_ms)| {
+                SessionChange::RetainedCleared {
+                    topic: t.into(),
+                    at_ms,
+                }
+            }),
         ]
     }
 
@@ -887,15 +906,19 @@ mod tests {
                 format!("54 {MESSAGE} 000000000000000c"),
             ),
             (
-                SessionChange::RetainedCleared { topic: "t".into() },
+                SessionChange::RetainedCleared { topic: "t".into(), at_ms: None },
                 "74 0000000174".into(),
+            ),
+            (
+                SessionChange::RetainedCleared { topic: "t".into(), at_ms: Some(13) },
+                "78 0000000174 000000000000000d".into(),
             ),
         ];
         let kinds: std::collections::BTreeSet<u8> = cases
             .iter()
             .map(|(change, _)| encode_changes(std::slice::from_ref(change))[5])
             .collect();
-        assert_eq!(kinds.len(), 17, "one golden case per record kind");
+        assert_eq!(kinds.len(), 18, "one golden case per record kind");
         for (change, hex) in cases {
             let expected: String = format!("01 00000001 {hex}").split_whitespace().collect();
             let bytes = encode_changes(std::slice::from_ref(&change));

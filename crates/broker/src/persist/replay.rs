@@ -18,6 +18,9 @@ pub struct Restored {
     pub sessions: BTreeMap<Arc<str>, StoredSession>,
     /// Retained message and when it was received (wall-clock ms), by topic.
     pub retained: BTreeMap<ByteString, (Arc<Message>, u64)>,
+    /// When each topic's retained message was last cleared (wall-clock ms), where the journal
+    /// remembers it (a cluster node's, decision 0063); a later retained message replaces it.
+    pub retained_clears: BTreeMap<ByteString, u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -44,6 +47,18 @@ pub struct StoredEntry {
     pub packet_id: Option<u16>,
     /// PUBREC seen: PUBREL is what goes again.
     pub released: bool,
+}
+
+impl StoredSession {
+    /// The will to publish if the session ends now: its pending delayed will, or, if its client
+    /// was connected (the node that held it died), that connection's will.
+    pub fn will_at_end(&self) -> Option<&Will> {
+        match (&self.will, self.detached_at_ms) {
+            (Some((will, _)), _) => Some(will),
+            (None, None) => self.connected_will.as_ref(),
+            (None, Some(_)) => None,
+        }
+    }
 }
 
 impl Restored {
@@ -176,11 +191,21 @@ impl Restored {
                 message,
                 received_at_ms,
             } => {
+                self.retained_clears.remove(&message.topic);
                 self.retained
                     .insert(message.topic.clone(), (message, received_at_ms));
             }
-            SessionChange::RetainedCleared { topic } => {
+            SessionChange::RetainedCleared { topic, at_ms } => {
                 self.retained.remove(&topic);
+                match at_ms {
+                    Some(at_ms) => {
+                        let at = self.retained_clears.entry(topic).or_insert(at_ms);
+                        *at = (*at).max(at_ms);
+                    }
+                    None => {
+                        self.retained_clears.remove(&topic);
+                    }
+                }
             }
         }
     }

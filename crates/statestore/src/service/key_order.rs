@@ -1,7 +1,7 @@
 //! A client's key commands on the router path run in the order they arrived, per key: each
 //! routed request waits in a task of its own, so without this a pipelined `SET k` then `GET k`
 //! could reach the head in either order and the GET miss the SET — which the single node's
-//! executor, running requests one after another, never does (decision 0060).
+//! executor, running requests one after another, never does (decision 0064).
 //!
 //! Each (client, key) keeps the completion of its latest request; the next request of the same
 //! client for the same key waits for it before it executes. Requests of other clients or other

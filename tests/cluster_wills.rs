@@ -1,0 +1,301 @@
+//! One broker across nodes when a node dies (issue 16, decision 0063), on three real
+//! `mqstate serve` processes with a raw MQTT 5 client:
+//!
+//! * the will of a **clean** session (session expiry 0) whose node is killed with `kill -9` is
+//!   published, once, by the node that settles the dead node's rows — as one node publishes it
+//!   when the connection ends; a client that disconnected normally has no will published;
+//! * a retained message cleared while a node was down does not come back when that node rejoins
+//!   after every node that saw the clear restarted (the clear is durable).
+//!
+//! (Before: the clean session's will died with its node — no row held it; and a restarted node
+//! forgot the clears it had seen, so the rejoining node's stale copy came back everywhere.)
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::v5::{
+    ConnectReturnCode, LastWill, LastWillProperties, Packet, PingReq, PubAck, Publish,
+};
+use rumqttc::v5::mqttbytes::QoS;
+
+use common::cluster::{agreed, eventually, formed_cluster, Node};
+use common::mqtt::{Connected, Raw};
+
+/// Hang guard of every wait (fail-over, settling a dead node's rows): generous, the machine is
+/// shared.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Connects, retrying while the server refuses retryably (0x88 while the session's partition is
+/// between heads, 0x89), within [`WAIT`].
+async fn accepted(
+    addr: SocketAddr,
+    id: &str,
+    clean_start: bool,
+    expiry: u32,
+    will: Option<LastWill>,
+) -> (Raw, bool) {
+    let started = Instant::now();
+    loop {
+        match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
+            Connected::Accepted {
+                client,
+                session_present,
+            } => return (client, session_present),
+            Connected::Refused(
+                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
+            ) => {
+                assert!(
+                    started.elapsed() < WAIT,
+                    "{id} still refused ({code:?}) after {WAIT:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
+        }
+    }
+}
+
+/// The will of `id`: on `will/<id>`, QoS 1, after `delay` seconds.
+fn will_of(id: &str, delay: u32) -> Option<LastWill> {
+    let properties = LastWillProperties {
+        delay_interval: Some(delay),
+        payload_format_indicator: None,
+        message_expiry_interval: None,
+        content_type: None,
+        response_topic: None,
+        correlation_data: None,
+        user_properties: Vec::new(),
+    };
+    Some(LastWill::new(
+        format!("will/{id}"),
+        Bytes::from_static(b"gone"),
+        QoS::AtLeastOnce,
+        false,
+        Some(properties),
+    ))
+}
+
+/// The topic of the next message `watcher` gets (acknowledged).
+async fn next_topic(watcher: &mut Raw) -> String {
+    loop {
+        match watcher.recv().await {
+            Packet::Publish(p) => {
+                if p.qos == QoS::AtLeastOnce {
+                    watcher
+                        .send(Packet::PubAck(PubAck::new(p.pkid, None)))
+                        .await;
+                }
+                return String::from_utf8_lossy(&p.topic).into_owned();
+            }
+            Packet::PingResp(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+
+    let (mut watcher, _) = accepted(n2, "will-watcher", true, 0, None).await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+
+    // A clean client that leaves normally: its will is deleted with it (on one node too).
+    let (quiet, _) = accepted(n1, "clean-quiet", true, 0, will_of("clean-quiet", 0)).await;
+    quiet.disconnect().await;
+    // Clean sessions connected to node 1 when it dies; a clean session ends with its connection,
+    // so a will delay does not hold its will back (as on one node).
+    let (at_once, present) = accepted(n1, "clean-now", true, 0, will_of("clean-now", 0)).await;
+    assert!(!present);
+    let (delayed, _) = accepted(n1, "clean-delay", true, 0, will_of("clean-delay", 3600)).await;
+    // MQTT 5 Clean Start 0 with expiry 0: a clean session too.
+    let (resumed, _) = accepted(n1, "clean-resume", false, 0, will_of("clean-resume", 0)).await;
+    // Without a will: nothing kept, nothing published.
+    let (plain, _) = accepted(n1, "clean-plain", true, 0, None).await;
+    // Back on node 3 at once, clean and without a will (as the SDKs reconnect): before node 1
+    // counts as down, so its will row is left to whoever settles node 1's rows.
+    let (back, _) = accepted(n1, "clean-back", true, 0, will_of("clean-back", 0)).await;
+
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    drop((at_once, delayed, resumed, plain, back));
+    let killed = Instant::now();
+    let (back, _) = accepted(n3, "clean-back", true, 0, None).await;
+
+    let everyone: BTreeSet<String> = ["clean-now", "clean-delay", "clean-resume", "clean-back"]
+        .iter()
+        .map(|id| format!("will/{id}"))
+        .collect();
+    let mut wills = BTreeSet::new();
+    while wills != everyone {
+        assert!(
+            killed.elapsed() < WAIT,
+            "wills after {WAIT:?}: {wills:?}, not {everyone:?}"
+        );
+        let will = next_topic(&mut watcher).await;
+        eprintln!("{will} {:?} after kill -9 of node 1", killed.elapsed());
+        assert!(
+            everyone.contains(&will),
+            "{will}: not the will of a client connected when node 1 died"
+        );
+        assert!(wills.insert(will.clone()), "{will} published twice");
+    }
+
+    // The rows are settled: a client id of node 1 reconnecting elsewhere has no session and
+    // no will of the old connection comes again; a marker published after that comes next.
+    let (again, present) = accepted(n3, "clean-resume", false, 0, None).await;
+    assert!(!present, "a clean session ended with its node");
+    again.disconnect().await;
+    let (mut publisher, _) = accepted(n3, "will-marker", true, 0, None).await;
+    assert_eq!(
+        publisher
+            .publish("will/zz-marker", QoS::AtLeastOnce, "m")
+            .await,
+        0x00
+    );
+    assert_eq!(
+        next_topic(&mut watcher).await,
+        "will/zz-marker",
+        "no will published twice or for a client that left normally"
+    );
+    drop((publisher, watcher, back));
+}
+
+/// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.
+async fn retain(c: &mut Raw, topic: &str, payload: &str) {
+    let mut p = Publish::new(
+        topic,
+        QoS::AtLeastOnce,
+        Bytes::from(payload.to_owned()),
+        None,
+    );
+    p.retain = true;
+    p.pkid = c.pkid();
+    let pkid = p.pkid;
+    c.send(Packet::Publish(p)).await;
+    match c.recv().await {
+        Packet::PubAck(ack) if ack.pkid == pkid => {}
+        other => panic!("expected PUBACK {pkid}, got {other:?}"),
+    }
+}
+
+/// The retained messages a new subscriber to `r/#` on `addr` gets: topic → payload (they come
+/// in topic order, before the answer to a ping sent after the SUBACK).
+async fn retained_at(addr: SocketAddr, id: &str) -> BTreeMap<String, String> {
+    let (mut c, _) = accepted(addr, id, true, 0, None).await;
+    c.subscribe("r/#", QoS::AtMostOnce).await;
+    c.send(Packet::PingReq(PingReq)).await;
+    let mut got = BTreeMap::new();
+    loop {
+        match c.recv().await {
+            Packet::PingResp(_) => break,
+            Packet::Publish(p) => {
+                got.insert(
+                    String::from_utf8_lossy(&p.topic).into_owned(),
+                    String::from_utf8_lossy(&p.payload).into_owned(),
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    c.disconnect().await;
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_clear_survives_the_restart_of_every_node_that_saw_it() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    let (mut publisher, _) = accepted(n1, "retainer", true, 0, None).await;
+    // Node 3 holds the message (the nodes' mesh forms in the background: publish again until
+    // it does).
+    let before = BTreeMap::from([("r/gone".to_owned(), "v1".to_owned())]);
+    let started = Instant::now();
+    for attempt in 0.. {
+        retain(&mut publisher, "r/gone", "v1").await;
+        if retained_at(n3, &format!("r-before-{attempt}")).await == before {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "node 3 never got the retained message"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Stopped (not killed): what it holds is in its journal.
+    tokio::task::block_in_place(|| nodes[2].server.stop());
+    // Cleared while node 3 is down, and a marker (last in topic order) that tells when node 3
+    // took in the others' retained sets.
+    retain(&mut publisher, "r/gone", "").await;
+    retain(&mut publisher, "r/zz-marker", "m").await;
+    drop(publisher);
+    // Every node that saw the clear restarts, together (one after the other, the second would
+    // learn the clear back from the first): only their journals remember it now.
+    tokio::task::block_in_place(|| {
+        nodes[0].server.kill9();
+        nodes[1].server.kill9();
+        nodes[0].server.restart();
+        nodes[1].server.restart();
+        nodes[2].server.restart();
+        let refs: Vec<&Node> = nodes.iter().collect();
+        let (_, took) = eventually("the restarted nodes agree", || agreed(&refs, &[1, 2, 3]));
+        eprintln!("the cluster is back in {took:?}");
+    });
+
+    let expected = BTreeMap::from([("r/zz-marker".to_owned(), "m".to_owned())]);
+    let restarted = Instant::now();
+    for attempt in 0.. {
+        let got = retained_at(n3, &format!("r-after-{attempt}")).await;
+        if got.contains_key("r/zz-marker") {
+            assert_eq!(got, expected, "node 3 after its restart");
+            eprintln!(
+                "node 3 learned the retained set {:?} after its restart",
+                restarted.elapsed()
+            );
+            break;
+        }
+        assert!(
+            restarted.elapsed() < WAIT,
+            "node 3 never learned the retained set: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Node 3's own resync reached node 1 (it precedes this route on its stream): its stale
+    // copy did not come back on the others.
+    let (mut publisher, _) = accepted(n1, "prober", true, 0, None).await;
+    let (mut probe, _) = accepted(n3, "r-probe", true, 0, None).await;
+    probe.subscribe("probe3", QoS::AtMostOnce).await;
+    let started = Instant::now();
+    loop {
+        let mut p = Publish::new("probe3", QoS::AtMostOnce, Bytes::from_static(b"p"), None);
+        p.pkid = 0;
+        publisher.send(Packet::Publish(p)).await;
+        let heard = tokio::time::timeout(Duration::from_millis(300), probe.recv()).await;
+        if let Ok(Packet::Publish(_)) = heard {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "node 3's routes never reached node 1"
+        );
+    }
+    assert_eq!(retained_at(n1, "r-check-1").await, expected, "node 1");
+    assert_eq!(retained_at(n2, "r-check-2").await, expected, "node 2");
+    drop((probe, publisher));
+}
