@@ -344,7 +344,7 @@ impl KeyRouter for ChainRouter {
         key: Bytes,
         observed: bool,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(self.replication.notifier.watch(key.to_vec(), observed))
+        Box::pin(self.replication.watch(key.to_vec(), observed))
     }
 
     fn take_changes(&self) -> Option<ClusterChanges> {

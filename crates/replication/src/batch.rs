@@ -9,7 +9,7 @@
 //! whatever queued behind it meanwhile (the replicas resend what still matters on their ticks), so a
 //! dead or stopped peer never makes the queue grow.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,14 +33,15 @@ const MAX_MESSAGES: usize = 256;
 /// The per-peer senders of one node's driver.
 pub struct Peers {
     node: Arc<ClusterNode>,
-    queues: HashMap<u64, mpsc::UnboundedSender<(u32, Message)>>,
+    /// Ordered, as every map whose order can reach the network (deterministic under simulation).
+    queues: BTreeMap<u64, mpsc::UnboundedSender<(u32, Message)>>,
 }
 
 impl Peers {
     pub fn new(node: Arc<ClusterNode>) -> Peers {
         Peers {
             node,
-            queues: HashMap::new(),
+            queues: BTreeMap::new(),
         }
     }
 

@@ -10,20 +10,24 @@
 //! one log batch per partition (one group-commit fsync for all of them) and one message per peer
 //! per partition, which [`Peers`] sends on in one frame per hop.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use mqstate_chain::{Answer, Config, Key, Message, Output, Replica, Restored, View, Write};
+use mqstate_chain::{Answer, Config, Item, Key, Message, Output, Replica, Restored, View, Write};
 use mqstate_clock::SharedClock;
+use mqstate_cluster::transport::Request;
 use mqstate_cluster::ClusterNode;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::batch::Peers;
 use crate::log::ChainLog;
+use crate::notify::TrailNotes;
 use crate::recent::Recent;
 use crate::space::{self, CatchUp};
+use crate::wire::{encode, DataRequest};
+use crate::STEP_TIMEOUT;
 
 /// How often replicas tick (resends, repair) and views are checked against the control plane.
 pub const TICK: Duration = Duration::from_millis(100);
@@ -76,6 +80,7 @@ impl Driver {
         log: ChainLog,
         restored: BTreeMap<u32, Restored>,
         recent: Arc<Recent>,
+        trail: TrailNotes,
         clock: SharedClock,
         stop: watch::Receiver<bool>,
     ) -> (Driver, JoinHandle<()>) {
@@ -86,13 +91,14 @@ impl Driver {
             log,
             restored,
             replicas: BTreeMap::new(),
-            waiting: HashMap::new(),
+            waiting: BTreeMap::new(),
             next_request: 1,
             peers: Peers::new(Arc::clone(&node)),
             tx: tx.clone(),
             catch_up: CatchUp::default(),
             failpoints: mqstate_wal::Failpoints::from_env(),
             recent,
+            trail,
             clock,
         };
         let task = tokio::spawn(actor.run(rx, stop));
@@ -185,8 +191,9 @@ struct Actor {
     /// What the log held at start, for replicas not created yet.
     restored: BTreeMap<u32, Restored>,
     replicas: BTreeMap<u32, Replica>,
-    /// Requests waiting for their answer, by the replica's request id.
-    waiting: HashMap<u64, (u32, oneshot::Sender<Answer>)>,
+    /// Requests waiting for their answer, by the replica's request id; in request order (what is
+    /// forgotten or dropped goes in that order: deterministic under simulation).
+    waiting: BTreeMap<u64, (u32, oneshot::Sender<Answer>)>,
     next_request: u64,
     peers: Peers,
     tx: mpsc::UnboundedSender<Input>,
@@ -195,6 +202,8 @@ struct Actor {
     failpoints: mqstate_wal::Failpoints,
     /// The requests of the rows persisted here, for the head's retries ([`crate::recent`]).
     recent: Arc<Recent>,
+    /// The changes of observed keys persisted here, for observers that missed some ([`crate::trail`]).
+    trail: TrailNotes,
     clock: SharedClock,
 }
 
@@ -302,14 +311,12 @@ impl Actor {
                 partition
             }
             Input::Cancel { partition } => {
-                let mut gone: Vec<u64> = self
+                let gone: Vec<u64> = self
                     .waiting
                     .iter()
                     .filter(|(_, (p, answer))| *p == partition && answer.is_closed())
                     .map(|(&id, _)| id)
                     .collect();
-                // In request order, not the map's (deterministic under simulation).
-                gone.sort_unstable();
                 for id in gone {
                     self.waiting.remove(&id);
                     self.replica(partition).cancel(id);
@@ -374,6 +381,7 @@ impl Actor {
             match output {
                 Output::Persist { index, records } => {
                     self.recent.note(partition, &records, self.clock.now_ms());
+                    self.trail.note(partition, &records, self.clock.now_ms());
                     match self.log.append(partition, records).await {
                         Ok(commit) => {
                             let tx = self.tx.clone();
@@ -403,6 +411,13 @@ impl Actor {
                 }
                 Output::Send { to, message } => {
                     self.before_send(partition, &message);
+                    if message
+                        .items
+                        .iter()
+                        .any(|item| matches!(item, Item::CopyDone))
+                    {
+                        self.send_recent(partition, to, message.view);
+                    }
                     self.peers.send(to, partition, message)
                 }
                 Output::Reply { request, answer } => {
@@ -419,6 +434,36 @@ impl Actor {
                 }
             }
         }
+    }
+
+    /// With the end of a recovery copy, this head's remembered requests of `partition` go to the
+    /// replica that caught up ([`DataRequest::RecentOfHead`]): it needs them to act as head, and
+    /// the members it would ask may all fail or re-enter first (data-plane simulation, seed 6).
+    /// Nothing if this head cannot vouch for its own (it re-entered too and is not synced yet).
+    fn send_recent(&self, partition: u32, to: u64, view: u64) {
+        if partition & space::SESSIONS != 0 {
+            return;
+        }
+        let Some(entries) = self.recent.export(partition, self.clock.now_ms()) else {
+            return;
+        };
+        let Some(addr) = self.node.addr_of(to) else {
+            return;
+        };
+        let frame = encode(&DataRequest::RecentOfHead {
+            partition,
+            view,
+            entries,
+        });
+        let transport = self.node.transport();
+        tokio::spawn(async move {
+            if let Err(e) = transport
+                .call(&addr, Request::Data(frame), STEP_TIMEOUT)
+                .await
+            {
+                tracing::debug!(to, partition, "remembered requests not delivered: {e}");
+            }
+        });
     }
 
     /// The chain failpoints (`crate::failpoint`), checked before a chain message leaves.

@@ -10,7 +10,7 @@
 //! like the call per request before it: the caller retries at once against the head it then
 //! learns, so a head's `kill -9` is seen when its connections break, not at a timeout.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use mqstate_cluster::transport::{Request, Response};
@@ -38,14 +38,15 @@ struct Job {
 /// The per-peer senders of forwarded requests.
 pub struct Forwarder {
     node: Arc<ClusterNode>,
-    queues: Mutex<HashMap<u64, mpsc::UnboundedSender<Job>>>,
+    /// Ordered, as every map whose order can reach the network (deterministic under simulation).
+    queues: Mutex<BTreeMap<u64, mpsc::UnboundedSender<Job>>>,
 }
 
 impl Forwarder {
     pub fn new(node: Arc<ClusterNode>) -> Forwarder {
         Forwarder {
             node,
-            queues: Mutex::new(HashMap::new()),
+            queues: Mutex::new(BTreeMap::new()),
         }
     }
 

@@ -15,6 +15,8 @@
 //! * [`scan`] — SCAN as one part per partition at its head, merged into a page.
 //! * [`recent`] — the requests each partition ran lately, so a retry gets its first reply.
 //! * [`rows`] — what a chain row (a store record) says: liveness, deadline, committed change.
+//! * [`trail`] — the changes of observed keys each replica persisted, for observing nodes that
+//!   missed some (a head lost with its outbox; decision 0061).
 //!
 //! [`Replication`] ties them together: a request received at any node goes to its key's
 //! partition head (here, or forwarded over the cluster transport); the head reads the committed
@@ -36,9 +38,10 @@ pub mod rows;
 pub mod scan;
 pub mod sessions;
 pub mod space;
+pub mod trail;
 pub mod wire;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -88,7 +91,7 @@ pub struct Replication {
     pub notifier: Notifier,
     deadlines: Deadlines,
     /// The view under which this node last took each partition over as its head.
-    taken_over: Mutex<HashMap<u32, u64>>,
+    taken_over: Mutex<BTreeMap<u32, u64>>,
     /// The requests this node's replicas saw executed lately ([`recent`]).
     recent: Arc<Recent>,
 }
@@ -139,15 +142,16 @@ impl Replication {
         for (&partition, image) in &restored {
             recent.note_restored(partition, image, clock.now_ms());
         }
+        let notifier = Notifier::new(Arc::clone(&node), clock.now_ms());
         let (driver, task) = Driver::start(
             Arc::clone(&node),
             log,
             restored,
             Arc::clone(&recent),
+            notifier.trail_notes(),
             Arc::clone(&clock),
             stopped,
         );
-        let notifier = Notifier::new(Arc::clone(&node), clock.now_ms());
         let replication = Arc::new(Replication {
             node: Arc::clone(&node),
             driver,
@@ -157,7 +161,7 @@ impl Replication {
             floor: Mutex::new(None),
             notifier,
             deadlines: Deadlines::default(),
-            taken_over: Mutex::new(HashMap::new()),
+            taken_over: Mutex::new(BTreeMap::new()),
             recent,
         });
         // Weak: the node outlives nothing it hands requests to, and shuts down once we are gone.
@@ -296,7 +300,7 @@ impl Replication {
             match self.driver.write(partition, write, STEP_TIMEOUT).await {
                 Answer::Written { .. } => {
                     match delta {
-                        Ok(delta) => self.committed(partition, &delta).await,
+                        Ok(delta) => self.committed(partition, &delta, value.as_deref()).await,
                         Err(e) => {
                             tracing::error!(partition, "a row written here does not decode: {e}")
                         }
@@ -336,11 +340,16 @@ impl Replication {
                 }
                 DataResponse::Received
             }
-            Ok(request @ (DataRequest::Interest { .. } | DataRequest::Notify(_))) => self
+            Ok(
+                request @ (DataRequest::Interest { .. }
+                | DataRequest::Notify(_)
+                | DataRequest::Trail { .. }),
+            ) => self
                 .notifier
                 .handle(request)
                 .await
                 .unwrap_or_else(|| DataResponse::Refused("not a notification request".into())),
+            Ok(DataRequest::Current { key }) => DataResponse::Current(self.current_here(key).await),
             Ok(DataRequest::Scan { partitions, page }) => {
                 DataResponse::Scanned(self.scan_here(partitions, &page).await)
             }
@@ -371,6 +380,16 @@ impl Replication {
             }
             Ok(DataRequest::Recent { partition }) => {
                 DataResponse::Recent(self.recent.export(partition, self.clock.now_ms()))
+            }
+            Ok(DataRequest::RecentOfHead {
+                partition,
+                view,
+                entries,
+            }) => {
+                if self.recent.import(partition, view, entries) {
+                    tracing::debug!(partition, view, "remembered requests synced from the head");
+                }
+                DataResponse::Received
             }
             Ok(request @ (DataRequest::SessionRead { .. } | DataRequest::SessionWrite { .. })) => {
                 self.handle_session(request).await
@@ -428,7 +447,7 @@ impl Replication {
     /// remember ([`recent`]): every member that can vouch for its entries is asked, and their
     /// union is what the chain ran.
     async fn sync_recent(&self) {
-        for partition in self.recent.unsynced() {
+        for (partition, cleared) in self.recent.unsynced() {
             let Some(p) = self.node.partition(space::control(partition)) else {
                 continue;
             };
@@ -451,26 +470,83 @@ impl Replication {
                     }
                 }
             }
-            if answered {
-                tracing::debug!(
-                    partition,
-                    entries = merged.len(),
-                    "remembered requests synced from the chain"
-                );
-                self.recent.import(partition, merged);
+            // Not if it re-entered again meanwhile: the members' entries may predate that.
+            if answered && self.recent.import(partition, cleared, merged) {
+                tracing::debug!(partition, "remembered requests synced from the chain");
             }
         }
     }
 
-    /// A row was committed through the chain at this head: its expiry deadline noted, its change
-    /// notified to the nodes observing its key.
-    async fn committed(&self, partition: u32, delta: &mqstate_store::Delta) {
+    /// A row was committed through the chain at this head, replacing the committed row `before`:
+    /// its expiry deadline noted, its change notified to the nodes observing its key.
+    async fn committed(&self, partition: u32, delta: &mqstate_store::Delta, before: Option<&[u8]>) {
         if let Some(deadline) = rows::deadline(delta) {
             self.deadlines
                 .schedule(partition, delta.key().to_vec(), deadline);
         }
         if self.notifier.is_observed(delta.key()) {
-            self.notifier.publish(rows::committed(delta)).await;
+            self.notifier
+                .publish(rows::committed_after(delta, before))
+                .await;
+        }
+    }
+
+    /// `key` is observed here now (`true`) or no longer (`false`); a newly observed key starts
+    /// from its committed version at its head ([`Notifier::observe`]). Resolves once the other
+    /// members know (bounded).
+    pub async fn watch(&self, key: Vec<u8>, observed: bool) {
+        if !observed {
+            return self.notifier.watch(key, false).await;
+        }
+        let start = self.current_version(key.clone());
+        self.notifier.observe(key, start).await;
+    }
+
+    /// The version of `key`'s committed row, read at its partition's head (`None`: no row, or
+    /// no head answered within [`notify::ACK_TIMEOUT`]).
+    async fn current_version(&self, key: Vec<u8>) -> Option<String> {
+        let count = self.node.partition_count()?;
+        let partition = partition_of(&key, count);
+        let frame = encode(&DataRequest::Current { key: key.clone() });
+        let started = Instant::now();
+        while started.elapsed() < notify::ACK_TIMEOUT {
+            let answer = match self.head_of(partition) {
+                Some(head) if head == self.node.id() => self.current_here(key.clone()).await,
+                Some(head) => match self.node.addr_of(head) {
+                    Some(addr) => match self
+                        .node
+                        .transport()
+                        .call(&addr, Request::Data(frame.clone()), notify::ACK_TIMEOUT)
+                        .await
+                    {
+                        Ok(Response::Data(bytes)) => match decode::<DataResponse>(&bytes) {
+                            Ok(DataResponse::Current(answer)) => answer,
+                            other => Err(format!("answered {other:?}")),
+                        },
+                        other => Err(format!("answered {other:?}")),
+                    },
+                    None => Err(format!("node {head} has no address")),
+                },
+                None => Err(format!("partition {partition} has no head")),
+            };
+            match answer {
+                Ok(version) => return version,
+                Err(e) => tracing::debug!(partition, "an observed key's version not read now: {e}"),
+            }
+            tokio::time::sleep(RETRY_EVERY).await;
+        }
+        None
+    }
+
+    /// The version of `key`'s committed row, if this node is its partition's head.
+    async fn current_here(&self, key: Vec<u8>) -> Result<Option<String>, String> {
+        let count = self.node.partition_count().ok_or("no cluster yet")?;
+        let partition = partition_of(&key, count);
+        match self.driver.read(partition, key, STEP_TIMEOUT).await {
+            Answer::Value { value, .. } => Ok(value
+                .and_then(|row| rows::delta_of(&row).ok())
+                .map(|delta| delta.version().to_string())),
+            other => Err(not_served(partition, &other)),
         }
     }
 
@@ -486,7 +562,8 @@ impl Replication {
         let id = RequestId::of(&request.client_id, &request.correlation);
         if change.request().is_some_and(|first| first.id == id) {
             if let Ok(delta) = rows::delta_of(row) {
-                self.notifier.publish(rows::committed(&delta)).await;
+                let change = self.notifier.with_prev(rows::committed(&delta));
+                self.notifier.publish(change).await;
             }
         }
     }
@@ -543,7 +620,8 @@ impl Replication {
             match self.driver.write(partition, write, STEP_TIMEOUT).await {
                 Answer::Written { .. } => {
                     if self.notifier.is_observed(&key) {
-                        self.notifier.publish(rows::committed(&delete)).await;
+                        let change = rows::committed_after(&delete, Some(&row));
+                        self.notifier.publish(change).await;
                     }
                     return;
                 }
@@ -634,7 +712,8 @@ impl Replication {
                 } = self.driver.read(partition, key, STEP_TIMEOUT).await
                 {
                     if let Ok(delta) = rows::delta_of(&row) {
-                        self.notifier.publish(rows::committed(&delta)).await;
+                        let change = self.notifier.with_prev(rows::committed(&delta));
+                        self.notifier.publish(change).await;
                     }
                 }
             }

@@ -22,11 +22,22 @@
 //! * Fail-over: a new head takes over the writes its predecessor had not completed (the rows it
 //!   holds locked) and, once repair committed them, notifies them; a retried request answered from
 //!   the row (the duplicate check) notifies its change again. Versions make both harmless.
+//! * Changes lost with a head (decision 0061): each change names the committed version it
+//!   replaced (`prev`). An observing node that gets a change whose predecessor it never delivered
+//!   holds it back and asks the key's replicas for the changes in between — every replica keeps
+//!   the changes of observed keys it persisted ([`Trail`]) — then delivers them in order; after
+//!   [`HOLD_MAX`] without them it delivers what it holds (a gap, logged). A node that starts
+//!   observing a key starts from the key's committed version at its head ([`Notifier::observe`]):
+//!   older changes still in some head's outbox are not delivered after newer ones its observers
+//!   may have seen elsewhere.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use mqstate_chain::Record;
+use mqstate_cluster::partition::partition_of;
 use mqstate_cluster::transport::{Request, Response};
 use mqstate_cluster::ClusterNode;
 use mqstate_protocol::Hlc;
@@ -34,6 +45,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::trail::Trail;
 use crate::wire::{decode, encode, Committed, DataRequest, DataResponse};
 
 /// How long a node waits for the other members to take its interest, or a head for an observing
@@ -53,6 +65,14 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 /// The control plane's member list is read again at most this often (reading it clones the
 /// Raft metrics: not once per write).
 const MEMBERS_EVERY: Duration = Duration::from_millis(200);
+/// Longest a change is held back for the changes before it; then it is delivered without them.
+pub const HOLD_MAX: Duration = Duration::from_secs(5);
+/// Changes held back per key, at most: beyond it they are delivered without the missing ones.
+const HOLD_AT_MOST: usize = 4_096;
+/// The missing changes are asked of the key's replicas this often while held (each ask bounded
+/// by [`FETCH_TIMEOUT`]).
+const FETCH_EVERY: Duration = Duration::from_millis(200);
+const FETCH_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Where the changes for this node's observers go: the state-store service.
 pub trait Sink: Send + Sync + 'static {
@@ -64,8 +84,68 @@ pub trait Sink: Send + Sync + 'static {
 /// Interest of this node.
 struct Local {
     generation: u64,
-    /// Keys observed here, each with the last version delivered for it.
-    keys: HashMap<Vec<u8>, Option<Hlc>>,
+    /// Keys observed here.
+    keys: HashMap<Vec<u8>, Observed>,
+}
+
+/// A key observed here: the last version delivered, and the changes held back (sans I/O).
+#[derive(Default)]
+struct Observed {
+    last: Option<Hlc>,
+    /// Changes not delivered yet: a predecessor is missing, or the start is being read.
+    held: BTreeMap<Hlc, Committed>,
+    /// Since when the oldest held change waits.
+    held_since: Option<Instant>,
+    /// The key's committed version at its head is being read ([`Notifier::observe`]).
+    starting: bool,
+    /// A task asks the replicas for the missing changes.
+    fetching: bool,
+}
+
+impl Observed {
+    /// Takes `change` (of version `version`): held, then delivered into `out` with whatever held
+    /// change now follows what was delivered.
+    fn take(&mut self, version: Hlc, change: Committed, out: &mut Vec<Committed>) {
+        if self.last.as_ref().is_some_and(|last| *last >= version) {
+            return;
+        }
+        self.held.insert(version, change);
+        self.drain(false, out);
+    }
+
+    /// Delivers the held changes that follow the last delivered one, in order (`force`: all of
+    /// them, the missing ones given up); drops those at or below it.
+    fn drain(&mut self, force: bool, out: &mut Vec<Committed>) {
+        let force = force || self.held.len() > HOLD_AT_MOST;
+        while let Some(entry) = self.held.first_entry() {
+            if self.last.as_ref().is_some_and(|last| entry.key() <= last) {
+                entry.remove();
+                continue;
+            }
+            if !force && (self.starting || !follows(self.last.as_ref(), entry.get())) {
+                break;
+            }
+            let (version, change) = entry.remove_entry();
+            self.last = Some(version);
+            out.push(change);
+        }
+        if force {
+            self.starting = false;
+        }
+        self.held_since = match self.held.is_empty() {
+            true => None,
+            false => self.held_since.or_else(|| Some(Instant::now())),
+        };
+    }
+
+    /// The versions after which and up to which changes are missing, if some are.
+    fn missing(&self) -> Option<(String, String)> {
+        if self.starting {
+            return None;
+        }
+        let (_, first) = self.held.first_key_value()?;
+        Some((self.last.as_ref()?.to_string(), first.prev.clone()?))
+    }
 }
 
 /// What this node knows of the other members.
@@ -73,11 +153,12 @@ struct Local {
 struct Members {
     /// When the list below was read from the control plane (`None`: never).
     read_at: Option<Instant>,
-    /// Every other member, and whether the control plane counts it up.
-    up: HashMap<u64, bool>,
+    /// Every other member, and whether the control plane counts it up. Ordered: changes are
+    /// queued and sent to the members in this order (deterministic under simulation).
+    up: BTreeMap<u64, bool>,
     /// Their interest, as far as learnt: generation and keys. A member missing here observes
     /// everything, as far as this node knows.
-    interest: HashMap<u64, (u64, BTreeSet<Vec<u8>>)>,
+    interest: BTreeMap<u64, (u64, BTreeSet<Vec<u8>>)>,
 }
 
 impl Members {
@@ -99,18 +180,45 @@ impl Members {
     }
 }
 
+/// Whether `change` comes right after `last`, the last delivered: its predecessor was delivered,
+/// or nothing says otherwise (nothing delivered yet, predecessor unknown).
+fn follows(last: Option<&Hlc>, change: &Committed) -> bool {
+    let prev = change.prev.as_deref().and_then(|p| Hlc::parse(p).ok());
+    match (last, prev) {
+        (Some(last), Some(prev)) => prev <= *last,
+        _ => true,
+    }
+}
+
 /// The notification side of a node's data plane.
 pub struct Notifier {
     shared: Arc<Shared>,
-    local: Mutex<Local>,
-    sink: OnceLock<Arc<dyn Sink>>,
 }
 
-/// What a peer's sending task shares with the notifier.
+/// What the notifier shares with its tasks (a peer's sending task, a key's fetching task) and
+/// the driver ([`TrailNotes`]). Locks are taken in this order: trail, local, members, outboxes.
 struct Shared {
     node: Arc<ClusterNode>,
     members: Mutex<Members>,
-    outboxes: Mutex<HashMap<u64, Outbox>>,
+    outboxes: Mutex<BTreeMap<u64, Outbox>>,
+    local: Mutex<Local>,
+    sink: OnceLock<Arc<dyn Sink>>,
+    trail: Mutex<Trail>,
+}
+
+/// Where the driver notes the rows this node's replicas persist ([`Trail`]).
+#[derive(Clone)]
+pub struct TrailNotes(Arc<Shared>);
+
+impl TrailNotes {
+    pub fn note(&self, partition: u32, records: &[Record], now_ms: u64) {
+        // Session rows are no state-store keys (their client ids may spell one).
+        if partition & crate::space::SESSIONS != 0 {
+            return;
+        }
+        let observed = |key: &[u8]| self.0.is_observed(key);
+        lock(&self.0.trail).note(partition, records, now_ms, observed);
+    }
 }
 
 impl Notifier {
@@ -121,19 +229,25 @@ impl Notifier {
             shared: Arc::new(Shared {
                 node,
                 members: Mutex::new(Members::default()),
-                outboxes: Mutex::new(HashMap::new()),
+                outboxes: Mutex::new(BTreeMap::new()),
+                local: Mutex::new(Local {
+                    generation: start_ms.saturating_mul(1_000_000),
+                    keys: HashMap::new(),
+                }),
+                sink: OnceLock::new(),
+                trail: Mutex::new(Trail::default()),
             }),
-            local: Mutex::new(Local {
-                generation: start_ms.saturating_mul(1_000_000),
-                keys: HashMap::new(),
-            }),
-            sink: OnceLock::new(),
         }
+    }
+
+    /// The handle through which the driver notes what this node's replicas persist.
+    pub fn trail_notes(&self) -> TrailNotes {
+        TrailNotes(Arc::clone(&self.shared))
     }
 
     /// Connects this node's observers; only the first call counts.
     pub fn set_sink(&self, sink: Arc<dyn Sink>) {
-        if self.sink.set(sink).is_err() {
+        if self.shared.sink.set(sink).is_err() {
             tracing::warn!("a notification sink is already attached; the second one is ignored");
         }
     }
@@ -142,9 +256,15 @@ impl Notifier {
     /// members took the new set, or [`ACK_TIMEOUT`] passed.
     pub async fn watch(&self, key: Vec<u8>, observed: bool) {
         let changed = {
-            let mut local = lock(&self.local);
+            let mut local = lock(&self.shared.local);
             let changed = if observed {
-                local.keys.insert(key, None).is_none()
+                match local.keys.entry(key) {
+                    std::collections::hash_map::Entry::Occupied(_) => false,
+                    std::collections::hash_map::Entry::Vacant(entry) => {
+                        entry.insert(Observed::default());
+                        true
+                    }
+                }
             } else {
                 local.keys.remove(&key).is_some()
             };
@@ -201,9 +321,51 @@ impl Notifier {
         }
     }
 
+    /// `key` is observed here now, from its committed version as `start` reads it at the key's
+    /// head (`None`: no row, or not known): changes up to that version are not delivered here,
+    /// and later ones wait until it is known. Resolves once the other members took the new set
+    /// (bounded, as [`Notifier::watch`]) and the start is known.
+    pub async fn observe(&self, key: Vec<u8>, start: impl Future<Output = Option<String>>) {
+        let newly = {
+            let mut local = lock(&self.shared.local);
+            if local.keys.contains_key(&key) {
+                false
+            } else {
+                local.keys.insert(
+                    key.clone(),
+                    Observed {
+                        starting: true,
+                        ..Observed::default()
+                    },
+                );
+                local.generation += 1;
+                true
+            }
+        };
+        if !newly {
+            return;
+        }
+        let ((), start) = tokio::join!(self.send_interest(), start);
+        let start = start.and_then(|v| Hlc::parse(&v).ok());
+        let mut out = Vec::new();
+        {
+            let mut local = lock(&self.shared.local);
+            let Some(observed) = local.keys.get_mut(&key) else {
+                return;
+            };
+            observed.starting = false;
+            if start > observed.last {
+                observed.last = start;
+            }
+            observed.drain(false, &mut out);
+            self.shared.fetch_if_missing(&key, observed);
+            self.shared.hand_over(out);
+        }
+    }
+
     /// This node's interest: its generation and keys, sorted.
     fn interest(&self) -> (u64, Vec<Vec<u8>>) {
-        let local = lock(&self.local);
+        let local = lock(&self.shared.local);
         let mut keys: Vec<Vec<u8>> = local.keys.keys().cloned().collect();
         keys.sort();
         (local.generation, keys)
@@ -242,28 +404,37 @@ impl Notifier {
                 }
                 Some(DataResponse::Received)
             }
+            DataRequest::Trail { key, after, until } => Some(DataResponse::Trail(
+                lock(&self.shared.trail).between(&key, &after, &until),
+            )),
             _ => None,
         }
     }
 
     /// Whether any node (this one included) may observe `key`.
     pub fn is_observed(&self, key: &[u8]) -> bool {
-        if lock(&self.local).keys.contains_key(key) {
-            return true;
+        self.shared.is_observed(key)
+    }
+
+    /// Changes queued for other members and not acknowledged yet.
+    pub fn undelivered(&self) -> usize {
+        lock(&self.shared.outboxes).values().map(Outbox::len).sum()
+    }
+
+    /// `change` with the version it replaced, if it does not say and this node's replica of its
+    /// partition persisted both (a change notified again after a fail-over).
+    pub fn with_prev(&self, mut change: Committed) -> Committed {
+        if change.prev.is_none() {
+            change.prev = lock(&self.shared.trail).prev_of(&change.key, &change.version);
         }
-        self.shared.refresh_members(false);
-        let members = lock(&self.shared.members);
-        members
-            .up
-            .iter()
-            .any(|(&member, &up)| members.observes(member, up, key))
+        change
     }
 
     /// Notifies every node observing the key of a committed change: queued for each, and
     /// resolves once the up, reachable ones took it (bounded by [`ACK_TIMEOUT`]); the others
     /// get it when they can.
     pub async fn publish(&self, change: Committed) {
-        let here = lock(&self.local).keys.contains_key(&change.key);
+        let here = lock(&self.shared.local).keys.contains_key(&change.key);
         self.shared.refresh_members(false);
         let others: Vec<(u64, bool)> = {
             let members = lock(&self.shared.members);
@@ -294,40 +465,108 @@ impl Notifier {
     }
 
     /// Hands the changes of keys observed here whose version is above the last delivered to the
-    /// sink, in order; the receiver resolves once they are queued.
+    /// sink, in order, each once its predecessor was delivered (held back until then, bounded);
+    /// the receiver resolves once those handed over now are queued.
     pub fn deliver_here(&self, changes: Vec<Committed>) -> Option<oneshot::Receiver<()>> {
-        let sink = self.sink.get()?;
-        let (tx, rx) = oneshot::channel();
-        // The check, the update and the hand-over under one lock: two heads' (or two tasks')
-        // changes of one key reach the sink in version order.
-        let mut local = lock(&self.local);
-        let fresh: Vec<Committed> = changes
-            .into_iter()
-            .filter(|change| {
-                let Some(last) = local.keys.get_mut(&change.key) else {
-                    return false;
-                };
-                let Ok(version) = Hlc::parse(&change.version) else {
-                    tracing::error!(version = %change.version, "a notification with a damaged version dropped");
-                    return false;
-                };
-                if last.as_ref().is_some_and(|last| *last >= version) {
-                    return false;
-                }
-                *last = Some(version);
-                true
-            })
-            .collect();
-        if fresh.is_empty() {
-            return None;
-        }
-        sink.deliver(fresh, tx);
-        drop(local);
-        Some(rx)
+        self.shared.deliver_here(changes)
     }
 }
 
 impl Shared {
+    fn is_observed(self: &Arc<Self>, key: &[u8]) -> bool {
+        if lock(&self.local).keys.contains_key(key) {
+            return true;
+        }
+        self.refresh_members(false);
+        let members = lock(&self.members);
+        members
+            .up
+            .iter()
+            .any(|(&member, &up)| members.observes(member, up, key))
+    }
+
+    fn deliver_here(self: &Arc<Self>, changes: Vec<Committed>) -> Option<oneshot::Receiver<()>> {
+        self.sink.get()?;
+        // The check, the update and the hand-over under one lock: two heads' (or two tasks')
+        // changes of one key reach the sink in version order.
+        let mut local = lock(&self.local);
+        let mut out = Vec::new();
+        let mut touched = Vec::new();
+        for change in changes {
+            let Some(observed) = local.keys.get_mut(&change.key) else {
+                continue;
+            };
+            let Ok(version) = Hlc::parse(&change.version) else {
+                tracing::error!(version = %change.version, "a notification with a damaged version dropped");
+                continue;
+            };
+            if !touched.contains(&change.key) {
+                touched.push(change.key.clone());
+            }
+            observed.take(version, change, &mut out);
+        }
+        for key in touched {
+            if let Some(observed) = local.keys.get_mut(&key) {
+                self.fetch_if_missing(&key, observed);
+            }
+        }
+        self.hand_over(out)
+    }
+
+    /// Hands `out` to the sink (called under the local lock, so in order).
+    fn hand_over(&self, out: Vec<Committed>) -> Option<oneshot::Receiver<()>> {
+        if out.is_empty() {
+            return None;
+        }
+        let sink = self.sink.get()?;
+        let (tx, rx) = oneshot::channel();
+        sink.deliver(out, tx);
+        Some(rx)
+    }
+
+    /// Starts the task that asks for `key`'s missing changes, if some are missing and none runs.
+    fn fetch_if_missing(self: &Arc<Self>, key: &[u8], observed: &mut Observed) {
+        if observed.fetching || observed.missing().is_none() {
+            return;
+        }
+        observed.fetching = true;
+        tokio::spawn(fetch_missing(Arc::clone(self), key.to_vec()));
+    }
+
+    /// The changes of `key` after `after` up to `until`, from a replica of its partition that
+    /// holds them all (this node's first), or `None`.
+    async fn fetch(&self, key: &[u8], after: &str, until: &str) -> Option<Vec<Committed>> {
+        if let Some(found) = lock(&self.trail).between(key, after, until) {
+            return Some(found);
+        }
+        let count = self.node.partition_count()?;
+        let chain = self.node.partition(partition_of(key, count))?.chain;
+        let frame = encode(&DataRequest::Trail {
+            key: key.to_vec(),
+            after: after.to_owned(),
+            until: until.to_owned(),
+        });
+        let mut calls = JoinSet::new();
+        for member in chain.into_iter().filter(|&m| m != self.node.id()) {
+            let Some(addr) = self.node.addr_of(member) else {
+                continue;
+            };
+            let (transport, frame) = (self.node.transport(), frame.clone());
+            calls.spawn(async move {
+                transport
+                    .call(&addr, Request::Data(frame), FETCH_TIMEOUT)
+                    .await
+            });
+        }
+        while let Some(answer) = calls.join_next().await {
+            if let Ok(Ok(Response::Data(bytes))) = answer {
+                if let Ok(DataResponse::Trail(Some(found))) = decode::<DataResponse>(&bytes) {
+                    return Some(found);
+                }
+            }
+        }
+        None
+    }
     /// Reads the member list from the control plane again if it is older than
     /// [`MEMBERS_EVERY`] (or `now`), and forgets the interest and outboxes of former members.
     fn refresh_members(self: &Arc<Self>, now: bool) {
@@ -342,7 +581,7 @@ impl Shared {
             }
         }
         let me = self.node.id();
-        let up: HashMap<u64, bool> = self
+        let up: BTreeMap<u64, bool> = self
             .node
             .members()
             .into_iter()
@@ -578,6 +817,57 @@ async fn send_to(shared: Arc<Shared>, to: u64, wake: Arc<Notify>) {
     }
 }
 
+/// One key's fetching task: asks the replicas for the changes missing before the held ones until
+/// none are missing, or delivers the held ones without them after [`HOLD_MAX`].
+async fn fetch_missing(shared: Arc<Shared>, key: Vec<u8>) {
+    loop {
+        let (after, until) = {
+            let mut local = lock(&shared.local);
+            let Some(observed) = local.keys.get_mut(&key) else {
+                return;
+            };
+            let Some((after, until)) = observed.missing() else {
+                observed.fetching = false;
+                return;
+            };
+            let overdue = observed
+                .held_since
+                .is_some_and(|since| since.elapsed() >= HOLD_MAX);
+            if overdue {
+                let mut out = Vec::new();
+                observed.drain(true, &mut out);
+                observed.fetching = false;
+                tracing::warn!(
+                    key = %String::from_utf8_lossy(&key),
+                    after = %after,
+                    until = %until,
+                    "changes of an observed key missed: no replica holds them; the later ones delivered without them"
+                );
+                shared.hand_over(out);
+                return;
+            }
+            (after, until)
+        };
+        match shared.fetch(&key, &after, &until).await {
+            Some(found) => {
+                tracing::debug!(key = %String::from_utf8_lossy(&key), found = found.len(), "missed changes fetched from a replica");
+                let mut local = lock(&shared.local);
+                let Some(observed) = local.keys.get_mut(&key) else {
+                    return;
+                };
+                let mut out = Vec::new();
+                for change in found {
+                    if let Ok(version) = Hlc::parse(&change.version) {
+                        observed.take(version, change, &mut out);
+                    }
+                }
+                shared.hand_over(out);
+            }
+            None => tokio::time::sleep(FETCH_EVERY).await,
+        }
+    }
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -591,7 +881,82 @@ mod tests {
             key: key.as_bytes().to_vec(),
             version: format!("{n:015}:00000:1"),
             value: Some(vec![0; 10]),
+            prev: None,
         }
+    }
+
+    fn chained(key: &str, n: u64, prev: u64) -> (Hlc, Committed) {
+        let prev = change(key, prev).version;
+        let change = Committed {
+            prev: Some(prev),
+            ..change(key, n)
+        };
+        (Hlc::parse(&change.version).unwrap(), change)
+    }
+
+    #[test]
+    fn a_change_waits_for_its_predecessor_then_both_go_in_order() {
+        let mut observed = Observed::default();
+        let mut out = Vec::new();
+        let (v1, c1) = chained("k", 1, 0);
+        observed.take(v1, c1.clone(), &mut out);
+        assert_eq!(
+            versions(&out),
+            versions(std::slice::from_ref(&c1)),
+            "nothing delivered before: it goes"
+        );
+        out.clear();
+        let (v3, c3) = chained("k", 3, 2);
+        observed.take(v3, c3.clone(), &mut out);
+        assert!(out.is_empty(), "2 is missing: 3 waits");
+        assert_eq!(
+            observed.missing(),
+            Some((c1.version.clone(), change("k", 2).version))
+        );
+        let (v4, c4) = chained("k", 4, 3);
+        observed.take(v4, c4.clone(), &mut out);
+        assert!(out.is_empty());
+        let (v2, c2) = chained("k", 2, 1);
+        observed.take(v2.clone(), c2.clone(), &mut out);
+        assert_eq!(versions(&out), versions(&[c2.clone(), c3, c4]));
+        assert_eq!(observed.missing(), None);
+        assert!(observed.held_since.is_none());
+        out.clear();
+        observed.take(v2, c2, &mut out);
+        assert!(out.is_empty(), "never twice");
+    }
+
+    #[test]
+    fn held_changes_go_when_given_up_and_starting_holds_everything() {
+        let mut observed = Observed::default();
+        let mut out = Vec::new();
+        let (v1, c1) = chained("k", 1, 0);
+        observed.take(v1, c1, &mut out);
+        let (v5, c5) = chained("k", 5, 4);
+        observed.take(v5, c5.clone(), &mut out);
+        out.clear();
+        observed.drain(true, &mut out);
+        assert_eq!(versions(&out), versions(&[c5]));
+
+        let mut observed = Observed {
+            starting: true,
+            ..Observed::default()
+        };
+        let mut out = Vec::new();
+        let (v2, c2) = chained("k", 2, 1);
+        let (v4, c4) = chained("k", 4, 3);
+        observed.take(v2, c2, &mut out);
+        observed.take(v4, c4.clone(), &mut out);
+        assert!(out.is_empty(), "nothing before the start is known");
+        assert_eq!(observed.missing(), None, "nothing fetched while starting");
+        observed.starting = false;
+        observed.last = Some(Hlc::parse(&change("k", 3).version).unwrap());
+        observed.drain(false, &mut out);
+        assert_eq!(
+            versions(&out),
+            versions(&[c4]),
+            "2 is before the start: dropped"
+        );
     }
 
     fn versions(batch: &[Committed]) -> Vec<String> {

@@ -70,6 +70,9 @@ struct Table {
     /// Since this replica re-entered at the tail (Unix ms), until the other members' entries are
     /// merged in.
     unsynced_since: Option<u64>,
+    /// The view of that re-entry ([`Record::Clear`]): entries exported before a later re-entry
+    /// do not sync it.
+    cleared_view: u64,
 }
 
 impl Recent {
@@ -79,7 +82,7 @@ impl Recent {
         for record in records {
             match record {
                 Record::Row { row, .. } => insert(&mut partitions, partition, row, now_ms),
-                Record::Clear { .. } => {
+                Record::Clear { view } => {
                     // The sessions' space holds no store records: nothing to sync there.
                     let unsynced_since =
                         (partition & crate::space::SESSIONS == 0).then_some(now_ms);
@@ -87,6 +90,7 @@ impl Recent {
                         partition,
                         Table {
                             unsynced_since,
+                            cleared_view: *view,
                             ..Table::default()
                         },
                     );
@@ -131,13 +135,13 @@ impl Recent {
             .map(|(_, record)| record.clone()))
     }
 
-    /// The partitions waiting for their entries.
-    pub fn unsynced(&self) -> Vec<u32> {
+    /// The partitions waiting for their entries, each with the view it re-entered under.
+    pub fn unsynced(&self) -> Vec<(u32, u64)> {
         let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
-        let mut unsynced: Vec<u32> = partitions
+        let mut unsynced: Vec<(u32, u64)> = partitions
             .iter()
             .filter(|(_, t)| t.unsynced_since.is_some())
-            .map(|(&p, _)| p)
+            .map(|(&p, t)| (p, t.cleared_view))
             .collect();
         // In partition order, not the map's: the syncs go out in it (deterministic under simulation).
         unsynced.sort_unstable();
@@ -154,27 +158,35 @@ impl Recent {
         if table.is_unsynced(now_ms) {
             return None;
         }
-        Some(
-            table
-                .requests
-                .iter()
-                .filter(|(_, (until, _))| *until > now_ms)
-                .map(|(id, (until, record))| Exported {
-                    id: id.0,
-                    until_ms: *until,
-                    expires_at_ms: record.expires_at_ms,
-                    reply: record.reply.to_vec(),
-                    reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
-                })
-                .collect(),
-        )
+        let mut entries: Vec<Exported> = table
+            .requests
+            .iter()
+            .filter(|(_, (until, _))| *until > now_ms)
+            .map(|(id, (until, record))| Exported {
+                id: id.0,
+                until_ms: *until,
+                expires_at_ms: record.expires_at_ms,
+                reply: record.reply.to_vec(),
+                reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
+            })
+            .collect();
+        // In request order, not the map's: the same entries make the same message (deterministic
+        // under simulation).
+        entries.sort_unstable_by_key(|e| e.id);
+        Some(entries)
     }
 
-    /// Merges another member's entries of `partition` (from [`Recent::export`]) and ends its
-    /// unsynced state. An entry whose `__ts` does not parse is left out, with a log line.
-    pub fn import(&self, partition: u32, entries: Vec<Exported>) {
+    /// Merges the entries of `partition` other members exported ([`Recent::export`]) and ends
+    /// its unsynced state, unless this replica re-entered under a view after `view` (the view of
+    /// the re-entry they answer, or of the head's recovery copy that sent them): entries exported
+    /// before a re-entry miss what the chain ran between the two. Whether they were merged. An
+    /// entry whose `__ts` does not parse is left out, with a log line.
+    pub fn import(&self, partition: u32, view: u64, entries: Vec<Exported>) -> bool {
         let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
         let table = partitions.entry(partition).or_default();
+        if table.cleared_view > view {
+            return false;
+        }
         for entry in entries {
             let reply_ts = match entry.reply_ts.as_deref().map(Hlc::parse).transpose() {
                 Ok(ts) => ts,
@@ -195,6 +207,7 @@ impl Recent {
             ));
         }
         table.unsynced_since = None;
+        true
     }
 
     /// How many requests are remembered (all partitions).
@@ -344,13 +357,13 @@ mod tests {
         rejoined.note(3, &[row_of("c", b"0", 10_000)], 900);
         rejoined.note(3, &[Record::Clear { view: 4 }], 1_100);
         assert!(unsynced(&rejoined, 3, 1_200));
-        assert_eq!(rejoined.unsynced(), vec![3]);
+        assert_eq!(rejoined.unsynced(), vec![(3, 4)]);
         assert!(
             rejoined.export(3, 1_200).is_none(),
             "cannot vouch for others"
         );
         let entries = head.export(3, 1_200).expect("the head is synced");
-        rejoined.import(3, entries);
+        assert!(rejoined.import(3, 4, entries));
         assert!(!unsynced(&rejoined, 3, 1_200));
         let reply = first(&rejoined, 3, &RequestId::of("c", b"1"), 1_300);
         assert_eq!(
@@ -383,9 +396,26 @@ mod tests {
         recent.note(3, &[Record::Clear { view: 4 }], 1_100);
         assert!(unsynced(&recent, 3, 1_200));
         // Synced from members that never had the voided row.
-        recent.import(3, Vec::new());
+        assert!(recent.import(3, 4, Vec::new()));
         assert!(first(&recent, 3, &RequestId::of("c", b"1"), 1_200).is_none());
         assert!(first(&recent, 7, &RequestId::of("c", b"9"), 1_200).is_some());
+    }
+
+    /// Entries exported for an earlier re-entry (a sync that was under way, a recovery copy of an
+    /// earlier view) do not sync a replica that re-entered again since: the chain may have run
+    /// requests between the two that they do not have.
+    #[test]
+    fn entries_from_before_a_later_re_entry_do_not_sync_it() {
+        let head = Recent::default();
+        head.note(3, &[row_of("c", b"1", 10_000)], 1_000);
+        let entries = head.export(3, 1_000).expect("the head is synced");
+        let rejoined = Recent::default();
+        rejoined.note(3, &[Record::Clear { view: 4 }], 900);
+        rejoined.note(3, &[Record::Clear { view: 6 }], 1_100);
+        assert!(!rejoined.import(3, 5, entries.clone()));
+        assert!(unsynced(&rejoined, 3, 1_200));
+        assert!(rejoined.import(3, 6, entries));
+        assert!(!unsynced(&rejoined, 3, 1_200));
     }
 
     #[test]

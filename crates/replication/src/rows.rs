@@ -43,7 +43,8 @@ pub fn deadline(delta: &Delta) -> Option<u64> {
     }
 }
 
-/// The change observers of the key are notified of, once the row is committed.
+/// The change observers of the key are notified of, once the row is committed (the row it
+/// replaced unknown: see [`committed_after`]).
 pub fn committed(delta: &Delta) -> Committed {
     let value = match delta {
         Delta::Put { value, .. } => Some(value.to_vec()),
@@ -53,6 +54,17 @@ pub fn committed(delta: &Delta) -> Committed {
         key: delta.key().to_vec(),
         version: delta.version().to_string(),
         value,
+        prev: None,
+    }
+}
+
+/// The change of `delta`, which replaced the committed row `before` (`None`: no row).
+pub fn committed_after(delta: &Delta, before: Option<&[u8]>) -> Committed {
+    Committed {
+        prev: before
+            .and_then(|row| delta_of(row).ok())
+            .map(|d| d.version().to_string()),
+        ..committed(delta)
     }
 }
 

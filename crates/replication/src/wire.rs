@@ -44,12 +44,15 @@ impl Executed {
 }
 
 /// A change committed through a partition's chain, for the nodes whose clients observe its key
-/// (KEYNOTIFY): the key, its new version (HLC text) and value (`None`: deleted or expired).
+/// (KEYNOTIFY): the key, its new version (HLC text) and value (`None`: deleted or expired), and
+/// the version of the committed row it replaced, if known (decision 0061: an observing node that
+/// did not get that one holds this change back until it has it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Committed {
     pub key: Vec<u8>,
     pub version: String,
     pub value: Option<Vec<u8>>,
+    pub prev: Option<String>,
 }
 
 /// One page of a SCAN, asked of the heads of some partitions.
@@ -108,6 +111,26 @@ pub enum DataRequest {
     /// this one (`forward`: one frame per batch, not one call per request). Answered by
     /// [`DataResponse::ExecutedMany`], in the same order.
     ExecuteMany(Vec<Routed>),
+    /// The changes of `key` after version `after` up to `until` that this replica persisted
+    /// ([`crate::trail`]): what an observing node missed. Answered by [`DataResponse::Trail`].
+    Trail {
+        key: Vec<u8>,
+        after: String,
+        until: String,
+    },
+    /// The version of `key`'s committed row, at its partition's head: where a node that starts
+    /// observing the key starts (older changes still on their way are not delivered). Answered
+    /// by [`DataResponse::Current`].
+    Current { key: Vec<u8> },
+    /// The head's remembered requests of `partition` ([`crate::recent`]), sent with the end of its
+    /// recovery copy under `view` (`Item::CopyDone`): the replica that caught up knows what the
+    /// chain ran without asking the members, one of which may fail first (decision 0050).
+    /// Answered [`DataResponse::Received`].
+    RecentOfHead {
+        partition: u32,
+        view: u64,
+        entries: Vec<crate::recent::Exported>,
+    },
 }
 
 /// The condition of a session row write: compare-and-set on the row's version.
@@ -160,6 +183,10 @@ pub enum DataResponse {
         generation: u64,
         keys: Vec<Vec<u8>>,
     },
+    /// The changes asked for, in order; `None`: this replica does not hold all of them.
+    Trail(Option<Vec<Committed>>),
+    /// The key's committed version (`None`: no row); `Err`: not the head now, or not answered.
+    Current(Result<Option<String>, String>),
 }
 
 /// How these messages are encoded and decoded: as every message inside the cluster transport.

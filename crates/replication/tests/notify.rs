@@ -6,7 +6,13 @@
 //!   (robustness seed 400),
 //! * the observing node was silent longer than the heads used to remember its interest
 //!   (seed 403, a `SIGSTOP`),
-//! * the head restarted and knew nobody's interest yet (seeds 401 and 410–412, `kill -9`).
+//! * the head restarted and knew nobody's interest yet (seeds 401 and 410–412, `kill -9`),
+//! * the head that committed a change died before handing it over, or was cut off from the
+//!   observing node and lost its headship before its outbox drained, and the next head's change
+//!   came first (seeds 160109, 160126, 619: decision 0061): the observing node holds the newer
+//!   change back and gets the missing one from a replica's trail,
+//! * the observing node started observing a key while an older change of it was still in some
+//!   head's outbox (seed 160097): it starts from the key's committed version.
 //!
 //! Each waits on a condition with a generous bound, never on a fixed time.
 
@@ -14,12 +20,16 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+use mqstate_chain::{Record, Row, Version};
 use mqstate_cluster::sim::{eventually, mem_addr as addr, mem_node, quick_config};
 use mqstate_cluster::transport::mem::MemNetwork;
 use mqstate_cluster::transport::BoxFuture;
 use mqstate_cluster::{ClusterNode, DataHandler, NodeId, Status};
+use mqstate_protocol::Hlc;
 use mqstate_replication::notify::{Notifier, Sink};
 use mqstate_replication::wire::{decode, encode, Committed, DataRequest};
+use mqstate_store::{Change, Delta};
 use tokio::sync::oneshot;
 
 async fn start(net: &MemNetwork, root: &Path, id: NodeId) -> ClusterNode {
@@ -149,7 +159,49 @@ fn change(key: &[u8], n: u64) -> Committed {
         key: key.to_vec(),
         version: format!("{:015}:00000:1", 1_700_000_000_000 + n),
         value: Some(format!("v{n}").into_bytes()),
+        prev: None,
     }
+}
+
+/// Change `n` of `key`, which replaced change `prev`.
+fn after(key: &[u8], n: u64, prev: u64) -> Committed {
+    Committed {
+        prev: Some(version(prev)),
+        ..change(key, n)
+    }
+}
+
+/// The chain row of change `n` of `key`, as a replica persists it.
+fn row(key: &[u8], n: u64) -> Record {
+    let delta = Delta::Put {
+        key: Bytes::copy_from_slice(key),
+        value: Bytes::from(format!("v{n}")),
+        version: Hlc::new(1_700_000_000_000 + n, 0, Arc::from("1")),
+        fencing_token: None,
+        expires_at_ms: None,
+    };
+    Record::Row {
+        key: key.to_vec(),
+        row: Row {
+            value: Some(Change::Key(delta).encode().unwrap()),
+            version: Version {
+                wall_ms: n,
+                counter: 0,
+                node: 1,
+            },
+            view: 1,
+            locked: false,
+        },
+    }
+}
+
+/// Node `i`'s replica persisted changes `ns` of `key` (its driver's notes).
+fn persisted(cluster: &Cluster, i: usize, key: &[u8], ns: &[u64]) {
+    let records: Vec<Record> = ns.iter().map(|&n| row(key, n)).collect();
+    let partition = 0; // which one does not matter to the trail's walk
+    cluster.notifiers[i]
+        .trail_notes()
+        .note(partition, &records, 1_700_000_000_000);
 }
 
 fn version(n: u64) -> String {
@@ -223,4 +275,132 @@ async fn a_restarted_head_notifies_before_hearing_the_members_again() {
     restarted.send_interest().await;
     assert!(restarted.is_observed(b"k"));
     assert!(!restarted.is_observed(b"unobserved"));
+}
+
+/// Seeds 160109, 160126: the head committed change 2 and died before handing it over; the next
+/// head's change 3 (which replaced 2) reaches the observing node first. The observing node holds 3
+/// back, gets 2 from a surviving replica's trail, and delivers both in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_lost_with_its_head_comes_from_a_replica() {
+    let cluster = Cluster::start().await;
+    let (old_head, observer, new_head) = (
+        &cluster.notifiers[0],
+        &cluster.notifiers[1],
+        &cluster.notifiers[2],
+    );
+    observer.watch(b"k".to_vec(), true).await;
+    eventually("the heads know the observer's interest", || {
+        old_head.is_observed(b"k") && new_head.is_observed(b"k")
+    })
+    .await;
+    old_head.publish(change(b"k", 1)).await;
+    let seen = &cluster.seen[1];
+    eventually("the observer got change 1", || {
+        seen.versions(b"k") == [version(1)]
+    })
+    .await;
+
+    // Change 2 went through the chain (every replica persisted it), and its head died before
+    // handing it over: nobody publishes it.
+    persisted(&cluster, 2, b"k", &[1, 2]);
+    cluster.net.cut(&addr(1), &addr(2));
+    cluster.net.cut(&addr(1), &addr(3));
+    new_head.publish(after(b"k", 3, 2)).await;
+
+    eventually("the observer got every change", || {
+        seen.versions(b"k").len() == 3
+    })
+    .await;
+    assert_eq!(seen.versions(b"k"), [version(1), version(2), version(3)]);
+}
+
+/// Seed 619: two heads in turn. The old head was cut off from the observing node with change 2
+/// in its outbox and lost its headship; the new head's change 3 arrives first. Change 2 is
+/// fetched from the new head's trail, and the old head's copy, once the link heals, is not
+/// delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_heads_undelivered_change_is_not_skipped() {
+    let cluster = Cluster::start().await;
+    let (old_head, observer, new_head) = (
+        &cluster.notifiers[0],
+        &cluster.notifiers[1],
+        &cluster.notifiers[2],
+    );
+    observer.watch(b"k".to_vec(), true).await;
+    eventually("the heads know the observer's interest", || {
+        old_head.is_observed(b"k") && new_head.is_observed(b"k")
+    })
+    .await;
+    old_head.publish(change(b"k", 1)).await;
+    let seen = &cluster.seen[1];
+    eventually("the observer got change 1", || {
+        seen.versions(b"k") == [version(1)]
+    })
+    .await;
+
+    cluster.net.cut(&addr(1), &addr(2));
+    old_head.publish(after(b"k", 2, 1)).await;
+    persisted(&cluster, 2, b"k", &[1, 2]);
+    new_head.publish(after(b"k", 3, 2)).await;
+    eventually("the observer got changes 2 and 3", || {
+        seen.versions(b"k").len() == 3
+    })
+    .await;
+    cluster.net.heal_all();
+    new_head.publish(after(b"k", 4, 3)).await;
+    eventually("the observer got change 4", || {
+        seen.versions(b"k").len() >= 4
+    })
+    .await;
+    // The old head's outbox drains (its copy of 2 is acknowledged, not delivered).
+    eventually("the old head's outbox drained", || {
+        old_head.undelivered() == 0
+    })
+    .await;
+    assert_eq!(
+        seen.versions(b"k"),
+        [version(1), version(2), version(3), version(4)]
+    );
+}
+
+/// No replica holds the missing change (it was written while its key was not observed, or the
+/// replicas restarted): the held change is delivered anyway once the hold is over — bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_change_goes_out_without_what_nobody_holds() {
+    let cluster = Cluster::start().await;
+    let (head, observer) = (&cluster.notifiers[0], &cluster.notifiers[1]);
+    observer.watch(b"k".to_vec(), true).await;
+    eventually("the head knows the observer's interest", || {
+        head.is_observed(b"k")
+    })
+    .await;
+    head.publish(change(b"k", 1)).await;
+    head.publish(after(b"k", 3, 2)).await;
+    head.publish(after(b"k", 4, 3)).await;
+    let seen = &cluster.seen[1];
+    eventually("the observer got 3 and 4 after the hold", || {
+        seen.versions(b"k").len() == 3
+    })
+    .await;
+    assert_eq!(seen.versions(b"k"), [version(1), version(3), version(4)]);
+}
+
+/// Seed 160097: a node starts observing a key while an older change of it is still on its way
+/// (an old head's outbox): it starts from the key's committed version, so the older change is
+/// not delivered after newer ones the observer may have seen on another node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_starts_observing_at_the_committed_version() {
+    let cluster = Cluster::start().await;
+    let (head, observer) = (&cluster.notifiers[0], &cluster.notifiers[1]);
+    let start = async { Some(version(5)) };
+    observer.observe(b"k".to_vec(), start).await;
+    head.publish(after(b"k", 3, 2)).await;
+    head.publish(after(b"k", 5, 4)).await;
+    head.publish(after(b"k", 6, 5)).await;
+    let seen = &cluster.seen[1];
+    eventually("the observer got change 6", || {
+        !seen.versions(b"k").is_empty()
+    })
+    .await;
+    assert_eq!(seen.versions(b"k"), [version(6)]);
 }

@@ -3,7 +3,7 @@
 //! idle connections per address and reuses them; one request is in flight per connection. The
 //! server runs one task per accepted connection.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -32,7 +32,9 @@ type Buffered = BufReader<BoxStream>;
 pub struct TcpTransport {
     connect: Arc<dyn Connect>,
     tls: Option<NodeTls>,
-    idle: Mutex<HashMap<String, Vec<Buffered>>>,
+    /// Ordered: dropping the transport closes the connections in address order (each close is a
+    /// message; deterministic under simulation).
+    idle: Mutex<BTreeMap<String, Vec<Buffered>>>,
     refusals: Refusals,
 }
 
@@ -148,7 +150,7 @@ impl TcpTransport {
 /// Refusals already logged, per peer: a peer that keeps failing the same way is logged once (at
 /// warn) until it succeeds or fails differently, not at every Raft heartbeat.
 #[derive(Debug, Default)]
-struct Refusals(Mutex<HashMap<String, String>>);
+struct Refusals(Mutex<BTreeMap<String, String>>);
 
 impl Refusals {
     fn report(&self, peer: &str, reason: &str, log: impl FnOnce()) {

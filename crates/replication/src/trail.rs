@@ -1,0 +1,290 @@
+//! The changes of observed keys as this replica persisted them (decision 0061): every replica of a
+//! chain persists every write, so whichever of them survives a head holds the changes that head
+//! committed, whether or not it handed them to the observing nodes. A node whose observers got a
+//! change whose predecessor they never got asks the key's replicas for the changes in between
+//! ([`Trail::between`]). Pure (no I/O, no clock of its own); memory only, bounded.
+//!
+//! Each entry is linked to the entry before it for its key (`prev`): the row this replica held for
+//! the key before. Replicas persist a key's rows in the chain's order, so the links follow the
+//! chain's versions, except across what this replica did not see — a write while the key was not
+//! observed (the key's entries are dropped: the next has no link), a re-entry at the tail
+//! ([`Trail::clear`]: the partition's entries go), a restart (nothing kept), the bounds. A walk
+//! back over the links that reaches the version asked for therefore has every change in between;
+//! one that breaks off answers nothing.
+
+use std::collections::{HashMap, VecDeque};
+
+use mqstate_chain::Record;
+
+use crate::rows;
+use crate::wire::Committed;
+
+/// Entries older than this go (the observing node asks within its hold, a few seconds).
+pub const KEEP_MS: u64 = 60_000;
+/// Entries per key, at most (the oldest go first).
+pub const KEEP_PER_KEY: usize = 8_192;
+/// Bytes of keys and values kept, at most: beyond it a key's new entries are not kept (and its
+/// older ones dropped, so that no link skips a change).
+pub const KEEP_BYTES: usize = 64 << 20;
+/// Sweeps of old entries happen at most this often.
+const SWEEP_EVERY_MS: u64 = 1_000;
+
+#[derive(Default)]
+pub struct Trail {
+    keys: HashMap<Vec<u8>, Kept>,
+    bytes: usize,
+    next_sweep_ms: u64,
+}
+
+struct Kept {
+    partition: u32,
+    /// Oldest first; each `change.prev` is the version of the entry before it (as persisted here).
+    entries: VecDeque<(u64, Committed)>,
+}
+
+fn size(change: &Committed) -> usize {
+    change.key.len() + change.version.len() + change.value.as_ref().map_or(0, Vec::len)
+}
+
+impl Trail {
+    /// Notes the rows `records` persist to this replica of `partition`; `observed` says whether a
+    /// key's changes may be wanted by some node.
+    pub fn note(
+        &mut self,
+        partition: u32,
+        records: &[Record],
+        now_ms: u64,
+        observed: impl Fn(&[u8]) -> bool,
+    ) {
+        for record in records {
+            match record {
+                Record::Row { key, row } => {
+                    let change = row
+                        .value
+                        .as_deref()
+                        .filter(|_| observed(key))
+                        .and_then(|value| rows::delta_of(value).ok())
+                        .map(|delta| rows::committed(&delta));
+                    match change {
+                        Some(change) => self.push(partition, change, now_ms),
+                        None => self.forget(key),
+                    }
+                }
+                Record::Clear { .. } => self.clear(partition),
+                Record::CaughtUp { .. } | Record::Readable => {}
+            }
+        }
+        self.sweep(now_ms);
+    }
+
+    fn push(&mut self, partition: u32, mut change: Committed, now_ms: u64) {
+        let kept = self.keys.entry(change.key.clone()).or_insert_with(|| Kept {
+            partition,
+            entries: VecDeque::new(),
+        });
+        let last = kept.entries.back().map(|(_, c)| c.version.clone());
+        // Phase 2 persists the row again, unlocked: the same change.
+        if last.as_deref() == Some(change.version.as_str()) {
+            return;
+        }
+        if self.bytes + size(&change) > KEEP_BYTES {
+            let key = change.key;
+            return self.forget(&key);
+        }
+        change.prev = last;
+        self.bytes += size(&change);
+        kept.partition = partition;
+        kept.entries.push_back((now_ms, change));
+        while kept.entries.len() > KEEP_PER_KEY {
+            if let Some((_, old)) = kept.entries.pop_front() {
+                self.bytes -= size(&old);
+            }
+        }
+    }
+
+    /// The key's entries go: the next one noted has no link.
+    fn forget(&mut self, key: &[u8]) {
+        if let Some(kept) = self.keys.remove(key) {
+            self.bytes -= kept.entries.iter().map(|(_, c)| size(c)).sum::<usize>();
+        }
+    }
+
+    /// This replica re-entered its chain: what it held of `partition` is void.
+    pub fn clear(&mut self, partition: u32) {
+        let bytes = &mut self.bytes;
+        self.keys.retain(|_, kept| {
+            let keep = kept.partition != partition;
+            if !keep {
+                *bytes -= kept.entries.iter().map(|(_, c)| size(c)).sum::<usize>();
+            }
+            keep
+        });
+    }
+
+    fn sweep(&mut self, now_ms: u64) {
+        if now_ms < self.next_sweep_ms {
+            return;
+        }
+        self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
+        let bytes = &mut self.bytes;
+        self.keys.retain(|_, kept| {
+            while kept
+                .entries
+                .front()
+                .is_some_and(|(at, _)| at.saturating_add(KEEP_MS) <= now_ms)
+            {
+                if let Some((_, old)) = kept.entries.pop_front() {
+                    *bytes -= size(&old);
+                }
+            }
+            !kept.entries.is_empty()
+        });
+    }
+
+    /// The changes of `key` after version `after` up to version `until`, in order, if this replica
+    /// holds every one of them; `None` if its links break off before `after`.
+    pub fn between(&self, key: &[u8], after: &str, until: &str) -> Option<Vec<Committed>> {
+        let kept = self.keys.get(key)?;
+        let mut found = Vec::new();
+        let mut target = until.to_owned();
+        while target != after {
+            let (_, change) = kept
+                .entries
+                .iter()
+                .rev()
+                .find(|(_, c)| c.version == target)?;
+            found.push(change.clone());
+            target = change.prev.clone()?;
+        }
+        found.reverse();
+        Some(found)
+    }
+
+    /// The version of the change persisted here before `version` of `key`, if this replica
+    /// holds both.
+    pub fn prev_of(&self, key: &[u8], version: &str) -> Option<String> {
+        let kept = self.keys.get(key)?;
+        let (_, change) = kept
+            .entries
+            .iter()
+            .rev()
+            .find(|(_, c)| c.version == version)?;
+        change.prev.clone()
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.keys.values().map(|k| k.entries.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use mqstate_chain::{Row, Version};
+    use mqstate_protocol::Hlc;
+    use mqstate_store::{Change, Delta};
+
+    use super::*;
+
+    fn hlc(n: u64) -> Hlc {
+        Hlc::new(1_700_000_000_000 + n, 0, Arc::from("mqstate"))
+    }
+
+    fn row(key: &str, n: u64, locked: bool) -> Record {
+        let delta = Delta::Put {
+            key: Bytes::copy_from_slice(key.as_bytes()),
+            value: Bytes::from(format!("v{n}")),
+            version: hlc(n),
+            fencing_token: None,
+            expires_at_ms: None,
+        };
+        Record::Row {
+            key: key.as_bytes().to_vec(),
+            row: Row {
+                value: Some(Change::Key(delta).encode().unwrap()),
+                version: Version {
+                    wall_ms: n,
+                    counter: 0,
+                    node: 1,
+                },
+                view: 1,
+                locked,
+            },
+        }
+    }
+
+    fn v(n: u64) -> String {
+        hlc(n).to_string()
+    }
+
+    fn versions(changes: &[Committed]) -> Vec<String> {
+        changes.iter().map(|c| c.version.clone()).collect()
+    }
+
+    #[test]
+    fn the_changes_between_two_versions_come_back_in_order_once_each() {
+        let mut trail = Trail::default();
+        let records: Vec<Record> = (1..=4)
+            .flat_map(|n| [row("k", n, true), row("k", n, false)])
+            .collect();
+        trail.note(0, &records, 0, |_| true);
+        assert_eq!(
+            trail.len(),
+            4,
+            "phase 2's second persist is the same change"
+        );
+        let between = trail.between(b"k", &v(1), &v(3)).unwrap();
+        assert_eq!(versions(&between), [v(2), v(3)]);
+        assert_eq!(between[0].prev, Some(v(1)));
+        assert_eq!(trail.between(b"k", &v(3), &v(3)), Some(Vec::new()));
+        assert_eq!(trail.prev_of(b"k", &v(4)), Some(v(3)));
+        // Before the first entry here: the walk breaks off.
+        assert_eq!(trail.between(b"k", &v(0), &v(3)), None);
+        assert_eq!(trail.between(b"other", &v(0), &v(3)), None);
+    }
+
+    #[test]
+    fn a_change_missed_here_breaks_the_links() {
+        let mut trail = Trail::default();
+        trail.note(0, &[row("k", 1, false)], 0, |_| true);
+        // Written while nobody observed the key: not kept, and the links start over.
+        trail.note(0, &[row("k", 2, false)], 0, |_| false);
+        trail.note(0, &[row("k", 3, false)], 0, |_| true);
+        assert_eq!(trail.between(b"k", &v(1), &v(3)), None);
+        assert_eq!(trail.prev_of(b"k", &v(3)), None);
+
+        // A re-entry at the tail voids the partition's entries, not the others'.
+        trail.note(1, &[row("j", 1, false)], 0, |_| true);
+        trail.note(0, &[Record::Clear { view: 2 }], 0, |_| true);
+        assert_eq!(trail.len(), 1);
+        trail.note(0, &[row("k", 4, false)], 0, |_| true);
+        assert_eq!(trail.prev_of(b"k", &v(4)), None);
+    }
+
+    #[test]
+    fn old_entries_go() {
+        let mut trail = Trail::default();
+        trail.note(0, &[row("k", 1, false)], 0, |_| true);
+        trail.note(0, &[row("k", 2, false)], KEEP_MS / 2, |_| true);
+        trail.note(0, &[row("k", 3, false)], KEEP_MS + 1, |_| true);
+        assert_eq!(trail.len(), 2);
+        // 1 is gone: what came after it is still all here, what came before it no more.
+        assert_eq!(
+            versions(&trail.between(b"k", &v(1), &v(3)).unwrap()),
+            [v(2), v(3)]
+        );
+        assert_eq!(trail.between(b"k", &v(0), &v(3)), None);
+        assert_eq!(
+            trail.bytes,
+            trail
+                .keys
+                .values()
+                .flat_map(|k| &k.entries)
+                .map(|(_, c)| size(c))
+                .sum::<usize>()
+        );
+    }
+}
