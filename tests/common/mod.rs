@@ -252,6 +252,22 @@ impl Drop for Server {
     }
 }
 
+/// Waits for a server process started outside [`Server`] to exit; kills it and fails if it is
+/// still running after [`state::WAIT`].
+pub fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + state::WAIT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what}: the server kept running");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A loopback address that was free a moment ago, for a server process to bind.
 ///
 /// Not the kernel's `bind(0)`: that hands out ports from the ephemeral range, where any client

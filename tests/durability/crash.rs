@@ -485,20 +485,6 @@ fn spawn_serve(
     child
 }
 
-fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{what}: the server kept running");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Writes sequentially until the server dies or `max` writes were acknowledged.
 async fn write_until_dead(addr: SocketAddr, ledger: &mut Ledger, prefix: &str, max: usize) {
     let (mut mqtt, _) = Mqtt::connect(addr, &format!("{prefix}-writer"), None)
@@ -537,7 +523,7 @@ async fn crash_at_failpoint(failpoint: &str, extra_args: &[&str]) {
     // Keys and the client id are named after the point, not after a marker's path.
     let label = failpoint.split('@').next().unwrap_or(failpoint);
     write_until_dead(addr, &mut ledger, label, FAILPOINT_WRITES_MAX).await;
-    let status = tokio::task::block_in_place(|| wait_exit(&mut child, failpoint));
+    let status = tokio::task::block_in_place(|| common::wait_exit(&mut child, failpoint));
     assert_eq!(
         status.signal(),
         Some(6),

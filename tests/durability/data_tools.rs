@@ -9,7 +9,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -101,21 +101,6 @@ fn spawn_serve(dir: &Path, log: &Path) -> (Child, SocketAddr) {
     (child, addr)
 }
 
-/// Waits for `child` to exit; kills it and fails if it is still running after [`WAIT`].
-fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{what}: the server kept running");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn wait_listening(child: &mut Child, addr: SocketAddr, log: &Path) {
     let deadline = Instant::now() + WAIT;
     while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
@@ -193,7 +178,7 @@ fn verify_finds_damage(dir: &Path, file_name: &str, at_offset: &str) -> Output {
 fn start_is_refused(dir: &Path, what: &str, file_name: &str, at_offset: &str) {
     let log = dir.with_file_name("refused.log");
     let (mut child, _) = spawn_serve(dir, &log);
-    let status = wait_exit(&mut child, &format!("start on {what}"));
+    let status = common::wait_exit(&mut child, &format!("start on {what}"));
     assert!(!status.success(), "the server must refuse {what}");
     let refusal = fs::read_to_string(&log).unwrap();
     assert!(
@@ -669,7 +654,7 @@ fn a_data_directory_in_use_refuses_a_second_server_and_repair() {
 
     let log = dir.with_file_name("second.log");
     let (mut second, _) = spawn_serve(&dir, &log);
-    let status = wait_exit(&mut second, "a second server on the same data directory");
+    let status = common::wait_exit(&mut second, "a second server on the same data directory");
     assert!(!status.success(), "a second server must refuse to start");
     let refusal = fs::read_to_string(&log).unwrap();
     assert!(
@@ -703,7 +688,7 @@ fn a_data_directory_that_is_a_file_is_refused_naming_it() {
     fs::write(&dir, b"not a directory").unwrap();
     let log = temp.path().join("serve.log");
     let (mut server, _) = spawn_serve(&dir, &log);
-    let status = wait_exit(&mut server, "a server on a file as its data directory");
+    let status = common::wait_exit(&mut server, "a server on a file as its data directory");
     assert!(!status.success());
     let refusal = fs::read_to_string(&log).unwrap();
     assert!(

@@ -144,11 +144,22 @@ impl Cluster {
         (notifier, seen)
     }
 
-    /// Node 2 watches `key`; returns once node 1, the head in these tests, knows its interest.
+    /// Node 2 watches `key`; returns once nodes 1 and 3, the heads in these tests, know its
+    /// interest.
     async fn observe(&self, key: &[u8]) {
         self.notifiers[1].watch(key.to_vec(), true).await;
-        eventually("the head knows the observer's interest", || {
-            self.notifiers[0].is_observed(key)
+        eventually("the heads know the observer's interest", || {
+            self.notifiers[0].is_observed(key) && self.notifiers[2].is_observed(key)
+        })
+        .await;
+    }
+
+    /// [`Cluster::observe`] `k`, then node 1's change 1 of it reaches node 2.
+    async fn observe_change_1(&self) {
+        self.observe(b"k").await;
+        self.notifiers[0].publish(change(b"k", 1)).await;
+        eventually("the observer got change 1", || {
+            self.seen[1].versions(b"k") == [version(1)]
         })
         .await;
     }
@@ -283,22 +294,9 @@ async fn a_restarted_head_notifies_before_hearing_the_members_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_lost_with_its_head_comes_from_a_replica() {
     let cluster = Cluster::start().await;
-    let (old_head, observer, new_head) = (
-        &cluster.notifiers[0],
-        &cluster.notifiers[1],
-        &cluster.notifiers[2],
-    );
-    observer.watch(b"k".to_vec(), true).await;
-    eventually("the heads know the observer's interest", || {
-        old_head.is_observed(b"k") && new_head.is_observed(b"k")
-    })
-    .await;
-    old_head.publish(change(b"k", 1)).await;
+    cluster.observe_change_1().await;
+    let new_head = &cluster.notifiers[2];
     let seen = &cluster.seen[1];
-    eventually("the observer got change 1", || {
-        seen.versions(b"k") == [version(1)]
-    })
-    .await;
 
     // Change 2 went through the chain (every replica persisted it), and its head died before
     // handing it over: nobody publishes it.
@@ -321,22 +319,9 @@ async fn a_change_lost_with_its_head_comes_from_a_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_heads_undelivered_change_is_not_skipped() {
     let cluster = Cluster::start().await;
-    let (old_head, observer, new_head) = (
-        &cluster.notifiers[0],
-        &cluster.notifiers[1],
-        &cluster.notifiers[2],
-    );
-    observer.watch(b"k".to_vec(), true).await;
-    eventually("the heads know the observer's interest", || {
-        old_head.is_observed(b"k") && new_head.is_observed(b"k")
-    })
-    .await;
-    old_head.publish(change(b"k", 1)).await;
+    cluster.observe_change_1().await;
+    let (old_head, new_head) = (&cluster.notifiers[0], &cluster.notifiers[2]);
     let seen = &cluster.seen[1];
-    eventually("the observer got change 1", || {
-        seen.versions(b"k") == [version(1)]
-    })
-    .await;
 
     cluster.net.cut(&addr(1), &addr(2));
     old_head.publish(after(b"k", 2, 1)).await;
@@ -368,12 +353,8 @@ async fn an_old_heads_undelivered_change_is_not_skipped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_change_goes_out_without_what_nobody_holds() {
     let cluster = Cluster::start().await;
-    let (head, observer) = (&cluster.notifiers[0], &cluster.notifiers[1]);
-    observer.watch(b"k".to_vec(), true).await;
-    eventually("the head knows the observer's interest", || {
-        head.is_observed(b"k")
-    })
-    .await;
+    cluster.observe(b"k").await;
+    let head = &cluster.notifiers[0];
     head.publish(change(b"k", 1)).await;
     head.publish(after(b"k", 3, 2)).await;
     head.publish(after(b"k", 4, 3)).await;
