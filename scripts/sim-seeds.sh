@@ -20,9 +20,19 @@ JOBS="${JOBS:-$(nproc)}"
 OUT="${OUT:-${CARGO_TARGET_DIR:-target}/sim-seeds}"
 REPLAY="${REPLAY:-}"
 
-BIN="$(cargo test -p mqstate-replication --test turmoil_sim --no-run --message-format=json 2>/dev/null |
+# Built with --workspace, the features the test run already built with, so nothing is built again;
+# two packages have a `turmoil_sim` test, the data plane's is picked by its source path. Cargo's
+# messages are kept and shown if the build fails.
+mkdir -p "${CARGO_TARGET_DIR:-target}"
+BUILD_LOG="${CARGO_TARGET_DIR:-target}/sim-seeds-build.log"
+if ! cargo test --workspace --test turmoil_sim --no-run --message-format=json >"$BUILD_LOG.json" 2>"$BUILD_LOG"; then
+  echo "could not build the simulation test (cargo exited non-zero); its messages:" >&2
+  tail -40 "$BUILD_LOG" >&2
+  exit 2
+fi
+BIN="$(grep 'crates/replication/tests/turmoil_sim.rs' "$BUILD_LOG.json" |
   sed -n 's/.*"executable":"\([^"]*turmoil_sim[^"]*\)".*/\1/p' | tail -1)"
-[ -x "$BIN" ] || { echo "could not build the simulation test" >&2; exit 2; }
+[ -x "$BIN" ] || { echo "could not find the simulation test's executable in $BUILD_LOG.json" >&2; exit 2; }
 
 rm -rf "$OUT"
 mkdir -p "$OUT"
