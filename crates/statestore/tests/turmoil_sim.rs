@@ -45,8 +45,14 @@ const KEYS: [&str; 3] = ["k0", "k1", "k2"];
 const CLIENTS: u64 = 4;
 /// The client id of the reads after the faults.
 const FINAL_CLIENT: u64 = 99;
-/// How long a client waits for a reply before it takes the request's outcome as unknown.
+/// A request's message expiry: the node remembers its first reply this long (the duplicate cache).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one attempt waits for the reply before the client reconnects and sends it again.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+/// A client sends a request again (same correlation data: the node answers a request it already
+/// ran with its first reply) only this long after the first attempt, well within its expiry:
+/// a retry after it would run again, as the protocol says.
+const RETRY_WITHIN: Duration = Duration::from_secs(3);
 /// Every key must answer a read within this long after the faults stopped.
 const READABLE_WITHIN: Duration = Duration::from_secs(20);
 const SEARCH_BUDGET: usize = 4_000_000;
@@ -140,7 +146,7 @@ enum Answer {
 }
 
 /// Sends one request on `conn` and waits for its reply; the connection is dropped (set to
-/// `None`) when it failed or the reply did not come in time.
+/// `None`) when it failed or the reply did not come in time. `seq` makes the correlation data.
 async fn exchange(
     conn: &mut Option<Session>,
     history: &Shared,
@@ -148,21 +154,17 @@ async fn exchange(
     seq: u64,
     key: &str,
     cmd: &Cmd,
+    ts: &Hlc,
 ) -> Answer {
     let Some(session) = conn.as_mut() else {
         return Answer::Outcome(Outcome::Unknown);
     };
     let correlation = rpc::correlation(seq);
-    let ts = Hlc {
-        wall_ms: EPOCH_MS + sim_ms(),
-        counter: 0,
-        node_id: format!("c{client}").into(),
-    };
     let properties = rpc::request_properties(
         &format!("c{client}"),
         &rpc::response_topic(&format!("c{client}")),
         correlation.clone(),
-        &ts,
+        ts,
         None,
         CALL_TIMEOUT,
     );
@@ -204,7 +206,7 @@ async fn exchange(
         }
     };
     let answer: Result<Result<Result<Outcome, String>, String>, _> =
-        tokio::time::timeout(CALL_TIMEOUT, run).await;
+        tokio::time::timeout(ATTEMPT_TIMEOUT, run).await;
     match answer {
         Ok(Ok(Ok(outcome))) => Answer::Outcome(outcome),
         Ok(Ok(Err(error)))
@@ -233,7 +235,9 @@ enum CallError {
     Wrong(String),
 }
 
-/// Sends one request, connecting first if need be, and records it.
+/// Sends one request, connecting first if need be, and records it. Without an answer, it is sent
+/// again on a new connection within [`RETRY_WITHIN`], as an AIO client resends an unacknowledged
+/// request after a reconnect.
 async fn call(
     conn: &mut Option<Session>,
     history: &Shared,
@@ -246,7 +250,27 @@ async fn call(
         *conn = Some(connect(client).await.map_err(|_| CallError::NotConnected)?);
     }
     let invoked = tick(history);
-    let (outcome, wrong) = match exchange(conn, history, client, seq, key, &cmd).await {
+    let first = tokio::time::Instant::now();
+    let ts = Hlc {
+        wall_ms: EPOCH_MS + sim_ms(),
+        counter: 0,
+        node_id: format!("c{client}").into(),
+    };
+    let answer = loop {
+        let answer = exchange(conn, history, client, seq, key, &cmd, &ts).await;
+        let retry = matches!(answer, Answer::Outcome(Outcome::Unknown)) && conn.is_none();
+        if !retry || first.elapsed() >= RETRY_WITHIN {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Ok(session) = connect(client).await {
+            *conn = Some(session);
+        }
+        if first.elapsed() >= RETRY_WITHIN {
+            break answer;
+        }
+    };
+    let (outcome, wrong) = match answer {
         Answer::Outcome(outcome) => (outcome, None),
         Answer::Wrong(error) => (Outcome::Unknown, Some(error)),
     };
