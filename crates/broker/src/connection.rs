@@ -441,14 +441,19 @@ async fn authenticate(
         cert_identity: peer.cert_identity.clone(),
     };
     let authenticator = inner.security.authenticator.clone();
-    // The permit goes with the work: it is held until the authenticator returns, even if this
-    // connection gives up waiting. The semaphore is never closed, so `Err` cannot happen.
-    let slot = inner.auth_slots.clone().acquire_owned().await.ok();
-    let authenticate = move || {
-        let _slot = slot;
-        authenticator.authenticate(&attempt)
+    let authenticated = if authenticator.blocks() {
+        // The permit goes with the work: it is held until the authenticator returns, even if this
+        // connection gives up waiting. The semaphore is never closed, so `Err` cannot happen.
+        let slot = inner.auth_slots.clone().acquire_owned().await.ok();
+        let authenticate = move || {
+            let _slot = slot;
+            authenticator.authenticate(&attempt)
+        };
+        tokio::task::spawn_blocking(authenticate).await
+    } else {
+        Ok(authenticator.authenticate(&attempt))
     };
-    match tokio::task::spawn_blocking(authenticate).await {
+    match authenticated {
         Ok(Ok(identity)) => Ok(identity),
         Ok(Err(refusal)) => {
             inner.auth_failures.record_failure(ip, inner.clock.now());

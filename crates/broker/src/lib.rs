@@ -70,7 +70,7 @@ pub use persist::{
     Durable, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
     SessionSource,
 };
-pub use server::{serve, Listener};
+pub use server::{serve, serve_streams, Listener};
 pub use service::{
     Acker, Adoption, Broker, BrokerBuilder, ClientEvent, RestoreReport, ServiceInbox,
     ServiceRequest,

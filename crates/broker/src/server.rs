@@ -12,7 +12,7 @@ use tokio_util::task::TaskTracker;
 use crate::connection;
 use crate::limits::Refused;
 use crate::service::{Broker, Inner};
-use crate::transport::{Acceptor, Peer, Stream};
+use crate::transport::{Acceptor, Peer, Stream, Transport};
 
 /// Pause after a failed accept (e.g. out of file descriptors) so the loop does not spin.
 const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
@@ -80,6 +80,46 @@ pub async fn serve(
             remaining = tracker.len(),
             "connections still open after the shutdown grace period"
         );
+    }
+}
+
+/// Serves plain MQTT (no TLS, no WebSocket) on the byte streams `accept` hands over, until it
+/// fails: for connections that are not tokio's TCP, such as those of a simulated network
+/// (`crates/statestore/tests/turmoil_sim.rs`, decision 0067). The connection limits apply as on a
+/// listener (a connection over them is closed at once); there is no graceful shutdown: the caller
+/// drops the runtime, as a crashed process would.
+pub async fn serve_streams<S, A>(mut accept: impl FnMut() -> A, broker: Broker)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    A: Future<Output = std::io::Result<(S, SocketAddr)>>,
+{
+    let cancel = CancellationToken::new();
+    loop {
+        let (stream, addr) = match accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed; no more connections");
+                return;
+            }
+        };
+        let Ok(permit) = broker.inner.connections.admit(addr.ip()) else {
+            tracing::debug!(peer = %addr, "connection refused: over the connection limits");
+            continue;
+        };
+        crate::metrics::connection_accepted();
+        let peer = Peer {
+            addr,
+            transport: Transport::Tcp,
+            cert_identity: None,
+            identity_is_client_id: false,
+        };
+        let upgraded = std::future::ready(Some((Stream::Other(Box::new(stream)), peer)));
+        let opening = Box::pin(connection::open(
+            upgraded,
+            broker.inner.clone(),
+            cancel.clone(),
+        ));
+        tokio::spawn(connection::run(opening, permit));
     }
 }
 

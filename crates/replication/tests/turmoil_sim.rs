@@ -51,14 +51,15 @@ use mqstate_cluster::transport::{
     decode_body, encode_body, AdminRequest, BoxFuture, Handler, Request, Response, Transport,
 };
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
-use mqstate_protocol::{Hlc, RequestLimits};
+use mqstate_protocol::RequestLimits;
 use mqstate_replication::head::HeadConfig;
 use mqstate_replication::log::ChainLog;
 use mqstate_replication::wire::{Executed, Routed};
 use mqstate_replication::Replication;
 use mqstate_store::StoreConfig;
 use mqstate_wal::WalOptions;
-use mqstate_wgl::{Model, Timed, UNKNOWN};
+use mqstate_wgl::kv::{self, Cmd, Outcome};
+use mqstate_wgl::UNKNOWN;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -202,36 +203,12 @@ async fn node(
     Ok(())
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Cmd {
-    Set { value: u64, nx: bool },
-    Get,
-    Del,
-    Vdel { value: u64 },
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Outcome {
-    Written(Hlc),
-    NotApplied,
-    Hit(u64, Hlc),
-    Miss,
-    /// DEL / VDEL: 1 deleted, 0 missing, -1 (VDEL) value differs.
-    Deleted(i64),
-    /// No answer, or an answer that does not say whether it ran.
-    Unknown,
-}
-
+/// An operation of the history, with the node it was sent to and its key.
 #[derive(Debug, Clone)]
 struct Op {
-    client: u64,
     node: NodeId,
     key: &'static str,
-    cmd: Cmd,
-    /// Places in the one order of events of the run (all hosts run on one thread).
-    invoked: u64,
-    returned: u64,
-    outcome: Outcome,
+    kv: kv::Op,
 }
 
 #[derive(Default)]
@@ -251,59 +228,6 @@ fn tick(history: &Shared) -> u64 {
     let mut h = history.borrow_mut();
     h.clock += 1;
     h.clock
-}
-
-fn bulk(text: &str) -> String {
-    format!("${}\r\n{text}\r\n", text.len())
-}
-
-fn resp(cmd: &Cmd, key: &str) -> Vec<u8> {
-    let args: Vec<String> = match cmd {
-        Cmd::Set { value, nx: false } => vec!["SET".into(), key.into(), value.to_string()],
-        Cmd::Set { value, nx: true } => {
-            vec!["SET".into(), key.into(), value.to_string(), "NX".into()]
-        }
-        Cmd::Get => vec!["GET".into(), key.into()],
-        Cmd::Del => vec!["DEL".into(), key.into()],
-        Cmd::Vdel { value } => vec!["VDEL".into(), key.into(), value.to_string()],
-    };
-    let mut out = format!("*{}\r\n", args.len());
-    for a in &args {
-        out.push_str(&bulk(a));
-    }
-    out.into_bytes()
-}
-
-/// The outcome an answer says; `Err` for an `-ERR` (its text) or a reply that makes no sense.
-fn outcome(cmd: &Cmd, executed: &Executed) -> Result<Outcome, String> {
-    let text = String::from_utf8_lossy(&executed.payload).into_owned();
-    let version = || {
-        executed
-            .ts
-            .as_deref()
-            .and_then(|ts| Hlc::parse(ts).ok())
-            .ok_or_else(|| format!("{text:?} without a version"))
-    };
-    if let Some(error) = text.strip_prefix("-ERR ") {
-        return Err(error.trim_end().to_owned());
-    }
-    match (cmd, text.as_str()) {
-        (Cmd::Set { .. }, "+OK\r\n") => Ok(Outcome::Written(version()?)),
-        (Cmd::Set { nx: true, .. }, ":-1\r\n") => Ok(Outcome::NotApplied),
-        (Cmd::Get, "$-1\r\n") => Ok(Outcome::Miss),
-        (Cmd::Get, hit) if hit.starts_with('$') => {
-            let value = hit
-                .split("\r\n")
-                .nth(1)
-                .and_then(|v| v.parse().ok())
-                .ok_or_else(|| format!("GET answered {hit:?}"))?;
-            Ok(Outcome::Hit(value, version()?))
-        }
-        (Cmd::Del, ":1\r\n") | (Cmd::Vdel { .. }, ":1\r\n") => Ok(Outcome::Deleted(1)),
-        (Cmd::Del, ":0\r\n") | (Cmd::Vdel { .. }, ":0\r\n") => Ok(Outcome::Deleted(0)),
-        (Cmd::Vdel { .. }, ":-1\r\n") => Ok(Outcome::Deleted(-1)),
-        _ => Err(format!("unexpected reply {text:?} to {cmd:?}")),
-    }
 }
 
 /// `-ERR` texts that do not say whether the request ran: the node gave up retrying it, but an
@@ -327,7 +251,7 @@ async fn call(
         client_id: format!("c{client}"),
         correlation: seq.to_be_bytes().to_vec(),
         key: key.as_bytes().to_vec(),
-        payload: resp(&cmd, key),
+        payload: kv::resp(&cmd, key),
         ts: Some(format!("{now_ms:015}:{:05}:c{client}", 0)),
         fencing_token: None,
         expiry_ms: REQUEST_EXPIRY.as_millis() as u64,
@@ -344,7 +268,7 @@ async fn call(
         .await;
     let result = match answer {
         Ok(Response::Data(body)) => match decode_body::<Executed>(&body) {
-            Ok(executed) => match outcome(&cmd, &executed) {
+            Ok(executed) => match kv::outcome(&cmd, &executed.payload, executed.ts.as_deref()) {
                 Ok(outcome) => Ok(outcome),
                 Err(error) if indeterminate(&error) => {
                     let mut h = history.borrow_mut();
@@ -365,13 +289,15 @@ async fn call(
         _ => tick(history),
     };
     history.borrow_mut().ops.push(Op {
-        client,
         node,
         key,
-        cmd,
-        invoked,
-        returned,
-        outcome,
+        kv: kv::Op {
+            client,
+            cmd,
+            invoked,
+            returned,
+            outcome,
+        },
     });
     result
 }
@@ -492,153 +418,6 @@ async fn add_joiner(
 
 /// The client id of the reads after the faults.
 const FINAL_CLIENT: u64 = 99;
-
-/// One key's sequential specification: the state store's semantics of the commands used here.
-struct KeyModel;
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct KeyState {
-    /// The value, and its version unless written by a request whose answer never came.
-    entry: Option<(u64, Option<Hlc>)>,
-    /// The highest version the key is known to have had: every later write's is above it.
-    floor: Option<Hlc>,
-}
-
-impl Model for KeyModel {
-    type State = KeyState;
-    type Op = (Cmd, Outcome);
-
-    fn step(&self, state: &KeyState, (cmd, outcome): &(Cmd, Outcome)) -> Option<KeyState> {
-        let above_floor = |v: &Hlc| state.floor.as_ref().is_none_or(|f| v > f);
-        let written = |value: u64, version: Option<&Hlc>| KeyState {
-            entry: Some((value, version.cloned())),
-            floor: version.cloned().or_else(|| state.floor.clone()),
-        };
-        let deleted = || KeyState {
-            entry: None,
-            floor: state.floor.clone(),
-        };
-        let present = state.entry.is_some();
-        let holds = |v: u64| state.entry.as_ref().is_some_and(|(value, _)| *value == v);
-        match (cmd, outcome) {
-            (Cmd::Set { value, nx }, Outcome::Written(v)) => {
-                (above_floor(v) && !(*nx && present)).then(|| written(*value, Some(v)))
-            }
-            (Cmd::Set { nx: true, .. }, Outcome::NotApplied) => present.then(|| state.clone()),
-            // Placed means it ran: NX only takes effect on an absent key.
-            (Cmd::Set { value, nx }, Outcome::Unknown) => Some(if *nx && present {
-                state.clone()
-            } else {
-                written(*value, None)
-            }),
-            (Cmd::Get, Outcome::Miss) => (!present).then(|| state.clone()),
-            (Cmd::Get, Outcome::Hit(value, v)) => match &state.entry {
-                Some((held, Some(version))) if held == value && version == v => Some(state.clone()),
-                // The value of a write whose answer never came: its version shows here.
-                Some((held, None)) if held == value && above_floor(v) => {
-                    Some(written(*value, Some(v)))
-                }
-                _ => None,
-            },
-            (Cmd::Get, Outcome::Unknown) => Some(state.clone()),
-            (Cmd::Del, Outcome::Deleted(1)) => present.then(deleted),
-            (Cmd::Del, Outcome::Deleted(0)) => (!present).then(deleted),
-            (Cmd::Del, Outcome::Unknown) => Some(deleted()),
-            (Cmd::Vdel { value }, Outcome::Deleted(1)) => holds(*value).then(deleted),
-            (Cmd::Vdel { .. }, Outcome::Deleted(0)) => (!present).then(deleted),
-            (Cmd::Vdel { value }, Outcome::Deleted(-1)) => {
-                (present && !holds(*value)).then(|| state.clone())
-            }
-            (Cmd::Vdel { value }, Outcome::Unknown) => Some(if holds(*value) {
-                deleted()
-            } else {
-                state.clone()
-            }),
-            _ => None,
-        }
-    }
-}
-
-fn version_of(op: &Op) -> Option<&Hlc> {
-    match &op.outcome {
-        Outcome::Written(v) | Outcome::Hit(_, v) => Some(v),
-        _ => None,
-    }
-}
-
-/// The checks of one key's operations; each finding a line.
-fn check_key(key: &str, ops: &[&Op]) -> Vec<String> {
-    let mut findings = Vec::new();
-    let timed: Vec<Timed<(Cmd, Outcome)>> = ops
-        .iter()
-        .map(|op| Timed {
-            op: (op.cmd.clone(), op.outcome.clone()),
-            invoked: op.invoked,
-            returned: op.returned,
-        })
-        .collect();
-    let initial = KeyState {
-        entry: None,
-        floor: None,
-    };
-    if let Err(e) = mqstate_wgl::check(&KeyModel, &timed, initial, SEARCH_BUDGET) {
-        findings.push(format!("{key}: {e}"));
-    }
-    // Versions in real time: what returned before an operation began bounds what it sees.
-    let mut backwards_found = Vec::new();
-    for a in ops.iter().filter(|op| op.returned != UNKNOWN) {
-        let Some(va) = version_of(a) else { continue };
-        for b in ops.iter().filter(|b| b.invoked > a.returned) {
-            let Some(vb) = version_of(b) else { continue };
-            let backwards = vb < va || (vb == va && matches!(b.outcome, Outcome::Written(_)));
-            if backwards {
-                backwards_found.push(format!(
-                    "{key}: {:?} by c{} got version {vb} after {:?} by c{} had returned {va}",
-                    b.cmd, b.client, a.cmd, a.client
-                ));
-            }
-        }
-    }
-    let more = backwards_found.len().saturating_sub(3);
-    findings.extend(backwards_found.into_iter().take(3));
-    if more > 0 {
-        findings.push(format!(
-            "{key}: and {more} more versions that went backwards"
-        ));
-    }
-    // Acknowledged writes survive: the last read shows the newest acknowledged SET unless a delete
-    // may have come after it.
-    let newest = ops
-        .iter()
-        .filter(|op| matches!(op.outcome, Outcome::Written(_)))
-        .max_by_key(|op| version_of(op).cloned());
-    let last_read = ops.iter().rev().find(|op| {
-        op.client == FINAL_CLIENT && matches!(op.outcome, Outcome::Hit(..) | Outcome::Miss)
-    });
-    if let (Some(newest), Some(last)) = (newest, last_read) {
-        let acked = version_of(newest).cloned();
-        let deleted_after = ops.iter().any(|op| {
-            matches!(op.cmd, Cmd::Del | Cmd::Vdel { .. })
-                && matches!(op.outcome, Outcome::Deleted(1) | Outcome::Unknown)
-                && op.returned > newest.invoked
-        });
-        let lost = match &last.outcome {
-            Outcome::Hit(_, v) => Some(v) < acked.as_ref(),
-            Outcome::Miss => !deleted_after,
-            _ => false,
-        };
-        if lost {
-            findings.push(format!(
-                "{key}: the acknowledged {:?} by c{} (version {}) is lost: the last read got {:?}",
-                newest.cmd,
-                newest.client,
-                acked.map(|v| v.to_string()).unwrap_or_default(),
-                last.outcome
-            ));
-        }
-    }
-    findings
-}
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -805,13 +584,13 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
     figures.trace.hash(&mut trace);
     for op in &history.ops {
         (
-            op.client,
+            op.kv.client,
             op.node,
             op.key,
-            &op.cmd,
-            op.invoked,
-            op.returned,
-            &op.outcome,
+            &op.kv.cmd,
+            op.kv.invoked,
+            op.kv.returned,
+            &op.kv.outcome,
         )
             .hash(&mut trace);
     }
@@ -825,12 +604,12 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
     figures.unknown += history
         .ops
         .iter()
-        .filter(|op| op.outcome == Outcome::Unknown)
+        .filter(|op| op.kv.outcome == Outcome::Unknown)
         .count() as u64;
     figures.acked += history
         .ops
         .iter()
-        .filter(|op| matches!(op.outcome, Outcome::Written(_) | Outcome::Deleted(1)))
+        .filter(|op| matches!(op.kv.outcome, Outcome::Written(_) | Outcome::Deleted(1)))
         .count() as u64;
     for (error, n) in &history.errors {
         *figures.errors.entry(error.clone()).or_default() += n;
@@ -843,17 +622,18 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
     if let Err(e) = outcome {
         findings.push(format!("the run failed: {e}"));
     }
-    let by_key: BTreeMap<&str, Vec<&Op>> = history.ops.iter().fold(BTreeMap::new(), |mut m, op| {
-        m.entry(op.key).or_insert_with(Vec::new).push(op);
-        m
-    });
+    let by_key: BTreeMap<&str, Vec<&kv::Op>> =
+        history.ops.iter().fold(BTreeMap::new(), |mut m, op| {
+            m.entry(op.key).or_insert_with(Vec::new).push(&op.kv);
+            m
+        });
     for (key, ops) in &by_key {
-        findings.extend(check_key(key, ops));
+        findings.extend(kv::check_key(key, ops, FINAL_CLIENT, SEARCH_BUDGET));
     }
     let reads: BTreeSet<&str> = history
         .ops
         .iter()
-        .filter(|op| op.client == FINAL_CLIENT && op.returned != UNKNOWN)
+        .filter(|op| op.kv.client == FINAL_CLIENT && op.kv.returned != UNKNOWN)
         .map(|op| op.key)
         .collect();
     if findings.is_empty() && reads.len() != KEYS.len() {
@@ -924,79 +704,4 @@ fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults()
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-fn op(client: u64, cmd: Cmd, outcome: Outcome, invoked: u64, returned: u64) -> Op {
-    Op {
-        client,
-        node: 1,
-        key: "k",
-        cmd,
-        invoked,
-        returned,
-        outcome,
-    }
-}
-
-fn hlc(wall_ms: u64) -> Hlc {
-    Hlc {
-        wall_ms,
-        counter: 0,
-        node_id: "mqstate".into(),
-    }
-}
-
-/// The checks refuse what they must: a stale read, a version that goes back, a lost write; and
-/// accept a write whose answer never came showing up later.
-#[test]
-fn the_checks_catch_stale_reads_versions_going_back_and_lost_writes() {
-    let set = |value| Cmd::Set { value, nx: false };
-    let check = |ops: Vec<Op>| check_key("k", &ops.iter().collect::<Vec<_>>());
-    let fine = vec![
-        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
-        op(2, set(2), Outcome::Unknown, 3, UNKNOWN),
-        op(1, Cmd::Get, Outcome::Hit(1, hlc(10)), 4, 5),
-        op(1, Cmd::Get, Outcome::Hit(2, hlc(12)), 6, 7),
-        op(
-            3,
-            Cmd::Set { value: 3, nx: true },
-            Outcome::NotApplied,
-            8,
-            9,
-        ),
-        op(FINAL_CLIENT, Cmd::Get, Outcome::Hit(2, hlc(12)), 10, 11),
-    ];
-    assert_eq!(check(fine), Vec::<String>::new());
-
-    let stale = vec![
-        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
-        op(1, set(2), Outcome::Written(hlc(11)), 3, 4),
-        op(2, Cmd::Get, Outcome::Hit(1, hlc(10)), 5, 6),
-    ];
-    let findings = check(stale);
-    assert!(
-        findings.iter().any(|f| f.contains("not linearizable")),
-        "{findings:?}"
-    );
-    assert!(
-        findings.iter().any(|f| f.contains("after Set")),
-        "{findings:?}"
-    );
-
-    let back = vec![
-        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
-        op(1, set(2), Outcome::Written(hlc(9)), 3, 4),
-    ];
-    assert!(!check(back).is_empty(), "a later SET with a lower version");
-
-    let lost = vec![
-        op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
-        op(2, Cmd::Del, Outcome::Deleted(1), 0, 1),
-        op(FINAL_CLIENT, Cmd::Get, Outcome::Miss, 3, 4),
-    ];
-    let findings = check(lost);
-    assert!(
-        findings.iter().any(|f| f.contains("is lost")),
-        "{findings:?}"
-    );
 }

@@ -5,8 +5,10 @@
 //! effect at any point after its invocation, or never.
 //!
 //! A dev-dependency of the simulations: the chain's (`crates/chain/tests/simulation.rs`, a
-//! [`register`]) and the data plane's (`crates/replication/tests/turmoil_sim.rs`, its own model of
-//! the state-store commands).
+//! [`register`]), the data plane's (`crates/replication/tests/turmoil_sim.rs`) and the front end's
+//! (`crates/statestore/tests/turmoil_sim.rs`), both with [`kv`], the state-store commands.
+
+pub mod kv;
 
 use std::collections::HashSet;
 use std::hash::Hash;
