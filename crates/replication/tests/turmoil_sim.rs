@@ -52,7 +52,7 @@ use mqstate_cluster::transport::{
 };
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
 use mqstate_protocol::{Hlc, RequestLimits};
-use mqstate_replication::head::HeadConfig;
+use mqstate_replication::head::{HeadConfig, KeyRequest};
 use mqstate_replication::log::ChainLog;
 use mqstate_replication::wire::{Executed, Routed};
 use mqstate_replication::Replication;
@@ -113,10 +113,12 @@ impl Handler for FrontEnd {
             let Request::Data(body) = request else {
                 return Response::Failed("the front end takes state-store requests only".into());
             };
-            match decode_body::<Routed>(&body) {
-                Ok(routed) => Response::Data(encode_body(&self.0.execute(routed).await)),
-                Err(e) => Response::Failed(format!("not a request: {e}")),
-            }
+            let request = match decode_body::<Routed>(&body).map(KeyRequest::from_wire) {
+                Ok(Ok(request)) => request,
+                Ok(Err(reply)) => return Response::Data(encode_body(&reply.to_wire())),
+                Err(e) => return Response::Failed(format!("not a request: {e}")),
+            };
+            Response::Data(encode_body(&self.0.execute(request).await.to_wire()))
         })
     }
 }

@@ -171,6 +171,7 @@ impl Executor {
         let mut turn = self.key_order.turn(&request.client_id, &key);
         let routed = RoutedRequest {
             client_id: request.client_id.clone(),
+            id: request.id,
             correlation: request.correlation_data.clone(),
             key,
             payload: request.payload.clone(),
