@@ -377,6 +377,7 @@ impl KeyRouter for ChainRouter {
                 correlation: request.correlation,
                 key: request.key,
                 payload: request.payload,
+                command: request.command,
                 ts: request.ts,
                 fencing_token: request.fencing_token,
                 expiry_ms: u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX),

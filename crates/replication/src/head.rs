@@ -32,8 +32,10 @@ pub struct KeyRequest {
     pub id: RequestId,
     pub correlation: Bytes,
     pub key: Bytes,
-    /// The RESP request, as the client sent it.
+    /// The RESP request, as the client sent it (what is forwarded).
     pub payload: Bytes,
+    /// `payload` parsed, once, where the request was received.
+    pub command: Command,
     pub ts: Option<Hlc>,
     pub fencing_token: Option<Hlc>,
     /// How long the request stays valid (its message expiry), from when it was received.
@@ -43,20 +45,27 @@ pub struct KeyRequest {
 }
 
 impl KeyRequest {
-    /// A request forwarded by another node; its `__ts` or `__ft` that does not parse (the sender
-    /// checked them, so a bug) is answered as the store answers a malformed timestamp.
-    pub fn from_wire(routed: Routed) -> Result<KeyRequest, KeyReply> {
+    /// A request forwarded by another node, parsed with `limits`; what does not parse (the
+    /// sender checked it, so a bug) is answered with the store's error for it.
+    pub fn from_wire(routed: Routed, limits: &RequestLimits) -> Result<KeyRequest, KeyReply> {
+        let error = |kind: ErrorKind| reply_of(&Reply::Error(kind), None);
+        let payload = Bytes::from(routed.payload);
+        let command = parse_request(&payload, limits)
+            .map_err(|e| e.kind())
+            .and_then(Command::parse)
+            .map_err(error)?;
         let parse_hlc = |text: Option<String>| text.as_deref().map(Hlc::parse).transpose();
         let (Ok(ts), Ok(fencing_token)) = (parse_hlc(routed.ts), parse_hlc(routed.fencing_token))
         else {
-            return Err(reply_of(&Reply::Error(ErrorKind::MalformedTimestamp), None));
+            return Err(error(ErrorKind::MalformedTimestamp));
         };
         Ok(KeyRequest {
             id: RequestId::of(&routed.client_id, &routed.correlation),
             client_id: Arc::from(routed.client_id),
             correlation: Bytes::from(routed.correlation),
             key: Bytes::from(routed.key),
-            payload: Bytes::from(routed.payload),
+            payload,
+            command,
             ts,
             fencing_token,
             expiry_ms: routed.expiry_ms,
@@ -193,21 +202,13 @@ pub fn step(
     if let Some(change) = &change {
         machine.apply_change(change);
     }
-    let error = |kind: ErrorKind| (Step::Reply(reply_of(&Reply::Error(kind), None)), None);
-    let parsed = parse_request(&request.payload, &config.limits)
-        .map_err(|e| e.kind())
-        .and_then(Command::parse);
-    let command = match parsed {
-        Ok(command) => command,
-        Err(kind) => return error(kind),
-    };
     let context = RequestContext {
         client_id: Arc::clone(&request.client_id),
         ts: request.ts.clone(),
         fencing_token: request.fencing_token.clone(),
         now_ms,
     };
-    let execution = machine.execute(command, &context);
+    let execution = machine.execute(request.command.clone(), &context);
     let high_water = Some(machine.clock().high_water());
     let reply = reply_of(&execution.reply, execution.ts.as_ref());
     let Some(delta) = execution.delta else {
@@ -278,7 +279,7 @@ mod tests {
             expiry_ms: 10_000,
             deadline_ms: 0,
         };
-        KeyRequest::from_wire(routed).expect("a valid __ts")
+        KeyRequest::from_wire(routed, &RequestLimits::default()).expect("a valid request")
     }
 
     /// Runs requests one after the other against one row, as the head does.

@@ -319,7 +319,7 @@ impl Replication {
             .node
             .partition_count()
             .ok_or_else(|| "the cluster has not formed yet".to_owned())?;
-        let request = match KeyRequest::from_wire(routed) {
+        let request = match KeyRequest::from_wire(routed, &self.config.limits) {
             Ok(request) => request,
             Err(reply) => return Ok(reply.to_wire()),
         };

@@ -113,7 +113,9 @@ impl Handler for FrontEnd {
             let Request::Data(body) = request else {
                 return Response::Failed("the front end takes state-store requests only".into());
             };
-            let request = match decode_body::<Routed>(&body).map(KeyRequest::from_wire) {
+            let limits = RequestLimits::default();
+            let parsed = decode_body::<Routed>(&body).map(|r| KeyRequest::from_wire(r, &limits));
+            let request = match parsed {
                 Ok(Ok(request)) => request,
                 Ok(Err(reply)) => return Response::Data(encode_body(&reply.to_wire())),
                 Err(e) => return Response::Failed(format!("not a request: {e}")),

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use mqstate_protocol::Hlc;
+use mqstate_protocol::{Command, Hlc};
 use mqstate_store::{Delta, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
@@ -35,8 +35,9 @@ pub struct RoutedRequest {
     pub correlation: Bytes,
     /// The key the command names.
     pub key: Bytes,
-    /// The RESP request as the client sent it.
+    /// The RESP request as the client sent it, and as this node parsed it.
     pub payload: Bytes,
+    pub command: Command,
     pub ts: Option<Hlc>,
     pub fencing_token: Option<Hlc>,
     /// What remains of the request's message expiry.

@@ -65,10 +65,10 @@ impl Executor {
             }
         };
         let key = match command {
-            Command::Get { key }
-            | Command::Set { key, .. }
-            | Command::Del { key }
-            | Command::VDel { key, .. } => key,
+            Command::Get { ref key }
+            | Command::Set { ref key, .. }
+            | Command::Del { ref key }
+            | Command::VDel { ref key, .. } => key.clone(),
             Command::KeyNotify { ref key } | Command::KeyNotifyStop { ref key } => {
                 let key = key.clone();
                 let was_observed = self.machine.is_observed(&key);
@@ -175,6 +175,7 @@ impl Executor {
             correlation: request.correlation_data.clone(),
             key,
             payload: request.payload.clone(),
+            command,
             ts,
             fencing_token,
             expiry: request.expiry,
