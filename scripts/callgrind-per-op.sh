@@ -9,6 +9,11 @@
 # (`callgrind_control -d`). Prints the instructions per SET; the dump ($OUT/LABEL/cg.out.1) gives the
 # split by function (`callgrind_annotate --inclusive=yes`). Valgrind hides SHA-NI, so the request
 # id's SHA-256 counts several times what it costs on the real CPU.
+#
+# With CHAIN_OF_ONE=1 the server is a one-member cluster (`--node-id 1 --peers 1=...`; decision
+# 0064), and the warm-up waits until the cluster formed. MIX, CONNECTIONS and INFLIGHT change the
+# load (defaults set=100, 50, 1; `MIX=set=50,get=50 CONNECTIONS=16 INFLIGHT=8` is cpu-per-op.sh's
+# ss-16x8), the figure then being instructions per request.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 label=$1; bin=$(realpath "$2"); shift 2
@@ -18,12 +23,24 @@ n=${1:-2000}
 OUT="${OUT:-target/bench-results/callgrind}"; dir="$OUT/$label"; rm -rf "$dir"; mkdir -p "$dir"
 . scripts/lib/ports.sh
 port=$(free_port)
+cluster=()
+if [ "${CHAIN_OF_ONE:-0}" = 1 ]; then
+  cport=$(free_port)
+  cluster=(--node-id 1 --cluster-listen "127.0.0.1:$cport" --peers "1=127.0.0.1:$cport")
+fi
 valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "$bin" serve --listen "127.0.0.1:$port" \
-  --data-dir "$dir/data" --fsync always >"$dir/server.log" 2>&1 &
+  --data-dir "$dir/data" --fsync always "${cluster[@]}" >"$dir/server.log" 2>&1 &
 vpid=$!
 trap 'kill $vpid 2>/dev/null; wait $vpid 2>/dev/null; rm -rf "$dir/data"' EXIT
 wait_port "$port" 1200
-load=(bench --port "$port" --connections 50 --inflight 1 --mix set=100 --keys 10000 --value-size 64)
+if [ "${CHAIN_OF_ONE:-0}" = 1 ]; then # formed: a write goes through its chain
+  for _ in $(seq 600); do
+    "$gen" set --port "$port" --timeout 5 bench-ready ok >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+fi
+load=(bench --port "$port" --connections "${CONNECTIONS:-50}" --inflight "${INFLIGHT:-1}"
+  --mix "${MIX:-set=100}" --keys 10000 --value-size 64)
 "$gen" "${load[@]}" --requests 500 >/dev/null 2>&1
 callgrind_control -z "$vpid" >/dev/null
 "$gen" "${load[@]}" --requests "$n" >"$dir/bench.out" 2>&1

@@ -14,11 +14,10 @@ use mqstate_cluster::transport::socket::TokioTcp;
 use mqstate_cluster::transport::tcp::{self, TcpTransport};
 use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig};
-use mqstate_protocol::Hlc;
-use mqstate_replication::head::HeadConfig;
+use mqstate_replication::head::{HeadConfig, KeyRequest};
 use mqstate_replication::log::ChainLog;
 use mqstate_replication::notify::Sink;
-use mqstate_replication::wire::{Committed, Routed, RowExpect, RowWritten};
+use mqstate_replication::wire::{Committed, RowExpect, RowWritten};
 use mqstate_replication::{rows, Replication};
 use mqstate_sessions::replicated::{
     Observers, ReadRow, ReplicatedSessions, RowFuture, SessionRows, Version, ROW_BUDGET,
@@ -372,22 +371,23 @@ impl KeyRouter for ChainRouter {
 
     fn execute(&self, request: RoutedRequest) -> RouterFuture<'_> {
         Box::pin(async move {
-            let routed = Routed {
-                client_id: request.client_id.to_string(),
-                correlation: request.correlation.to_vec(),
-                key: request.key.to_vec(),
-                payload: request.payload.to_vec(),
-                ts: request.ts.as_ref().map(Hlc::to_string),
-                fencing_token: request.fencing_token.as_ref().map(Hlc::to_string),
+            let request = KeyRequest {
+                client_id: request.client_id,
+                id: request.id,
+                correlation: request.correlation,
+                key: request.key,
+                payload: request.payload,
+                command: request.command,
+                ts: request.ts,
+                fencing_token: request.fencing_token,
                 expiry_ms: u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX),
                 // Set by `Replication::execute` from its retry budget.
                 deadline_ms: 0,
             };
-            let executed = self.replication.execute(routed).await;
+            let reply = self.replication.execute(request).await;
             RoutedReply {
-                payload: Bytes::from(executed.payload),
-                // The head wrote it: it parses (a damaged one is left off rather than guessed).
-                ts: executed.ts.as_deref().and_then(|ts| Hlc::parse(ts).ok()),
+                payload: reply.payload,
+                ts: reply.ts,
             }
         })
     }

@@ -7,15 +7,120 @@
 //! command with the store's own `execute` (so SET NX/NEX/PX, GET, DEL, VDEL, fencing and HLC
 //! versions are the single-node semantics, not a second implementation), and turns the resulting
 //! delta into the next row. A retry of the request that made the row gets that request's reply.
+//!
+//! In process a request is a [`KeyRequest`] and its reply a [`KeyReply`]: `Bytes` shared with the
+//! front end, `__ts` as an HLC, the request id hashed once where the request was received. The
+//! wire's [`Routed`] and [`Executed`] (text and `Vec`s, postcard) are for requests forwarded to
+//! another node only.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use mqstate_chain::Version;
 use mqstate_protocol::{parse_request, Command, ErrorKind, Hlc, Reply, RequestLimits};
-use mqstate_store::{Change, RequestContext, RequestId, RequestRecord, StateMachine, StoreConfig};
+use mqstate_store::{
+    Change, Delta, RequestContext, RequestId, RequestRecord, StateMachine, StoreConfig,
+};
 
 use crate::wire::{Executed, Routed};
+
+/// A state-store request for one key, as the node that received it checked it (see [`Routed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRequest {
+    pub client_id: Arc<str>,
+    /// `RequestId::of(client_id, correlation)`, computed once.
+    pub id: RequestId,
+    pub correlation: Bytes,
+    pub key: Bytes,
+    /// The RESP request, as the client sent it (what is forwarded).
+    pub payload: Bytes,
+    /// `payload` parsed, once, where the request was received.
+    pub command: Command,
+    pub ts: Option<Hlc>,
+    pub fencing_token: Option<Hlc>,
+    /// How long the request stays valid (its message expiry), from when it was received.
+    pub expiry_ms: u64,
+    /// See [`Routed::deadline_ms`] (0: no deadline).
+    pub deadline_ms: u64,
+}
+
+impl KeyRequest {
+    /// A request forwarded by another node, parsed with `limits`; what does not parse (the
+    /// sender checked it, so a bug) is answered with the store's error for it.
+    pub fn from_wire(routed: Routed, limits: &RequestLimits) -> Result<KeyRequest, KeyReply> {
+        let error = |kind: ErrorKind| reply_of(&Reply::Error(kind), None);
+        let payload = Bytes::from(routed.payload);
+        let command = parse_request(&payload, limits)
+            .map_err(|e| e.kind())
+            .and_then(Command::parse)
+            .map_err(error)?;
+        let parse_hlc = |text: Option<String>| text.as_deref().map(Hlc::parse).transpose();
+        let (Ok(ts), Ok(fencing_token)) = (parse_hlc(routed.ts), parse_hlc(routed.fencing_token))
+        else {
+            return Err(error(ErrorKind::MalformedTimestamp));
+        };
+        Ok(KeyRequest {
+            id: RequestId::of(&routed.client_id, &routed.correlation),
+            client_id: Arc::from(routed.client_id),
+            correlation: Bytes::from(routed.correlation),
+            key: Bytes::from(routed.key),
+            payload,
+            command,
+            ts,
+            fencing_token,
+            expiry_ms: routed.expiry_ms,
+            deadline_ms: routed.deadline_ms,
+        })
+    }
+
+    /// As it is forwarded to the head on another node.
+    pub fn to_wire(&self) -> Routed {
+        Routed {
+            client_id: self.client_id.to_string(),
+            correlation: self.correlation.to_vec(),
+            key: self.key.to_vec(),
+            payload: self.payload.to_vec(),
+            ts: self.ts.as_ref().map(Hlc::to_string),
+            fencing_token: self.fencing_token.as_ref().map(Hlc::to_string),
+            expiry_ms: self.expiry_ms,
+            deadline_ms: self.deadline_ms,
+        }
+    }
+}
+
+/// The reply the client gets: RESP payload and the response `__ts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyReply {
+    pub payload: Bytes,
+    pub ts: Option<Hlc>,
+}
+
+impl KeyReply {
+    /// An `-ERR` reply with `text`.
+    pub fn error(text: &str) -> KeyReply {
+        KeyReply {
+            payload: Bytes::from(format!("-ERR {text}\r\n")),
+            ts: None,
+        }
+    }
+
+    /// A reply from a head on another node; a `__ts` that does not parse (the head wrote it, so
+    /// damage) is left off rather than guessed.
+    pub fn from_wire(executed: Executed) -> KeyReply {
+        KeyReply {
+            payload: Bytes::from(executed.payload),
+            ts: executed.ts.as_deref().and_then(|ts| Hlc::parse(ts).ok()),
+        }
+    }
+
+    /// As it goes back to the node that forwarded the request.
+    pub fn to_wire(&self) -> Executed {
+        Executed {
+            payload: self.payload.to_vec(),
+            ts: self.ts.as_ref().map(Hlc::to_string),
+        }
+    }
+}
 
 /// How far past a request's deadline (set on its front end's clock) a head still starts it: the
 /// nodes' clocks may differ by this much ([`crate::recent`] keeps entries well beyond it).
@@ -25,12 +130,14 @@ pub const DEADLINE_SLACK_MS: u64 = 1_000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
     /// Answer at once: a read, a failed condition, an error, or a retry of the row's own request.
-    Reply(Executed),
-    /// Write `value` at `version` through the chain, then answer `reply`.
+    Reply(KeyReply),
+    /// Write `value` at `version` through the chain, then answer `reply`; `delta` is the key
+    /// change `value` holds (its deadline and notification, once committed).
     Write {
         value: Vec<u8>,
         version: Version,
-        reply: Executed,
+        delta: Delta,
+        reply: KeyReply,
     },
 }
 
@@ -48,7 +155,7 @@ pub struct HeadConfig {
 /// go backwards; the second value is the new floor.
 pub fn step(
     config: &HeadConfig,
-    request: &Routed,
+    request: &KeyRequest,
     row: Option<&[u8]>,
     now_ms: u64,
     floor: Option<&Hlc>,
@@ -58,19 +165,18 @@ pub fn step(
         Err(e) => {
             tracing::error!(key = ?String::from_utf8_lossy(&request.key), "a chain row does not decode: {e}");
             return (
-                Step::Reply(Executed::error("the stored row of this key is damaged")),
+                Step::Reply(KeyReply::error("the stored row of this key is damaged")),
                 None,
             );
         }
     };
-    let id = RequestId::of(&request.client_id, &request.correlation);
     if let Some(first) = change.as_ref().and_then(Change::request) {
-        if first.id == id && first.expires_at_ms > now_ms {
+        if first.id == request.id && first.expires_at_ms > now_ms {
             // A retry of the request that made this row (after a fail-over, say): its first reply.
             return (
-                Step::Reply(Executed {
-                    payload: first.reply.to_vec(),
-                    ts: first.reply_ts.as_ref().map(Hlc::to_string),
+                Step::Reply(KeyReply {
+                    payload: first.reply.clone(),
+                    ts: first.reply_ts.clone(),
                 }),
                 None,
             );
@@ -80,7 +186,7 @@ pub fn step(
         // Its front end has given up; running it now could run it a second time, after the
         // window in which a retry is recognised (robustness seed 80144).
         return (
-            Step::Reply(Executed::error(
+            Step::Reply(KeyReply::error(
                 "the request expired before it could run; retry",
             )),
             None,
@@ -88,7 +194,7 @@ pub fn step(
     }
     let mut machine = match StateMachine::new(config.store.clone()) {
         Ok(machine) => machine,
-        Err(e) => return (Step::Reply(Executed::error(&e.to_string())), None),
+        Err(e) => return (Step::Reply(KeyReply::error(&e.to_string())), None),
     };
     if let Some(floor) = floor {
         machine.observe_clock(floor);
@@ -96,26 +202,13 @@ pub fn step(
     if let Some(change) = &change {
         machine.apply_change(change);
     }
-    let error = |kind: ErrorKind| (Step::Reply(reply_of(&Reply::Error(kind), None)), None);
-    let parsed = parse_request(&Bytes::copy_from_slice(&request.payload), &config.limits)
-        .map_err(|e| e.kind())
-        .and_then(Command::parse);
-    let command = match parsed {
-        Ok(command) => command,
-        Err(kind) => return error(kind),
-    };
-    let parse_hlc = |text: &Option<String>| text.as_deref().map(Hlc::parse).transpose();
-    let (Ok(ts), Ok(fencing_token)) = (parse_hlc(&request.ts), parse_hlc(&request.fencing_token))
-    else {
-        return error(ErrorKind::MalformedTimestamp);
-    };
     let context = RequestContext {
-        client_id: Arc::from(request.client_id.as_str()),
-        ts,
-        fencing_token,
+        client_id: Arc::clone(&request.client_id),
+        ts: request.ts.clone(),
+        fencing_token: request.fencing_token.clone(),
         now_ms,
     };
-    let execution = machine.execute(command, &context);
+    let execution = machine.execute(request.command.clone(), &context);
     let high_water = Some(machine.clock().high_water());
     let reply = reply_of(&execution.reply, execution.ts.as_ref());
     let Some(delta) = execution.delta else {
@@ -128,32 +221,33 @@ pub fn step(
         node: config.node,
     };
     let record = RequestRecord {
-        id,
+        id: request.id,
         expires_at_ms: now_ms.saturating_add(request.expiry_ms),
-        reply: Bytes::copy_from_slice(&reply.payload),
+        reply: reply.payload.clone(),
         reply_ts: execution.ts.clone(),
     };
     let row = Change::Requested {
         request: record,
-        change: Box::new(Change::Key(delta)),
+        change: Box::new(Change::Key(delta.clone())),
     };
     match row.encode() {
         Ok(value) => (
             Step::Write {
                 value,
                 version,
+                delta,
                 reply,
             },
             high_water,
         ),
-        Err(e) => (Step::Reply(Executed::error(&e.to_string())), None),
+        Err(e) => (Step::Reply(KeyReply::error(&e.to_string())), None),
     }
 }
 
-fn reply_of(reply: &Reply, ts: Option<&Hlc>) -> Executed {
-    Executed {
-        payload: reply.encode().to_vec(),
-        ts: ts.map(Hlc::to_string),
+fn reply_of(reply: &Reply, ts: Option<&Hlc>) -> KeyReply {
+    KeyReply {
+        payload: reply.encode(),
+        ts: ts.cloned(),
     }
 }
 
@@ -174,8 +268,8 @@ mod tests {
         }
     }
 
-    fn request(args: &[&str], correlation: u8, ts_ms: u64) -> Routed {
-        Routed {
+    fn request(args: &[&str], correlation: u8, ts_ms: u64) -> KeyRequest {
+        let routed = Routed {
             client_id: "client".into(),
             correlation: vec![correlation],
             key: args[1].as_bytes().to_vec(),
@@ -184,11 +278,12 @@ mod tests {
             fencing_token: None,
             expiry_ms: 10_000,
             deadline_ms: 0,
-        }
+        };
+        KeyRequest::from_wire(routed, &RequestLimits::default()).expect("a valid request")
     }
 
     /// Runs requests one after the other against one row, as the head does.
-    fn run(requests: &[Routed], now_ms: u64) -> (Vec<Executed>, Option<Vec<u8>>) {
+    fn run(requests: &[KeyRequest], now_ms: u64) -> (Vec<KeyReply>, Option<Vec<u8>>) {
         let mut row: Option<Vec<u8>> = None;
         let mut floor = None;
         let mut replies = Vec::new();
@@ -202,6 +297,7 @@ mod tests {
                     value,
                     version,
                     reply,
+                    ..
                 } => {
                     assert!(Some(version) > last_version, "versions only grow");
                     last_version = Some(version);
@@ -255,7 +351,7 @@ mod tests {
         // A copy of a request that waited out a pause (robustness seed 80144): its front end
         // gave up, and running it now would be a second run no retry window recognises.
         let now = 1_700_000_000_000;
-        let late = Routed {
+        let late = KeyRequest {
             deadline_ms: now - DEADLINE_SLACK_MS - 1,
             ..request(&["SET", "k", "v"], 1, now)
         };
@@ -265,7 +361,7 @@ mod tests {
         };
         assert!(reply.payload.starts_with(b"-ERR"), "{reply:?}");
         // Within the clocks' slack it still runs.
-        let on_time = Routed {
+        let on_time = KeyRequest {
             deadline_ms: now - DEADLINE_SLACK_MS,
             ..request(&["SET", "k", "v"], 2, now)
         };
@@ -278,8 +374,8 @@ mod tests {
     #[test]
     fn fencing_tokens_are_kept_in_the_row() {
         let now = 1_700_000_000_000;
-        let fenced = |args: &[&str], correlation: u8, token: &str| Routed {
-            fencing_token: Some(token.to_owned()),
+        let fenced = |args: &[&str], correlation: u8, token: &str| KeyRequest {
+            fencing_token: Some(Hlc::parse(token).expect("a valid token")),
             ..request(args, correlation, now)
         };
         let (replies, _) = run(
@@ -316,8 +412,8 @@ mod tests {
         );
         assert_eq!(
             step_after,
-            Step::Reply(Executed {
-                payload: b"$-1\r\n".to_vec(),
+            Step::Reply(KeyReply {
+                payload: Bytes::from_static(b"$-1\r\n"),
                 ts: None
             })
         );

@@ -55,20 +55,18 @@ use mqstate_cluster::partition::partition_of;
 use mqstate_cluster::transport::{BoxFuture, Request, Response};
 use mqstate_cluster::{ClusterNode, DataHandler};
 use mqstate_protocol::{Glob, Hlc};
-use mqstate_store::{Change, RequestId};
+use mqstate_store::Change;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::driver::Driver;
 use crate::expiry::Deadlines;
 use crate::forward::Forwarder;
-use crate::head::{HeadConfig, Step};
+use crate::head::{HeadConfig, KeyReply, KeyRequest, Step};
 use crate::log::ChainLog;
 use crate::notify::Notifier;
 use crate::recent::Recent;
-use crate::wire::{
-    decode, encode, DataRequest, DataResponse, Executed, PartScan, Routed, ScanPage,
-};
+use crate::wire::{decode, encode, DataRequest, DataResponse, Executed, PartScan, ScanPage};
 
 /// A request is retried (head unknown, no view yet, head changing) this often within its expiry.
 pub(crate) const RETRY_EVERY: Duration = Duration::from_millis(50);
@@ -179,7 +177,7 @@ impl Replication {
     /// trying again while the partition has no head acting (a view change, a lease renewal), up to
     /// the request's expiry. A retry reaching a head after its first run, however many writes
     /// followed, gets the first reply ([`recent`]); no head starts it past its deadline.
-    pub async fn execute(&self, mut request: Routed) -> Executed {
+    pub async fn execute(&self, mut request: KeyRequest) -> KeyReply {
         let started = Instant::now();
         let budget = Duration::from_millis(request.expiry_ms).min(MAX_TRY);
         let budget_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
@@ -194,14 +192,14 @@ impl Replication {
             // wakes up past its budget and must not send the request again (seed 80144).
             if started.elapsed() >= budget || self.clock.now_ms() >= request.deadline_ms {
                 tracing::debug!(client_id = %request.client_id, "state-store request not served in time: {last}");
-                return Executed::error(&format!(
+                return KeyReply::error(&format!(
                     "the cluster could not serve the request in time ({last}); retry"
                 ));
             }
         }
     }
 
-    async fn try_once(&self, request: &Routed) -> Result<Executed, String> {
+    async fn try_once(&self, request: &KeyRequest) -> Result<KeyReply, String> {
         let count = self
             .node
             .partition_count()
@@ -213,7 +211,8 @@ impl Replication {
         if head == self.node.id() {
             return self.execute_here(partition, request).await;
         }
-        self.forwarder.execute(head, request.clone()).await
+        let executed = self.forwarder.execute(head, request.to_wire()).await?;
+        Ok(KeyReply::from_wire(executed))
     }
 
     /// The head of `partition` as this node last learnt it: the published chain, read view first
@@ -230,11 +229,11 @@ impl Replication {
     }
 
     /// At the head: read the committed row, execute, write the new row through the chain.
-    async fn execute_here(&self, partition: u32, request: &Routed) -> Result<Executed, String> {
+    async fn execute_here(&self, partition: u32, request: &KeyRequest) -> Result<KeyReply, String> {
         for _ in 0..MAX_ATTEMPTS {
             let (value, version) = match self
                 .driver
-                .read(partition, request.key.clone(), STEP_TIMEOUT)
+                .read(partition, request.key.to_vec(), STEP_TIMEOUT)
                 .await
             {
                 Answer::Value { value, version } => (value, version),
@@ -243,8 +242,9 @@ impl Replication {
             // A retry of a request the chain ran before (its front end lost the answer in a
             // fail-over or a pause), though later writes replaced its row: its first reply. The
             // read above committed every write of the key so far, that request's included.
-            let id = RequestId::of(&request.client_id, &request.correlation);
-            let first = self.recent.first_reply(partition, &id, self.clock.now_ms());
+            let first = self
+                .recent
+                .first_reply(partition, &request.id, self.clock.now_ms());
             let first = first.map_err(|recent::Unsynced| format!(
                 "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
             ))?;
@@ -253,9 +253,9 @@ impl Replication {
                 if let Some(row) = &value {
                     self.renotify_retry(request, row).await;
                 }
-                return Ok(Executed {
-                    payload: first.reply.to_vec(),
-                    ts: first.reply_ts.as_ref().map(Hlc::to_string),
+                return Ok(KeyReply {
+                    payload: first.reply,
+                    ts: first.reply_ts,
                 });
             }
             let floor = self.floor.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -272,7 +272,7 @@ impl Replication {
                     *floor = Some(high);
                 }
             }
-            let (value_to_write, new_version, reply) = match step {
+            let (value_to_write, new_version, delta, reply) = match step {
                 Step::Reply(reply) => {
                     if let Some(row) = &value {
                         self.renotify_retry(request, row).await;
@@ -282,29 +282,23 @@ impl Replication {
                 Step::Write {
                     value,
                     version,
+                    delta,
                     reply,
-                } => (value, version, reply),
+                } => (value, version, delta, reply),
             };
             let expect = match (&value, version) {
                 (Some(_), Some(current)) => Expect::Version(current),
                 _ => Expect::Absent,
             };
-            // Read before the row moves into the chain: its deadline and change, once committed.
-            let delta = rows::delta_of(&value_to_write);
             let write = Write {
-                key: request.key.clone(),
+                key: request.key.to_vec(),
                 value: Some(value_to_write),
                 version: new_version,
                 expect,
             };
             match self.driver.write(partition, write, STEP_TIMEOUT).await {
                 Answer::Written { .. } => {
-                    match delta {
-                        Ok(delta) => self.committed(partition, &delta, value.as_deref()).await,
-                        Err(e) => {
-                            tracing::error!(partition, "a row written here does not decode: {e}")
-                        }
-                    }
+                    self.committed(partition, &delta, value.as_deref()).await;
                     return Ok(reply);
                 }
                 // Another write to the key came first: execute again on the row it left.
@@ -315,6 +309,24 @@ impl Replication {
         Err(format!(
             "partition {partition}: the key kept changing under {MAX_ATTEMPTS} attempts"
         ))
+    }
+}
+
+impl Replication {
+    /// A request another node forwarded to this one as its partition's head.
+    async fn execute_forwarded(&self, routed: wire::Routed) -> Result<Executed, String> {
+        let count = self
+            .node
+            .partition_count()
+            .ok_or_else(|| "the cluster has not formed yet".to_owned())?;
+        let request = match KeyRequest::from_wire(routed, &self.config.limits) {
+            Ok(request) => request,
+            Err(reply) => return Ok(reply.to_wire()),
+        };
+        let reply = self
+            .execute_here(partition_of(&request.key, count), &request)
+            .await?;
+        Ok(reply.to_wire())
     }
 }
 
@@ -353,29 +365,15 @@ impl Replication {
             Ok(DataRequest::Scan { partitions, page }) => {
                 DataResponse::Scanned(self.scan_here(partitions, &page).await)
             }
-            Ok(DataRequest::Execute(routed)) => {
-                let partition = self
-                    .node
-                    .partition_count()
-                    .map(|count| partition_of(&routed.key, count));
-                match partition {
-                    Some(partition) => match self.execute_here(partition, &routed).await {
-                        Ok(executed) => DataResponse::Executed(executed),
-                        Err(reason) => DataResponse::Retry(reason),
-                    },
-                    None => DataResponse::Retry("the cluster has not formed yet".into()),
-                }
-            }
+            Ok(DataRequest::Execute(routed)) => match self.execute_forwarded(routed).await {
+                Ok(executed) => DataResponse::Executed(executed),
+                Err(reason) => DataResponse::Retry(reason),
+            },
             Ok(DataRequest::ExecuteMany(requests)) => {
                 // Together, so their reads and chain writes share the driver's turns and batches.
-                let executions = requests.iter().map(|routed| async move {
-                    let count = self
-                        .node
-                        .partition_count()
-                        .ok_or_else(|| "the cluster has not formed yet".to_owned())?;
-                    self.execute_here(partition_of(&routed.key, count), routed)
-                        .await
-                });
+                let executions = requests
+                    .into_iter()
+                    .map(|routed| self.execute_forwarded(routed));
                 DataResponse::ExecutedMany(futures::future::join_all(executions).await)
             }
             Ok(DataRequest::Recent { partition }) => {
@@ -552,15 +550,14 @@ impl Replication {
 
     /// A retry answered from the row it made (its first reply): its change is notified again, in
     /// case the head that wrote it failed before notifying (observers drop what they had).
-    async fn renotify_retry(&self, request: &Routed, row: &[u8]) {
+    async fn renotify_retry(&self, request: &KeyRequest, row: &[u8]) {
         if !self.notifier.is_observed(&request.key) {
             return;
         }
         let Ok(change) = Change::decode(row) else {
             return;
         };
-        let id = RequestId::of(&request.client_id, &request.correlation);
-        if change.request().is_some_and(|first| first.id == id) {
+        if change.request().is_some_and(|first| first.id == request.id) {
             if let Ok(delta) = rows::delta_of(row) {
                 let change = self.notifier.with_prev(rows::committed(&delta));
                 self.notifier.publish(change).await;

@@ -51,8 +51,8 @@ use mqstate_cluster::transport::{
     decode_body, encode_body, AdminRequest, BoxFuture, Handler, Request, Response, Transport,
 };
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
-use mqstate_protocol::RequestLimits;
-use mqstate_replication::head::HeadConfig;
+use mqstate_protocol::{Hlc, RequestLimits};
+use mqstate_replication::head::{HeadConfig, KeyRequest};
 use mqstate_replication::log::ChainLog;
 use mqstate_replication::wire::{Executed, Routed};
 use mqstate_replication::Replication;
@@ -114,10 +114,14 @@ impl Handler for FrontEnd {
             let Request::Data(body) = request else {
                 return Response::Failed("the front end takes state-store requests only".into());
             };
-            match decode_body::<Routed>(&body) {
-                Ok(routed) => Response::Data(encode_body(&self.0.execute(routed).await)),
-                Err(e) => Response::Failed(format!("not a request: {e}")),
-            }
+            let limits = RequestLimits::default();
+            let parsed = decode_body::<Routed>(&body).map(|r| KeyRequest::from_wire(r, &limits));
+            let request = match parsed {
+                Ok(Ok(request)) => request,
+                Ok(Err(reply)) => return Response::Data(encode_body(&reply.to_wire())),
+                Err(e) => return Response::Failed(format!("not a request: {e}")),
+            };
+            Response::Data(encode_body(&self.0.execute(request).await.to_wire()))
         })
     }
 }

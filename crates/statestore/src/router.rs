@@ -22,19 +22,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use mqstate_protocol::Hlc;
-use mqstate_store::Delta;
+use mqstate_protocol::{Command, Hlc};
+use mqstate_store::{Delta, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
 /// A key command that passed this node's checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutedRequest {
     pub client_id: Arc<str>,
+    /// The envelope's request id (client id and correlation data hashed once, here).
+    pub id: RequestId,
     pub correlation: Bytes,
     /// The key the command names.
     pub key: Bytes,
-    /// The RESP request as the client sent it.
+    /// The RESP request as the client sent it, and as this node parsed it.
     pub payload: Bytes,
+    pub command: Command,
     pub ts: Option<Hlc>,
     pub fencing_token: Option<Hlc>,
     /// What remains of the request's message expiry.

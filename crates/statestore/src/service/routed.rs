@@ -65,10 +65,10 @@ impl Executor {
             }
         };
         let key = match command {
-            Command::Get { key }
-            | Command::Set { key, .. }
-            | Command::Del { key }
-            | Command::VDel { key, .. } => key,
+            Command::Get { ref key }
+            | Command::Set { ref key, .. }
+            | Command::Del { ref key }
+            | Command::VDel { ref key, .. } => key.clone(),
             Command::KeyNotify { ref key } | Command::KeyNotifyStop { ref key } => {
                 let key = key.clone();
                 let was_observed = self.machine.is_observed(&key);
@@ -171,9 +171,11 @@ impl Executor {
         let mut turn = self.key_order.turn(&request.client_id, &key);
         let routed = RoutedRequest {
             client_id: request.client_id.clone(),
+            id: request.id,
             correlation: request.correlation_data.clone(),
             key,
             payload: request.payload.clone(),
+            command,
             ts,
             fencing_token,
             expiry: request.expiry,
