@@ -238,6 +238,7 @@ fn client_of(change: &SessionChange) -> Option<&Arc<str>> {
         | Deleted { client_id }
         | Qos2Received { client_id, .. }
         | Qos2Released { client_id, .. }
+        | Took { client_id, .. }
         | WillScheduled { client_id, .. }
         | WillCancelled { client_id }
         | WillSet { client_id, .. } => Some(client_id),
@@ -350,7 +351,10 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
                 entry.flushing = false;
                 return;
             }
-            let value = mirror.sessions.get(&client_id).map(|session| {
+            let value = mirror.sessions.get_mut(&client_id).map(|session| {
+                // Numbers that can no longer come again leave the row (decision 0066).
+                let now = now_ms();
+                session.taken.retain(|t| t.kept_at(now));
                 row::encode(
                     &client_id,
                     &SessionRow {
