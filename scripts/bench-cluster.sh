@@ -14,8 +14,8 @@
 # the cluster's workloads with `--keys-at-head`: each client sends only keys its node heads, so no
 # request is forwarded between nodes (the chain alone, not in `all`). `pubsub` (not in `all`): 16
 # publishers -> 16 subscribers at QoS 1 (window 1, 64-byte payloads) over the three nodes in turn, so
-# each publish is forwarded to the two other nodes; a fixed count of publishes after a tenth of it
-# as warm-up, printed as the servers' CPU per publish and per delivered message (decision 0066).
+# each publish is forwarded to the two other nodes; a fixed count of publishes ($PUBLISHES, default
+# 100,000) after a tenth of it as warm-up, printed as the servers' CPU per publish and per delivered message (decision 0066).
 # Printed per run: ops/s, p50/p99 ms, the servers' CPU per operation (utime+stime of every server
 # process over the counted requests), the load generators' CPU per operation apart, and with `fsyncs`
 # the fdatasync/fsync calls per write of each node (perf's syscall tracepoints over a fixed count).
@@ -167,7 +167,7 @@ EOF
 
 pubsub() {
   start_cluster
-  pubsub_of cluster-pubsub-16x16 100000 --publishers 16 --subscribers 16 --inflight 1 --qos 1
+  pubsub_of cluster-pubsub-16x16 "${PUBLISHES:-100000}" --publishers 16 --subscribers 16 --inflight 1 --qos 1
   stop_all
 }
 
