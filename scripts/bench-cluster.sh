@@ -2,7 +2,7 @@
 # The chains' figures in docs/benchmarks.md (issue 15), side by side in one run: one mqstate node,
 # three mqstate nodes on loopback (the state store on chains) and a three-member etcd cluster.
 #
-#   scripts/bench-cluster.sh [all|single|cluster|cluster-at-head|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
+#   scripts/bench-cluster.sh [all|single|cluster|cluster-at-head|pubsub|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
 #
 # Workloads (each after a warm-up):
 #   set-c50  durable SET, 50 clients × 1 request in flight, 64-byte values, 10,000 keys, `--fsync always`
@@ -12,7 +12,10 @@
 # For the cluster the clients are spread over the three nodes (a bench process per node, its share of
 # the connections); rates add up, the p99 reported is the worst of the three. `cluster-at-head` runs
 # the cluster's workloads with `--keys-at-head`: each client sends only keys its node heads, so no
-# request is forwarded between nodes (the chain alone, not in `all`).
+# request is forwarded between nodes (the chain alone, not in `all`). `pubsub` (not in `all`): 16
+# publishers -> 16 subscribers at QoS 1 (window 1, 64-byte payloads) over the three nodes in turn, so
+# each publish is forwarded to the two other nodes; a fixed count of publishes ($PUBLISHES, default
+# 100,000) after a tenth of it as warm-up, printed as the servers' CPU per publish and per delivered message (decision 0066).
 # Printed per run: ops/s, p50/p99 ms, the servers' CPU per operation (utime+stime of every server
 # process over the counted requests), the load generators' CPU per operation apart, and with `fsyncs`
 # the fdatasync/fsync calls per write of each node (perf's syscall tracepoints over a fixed count).
@@ -144,6 +147,30 @@ cluster_at_head() {
   stop_all
 }
 
+pubsub_of() { # name publishes flags...: one bench process over the three nodes, a fixed count
+  local name=$1 n=$2; shift 2
+  local servers; servers=$(printf '127.0.0.1:%s,' "${PORTS[@]}"); servers=${servers%,}
+  local run=("$MQSTATE" bench --mode pubsub --servers "$servers" "$@")
+  "${run[@]}" --requests $((n / 10)) >/dev/null 2>&1
+  local before; before=$(cpu_sum "${SERVERS[@]}")
+  "${run[@]}" --requests "$n" --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1
+  local after; after=$(cpu_sum "${SERVERS[@]}")
+  python3 - "$name" "$((after - before))" "$n" "$OUT/$name.json" <<'EOF' | tee -a "$OUT/results.txt"
+import json, sys
+name, cpu_us, n, run = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.load(open(sys.argv[4]))
+delivered = run["replies"].get("delivered", 0)
+errors = sum(run["errors"].values())
+print(f"{name:28} {n:,} publishes, {delivered:,} delivered, {errors} errors  server cpu "
+      f"{cpu_us / n:7.1f} µs/publish  {cpu_us / max(delivered, 1):6.2f} µs/delivered")
+EOF
+}
+
+pubsub() {
+  start_cluster
+  pubsub_of cluster-pubsub-16x16 "${PUBLISHES:-100000}" --publishers 16 --subscribers 16 --inflight 1 --qos 1
+  stop_all
+}
+
 # ---- fsyncs per write (perf's syscall tracepoints; robust to the machine's load) -------------------
 
 fsyncs_of() { # label requests: a fixed number of durable SETs spread over the nodes, fsyncs counted per node
@@ -225,8 +252,9 @@ case "$WHAT" in
   single) single ;;
   cluster) cluster ;;
   cluster-at-head) cluster_at_head ;;
+  pubsub) pubsub ;;
   etcd) etcd_bench ;;
   fsyncs) fsyncs ;;
   all) single; cluster; etcd_bench; fsyncs ;;
-  *) echo "unknown group: $WHAT (all|single|cluster|cluster-at-head|etcd|fsyncs)" >&2; exit 2 ;;
+  *) echo "unknown group: $WHAT (all|single|cluster|cluster-at-head|pubsub|etcd|fsyncs)" >&2; exit 2 ;;
 esac

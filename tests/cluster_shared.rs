@@ -431,3 +431,81 @@ async fn a_held_publish_whose_redelivery_misses_a_node_is_held_again() {
     }
     drop((publisher, watcher));
 }
+
+/// Completes the QoS 2 flow of the next message (PUBREC, then PUBCOMP on PUBREL); its payload.
+async fn take_qos2(client: &mut Raw) -> String {
+    let payload = match client.recv().await {
+        Packet::Publish(p) => {
+            assert_eq!(p.qos, QoS::ExactlyOnce);
+            client.send(Packet::PubRec(PubRec::new(p.pkid, None))).await;
+            String::from_utf8_lossy(&p.payload).into_owned()
+        }
+        other => panic!("expected PUBLISH, got {other:?}"),
+    };
+    match client.recv().await {
+        Packet::PubRel(rel) => {
+            client
+                .send(Packet::PubComp(PubComp::new(rel.pkid, None)))
+                .await
+        }
+        other => panic!("expected PUBREL, got {other:?}"),
+    }
+    payload
+}
+
+/// Decision 0066 (0062's limit (a), case 1): a QoS 2 message held because node 1 hangs reaches
+/// a session on node 3 at once; its client takes it (PUBCOMP), then resumes the session on
+/// node 2 — put back there just before the held message goes again. It gets the message once.
+/// (Before: the redelivery went to every session put back since the message arrived, and this
+/// one got it a second time, as a new message.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_qos2_message_reaches_a_session_that_moved_exactly_once() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
+    let [n1, n2, n3] = [
+        nodes[0].server.addr,
+        nodes[1].server.addr,
+        nodes[2].server.addr,
+    ];
+    // A persistent subscriber on node 1: what is published on x/t is planned for node 1 too.
+    let (mut away, _) = accepted(n1, "x-away", true, 3600).await;
+    away.subscribe("x/t", QoS::ExactlyOnce).await;
+    let (mut moving, present) = accepted(n3, "x-moving", true, 3600).await;
+    assert!(!present);
+    moving.subscribe("x/t", QoS::ExactlyOnce).await;
+    moving.subscribe("end/x-moving", QoS::AtLeastOnce).await;
+    let (mut publisher, _) = accepted(n2, "x-pub", true, 0).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    // Its copy for node 1 is not answered: held, given again once node 1's sessions were adopted.
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish("x/t", QoS::ExactlyOnce, "once").await;
+        (code, publisher)
+    });
+    assert_eq!(take_qos2(&mut moving).await, "once");
+    moving.disconnect().await;
+    let moving = resumed(n2, "x-moving", frozen).await;
+    eprintln!(
+        "x-moving resumed on node 2 {:?} after node 1 hung",
+        frozen.elapsed()
+    );
+    let (code, mut publisher) = publishing.await.expect("publisher");
+    assert_eq!(code, 0x00);
+    eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
+    assert_eq!(
+        publisher
+            .publish("end/x-moving", QoS::AtLeastOnce, "end")
+            .await,
+        0x00
+    );
+    let (moving, again) = read_to_end(moving, "x-moving".into()).await;
+    assert_eq!(
+        again,
+        Vec::<String>::new(),
+        "a QoS 2 message delivered twice"
+    );
+    moving.disconnect().await;
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    drop((away, publisher));
+}

@@ -3,7 +3,9 @@
 //!
 //! * the will of a **clean** session (session expiry 0) whose node is killed with `kill -9` is
 //!   published, once, by the node that settles the dead node's rows — as one node publishes it
-//!   when the connection ends; a client that disconnected normally has no will published;
+//!   when the connection ends; a client that disconnected normally has no will published; a
+//!   client that reconnects elsewhere at once, clean and with a will of its own, does not take the
+//!   old will row over before that will is published (decision 0066);
 //! * a retained message cleared while a node was down does not come back when that node rejoins
 //!   after every node that saw the clear restarted (the clear is durable).
 //!
@@ -125,16 +127,34 @@ async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
     // Back on node 3 at once, clean and without a will (as the SDKs reconnect): before node 1
     // counts as down, so its will row is left to whoever settles node 1's rows.
     let (back, _) = accepted(n1, "clean-back", true, 0, will_of("clean-back", 0)).await;
+    // Back on node 2 at once, clean and with a will of its own (a row of its own): the old will
+    // row is not taken over before its will is published, once (decision 0066).
+    let (back_will, _) = accepted(
+        n1,
+        "clean-back-will",
+        true,
+        0,
+        will_of("clean-back-will", 0),
+    )
+    .await;
 
     tokio::task::block_in_place(|| nodes[0].server.kill9());
-    drop((at_once, delayed, resumed, plain, back));
+    drop((at_once, delayed, resumed, plain, back, back_will));
     let killed = Instant::now();
     let (back, _) = accepted(n3, "clean-back", true, 0, None).await;
+    let (back_will, _) =
+        accepted(n2, "clean-back-will", true, 0, will_of("clean-back-new", 0)).await;
 
-    let everyone: BTreeSet<String> = ["clean-now", "clean-delay", "clean-resume", "clean-back"]
-        .iter()
-        .map(|id| format!("will/{id}"))
-        .collect();
+    let everyone: BTreeSet<String> = [
+        "clean-now",
+        "clean-delay",
+        "clean-resume",
+        "clean-back",
+        "clean-back-will",
+    ]
+    .iter()
+    .map(|id| format!("will/{id}"))
+    .collect();
     let mut wills = BTreeSet::new();
     while wills != everyone {
         assert!(
@@ -167,7 +187,7 @@ async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
         "will/zz-marker",
         "no will published twice or for a client that left normally"
     );
-    drop((publisher, watcher, back));
+    drop((publisher, watcher, back, back_will));
 }
 
 /// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.

@@ -79,6 +79,7 @@ fn op(change: &SessionChange) -> &'static str {
         SessionChange::WillScheduled { .. } => "will-scheduled",
         SessionChange::WillCancelled { .. } => "will-cancelled",
         SessionChange::WillSet { .. } => "will-set",
+        SessionChange::Took { .. } => "took",
         SessionChange::RetainedSet { .. } => "retained-set",
         SessionChange::RetainedCleared { .. } => "retained-cleared",
     }
@@ -100,7 +101,8 @@ fn client_id(change: &SessionChange) -> Option<&str> {
         | SessionChange::Qos2Released { client_id, .. }
         | SessionChange::WillScheduled { client_id, .. }
         | SessionChange::WillCancelled { client_id }
-        | SessionChange::WillSet { client_id, .. } => Some(client_id),
+        | SessionChange::WillSet { client_id, .. }
+        | SessionChange::Took { client_id, .. } => Some(client_id),
         SessionChange::RetainedSet { .. } | SessionChange::RetainedCleared { .. } => None,
     }
 }
@@ -191,6 +193,18 @@ fn text(change: &SessionChange, max_bytes: usize) -> String {
         SessionChange::WillCancelled { client_id } => {
             format!("will-cancelled {}", id(client_id))
         }
+        SessionChange::Took {
+            client_id,
+            id: publish,
+            at_ms,
+            keep_ms,
+        } => format!(
+            "took {} publish {}/{}/{} at-ms {at_ms} keep-ms {keep_ms}",
+            id(client_id),
+            publish.node,
+            publish.incarnation,
+            publish.seq
+        ),
         SessionChange::WillSet { client_id, will } => format!(
             "will-set {} delay-secs {} {}",
             id(client_id),

@@ -1517,7 +1517,8 @@ impl Connection {
         self.codec.suback(packet_id, codes, &mut self.out);
         let session = self.session().clone();
         for d in retained {
-            session.deliver(d, self.inner.router.queue_limit(Some(&session.client_id)));
+            let limit = self.inner.router.queue_limit(Some(&session.client_id));
+            session.deliver(d, limit, None);
         }
     }
 

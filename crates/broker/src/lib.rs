@@ -64,7 +64,7 @@ pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use message::{Message, PublishProperties, QoS};
 pub use mqstate_clock::{Clock, SharedClock};
-pub use peers::{Forward, GroupKey, PeerId, Peers, Plan, Settled};
+pub use peers::{Forward, GroupKey, PeerId, Peers, Plan, PublishId, Settled};
 pub use persist::StoredSession;
 pub use persist::{
     Durable, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,

@@ -15,6 +15,9 @@
 //!   in the order the publishes were routed; its [`Settled`] resolves once every target accepted
 //!   the message into its sessions' queues (or was skipped as unreachable), and a QoS 1/2
 //!   publisher's PUBACK/PUBREC waits for it.
+//! * [`Peers::plan`] numbers a publish it plans for other nodes ([`PublishId`]); the copies and a
+//!   redelivery carry the number, and a session that took a QoS 2 publish in skips it when it
+//!   comes again, for [`Peers::redelivered_within`] (decision 0066).
 //! * [`Peers::claim`] — a client id is connecting here: any other node's connection with it gets
 //!   DISCONNECT 0x8E. Awaited before the CONNACK.
 //! * What comes from the other nodes enters through [`crate::Broker::accept_forwarded`] (fan-out
@@ -49,6 +52,17 @@ impl GroupKey {
     }
 }
 
+/// The number a node gives a publish it forwards: unique in the cluster (its node, the run of
+/// that node, a sequence within the run). A session that took a QoS 2 publish in remembers its
+/// number for as long as the publish may be given again, so that a redelivery skips it
+/// (decision 0066).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PublishId {
+    pub node: u64,
+    pub incarnation: u64,
+    pub seq: u64,
+}
+
 /// Where one publish goes besides this node's own non-shared subscribers.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -56,6 +70,8 @@ pub struct Plan {
     pub targets: Vec<(PeerId, Vec<GroupKey>)>,
     /// Shared groups this node has members of that another node serves for this message.
     pub elsewhere: Vec<GroupKey>,
+    /// The publish's number, when it has targets (it may then be held and given again).
+    pub id: Option<PublishId>,
 }
 
 impl Plan {
@@ -71,6 +87,8 @@ pub struct Forward<'a> {
     pub origin: Option<&'a str>,
     /// Whether the caller waits for the targets to accept it (QoS 1/2).
     pub acknowledged: bool,
+    /// Its number, from the [`Plan`].
+    pub id: Option<PublishId>,
 }
 
 /// The other nodes of a cluster, as the broker uses them. See the module docs for the contract.
@@ -84,6 +102,9 @@ pub trait Peers: Send + Sync + 'static {
         forward: Forward<'_>,
     ) -> Option<Settled>;
     fn claim(&self, client_id: &str) -> Option<Settled>;
+    /// How long after a session took a numbered publish in it may be given again: the session
+    /// remembers the number that long.
+    fn redelivered_within(&self) -> std::time::Duration;
 }
 
 impl crate::Broker {
@@ -97,18 +118,20 @@ impl crate::Broker {
     /// Fans out a publish another node forwarded: this node's subscribers with its own options
     /// and subscription identifiers, No Local against `origin`, of its shared groups only
     /// `groups`; a retained one updates the retained store. `age` is how long ago the origin
-    /// received it (message expiry counts from then). Resolves when what it changed is durable.
+    /// received it (message expiry counts from then); `id` its number. Resolves when what it
+    /// changed is durable.
     pub fn accept_forwarded(
         &self,
         message: Message,
         origin: Option<&str>,
         age: std::time::Duration,
         groups: &[GroupKey],
+        id: Option<PublishId>,
     ) -> Vec<crate::Durable> {
         let received = self.received_ago(age);
         self.inner
             .router
-            .route_forwarded(message, origin, received, groups)
+            .route_forwarded(message, origin, received, groups, id)
             .durable
     }
 
@@ -116,7 +139,8 @@ impl crate::Broker {
     /// non-shared subscriptions of sessions put back on this node (adopted, handed over) within
     /// the last `put_back_within` only — the others had it the first time (decision 0057) — and
     /// to one member of each of `groups`, shared groups the node that failed was to serve
-    /// (decision 0062). `age`: how long ago the origin received it. Resolves when what it
+    /// (decision 0062). A session that took the publish numbered `id` in already (at QoS 2) is
+    /// skipped (decision 0066). `age`: how long ago the origin received it. Resolves when what it
     /// changed is durable.
     pub fn accept_redelivered(
         &self,
@@ -125,13 +149,14 @@ impl crate::Broker {
         age: std::time::Duration,
         put_back_within: std::time::Duration,
         groups: &[GroupKey],
+        id: Option<PublishId>,
     ) -> Vec<crate::Durable> {
         let received = self.received_ago(age);
         let now = self.inner.clock.now();
         let since = now.checked_sub(put_back_within).unwrap_or(now);
         self.inner
             .router
-            .route_redelivered(message, origin, received, since, groups)
+            .route_redelivered(message, origin, received, since, groups, id)
             .durable
     }
 

@@ -29,11 +29,12 @@ use std::sync::Arc;
 use bytestring::ByteString;
 
 use crate::message::{Message, QoS};
+use crate::peers::PublishId;
 use crate::session::SubscriptionOptions;
 use crate::will::Will;
 
 pub use codec::{decode_changes, encode_changes, DecodeError, FORMAT_VERSION};
-pub use replay::{Restored, StoredEntry, StoredSession};
+pub use replay::{Restored, StoredEntry, StoredSession, TakenId};
 
 /// Resolves once the recorded changes are durable (fsynced), or with the reason they never will be.
 pub type Durable = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send>>;
@@ -163,6 +164,14 @@ pub enum SessionChange {
     },
     /// The delayed will was published.
     WillCancelled { client_id: Arc<str> },
+    /// The session took in the forwarded QoS 2 publish numbered `id` at `at_ms` (a cluster node,
+    /// decision 0066): a redelivery of it skips the session. Forgotten `keep_ms` later.
+    Took {
+        client_id: Arc<str>,
+        id: PublishId,
+        at_ms: u64,
+        keep_ms: u64,
+    },
     /// The will of the connected client (its CONNECT's): if the session is put back without its
     /// connection (the node died), the will is scheduled then, after its delay (decision 0054).
     /// A later `Attached` or `Detached` ends it.

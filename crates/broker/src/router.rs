@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::message::{Message, QoS};
 use mqstate_clock::SharedClock;
 
-use crate::peers::{Forward, GroupKey, Peers, Settled};
+use crate::peers::{Forward, GroupKey, Peers, PublishId, Settled};
 use crate::trie::Shared;
 
 use crate::persist::{wall, Durable, SessionChange, SessionJournal};
@@ -133,12 +133,14 @@ impl Router {
         (at, at_ms): (Instant, u64),
         since: Instant,
         groups: &[GroupKey],
+        id: Option<PublishId>,
     ) -> Routed {
         self.fan_out(
             Arc::new(message),
             origin,
             (at, Some(at_ms)),
             Scope::Redelivered(since, groups),
+            id,
         )
     }
 
@@ -251,7 +253,7 @@ impl Router {
         // The wall time only if a retained message is journalled (read there).
         let received = (self.clock.now(), None);
         let Some(peers) = self.peers.get() else {
-            return self.fan_out(Arc::new(message), publisher, received, Scope::All);
+            return self.fan_out(Arc::new(message), publisher, received, Scope::All, None);
         };
         let plan = peers.plan(&message.topic, message.retain);
         let message = Arc::new(message);
@@ -260,6 +262,7 @@ impl Router {
             publisher,
             received,
             Scope::AllBut(&plan.elsewhere),
+            plan.id,
         );
         if !plan.targets.is_empty() {
             routed.offered += plan.targets.len();
@@ -267,6 +270,7 @@ impl Router {
                 message: &message,
                 origin: publisher,
                 acknowledged: message.qos != QoS::AtMostOnce,
+                id: plan.id,
             };
             if let Some(settled) = peers.forward(plan.targets, forward) {
                 routed.durable.push(Box::pin(async move {
@@ -286,12 +290,14 @@ impl Router {
         origin: Option<&str>,
         (at, at_ms): (Instant, u64),
         groups: &[GroupKey],
+        id: Option<PublishId>,
     ) -> Routed {
         self.fan_out(
             Arc::new(message),
             origin,
             (at, Some(at_ms)),
             Scope::Only(groups),
+            id,
         )
     }
 
@@ -347,8 +353,17 @@ impl Router {
         publisher: Option<&str>,
         (now, now_ms): (Instant, Option<u64>),
         scope: Scope<'_>,
+        id: Option<PublishId>,
     ) -> Routed {
         let limit = self.queue_limit(publisher);
+        // A numbered publish (one that may be given again) is remembered by the sessions that
+        // take it in at QoS 2, and skipped by those that did already (decision 0066).
+        let numbered = match (id, self.peers.get()) {
+            (Some(id), Some(peers)) if message.qos == QoS::ExactlyOnce => {
+                Some((id, peers.redelivered_within()))
+            }
+            _ => None,
+        };
         let mut durable = Vec::new();
         if message.retain {
             let mut retained = self.retained.lock().unwrap_or_else(|p| p.into_inner());
@@ -433,7 +448,8 @@ impl Router {
                 received_at: now,
                 seq: 0,
             };
-            durable.extend(t.session.deliver(delivery, limit).1);
+            let numbered = numbered.filter(|_| t.qos == QoS::ExactlyOnce);
+            durable.extend(t.session.deliver(delivery, limit, numbered).1);
             offered += 1;
         }
         Routed { offered, durable }
@@ -677,6 +693,9 @@ mod tests {
         fn claim(&self, _: &str) -> Option<Settled> {
             None
         }
+        fn redelivered_within(&self) -> std::time::Duration {
+            std::time::Duration::from_secs(60)
+        }
     }
 
     #[tokio::test(start_paused = true)]
@@ -699,7 +718,8 @@ mod tests {
             }
         }
         test.recorder.0.lock().unwrap().clear();
-        let routed = router.route_redelivered(message(), None, (clock.now(), 1_000), since, &[]);
+        let routed =
+            router.route_redelivered(message(), None, (clock.now(), 1_000), since, &[], None);
         assert_eq!(routed.offered, 1);
         let got: Vec<String> = test
             .recorder
@@ -726,6 +746,7 @@ mod tests {
             (clock.now(), 1_000),
             since + second * 2,
             &[group],
+            None,
         );
         assert_eq!(routed.offered, 1);
         let got: Vec<String> = test

@@ -365,7 +365,7 @@ impl Broker {
             received_at: self.inner.clock.now(),
             seq: 0,
         };
-        session.deliver(delivery, self.inner.router.queue_limit(None));
+        session.deliver(delivery, self.inner.router.queue_limit(None), None);
         true
     }
 
@@ -613,6 +613,7 @@ impl Inner {
         state.journalled = self.journal.is_some();
         state.in_journal = state.journalled && stored.expiry_secs > 0;
         state.inbound_qos2 = stored.inbound_qos2;
+        state.restore_taken(stored.taken, now_ms);
         let messages = stored.messages.len();
         for (seq, entry) in stored.messages {
             let d = Delivery {
@@ -734,7 +735,7 @@ impl Inner {
         let mut state = handle.lock();
         // Not ours to delete: the owner's copy lives on.
         state.in_journal = false;
-        state.connected_will = None;
+        state.set_connected_will(None);
         state.end();
         debug_assert!(state.changes.is_empty());
         drop(state);

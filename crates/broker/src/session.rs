@@ -8,10 +8,10 @@
 //! buffer to the journal before the lock is released, so the journal sees the changes of a session
 //! in the order they were made. Only QoS 1/2 messages are journalled.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::signal::Signal;
 use bytestring::ByteString;
@@ -19,7 +19,8 @@ use mqstate_clock::{Clock, SharedClock};
 
 use crate::codec::OutPublish;
 use crate::message::{Message, QoS};
-use crate::persist::{wall, Durable, SessionChange, SessionJournal, StoredMessage};
+use crate::peers::PublishId;
+use crate::persist::{wall, Durable, SessionChange, SessionJournal, StoredMessage, TakenId};
 use crate::queue::{queued_bytes, MessageQueue, QueueLimit};
 use crate::will::Will;
 
@@ -94,6 +95,8 @@ pub enum Enqueued {
     /// The queue was full of QoS 1/2 messages: the new message was dropped (the queue keeps the
     /// oldest; the publisher is not told, as MQTT has no way to say one subscriber was full).
     DroppedNewest,
+    /// The session took this (numbered, QoS 2) publish in already: not queued again.
+    AlreadyTaken,
 }
 
 /// One step of the outbound pump, as the caller (the encoder) saw it.
@@ -127,17 +130,56 @@ pub struct SessionState {
     pub next_seq: u64,
     /// When the connection ended (wall-clock ms); `None` while connected.
     pub detached_at_ms: Option<u64>,
-    /// The will of the connected client, kept (and journalled) for a persistent session, and for
-    /// a clean one where the journal keeps clean wills (then only it is journalled of the
-    /// session: its "will row", decision 0063): if the node dies, whoever puts the session back
-    /// publishes it (decision 0054).
-    pub(crate) connected_will: Option<Box<Will>>,
+    /// What few sessions hold, boxed together so that the others pay one pointer for it.
+    rare: Option<Box<Rare>>,
     /// A journal is installed and the session has not ended.
     pub(crate) journalled: bool,
     /// The journal holds this session (journalled and expiry > 0): changes are noted.
     pub(crate) in_journal: bool,
     /// Changes noted under the current lock, handed to the journal when it is released.
     pub(crate) changes: Vec<SessionChange>,
+}
+
+/// The parts of a session that few sessions have.
+#[derive(Debug, Clone, Default)]
+struct Rare {
+    /// The will of the connected client, kept (and journalled) for a persistent session, and for
+    /// a clean one where the journal keeps clean wills (then only it is journalled of the
+    /// session: its "will row", decision 0063): if the node dies, whoever puts the session back
+    /// publishes it (decision 0054).
+    connected_will: Option<Will>,
+    /// The numbered QoS 2 publishes taken in lately (a cluster node's sessions only).
+    taken: TakenIds,
+}
+
+/// The numbers of the forwarded QoS 2 publishes a session took in, for as long as each may be
+/// given again (decision 0066): in arrival order to forget them, and in a set to look them up.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TakenIds {
+    order: VecDeque<TakenId>,
+    ids: HashSet<PublishId>,
+}
+
+impl TakenIds {
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    fn contains(&self, id: &PublishId) -> bool {
+        self.ids.contains(id)
+    }
+
+    /// Adds `t`, forgetting what can no longer come again.
+    fn insert(&mut self, t: TakenId) {
+        while let Some(old) = self.order.front().filter(|old| !old.kept_at(t.at_ms)) {
+            self.ids.remove(&old.id);
+            self.order.pop_front();
+        }
+        if self.ids.insert(t.id) {
+            self.order.push_back(t);
+        }
+        debug_assert_eq!(self.ids.len(), self.order.len());
+    }
 }
 
 impl SessionState {
@@ -156,7 +198,7 @@ impl SessionState {
             dropped_expired: 0,
             next_seq: 0,
             detached_at_ms: None,
-            connected_will: None,
+            rare: None,
             journalled: false,
             in_journal: false,
             changes: Vec::new(),
@@ -198,7 +240,7 @@ impl SessionState {
     pub(crate) fn attached(&mut self, expiry_secs: u32, clock: &dyn Clock) {
         self.detached_at_ms = None;
         self.drop_will_row();
-        self.connected_will = None;
+        self.set_connected_will(None);
         let was_journalled = self.in_journal;
         self.set_expiry(expiry_secs, clock);
         if was_journalled {
@@ -212,7 +254,7 @@ impl SessionState {
     /// The connection ended at `at_ms`.
     pub(crate) fn detached(&mut self, at_ms: u64) {
         self.detached_at_ms = Some(at_ms);
-        self.connected_will = None;
+        self.set_connected_will(None);
         let expiry_secs = self.expiry_interval_secs;
         self.note(|client_id| SessionChange::Detached {
             client_id,
@@ -229,14 +271,14 @@ impl SessionState {
             return;
         };
         if self.in_journal {
-            self.connected_will = Some(Box::new(will.clone()));
+            self.set_connected_will(Some(will));
             self.note(|client_id| SessionChange::WillSet {
                 client_id,
                 will: will.clone(),
             });
         } else if self.journalled && clean_wills {
             debug_assert_eq!(self.expiry_interval_secs, 0);
-            self.connected_will = Some(Box::new(will.clone()));
+            self.set_connected_will(Some(will));
             self.changes.push(SessionChange::Created {
                 client_id: self.client_id.clone(),
                 expiry_secs: self.expiry_interval_secs,
@@ -250,13 +292,13 @@ impl SessionState {
 
     /// Whether the journal holds this clean session's will (and nothing else of it).
     fn has_will_row(&self) -> bool {
-        self.journalled && !self.in_journal && self.connected_will.is_some()
+        self.journalled && !self.in_journal && self.connected_will().is_some()
     }
 
     /// The journal's copy of a clean session's will goes (its connection ended or was replaced).
     fn drop_will_row(&mut self) {
         if self.has_will_row() {
-            self.connected_will = None;
+            self.set_connected_will(None);
             self.changes.push(SessionChange::Deleted {
                 client_id: self.client_id.clone(),
             });
@@ -363,13 +405,67 @@ impl SessionState {
         for d in self.queue.iter().filter(|d| d.qos != QoS::AtMostOnce) {
             image.push(appended(client_id, d, now, now_ms));
         }
-        if let (Some(will), None) = (&self.connected_will, self.detached_at_ms) {
+        for t in self.rare.iter().flat_map(|rare| &rare.taken.order) {
+            image.push(SessionChange::Took {
+                client_id: client_id.clone(),
+                id: t.id,
+                at_ms: t.at_ms,
+                keep_ms: t.keep_ms,
+            });
+        }
+        if let (Some(will), None) = (self.connected_will(), self.detached_at_ms) {
             image.push(SessionChange::WillSet {
                 client_id: client_id.clone(),
-                will: (**will).clone(),
+                will: will.clone(),
             });
         }
         image
+    }
+
+    pub(crate) fn connected_will(&self) -> Option<&Will> {
+        self.rare.as_ref()?.connected_will.as_ref()
+    }
+
+    pub(crate) fn set_connected_will(&mut self, will: Option<&Will>) {
+        match (will, &mut self.rare) {
+            (None, None) => {}
+            (None, Some(rare)) => {
+                rare.connected_will = None;
+                if rare.taken.is_empty() {
+                    self.rare = None;
+                }
+            }
+            (Some(will), rare) => {
+                rare.get_or_insert_default().connected_will = Some(will.clone());
+            }
+        }
+    }
+
+    /// Puts back the numbers of the publishes a stored session took in, those that may still
+    /// come again at `now_ms`.
+    pub(crate) fn restore_taken(&mut self, stored: Vec<TakenId>, now_ms: u64) {
+        for t in stored.into_iter().filter(|t| t.kept_at(now_ms)) {
+            self.rare.get_or_insert_default().taken.insert(t);
+        }
+    }
+
+    /// Whether the session took the publish numbered `id` in (within its settle bound).
+    pub(crate) fn has_taken(&self, id: &PublishId) -> bool {
+        self.rare
+            .as_ref()
+            .is_some_and(|rare| rare.taken.contains(id))
+    }
+
+    /// The session took the publish numbered `id` in at `at_ms`; it may come again for `keep_ms`.
+    pub(crate) fn took(&mut self, id: PublishId, at_ms: u64, keep_ms: u64) {
+        let t = TakenId { id, at_ms, keep_ms };
+        self.rare.get_or_insert_default().taken.insert(t);
+        self.note(|client_id| SessionChange::Took {
+            client_id,
+            id,
+            at_ms,
+            keep_ms,
+        });
     }
 
     /// Queues `d`, applying the overflow policy at `limit`: QoS 0 goes first (the new one, or
@@ -690,15 +786,31 @@ impl SessionHandle {
     }
 
     /// Queues a delivery and wakes the connection. Offline sessions skip QoS 0 (MQTT allows it and
-    /// it keeps away sessions from filling with stale telemetry). Returns the outcome and, if the
+    /// it keeps away sessions from filling with stale telemetry). A QoS 2 publish `numbered`
+    /// (its number, and how long it may come again) is skipped if the session took it in
+    /// already, and remembered if it is queued (decision 0066). Returns the outcome and, if the
     /// message entered the journal, when it is durable.
-    pub(crate) fn deliver(&self, d: Delivery, limit: QueueLimit) -> (Enqueued, Option<Durable>) {
+    pub(crate) fn deliver(
+        &self,
+        d: Delivery,
+        limit: QueueLimit,
+        numbered: Option<(PublishId, Duration)>,
+    ) -> (Enqueued, Option<Durable>) {
         if d.qos == QoS::AtMostOnce && !self.online.load(Ordering::Acquire) {
             return (Enqueued::DroppedQos0, None);
         }
         let (outcome, durable) = {
             let mut state = self.lock();
+            if numbered.is_some_and(|(id, _)| state.has_taken(&id)) {
+                return (Enqueued::AlreadyTaken, None);
+            }
             let outcome = state.enqueue(d, limit, &*self.clock);
+            if let (Some((id, keep)), Enqueued::Queued | Enqueued::EvictedQos0) =
+                (numbered, outcome)
+            {
+                let keep_ms = u64::try_from(keep.as_millis()).unwrap_or(u64::MAX);
+                state.took(id, self.clock.now_ms(), keep_ms);
+            }
             (outcome, state.commit())
         };
         if outcome != Enqueued::DroppedQos0 && outcome != Enqueued::DroppedNewest {
@@ -1003,6 +1115,49 @@ mod tests {
             BTreeSet::from([6]),
             "the image restores the ids in use"
         );
+    }
+
+    #[test]
+    fn a_numbered_qos2_publish_is_taken_in_once_and_its_number_moves_with_the_session() {
+        let clock: SharedClock = Arc::new(SystemClock);
+        let handle = SessionHandle::new("n".into(), 60, None, clock.clone());
+        handle.set_online(true);
+        let id = PublishId {
+            node: 1,
+            incarnation: 2,
+            seq: 3,
+        };
+        let numbered = Some((id, Duration::from_secs(60)));
+        let limit = QueueLimit::messages(10);
+        let first = handle.deliver(delivery(QoS::ExactlyOnce, 0), limit, numbered);
+        assert_eq!(first.0, Enqueued::Queued);
+        let again = handle.deliver(delivery(QoS::ExactlyOnce, 0), limit, numbered);
+        assert_eq!(again.0, Enqueued::AlreadyTaken);
+        let other = Some((PublishId { seq: 4, ..id }, Duration::from_secs(60)));
+        assert_eq!(
+            handle
+                .deliver(delivery(QoS::ExactlyOnce, 1), limit, other)
+                .0,
+            Enqueued::Queued
+        );
+        assert_eq!(handle.lock().queue.len(), 2);
+
+        // The image carries the numbers; put back, a session still skips the publish, until the
+        // number can no longer come again.
+        let (now, now_ms) = (clock.now(), clock.now_ms());
+        let image = handle.lock().image(now, now_ms);
+        let mut restored = crate::persist::Restored::default();
+        for change in image {
+            restored.apply(change);
+        }
+        let taken = restored.sessions["n"].taken.clone();
+        assert_eq!(taken.len(), 2);
+        let mut back = SessionState::new("n".into(), 60);
+        back.restore_taken(taken.clone(), now_ms);
+        assert!(back.has_taken(&id));
+        let mut late = SessionState::new("n".into(), 60);
+        late.restore_taken(taken, now_ms + 61_000);
+        assert!(!late.has_taken(&id));
     }
 
     #[test]

@@ -20,7 +20,7 @@ impl MeshHandler for Inbound {
 
 impl Inbound {
     async fn apply(&self, request: &[u8]) -> Reply {
-        let batch: Batch = match wire::decode(request) {
+        let batch = match Batch::decode(request) {
             Ok(batch) => batch,
             Err(e) => {
                 tracing::warn!(error = %e, "mesh: undecodable batch refused");
@@ -85,6 +85,7 @@ impl Inbound {
                         p.origin.as_deref(),
                         age,
                         &group_keys(p.groups),
+                        p.id,
                     ));
                 }
                 Work::Redeliver(p, within_ms) => {
@@ -98,6 +99,7 @@ impl Inbound {
                         age,
                         Duration::from_millis(within_ms),
                         &group_keys(p.groups),
+                        p.id,
                     ));
                 }
                 Work::Claim(client_id) => broker.take_over_here(&client_id).await,

@@ -32,10 +32,11 @@ mod inbound;
 mod peer;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use mqstate_broker::{Broker, Forward, GroupKey, PeerId, Peers, Plan, Settled};
+use mqstate_broker::{Broker, Forward, GroupKey, PeerId, Peers, Plan, PublishId, Settled};
 use mqstate_cluster::{ClusterNode, NodeId};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -75,6 +76,8 @@ struct Shared {
     /// clock factor + [`ADOPTION_SLACK`]): a QoS 1/2 publish that matched its routes meanwhile
     /// is held and delivered again after (decision 0057).
     adoption_window: Duration,
+    /// The next number a forwarded publish gets (decision 0066).
+    next_seq: AtomicU64,
     state: Mutex<State>,
 }
 
@@ -104,6 +107,7 @@ impl Mesh {
             me: node.id(),
             incarnation,
             adoption_window,
+            next_seq: AtomicU64::new(0),
             broker: broker.clone(),
             node: Arc::clone(&node),
             state: Mutex::default(),
@@ -207,6 +211,7 @@ struct Held {
     message: Arc<mqstate_broker::Message>,
     origin: Option<String>,
     received: Instant,
+    id: Option<PublishId>,
 }
 
 impl Held {
@@ -248,7 +253,7 @@ impl Held {
                 (waits, missed) = self.redeliver(&groups).await;
             }
         };
-        let bound = SETTLE_TIMEOUT + (window + CALL_TIMEOUT) * MAX_HOLDS;
+        let bound = settle_bound(window);
         if tokio::time::timeout(bound, settle).await.is_err() {
             tracing::warn!("mesh: other nodes did not answer within {bound:?}; going on");
         }
@@ -286,6 +291,7 @@ impl Held {
                         message: WireMessage::from_message(&self.message, age),
                         origin: self.origin.clone(),
                         groups: wire_groups(&groups),
+                        id: self.id,
                     },
                     put_back_within_ms: within_ms,
                 };
@@ -301,6 +307,7 @@ impl Held {
             age,
             within,
             &here,
+            self.id,
         );
         for durable in durable {
             if let Err(error) = durable.await {
@@ -309,6 +316,11 @@ impl Held {
         }
         (waits, missed)
     }
+}
+
+/// How long a held publish is held at most, from its receipt until its acknowledgement.
+fn settle_bound(window: Duration) -> Duration {
+    SETTLE_TIMEOUT + (window + CALL_TIMEOUT) * MAX_HOLDS
 }
 
 fn wire_groups(groups: &[GroupKey]) -> Vec<(String, String)> {
@@ -381,7 +393,15 @@ impl Peers for Port {
         if live.is_empty() && down.is_empty() {
             return Plan::default();
         }
-        state.tables.plan(topic, retain, &live, &down)
+        let mut plan = state.tables.plan(topic, retain, &live, &down);
+        if !plan.targets.is_empty() {
+            plan.id = Some(PublishId {
+                node: self.0.me,
+                incarnation: self.0.incarnation,
+                seq: self.0.next_seq.fetch_add(1, Ordering::Relaxed),
+            });
+        }
+        plan
     }
 
     fn forward(
@@ -407,6 +427,7 @@ impl Peers for Port {
                 message: message.clone(),
                 origin: origin.clone(),
                 groups: wire_groups(&groups),
+                id: forward.id,
             });
             if let Some(wait) = outbox.push(Some(item), forward.acknowledged) {
                 waits.push((node, groups, wait));
@@ -421,11 +442,21 @@ impl Peers for Port {
             message: Arc::clone(forward.message),
             origin,
             received,
+            id: forward.id,
         };
         Some(Box::pin(held.settle(waits, missed)))
     }
 
     fn claim(&self, client_id: &str) -> Option<Settled> {
         self.to_all_live(|| Some(Item::Claim(client_id.to_owned())))
+    }
+
+    /// A publish is given again within its settle bound of its receipt at the origin; a session
+    /// takes it in after that receipt. The transit of the redelivery and the clocks' difference
+    /// (the number's time is the taker's wall clock, compared by the next node's) are within
+    /// one more window and call.
+    fn redelivered_within(&self) -> Duration {
+        let window = self.0.adoption_window;
+        settle_bound(window) + window + CALL_TIMEOUT
     }
 }

@@ -148,7 +148,7 @@ async fn send(shared: Arc<Shared>, id: NodeId, wake: Arc<Notify>) {
             seq,
             items,
         };
-        let request = Request::Mesh(wire::encode(&batch));
+        let request = Request::Mesh(batch.encode());
         let reply = match transport.call(&addr, request, CALL_TIMEOUT).await {
             Ok(Response::Mesh(bytes)) => wire::decode::<Reply>(&bytes).map_err(|e| e.to_string()),
             Ok(Response::Failed(why)) => Err(why),

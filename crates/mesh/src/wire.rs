@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use bytestring::ByteString;
-use mqstate_broker::{GroupKey, Message, PublishProperties, QoS};
+use mqstate_broker::{GroupKey, Message, PublishId, PublishProperties, QoS};
 use mqstate_cluster::NodeId;
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +58,68 @@ pub struct WirePublish {
     pub origin: Option<String>,
     /// Shared groups (filter, name) the receiver serves for this message.
     pub groups: Vec<(String, String)>,
+    /// The publish's number (decision 0066). Not in the item: it travels in the batch's
+    /// [`Numbers`] trailer, which a node of the previous release ignores.
+    #[serde(skip)]
+    pub id: Option<PublishId>,
+}
+
+/// What follows a [`Batch`] in its message when any of its publishes is numbered: the number
+/// of each `Publish` and `Redeliver` item, in item order. Postcard reads a value from the front
+/// of its bytes and leaves the rest, so a node of the previous release reads the batch and
+/// ignores this (its publishes then go unnumbered: as before 0066).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Numbers(Vec<Option<(u64, u64, u64)>>);
+
+impl Batch {
+    fn publishes_mut(&mut self) -> impl Iterator<Item = &mut WirePublish> {
+        self.items.iter_mut().filter_map(|item| match item {
+            Item::Publish(publish) | Item::Redeliver { publish, .. } => Some(publish),
+            _ => None,
+        })
+    }
+
+    /// The batch, then its [`Numbers`] if it has any.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = encode(self);
+        let numbers: Vec<Option<(u64, u64, u64)>> = self
+            .items
+            .iter()
+            .filter_map(|item| match item {
+                Item::Publish(publish) | Item::Redeliver { publish, .. } => Some(publish.id),
+                _ => None,
+            })
+            .map(|id| id.map(|id| (id.node, id.incarnation, id.seq)))
+            .collect();
+        if numbers.iter().any(Option::is_some) {
+            out.extend(encode(&Numbers(numbers)));
+        }
+        out
+    }
+
+    /// What [`Batch::encode`] wrote (or a batch of the previous release, without numbers).
+    pub fn decode(bytes: &[u8]) -> Result<Batch, postcard::Error> {
+        let (mut batch, rest): (Batch, &[u8]) = postcard::take_from_bytes(bytes)?;
+        if rest.is_empty() {
+            return Ok(batch);
+        }
+        let Numbers(numbers) = decode(rest)?;
+        let mut numbers = numbers.into_iter();
+        for publish in batch.publishes_mut() {
+            publish.id = numbers
+                .next()
+                .flatten()
+                .map(|(node, incarnation, seq)| PublishId {
+                    node,
+                    incarnation,
+                    seq,
+                });
+        }
+        if numbers.next().is_some() {
+            return Err(postcard::Error::DeserializeBadEncoding);
+        }
+        Ok(batch)
+    }
 }
 
 /// A message with how long ago its origin received it (expiry counts from then).
@@ -186,9 +248,10 @@ mod tests {
                 message: WireMessage::from_message(&message, Duration::from_millis(1500)),
                 origin: Some("c".into()),
                 groups: vec![("f".into(), "g".into())],
+                id: None,
             })],
         };
-        let back: Batch = decode(&encode(&batch)).unwrap();
+        let back = Batch::decode(&batch.encode()).unwrap();
         assert_eq!(back, batch);
         let Item::Publish(p) = &back.items[0] else {
             panic!("{back:?}")
@@ -197,11 +260,62 @@ mod tests {
         assert_eq!((m, age), (message, Duration::from_millis(1500)));
     }
 
+    #[test]
+    fn numbers_travel_after_the_batch_where_the_previous_release_ignores_them() {
+        let publish = |id: Option<PublishId>| WirePublish {
+            message: WireMessage::from_message(
+                &Message {
+                    topic: "t".into(),
+                    payload: Bytes::from_static(b"x"),
+                    qos: QoS::ExactlyOnce,
+                    retain: false,
+                    properties: PublishProperties::default(),
+                },
+                Duration::ZERO,
+            ),
+            origin: None,
+            groups: Vec::new(),
+            id,
+        };
+        let id = PublishId {
+            node: 2,
+            incarnation: 1 << 50,
+            seq: 9,
+        };
+        let batch = Batch {
+            from: 2,
+            incarnation: 1 << 50,
+            seq: 4,
+            items: vec![
+                Item::Claim("c".into()),
+                Item::Publish(publish(None)),
+                Item::Redeliver {
+                    publish: publish(Some(id)),
+                    put_back_within_ms: 5,
+                },
+                Item::Publish(publish(Some(PublishId { seq: 10, ..id }))),
+            ],
+        };
+        let bytes = batch.encode();
+        assert_eq!(Batch::decode(&bytes).unwrap(), batch);
+        // A node of the previous release decodes the batch as before, without the numbers.
+        let old: Batch = decode(&bytes).unwrap();
+        assert_eq!(old.items.len(), 4);
+        let Item::Redeliver { publish: p, .. } = &old.items[2] else {
+            panic!("{old:?}")
+        };
+        assert_eq!(p.id, None);
+        // Unnumbered batches are exactly what the previous release sent.
+        let mut plain = batch.clone();
+        plain.publishes_mut().for_each(|p| p.id = None);
+        assert_eq!(plain.encode(), encode(&plain));
+    }
+
     proptest! {
         /// Whatever a peer (or anyone reaching the cluster port) sends decodes or fails; never panics.
         #[test]
         fn garbage_decodes_or_fails(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let _ = decode::<Batch>(&bytes);
+            let _ = Batch::decode(&bytes);
             let _ = decode::<Reply>(&bytes);
         }
     }

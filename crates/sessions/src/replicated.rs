@@ -238,6 +238,7 @@ fn client_of(change: &SessionChange) -> Option<&Arc<str>> {
         | Deleted { client_id }
         | Qos2Received { client_id, .. }
         | Qos2Released { client_id, .. }
+        | Took { client_id, .. }
         | WillScheduled { client_id, .. }
         | WillCancelled { client_id }
         | WillSet { client_id, .. } => Some(client_id),
@@ -350,7 +351,10 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
                 entry.flushing = false;
                 return;
             }
-            let value = mirror.sessions.get(&client_id).map(|session| {
+            let value = mirror.sessions.get_mut(&client_id).map(|session| {
+                // Numbers that can no longer come again leave the row (decision 0066).
+                let now = now_ms();
+                session.taken.retain(|t| t.kept_at(now));
                 row::encode(
                     &client_id,
                     &SessionRow {
@@ -481,11 +485,7 @@ async fn discard_clean_start(shared: &Shared, client_id: Arc<str>) -> Result<(),
     let rows = shared.rows()?;
     let found = read_row(&*rows, &client_id).await?;
     if let Some(row) = &found.row {
-        let session = &row.session;
-        let will_row = session.expiry_secs == 0
-            && session.detached_at_ms.is_none()
-            && session.connected_will.is_some();
-        if will_row && !held_by_nobody(shared, &*rows, &client_id, row) {
+        if is_will_row(&row.session) && !held_by_nobody(shared, &*rows, &client_id, row) {
             tracing::debug!(%client_id, owner = row.owner, "a clean start leaves a connected clean session's will row to its node");
             return Ok(());
         }
@@ -524,7 +524,10 @@ async fn locate(
 ) -> Result<Located, String> {
     let rows = shared.rows()?;
     for _ in 0..TAKE_OVER_TRIES {
-        let found = read_row(&*rows, &client_id).await?;
+        let mut found = read_row(&*rows, &client_id).await?;
+        if clean_start {
+            found = wait_for_will_row(shared, &*rows, &client_id, found).await?;
+        }
         if let (Some(row), false, true) = (&found.row, clean_start, held_here) {
             let state = shared.lock();
             if let Some(entry) = state.entries.get(&client_id) {
@@ -549,6 +552,50 @@ async fn locate(
 
 /// Reads of a row that changed under a take-over before the CONNECT is refused (retryably).
 const TAKE_OVER_TRIES: usize = 3;
+
+/// Whether `session` is a clean session's will row: its client connected, with a will.
+fn is_will_row(session: &StoredSession) -> bool {
+    session.expiry_secs == 0 && session.detached_at_ms.is_none() && session.connected_will.is_some()
+}
+
+/// How long a clean start waits for another running node to settle the will row it finds.
+const WILL_ROW_WAIT: Duration = Duration::from_secs(2);
+/// How often the row is read again meanwhile.
+const WILL_ROW_POLL: Duration = Duration::from_millis(100);
+
+/// A clean start that keeps a row (its client has a will, or an expiry) must not take over the
+/// will row of a clean session another node counts as up without its will being published
+/// (decision 0066): if that node lives, the claim ended its connection and it publishes the will
+/// and deletes the row; if it died and is not counted down yet, the row is settled (the will
+/// published) once it is, by this node or the adopter. Waits [`WILL_ROW_WAIT`] for either, then
+/// refuses retryably (the CONNECT is answered 0x88; the client's retry finds it settled).
+async fn wait_for_will_row(
+    shared: &Shared,
+    rows: &dyn SessionRows,
+    client_id: &Arc<str>,
+    mut found: Found,
+) -> Result<Found, String> {
+    let started = tokio::time::Instant::now();
+    loop {
+        let owner = match &found.row {
+            Some(row)
+                if row.owner != shared.node
+                    && is_will_row(&row.session)
+                    && !held_by_nobody(shared, rows, client_id, row) =>
+            {
+                row.owner
+            }
+            _ => return Ok(found),
+        };
+        if started.elapsed() >= WILL_ROW_WAIT {
+            return Err(format!(
+                "the will of {client_id}'s connection on node {owner} is not settled yet"
+            ));
+        }
+        tokio::time::sleep(WILL_ROW_POLL).await;
+        found = read_row(rows, client_id).await?;
+    }
+}
 
 /// Whether the connection (or delayed will) that `row` describes is no longer held by any
 /// running node: its owner is down, or is this node under an earlier run (it restarted).

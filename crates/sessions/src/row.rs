@@ -11,6 +11,9 @@
 //!
 //! A session whose client observes no state-store key is written as version 1, which nodes of
 //! the previous release read; version 2 carries its registrations with it (decision 0054).
+//! The image of a session that took forwarded QoS 2 publishes in within the last settle bound
+//! holds their numbers (`K` changes, decision 0066): a node of the previous release cannot read
+//! that row (the image does not decode) until those are forgotten.
 //!
 //! Big-endian like every other format. The bytes come from other nodes and from the chain log on
 //! disk: decoding never panics (proptest below, fuzz target `session_row`).
@@ -202,6 +205,14 @@ pub fn image_of(client_id: &Arc<str>, session: &StoredSession) -> Vec<SessionCha
             });
         }
     }
+    for t in &session.taken {
+        image.push(SessionChange::Took {
+            client_id: id(),
+            id: t.id,
+            at_ms: t.at_ms,
+            keep_ms: t.keep_ms,
+        });
+    }
     if let Some((will, at_ms)) = &session.will {
         image.push(SessionChange::WillScheduled {
             client_id: id(),
@@ -222,8 +233,9 @@ pub fn image_of(client_id: &Arc<str>, session: &StoredSession) -> Vec<SessionCha
 mod tests {
     use bytes::Bytes;
     use bytestring::ByteString;
-    use mqstate_broker::persist::{StoredEntry, StoredMessage};
+    use mqstate_broker::persist::{StoredEntry, StoredMessage, TakenId};
     use mqstate_broker::session::SubscriptionOptions;
+    use mqstate_broker::PublishId;
     use mqstate_broker::{Message, QoS};
     use proptest::prelude::*;
 
@@ -268,6 +280,17 @@ mod tests {
             );
         }
         session.inbound_qos2.insert(42);
+        for seq in 0..messages.min(3) {
+            session.taken.push(TakenId {
+                id: PublishId {
+                    node: 2,
+                    incarnation: 77,
+                    seq,
+                },
+                at_ms: 4_000 + seq,
+                keep_ms: 60_000,
+            });
+        }
         for seq in 0..messages {
             let qos = if seq.is_multiple_of(3) {
                 QoS::ExactlyOnce

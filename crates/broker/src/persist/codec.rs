@@ -15,6 +15,7 @@ use bytestring::ByteString;
 
 use super::{SessionChange, StoredMessage};
 use crate::message::{Message, PublishProperties, QoS};
+use crate::peers::PublishId;
 use crate::session::SubscriptionOptions;
 use crate::will::Will;
 
@@ -39,6 +40,7 @@ const WILL_SET: u8 = b'V';
 const RETAINED_SET: u8 = b'T';
 const RETAINED_CLEARED: u8 = b't';
 const RETAINED_CLEARED_AT: u8 = b'x';
+const TOOK: u8 = b'K';
 
 // Property presence bits of an encoded message.
 const PROP_UTF8: u8 = 1;
@@ -212,6 +214,20 @@ fn encode_change(change: &SessionChange, out: &mut BytesMut) {
         SessionChange::WillCancelled { client_id } => {
             out.put_u8(WILL_CANCELLED);
             put_bin(out, client_id.as_bytes());
+        }
+        SessionChange::Took {
+            client_id,
+            id,
+            at_ms,
+            keep_ms,
+        } => {
+            out.put_u8(TOOK);
+            put_bin(out, client_id.as_bytes());
+            out.put_u64(id.node);
+            out.put_u64(id.incarnation);
+            out.put_u64(id.seq);
+            out.put_u64(*at_ms);
+            out.put_u64(*keep_ms);
         }
         SessionChange::WillSet { client_id, will } => {
             out.put_u8(WILL_SET);
@@ -545,6 +561,16 @@ fn decode_change(r: &mut Reader<'_>) -> Result<SessionChange, DecodeError> {
         WILL_CANCELLED => SessionChange::WillCancelled {
             client_id: r.client_id()?,
         },
+        TOOK => SessionChange::Took {
+            client_id: r.client_id()?,
+            id: PublishId {
+                node: r.u64("publish node")?,
+                incarnation: r.u64("publish incarnation")?,
+                seq: r.u64("publish seq")?,
+            },
+            at_ms: r.u64("taken at")?,
+            keep_ms: r.u64("kept for")?,
+        },
         WILL_SET => {
             let client_id = r.client_id()?;
             let message = decode_message(r)?;
@@ -717,6 +743,20 @@ mod tests {
                     packet_id,
                 }
             }),
+            (id(), any::<[u64; 5]>()).prop_map(
+                |(client_id, [node, incarnation, seq, at_ms, keep_ms])| {
+                    SessionChange::Took {
+                        client_id,
+                        id: PublishId {
+                            node,
+                            incarnation,
+                            seq,
+                        },
+                        at_ms,
+                        keep_ms,
+                    }
+                }
+            ),
             (id(), any::<u16>()).prop_map(|(client_id, packet_id)| {
                 SessionChange::Qos2Released {
                     client_id,

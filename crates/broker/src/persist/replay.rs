@@ -9,6 +9,7 @@ use bytestring::ByteString;
 
 use super::{SessionChange, StoredMessage};
 use crate::message::Message;
+use crate::peers::PublishId;
 use crate::session::SubscriptionOptions;
 use crate::will::Will;
 
@@ -38,6 +39,25 @@ pub struct StoredSession {
     pub connected_will: Option<Will>,
     /// Packet ids of inbound QoS 2 publishes received and not yet released by PUBREL.
     pub inbound_qos2: BTreeSet<u16>,
+    /// The forwarded QoS 2 publishes the session took in lately, oldest first (decision 0066).
+    pub taken: Vec<TakenId>,
+}
+
+/// A forwarded QoS 2 publish a session took in, remembered so that a redelivery skips it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TakenId {
+    pub id: PublishId,
+    /// When the session took it in (wall-clock ms).
+    pub at_ms: u64,
+    /// How long after `at_ms` it may still be given again (the origin's settle bound).
+    pub keep_ms: u64,
+}
+
+impl TakenId {
+    /// Whether it can still come again at `now_ms`.
+    pub fn kept_at(&self, now_ms: u64) -> bool {
+        self.at_ms.saturating_add(self.keep_ms) >= now_ms
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,6 +202,18 @@ impl Restored {
                     s.will = None;
                 }
             }
+            SessionChange::Took {
+                client_id,
+                id,
+                at_ms,
+                keep_ms,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&client_id) {
+                    // What can no longer come again goes: a row holds only the last settle bound.
+                    s.taken.retain(|t| t.kept_at(at_ms) && t.id != id);
+                    s.taken.push(TakenId { id, at_ms, keep_ms });
+                }
+            }
             SessionChange::WillSet { client_id, will } => {
                 if let Some(s) = self.sessions.get_mut(&client_id) {
                     s.connected_will = Some(will);
@@ -212,5 +244,41 @@ impl Restored {
 
     fn entry(&mut self, client_id: &str, seq: u64) -> Option<&mut StoredEntry> {
         self.sessions.get_mut(client_id)?.messages.get_mut(&seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_number_is_forgotten_once_it_can_no_longer_come_again() {
+        let client_id: Arc<str> = "c".into();
+        let mut restored = Restored::default();
+        restored.apply(SessionChange::Created {
+            client_id: client_id.clone(),
+            expiry_secs: 60,
+        });
+        let took = |seq, at_ms| SessionChange::Took {
+            client_id: client_id.clone(),
+            id: PublishId {
+                node: 1,
+                incarnation: 1,
+                seq,
+            },
+            at_ms,
+            keep_ms: 1_000,
+        };
+        restored.apply(took(1, 10_000));
+        restored.apply(took(2, 10_500));
+        // Replayed twice (image, then the log): kept once.
+        restored.apply(took(2, 10_500));
+        restored.apply(took(3, 11_200));
+        let seqs: Vec<u64> = restored.sessions["c"]
+            .taken
+            .iter()
+            .map(|t| t.id.seq)
+            .collect();
+        assert_eq!(seqs, [2, 3], "1 was taken more than 1 s before 3");
     }
 }
