@@ -19,6 +19,24 @@ for arg in "$@"; do
     -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
+# A cluster run puts each node in a network namespace (iproute2's `ip`, `tc`) and drops packets
+# with nftables; a fresh Debian machine lacks nftables, and a fault that cannot start is reported as
+# a failed run, so install what is missing when we can.
+if [[ " $* " == *" --nodes 3 "* ]]; then
+  need=()
+  command -v nft >/dev/null 2>&1 || need+=(nftables)
+  { command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; } || need+=(iproute2)
+  if [ "${#need[@]}" -gt 0 ]; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "robustness.sh: installing ${need[*]}" >&2
+      DEBIAN_FRONTEND=noninteractive apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    else
+      echo "robustness.sh: --nodes 3 needs ${need[*]} (and root); install them and run again" >&2
+      exit 2
+    fi
+  fi
+fi
 TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
 if [ -n "${MQSTATE_SERVER:-}" ]; then
   cargo build --release --quiet -p mqstate-robustness
