@@ -155,7 +155,7 @@ struct Rare {
 /// The numbers of the forwarded QoS 2 publishes a session took in, for as long as each may be
 /// given again (decision 0066): in arrival order to forget them, and in a set to look them up.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct TakenIds {
+struct TakenIds {
     order: VecDeque<TakenId>,
     ids: HashSet<PublishId>,
 }
