@@ -148,7 +148,10 @@ impl Running {
         replication.set_sink(Arc::new(ChangeSink(tx)));
         let (restored_tx, restored_rx) = mpsc::unbounded_channel();
         if let Some(sessions) = sessions {
-            sessions.attach_observers(Arc::new(ObserverBridge(restored_tx)));
+            sessions.attach_observers(Arc::new(ObserverBridge {
+                restored: restored_tx,
+                replication: Arc::clone(&replication),
+            }));
         }
         Router(Arc::new(ChainRouter {
             replication,
@@ -278,27 +281,45 @@ struct ChainRouter {
 }
 
 /// Registrations of a session taken over here, handed to the state-store service; the CONNACK
-/// waits until they are in force.
-struct ObserverBridge(mpsc::UnboundedSender<RestoredObserver>);
+/// waits until they are in force. Also where the session's cursors come from (decision 0065).
+struct ObserverBridge {
+    restored: mpsc::UnboundedSender<RestoredObserver>,
+    replication: Arc<Replication>,
+}
 
 impl Observers for ObserverBridge {
     fn restore(
         &self,
         client_id: Arc<str>,
-        keys: Vec<Vec<u8>>,
+        keys: Vec<(Vec<u8>, Option<String>)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         let (done, wait) = oneshot::channel();
         let observer = RestoredObserver {
             client_id,
-            keys: keys.into_iter().map(Bytes::from).collect(),
+            keys: keys
+                .into_iter()
+                .map(|(key, after)| (Bytes::from(key), after))
+                .collect(),
             done,
         };
-        let sent = self.0.send(observer).is_ok();
+        let sent = self.restored.send(observer).is_ok();
         Box::pin(async move {
             if sent {
                 let _ = wait.await;
             }
         })
+    }
+
+    fn position(&self, key: &[u8]) -> Option<String> {
+        self.replication.position(key)
+    }
+
+    fn notified(&self, message: &Message) -> Option<(Vec<u8>, String)> {
+        let key = mqstate_protocol::topic::notified_key(&message.topic)?;
+        let version = message
+            .properties
+            .user_property(mqstate_statestore::envelope::prop::TIMESTAMP)?;
+        Some((key, version.to_string()))
     }
 }
 
@@ -316,7 +337,28 @@ impl Sink for ChangeSink {
             })
             .collect();
         // The service is gone only at shutdown: nobody is left to notify.
-        let _ = self.0.send(ClusterChange { changes, done });
+        let _ = self.0.send(ClusterChange {
+            changes,
+            done,
+            catch_up: None,
+        });
+    }
+
+    fn catch_up(&self, observer: Arc<str>, key: Vec<u8>, changes: Vec<Committed>) {
+        let changes = changes
+            .iter()
+            .filter_map(|c| {
+                rows::delta_of_committed(c)
+                    .map_err(|e| tracing::error!("a notification from the cluster dropped: {e}"))
+                    .ok()
+            })
+            .collect();
+        let (done, _) = oneshot::channel();
+        let _ = self.0.send(ClusterChange {
+            changes,
+            done,
+            catch_up: Some((observer, Bytes::from(key))),
+        });
     }
 }
 
@@ -367,6 +409,15 @@ impl KeyRouter for ChainRouter {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take()
+    }
+
+    fn catch_up(
+        &self,
+        client_id: Arc<str>,
+        key: Bytes,
+        after: Option<String>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(self.replication.catch_up(client_id, key.to_vec(), after))
     }
 
     fn execute(&self, request: RoutedRequest) -> RouterFuture<'_> {

@@ -17,6 +17,11 @@
 //! (Without adoption, no will comes, the short session is resumed with Session Present = 1, and
 //! what was published after node 1's death matched nothing and is not delivered.)
 //!
+//! State-store observers keep every notification across their node's death (decision 0065):
+//! the changes of their keys committed after node 1 died and before their session was adopted or
+//! taken over reach them, in order, once each, whether the client comes back on another node
+//! before the adoption or after it (the adopter queued them).
+//!
 //! And retained messages cleared or replaced while a node was down (decision 0057): after its
 //! restart it holds neither the cleared message nor the replaced one, and does not bring them
 //! back to the others.
@@ -93,7 +98,9 @@ async fn next_will(watcher: &mut Raw) -> String {
 async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
     let response_topic = format!("clients/{id}/statestore/response");
     observer.subscribe(&response_topic, QoS::AtLeastOnce).await;
-    let correlation = Bytes::from_static(b"keynotify-1");
+    // One per key: a request with the same correlation data would be answered from the
+    // duplicate cache without being executed.
+    let correlation = Bytes::from([b"keynotify-", key].concat());
     let properties = request_properties(&response_topic, &correlation, hlc_now());
     let mut p = Publish::new(
         INVOKE_TOPIC,
@@ -503,4 +510,154 @@ async fn publishes_acknowledged_while_a_dead_nodes_session_awaits_adoption_are_n
     );
     subscriber.disconnect().await;
     drop(publisher);
+}
+
+/// The observed keys of the tests below: some of their partitions are headed by node 1, some not.
+const OBSERVED: [&str; 4] = ["moved/a", "moved/b", "moved/c", "moved/d"];
+
+/// SETs every observed key to `value` through `writer`.
+async fn set_all(writer: &mut StateClient, value: &str) {
+    for key in OBSERVED {
+        assert_eq!(
+            &writer
+                .request(&[b"SET", key.as_bytes(), value.as_bytes()])
+                .await[..],
+            OK,
+            "SET {key} {value}"
+        );
+    }
+}
+
+/// `id`'s persistent session, taken over on `addr` (tried again while the cluster fails over).
+async fn resumed(addr: SocketAddr, id: &str) -> StateClient {
+    let started = Instant::now();
+    loop {
+        match StateClient::try_connect_persistent(addr, id).await {
+            Ok(client) => return client,
+            Err(e) => {
+                assert!(started.elapsed() < WAIT, "{id} not resumed on {addr}: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// The key a notification's topic names (upper-case hex after `/command/notify/`).
+fn key_of(topic: &[u8]) -> String {
+    let topic = String::from_utf8_lossy(topic);
+    let (_, hex) = topic
+        .split_once("/command/notify/")
+        .expect("a notification topic");
+    let bytes: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+        .collect();
+    String::from_utf8(bytes).expect("a text key")
+}
+
+/// The value a SET notification carries (its last bulk string).
+fn value_of(payload: &[u8]) -> String {
+    assert!(
+        payload.starts_with(b"*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n"),
+        "a SET notification"
+    );
+    let text = String::from_utf8_lossy(payload);
+    let parts: Vec<&str> = text.split("\r\n").collect();
+    parts[parts.len() - 2].to_owned()
+}
+
+/// `observer`'s notifications until every observed key was set to `end` (a final SET that
+/// follows all the others): each key's values, in the order received.
+async fn values_until_end(observer: &mut StateClient) -> BTreeMap<String, Vec<String>> {
+    let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    while OBSERVED
+        .iter()
+        .any(|key| seen.get(*key).and_then(|v| v.last()).map(String::as_str) != Some("end"))
+    {
+        let note = observer.next_notification(WAIT).await;
+        seen.entry(key_of(&note.topic))
+            .or_default()
+            .push(value_of(&note.payload));
+    }
+    seen
+}
+
+/// Each observed key's expected values: `rounds` SETs (`r1`, `r2`, …), then `end`.
+fn every_round(rounds: usize) -> BTreeMap<String, Vec<String>> {
+    OBSERVED
+        .iter()
+        .map(|key| {
+            let mut values: Vec<String> = (1..=rounds).map(|r| format!("r{r}")).collect();
+            values.push("end".to_owned());
+            (key.to_string(), values)
+        })
+        .collect()
+}
+
+/// Issue 16: "State-store observers (KEYNOTIFY) keep their registrations and receive every
+/// notification when they reconnect to another node after their node died." The observer's node
+/// is killed; a writer on node 2 sets its keys four times at once (before the session is adopted
+/// or taken over: one key was set before the KEYNOTIFY, the others never); the observer comes
+/// back on node 3 and gets every change, in order, once. (Before decision 0065 the changes made
+/// before the adoption or take-over were not delivered.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_back_on_another_node_gets_what_was_changed_while_its_node_was_dead() {
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
+    let mut writer = StateClient::connect(n2, "moved-writer").await;
+    assert_eq!(
+        &writer
+            .request(&[b"SET", OBSERVED[0].as_bytes(), b"r0"])
+            .await[..],
+        OK
+    );
+    let mut observer = resumed(n1, "moved-observer").await;
+    for key in OBSERVED {
+        assert_eq!(
+            &observer.request(&[b"KEYNOTIFY", key.as_bytes()]).await[..],
+            OK
+        );
+    }
+
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    drop(observer);
+    for round in 1..=4 {
+        set_all(&mut writer, &format!("r{round}")).await;
+    }
+
+    let mut observer = resumed(n3, "moved-observer").await;
+    assert!(observer.session_present, "its session came along");
+    set_all(&mut writer, "end").await;
+    assert_eq!(values_until_end(&mut observer).await, every_round(4));
+}
+
+/// The same, with the session adopted while its client is away: the adopter queues the changes
+/// made before the adoption (caught up from the replicas' trails) ahead of those made after it,
+/// and the client coming back on node 3 gets each once (the cursor moved with what was queued).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_observer_is_queued_what_was_changed_before_its_adoption() {
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
+    let (mut watcher, _) = accepted(n2, "adopted-watcher", true, 0, None).await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut writer = StateClient::connect(n2, "adopted-writer").await;
+    // Its will (no delay) tells when it was adopted.
+    let id = "adopted-observer";
+    let (mut observer, _) = accepted(n1, id, false, 3600, will_of(id, 0)).await;
+    for key in OBSERVED {
+        keynotify(&mut observer, id, key.as_bytes()).await;
+    }
+
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    drop(observer);
+    for round in 1..=3 {
+        set_all(&mut writer, &format!("r{round}")).await;
+    }
+    assert_eq!(next_will(&mut watcher).await, format!("will/{id}"));
+    for round in 4..=5 {
+        set_all(&mut writer, &format!("r{round}")).await;
+    }
+
+    let mut observer = resumed(n3, id).await;
+    assert!(observer.session_present);
+    set_all(&mut writer, "end").await;
+    assert_eq!(values_until_end(&mut observer).await, every_round(5));
 }

@@ -369,6 +369,11 @@ impl Broker {
         true
     }
 
+    /// Whether this broker holds a session of `client_id`.
+    pub fn has_session(&self, client_id: &str) -> bool {
+        self.inner.registry.session(client_id).is_some()
+    }
+
     /// Sends `client_id`'s connection DISCONNECT with `reason_code` (and `reason_string`) and closes
     /// it. Returns `false` if the client is not connected.
     pub fn disconnect(

@@ -28,6 +28,24 @@ pub fn notify_topic(client_id: &[u8], key: &[u8]) -> String {
     topic
 }
 
+/// The key a notification topic ([`notify_topic`]) names, if `topic` is one.
+pub fn notified_key(topic: &str) -> Option<Vec<u8>> {
+    let rest = topic.strip_prefix(NOTIFY_TOPIC_PREFIX)?.strip_prefix('/')?;
+    let (_, key) = rest.split_once("/command/notify/")?;
+    if key.len() % 2 != 0 {
+        return None;
+    }
+    let digit = |b: u8| match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    };
+    key.as_bytes()
+        .chunks(2)
+        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
+        .collect()
+}
+
 /// Whether `client_id` may not use `topic` as a request's Response Topic (the client is disconnected).
 ///
 /// Spec §1 forbids the invoke topic and the notification namespace. On top of that, a response topic
@@ -101,6 +119,22 @@ fn push_hex_upper(out: &mut String, bytes: &[u8]) {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_notification_topic_names_its_key() {
+        let topic = notify_topic(b"client", b"k\x00\xff");
+        assert_eq!(notified_key(&topic), Some(b"k\x00\xff".to_vec()));
+        assert_eq!(notified_key(&notify_topic(b"c", b"")), Some(Vec::new()));
+        assert_eq!(notified_key("t/command/notify/41"), None);
+        assert_eq!(
+            notified_key(&format!("{NOTIFY_TOPIC_PREFIX}/63/command/notify/4")),
+            None
+        );
+        assert_eq!(
+            notified_key(&format!("{NOTIFY_TOPIC_PREFIX}/63/command/notify/4g")),
+            None
+        );
+    }
 
     proptest! {
         #[test]

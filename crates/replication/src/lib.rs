@@ -355,7 +355,8 @@ impl Replication {
             Ok(
                 request @ (DataRequest::Interest { .. }
                 | DataRequest::Notify(_)
-                | DataRequest::Trail { .. }),
+                | DataRequest::Trail { .. }
+                | DataRequest::TrailReach { .. }),
             ) => self
                 .notifier
                 .handle(request)
@@ -498,6 +499,17 @@ impl Replication {
         }
         let start = self.current_version(key.clone());
         self.notifier.observe(key, start).await;
+    }
+
+    /// Where `key`'s notifications stand on this node ([`notify::Notifier::position`]).
+    pub fn position(&self, key: &[u8]) -> Option<String> {
+        self.notifier.position(key)
+    }
+
+    /// Hands `observer` the changes of `key` after its cursor `after` that it missed while its
+    /// session moved here ([`notify::Notifier::catch_up`], decision 0065).
+    pub async fn catch_up(&self, observer: Arc<str>, key: Vec<u8>, after: Option<String>) {
+        self.notifier.catch_up(observer, key, after).await;
     }
 
     /// The version of `key`'s committed row, read at its partition's head (`None`: no row, or

@@ -46,7 +46,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::trail::Trail;
-use crate::wire::{decode, encode, Committed, DataRequest, DataResponse};
+use crate::wire::{decode, encode, Committed, DataRequest, DataResponse, Reach};
 
 /// How long a node waits for the other members to take its interest, or a head for an observing
 /// node to take a change, before going on without them (the change stays in the outbox).
@@ -79,6 +79,12 @@ pub trait Sink: Send + Sync + 'static {
     /// Queues `changes` (in order) for this node's observers; `done` is signalled once they are
     /// queued ahead of any reply the service releases afterwards.
     fn deliver(&self, changes: Vec<Committed>, done: oneshot::Sender<()>);
+
+    /// The changes of `key` that `observer` is owed from before it observed it here (its session
+    /// came from another node: decision 0065), for it alone, in order; handed over after every
+    /// change of the key handed to [`Sink::deliver`] up to the last of them, and before any later
+    /// one. Ends the observer's catch-up of the key (`changes` may be empty).
+    fn catch_up(&self, observer: Arc<str>, key: Vec<u8>, changes: Vec<Committed>);
 }
 
 /// Interest of this node.
@@ -369,6 +375,104 @@ impl Notifier {
         }
     }
 
+    /// Where `key`'s notifications stand here: the version of the last change of it delivered
+    /// (`""`: it had no row when it started being observed here), or `None` if it is not
+    /// observed here or its start is being read. The cursor of a client that starts observing it.
+    pub fn position(&self, key: &[u8]) -> Option<String> {
+        let local = lock(&self.shared.local);
+        let observed = local.keys.get(key).filter(|o| !o.starting)?;
+        Some(
+            observed
+                .last
+                .as_ref()
+                .map(Hlc::to_string)
+                .unwrap_or_default(),
+        )
+    }
+
+    /// Hands `observer` (a client whose session came here from another node) the changes of
+    /// `key` after `after` — its cursor: the last change of the key queued into its session,
+    /// `""` for every change, `None` if not known (nothing is handed then) — up to the last
+    /// delivered here, from the replicas' trails ([`Sink::catch_up`], decision 0065). Later
+    /// changes reach it as they reach every observer here. If no replica holds the missing
+    /// changes within [`HOLD_MAX`], what was found goes, with a warning.
+    pub async fn catch_up(&self, observer: Arc<str>, key: Vec<u8>, after: Option<String>) {
+        enum Step {
+            Done,
+            Wait,
+            Fetch(String, String),
+        }
+        let started = Instant::now();
+        let mut found: Vec<Committed> = Vec::new();
+        // The version `found` reaches (exclusive start while nothing was found).
+        let mut upto = after;
+        loop {
+            let overdue = started.elapsed() >= HOLD_MAX;
+            let step = {
+                let local = lock(&self.shared.local);
+                let step = match (local.keys.get(&key), upto.as_deref()) {
+                    (None, _) | (_, None) => Step::Done,
+                    (Some(o), _) if o.starting => Step::Wait,
+                    (Some(o), Some(upto)) => match &o.last {
+                        // Nothing of the key delivered here: whatever comes, comes live.
+                        None => Step::Done,
+                        Some(last) if Hlc::parse(upto).is_ok_and(|u| u >= *last) => Step::Done,
+                        Some(last) => Step::Fetch(upto.to_owned(), last.to_string()),
+                    },
+                };
+                // Under the lock: nothing is handed over between what was found and this.
+                if matches!(step, Step::Done) || overdue {
+                    if !matches!(step, Step::Done) {
+                        tracing::warn!(
+                            key = %String::from_utf8_lossy(&key),
+                            %observer,
+                            after = ?upto,
+                            "changes of an observed key missed by a session that moved here: no replica holds them"
+                        );
+                    }
+                    if let Some(sink) = self.shared.sink.get() {
+                        sink.catch_up(observer, key, found);
+                    }
+                    return;
+                }
+                step
+            };
+            let (after, until) = match step {
+                Step::Fetch(after, until) => (after, until),
+                Step::Wait | Step::Done => {
+                    tokio::time::sleep(FETCH_EVERY).await;
+                    continue;
+                }
+            };
+            if let Some(more) = self.shared.fetch(&key, &after, &until).await {
+                found.extend(more);
+                upto = Some(until);
+                continue;
+            }
+            // No replica links back to the cursor. Every replica answering that its changes of
+            // the key start after it (the key was written while nobody observed it: the cursor's
+            // change was never noted) is as good; otherwise the furthest any goes, once the hold
+            // is over.
+            let (best, everyone) = self.shared.reach(&key, &after, &until).await;
+            let last_try = started.elapsed() + FETCH_EVERY >= HOLD_MAX;
+            if (best.unlinked && everyone) || last_try {
+                if !best.unlinked || !everyone {
+                    tracing::warn!(
+                        key = %String::from_utf8_lossy(&key),
+                        %observer,
+                        %after,
+                        from = ?best.changes.first().map(|c| &c.version),
+                        "changes of an observed key after a moved session's cursor: no replica links them to it; those held go"
+                    );
+                }
+                found.extend(best.changes);
+                upto = Some(until);
+                continue;
+            }
+            tokio::time::sleep(FETCH_EVERY).await;
+        }
+    }
+
     /// This node's interest: its generation and keys, sorted.
     fn interest(&self) -> (u64, Vec<Vec<u8>>) {
         let local = lock(&self.shared.local);
@@ -412,6 +516,9 @@ impl Notifier {
             }
             DataRequest::Trail { key, after, until } => Some(DataResponse::Trail(
                 lock(&self.shared.trail).between(&key, &after, &until),
+            )),
+            DataRequest::TrailReach { key, after, until } => Some(DataResponse::Reach(
+                lock(&self.shared.trail).reach(&key, &after, &until),
             )),
             _ => None,
         }
@@ -573,6 +680,61 @@ impl Shared {
         }
         None
     }
+    /// What each replica of `key`'s chain (this node's first) holds from `until` back towards
+    /// `after`: the one that goes furthest back, and whether every member of the chain that is up
+    /// answered.
+    async fn reach(&self, key: &[u8], after: &str, until: &str) -> (Reach, bool) {
+        let mut best = lock(&self.trail).reach(key, after, until);
+        let Some(chain) = self
+            .node
+            .partition_count()
+            .and_then(|count| self.node.partition(partition_of(key, count)))
+            .map(|p| p.chain)
+        else {
+            return (best, false);
+        };
+        let frame = encode(&DataRequest::TrailReach {
+            key: key.to_vec(),
+            after: after.to_owned(),
+            until: until.to_owned(),
+        });
+        // A member counted down cannot answer; the others must.
+        let up: BTreeMap<u64, String> = self
+            .node
+            .members()
+            .into_iter()
+            .filter(|(_, _, up)| *up)
+            .map(|(id, addr, _)| (id, addr))
+            .collect();
+        let mut calls = JoinSet::new();
+        let mut everyone = true;
+        for member in chain.into_iter().filter(|&m| m != self.node.id()) {
+            let Some(addr) = up.get(&member).cloned() else {
+                continue;
+            };
+            let (transport, frame) = (self.node.transport(), frame.clone());
+            calls.spawn(async move {
+                transport
+                    .call(&addr, Request::Data(frame), FETCH_TIMEOUT)
+                    .await
+            });
+        }
+        while let Some(answer) = calls.join_next().await {
+            match answer {
+                Ok(Ok(Response::Data(bytes))) => match decode::<DataResponse>(&bytes) {
+                    Ok(DataResponse::Reach(reach)) => {
+                        if reach.whole || reach.changes.len() > best.changes.len() && !best.whole {
+                            best = reach;
+                        }
+                    }
+                    _ => everyone = false,
+                },
+                _ => everyone = false,
+            }
+        }
+        (best, everyone)
+    }
+
     /// Reads the member list from the control plane again if it is older than
     /// [`MEMBERS_EVERY`] (or `now`), and forgets the interest and outboxes of former members.
     fn refresh_members(self: &Arc<Self>, now: bool) {

@@ -16,8 +16,10 @@ use std::collections::{HashMap, VecDeque};
 
 use mqstate_chain::Record;
 
+use mqstate_protocol::Hlc;
+
 use crate::rows;
-use crate::wire::Committed;
+use crate::wire::{Committed, Reach};
 
 /// Entries older than this go (the observing node asks within its hold, a few seconds).
 pub const KEEP_MS: u64 = 60_000;
@@ -74,7 +76,7 @@ impl Trail {
                 Record::CaughtUp { .. } | Record::Readable => {}
             }
         }
-        self.sweep(now_ms);
+        self.sweep(now_ms, observed);
     }
 
     fn push(&mut self, partition: u32, mut change: Committed, now_ms: u64) {
@@ -121,17 +123,21 @@ impl Trail {
         });
     }
 
-    fn sweep(&mut self, now_ms: u64) {
+    /// Drops the entries older than [`KEEP_MS`], except the newest of a key still observed: the
+    /// link of its next change (a session that moved catches up from it, decision 0065).
+    fn sweep(&mut self, now_ms: u64, observed: impl Fn(&[u8]) -> bool) {
         if now_ms < self.next_sweep_ms {
             return;
         }
         self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
         let bytes = &mut self.bytes;
-        self.keys.retain(|_, kept| {
-            while kept
-                .entries
-                .front()
-                .is_some_and(|(at, _)| at.saturating_add(KEEP_MS) <= now_ms)
+        self.keys.retain(|key, kept| {
+            let keep_last = usize::from(observed(key));
+            while kept.entries.len() > keep_last
+                && kept
+                    .entries
+                    .front()
+                    .is_some_and(|(at, _)| at.saturating_add(KEEP_MS) <= now_ms)
             {
                 if let Some((_, old)) = kept.entries.pop_front() {
                     *bytes -= size(&old);
@@ -142,7 +148,9 @@ impl Trail {
     }
 
     /// The changes of `key` after version `after` up to version `until`, in order, if this replica
-    /// holds every one of them; `None` if its links break off before `after`.
+    /// holds every one of them; `None` if its links break off before `after`. An empty `after`
+    /// asks for every change up to `until` since the first this replica noted (an observer that
+    /// started observing the key before it had a row: decision 0065).
     pub fn between(&self, key: &[u8], after: &str, until: &str) -> Option<Vec<Committed>> {
         let kept = self.keys.get(key)?;
         let mut found = Vec::new();
@@ -154,10 +162,52 @@ impl Trail {
                 .rev()
                 .find(|(_, c)| c.version == target)?;
             found.push(change.clone());
-            target = change.prev.clone()?;
+            match &change.prev {
+                Some(prev) => target = prev.clone(),
+                None if after.is_empty() => break,
+                None => return None,
+            }
         }
         found.reverse();
         Some(found)
+    }
+
+    /// The changes of `key` from `until` back towards `after` (exclusive) as far as this
+    /// replica's links go ([`Reach`]).
+    pub fn reach(&self, key: &[u8], after: &str, until: &str) -> Reach {
+        let mut reach = Reach::default();
+        let Some(kept) = self.keys.get(key) else {
+            return reach;
+        };
+        let after_hlc = Hlc::parse(after).ok();
+        let mut target = until.to_owned();
+        loop {
+            if target == after {
+                reach.whole = true;
+                break;
+            }
+            let Some((_, change)) = kept.entries.iter().rev().find(|(_, c)| c.version == target)
+            else {
+                break;
+            };
+            let at_or_before = Hlc::parse(&change.version)
+                .ok()
+                .zip(after_hlc.as_ref())
+                .is_some_and(|(version, after)| version <= *after);
+            if at_or_before {
+                break;
+            }
+            reach.changes.push(change.clone());
+            match &change.prev {
+                Some(prev) => target = prev.clone(),
+                None => {
+                    reach.unlinked = true;
+                    break;
+                }
+            }
+        }
+        reach.changes.reverse();
+        reach
     }
 
     /// The version of the change persisted here before `version` of `key`, if this replica
@@ -244,6 +294,43 @@ mod tests {
         // Before the first entry here: the walk breaks off.
         assert_eq!(trail.between(b"k", &v(0), &v(3)), None);
         assert_eq!(trail.between(b"other", &v(0), &v(3)), None);
+    }
+
+    #[test]
+    fn an_empty_start_asks_for_everything_since_the_first_change_noted() {
+        let mut trail = Trail::default();
+        trail.note(0, &[row("k", 1, false), row("k", 2, false)], 0, |_| true);
+        let all = trail.between(b"k", "", &v(2)).unwrap();
+        assert_eq!(versions(&all), [v(1), v(2)]);
+        // Once the first change went (too old), the links break off before it: nothing.
+        trail.note(0, &[row("k", 3, false)], KEEP_MS + 1, |_| true);
+        assert_eq!(trail.between(b"k", "", &v(3)), None);
+    }
+
+    #[test]
+    fn a_reach_goes_back_as_far_as_the_links_go() {
+        let mut trail = Trail::default();
+        // Change 1 was written while nobody observed the key: 2 is the first noted, unlinked.
+        trail.note(0, &[row("k", 1, false)], 0, |_| false);
+        trail.note(0, &[row("k", 2, false), row("k", 3, false)], 0, |_| true);
+        let reach = trail.reach(b"k", &v(1), &v(3));
+        assert_eq!(versions(&reach.changes), [v(2), v(3)]);
+        assert!(!reach.whole && reach.unlinked);
+        let reach = trail.reach(b"k", &v(2), &v(3));
+        assert_eq!(versions(&reach.changes), [v(3)]);
+        assert!(reach.whole);
+        assert_eq!(trail.reach(b"k", &v(1), &v(9)), Reach::default());
+        // An idle observed key keeps its newest change past the age bound: its next one links.
+        trail.note(0, &[], KEEP_MS * 2, |_| true);
+        trail.note(0, &[row("k", 4, false)], KEEP_MS * 2, |_| true);
+        assert_eq!(
+            versions(&trail.between(b"k", &v(3), &v(4)).unwrap()),
+            [v(4)]
+        );
+        // Another key's old entries all go once nobody observes it.
+        trail.note(1, &[row("j", 1, false)], KEEP_MS * 2, |_| true);
+        trail.note(1, &[], KEEP_MS * 4, |key| key == b"k");
+        assert_eq!(trail.len(), 1);
     }
 
     #[test]

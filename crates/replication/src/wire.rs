@@ -131,6 +131,25 @@ pub enum DataRequest {
         view: u64,
         entries: Vec<crate::recent::Exported>,
     },
+    /// As [`DataRequest::Trail`], but when this replica's links break off before `after`, the
+    /// changes back to where they break off (decision 0065: a session that moved catches up).
+    /// Answered by [`DataResponse::Reach`].
+    TrailReach {
+        key: Vec<u8>,
+        after: String,
+        until: String,
+    },
+}
+
+/// The changes of a key a replica holds back from a version towards an earlier one (decision
+/// 0065), in order: all of them (`whole`), or back to where its links end — at a change it holds
+/// nothing before (`unlinked`: the first it noted since it last saw the key unobserved, or at all)
+/// or at one whose predecessor it no longer holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reach {
+    pub changes: Vec<Committed>,
+    pub whole: bool,
+    pub unlinked: bool,
 }
 
 /// The condition of a session row write: compare-and-set on the row's version.
@@ -185,6 +204,8 @@ pub enum DataResponse {
     },
     /// The changes asked for, in order; `None`: this replica does not hold all of them.
     Trail(Option<Vec<Committed>>),
+    /// What this replica holds of the changes asked for by [`DataRequest::TrailReach`].
+    Reach(Reach),
     /// The key's committed version (`None`: no row); `Err`: not the head now, or not answered.
     Current(Result<Option<String>, String>),
 }

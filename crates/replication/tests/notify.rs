@@ -63,14 +63,20 @@ impl DataHandler for Plane {
     }
 }
 
-/// What a node's observers were handed, in order.
+/// What a node's observers were handed, in order; and the catch-ups of single observers.
 #[derive(Default)]
-struct Seen(Mutex<Vec<Committed>>);
+struct Seen(Mutex<Vec<Committed>>, Mutex<Vec<(Arc<str>, Vec<String>)>>);
 
 impl Sink for Seen {
     fn deliver(&self, changes: Vec<Committed>, done: oneshot::Sender<()>) {
         self.0.lock().unwrap().extend(changes);
         let _ = done.send(());
+    }
+
+    fn catch_up(&self, observer: Arc<str>, key: Vec<u8>, changes: Vec<Committed>) {
+        assert!(changes.iter().all(|c| c.key == key));
+        let versions = changes.into_iter().map(|c| c.version).collect();
+        self.1.lock().unwrap().push((observer, versions));
     }
 }
 
@@ -384,4 +390,47 @@ async fn a_node_starts_observing_at_the_committed_version() {
     })
     .await;
     assert_eq!(seen.versions(b"k"), [version(6)]);
+}
+
+/// Decision 0065: a session taken over here from a node that died owes its client the changes
+/// of its keys after its cursor (the last one queued into it there). They come from the
+/// replicas' trails, up to the last change delivered here (later ones reach it live).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_moved_here_catches_up_from_its_cursor() {
+    let cluster = Cluster::start().await;
+    let observer = &cluster.notifiers[1];
+    // Changes 1–5 went through the chain while the session's node was dead.
+    persisted(&cluster, 2, b"k", &[1, 2, 3, 4, 5]);
+    assert_eq!(observer.position(b"k"), None, "not observed here");
+    observer
+        .observe(b"k".to_vec(), async { Some(version(5)) })
+        .await;
+    assert_eq!(observer.position(b"k"), Some(version(5)));
+    let caught = || std::mem::take(&mut *cluster.seen[1].1.lock().unwrap());
+    let versions = |ns: &[u64]| ns.iter().map(|&n| version(n)).collect::<Vec<_>>();
+
+    observer
+        .catch_up("o".into(), b"k".to_vec(), Some(version(2)))
+        .await;
+    assert_eq!(caught(), [("o".into(), versions(&[3, 4, 5]))]);
+    // Observed from before the key had a row: every change.
+    observer
+        .catch_up("o".into(), b"k".to_vec(), Some(String::new()))
+        .await;
+    assert_eq!(caught(), [("o".into(), versions(&[1, 2, 3, 4, 5]))]);
+    // Nothing owed: the cursor is where this node stands, or is not known.
+    observer
+        .catch_up("o".into(), b"k".to_vec(), Some(version(5)))
+        .await;
+    observer.catch_up("o".into(), b"k".to_vec(), None).await;
+    assert_eq!(
+        caught(),
+        [("o".into(), Vec::new()), ("o".into(), Vec::new())]
+    );
+    // A cursor no replica noted (change 0 was written while nobody observed the key): every
+    // replica's changes start after it, with nothing before, so they are all owed.
+    observer
+        .catch_up("o".into(), b"k".to_vec(), Some(version(0)))
+        .await;
+    assert_eq!(caught(), [("o".into(), versions(&[1, 2, 3, 4, 5]))]);
 }

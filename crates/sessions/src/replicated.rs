@@ -21,15 +21,15 @@
 //!   written like any change of the session, and a node that takes the session over hands them
 //!   to its state store ([`Observers`]) before the client gets its CONNACK.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use mqstate_broker::{
-    Broker, Durable, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
-    SessionSource, StoredSession,
+    Broker, Durable, JournalError, Located, Locating, Message, Restored, SessionChange,
+    SessionJournal, SessionSource, StoredSession,
 };
 pub use mqstate_chain::Version;
 use tokio::sync::watch;
@@ -46,13 +46,23 @@ pub type RowFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, String>> + Sen
 /// Where a node that took a session over puts back its client's KEYNOTIFY registrations (the
 /// binary connects it to the state store).
 pub trait Observers: Send + Sync {
-    /// `client_id` observes `keys` here from now on; resolves once every node that may execute
-    /// their writes knows (bounded), so a write after the CONNACK is notified.
+    /// `client_id` observes `keys` here from now on, each with its cursor (the version of the last
+    /// change of it queued into the session, `""`: every change is owed, `None`: not known);
+    /// resolves once every node that may execute their writes knows (bounded), so a write after
+    /// the CONNACK is notified. The changes after each cursor follow once the session is here
+    /// (decision 0065).
     fn restore(
         &self,
         client_id: Arc<str>,
-        keys: Vec<Vec<u8>>,
+        keys: Vec<(Vec<u8>, Option<String>)>,
     ) -> Pin<Box<dyn Future<Output = ()> + Send>>;
+
+    /// The cursor of a client that starts observing `key` here now: the version of the last
+    /// change of it notified on this node (`""`: it has no row), if known.
+    fn position(&self, key: &[u8]) -> Option<String>;
+
+    /// The key and version of `message` if it is a state-store notification.
+    fn notified(&self, message: &Message) -> Option<(Vec<u8>, String)>;
 }
 
 /// A session row as read at its partition's head.
@@ -113,6 +123,9 @@ struct Entry {
     flushing: bool,
     /// The state-store keys the client observes, in key order (written with the session).
     observed: Vec<Vec<u8>>,
+    /// Per observed key, its last change queued into the session (written with the session, so
+    /// always in step with the messages the row holds; decision 0065).
+    cursors: BTreeMap<Vec<u8>, String>,
 }
 
 #[derive(Default)]
@@ -192,6 +205,21 @@ impl ReplicatedSessions {
                 (Some(id), Some(entry))
                     if persistent && entry.role == Role::Owned && entry.observed != keys =>
                 {
+                    // A key observed from now on owes the changes after the last one notified
+                    // here; the others keep theirs.
+                    let observers = self.shared.observers.get();
+                    let mut cursors = BTreeMap::new();
+                    for key in &keys {
+                        let cursor = match entry.cursors.remove(key) {
+                            Some(cursor) => Some(cursor),
+                            None if entry.observed.binary_search(key).is_ok() => None,
+                            None => observers.and_then(|o| o.position(key)),
+                        };
+                        if let Some(cursor) = cursor {
+                            cursors.insert(key.clone(), cursor);
+                        }
+                    }
+                    entry.cursors = cursors;
                     entry.observed = keys;
                     entry.generation += 1;
                     if !entry.flushing {
@@ -289,6 +317,19 @@ impl SessionJournal for ReplicatedSessions {
                     refused = Some(format!("session {client_id} moved to another node"));
                     continue;
                 }
+                if let (SessionChange::Appended { message, .. }, false, Some(observers)) = (
+                    &change,
+                    entry.observed.is_empty(),
+                    self.shared.observers.get(),
+                ) {
+                    // In the same row write as the message: the row's cursor never runs ahead
+                    // of what the row holds.
+                    if let Some((key, version)) = observers.notified(&message.message) {
+                        if entry.observed.binary_search(&key).is_ok() {
+                            entry.cursors.insert(key, version);
+                        }
+                    }
+                }
                 mirror.apply(change);
                 entry.generation += 1;
                 let generation = entry.generation;
@@ -362,6 +403,7 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
                         epoch: entry.epoch,
                         session: session.clone(),
                         observed: entry.observed.clone(),
+                        cursors: entry.cursors.clone(),
                     },
                 )
             });
@@ -659,6 +701,7 @@ async fn take_over(
     });
     let settle = nobody && (clean_start || ended);
     let mut observed = Vec::new();
+    let mut cursors = BTreeMap::new();
     let mut will = None;
     let (base, located) = match found.row {
         Some(mut row) if !clean_start && !ended => {
@@ -668,6 +711,7 @@ async fn take_over(
             match rows.write(&client_id, Some(value), found.version).await? {
                 Ok(version) => {
                     observed = row.observed;
+                    cursors = row.cursors;
                     (Some(version), Located::Taken(Box::new(row.session)))
                 }
                 Err(_) => return Ok(None),
@@ -712,13 +756,21 @@ async fn take_over(
                 status,
                 flushing: false,
                 observed: observed.clone(),
+                cursors: cursors.clone(),
             },
         );
     }
     // The client's registrations are in force here before its CONNACK.
     if !observed.is_empty() {
+        let keys = observed
+            .into_iter()
+            .map(|key| {
+                let cursor = cursors.remove(&key);
+                (key, cursor)
+            })
+            .collect();
         match shared.observers.get() {
-            Some(observers) => observers.restore(client_id, observed).await,
+            Some(observers) => observers.restore(client_id, keys).await,
             None => {
                 tracing::warn!(%client_id, "observed keys of a session taken over, but no state store to register them")
             }
@@ -1047,9 +1099,11 @@ mod tests {
         assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
     }
 
-    /// A client id and the keys handed back for it.
-    type Handed = (Arc<str>, Vec<Vec<u8>>);
+    /// A client id and the keys handed back for it, with their cursors.
+    type Handed = (Arc<str>, Vec<(Vec<u8>, Option<String>)>);
 
+    /// The state store of a test: a key newly observed starts at "p0"; a notification is a
+    /// message on `n/<key>` whose payload is its version.
     #[derive(Default)]
     struct Restored(Mutex<Vec<Handed>>);
 
@@ -1057,11 +1111,93 @@ mod tests {
         fn restore(
             &self,
             client_id: Arc<str>,
-            keys: Vec<Vec<u8>>,
+            keys: Vec<(Vec<u8>, Option<String>)>,
         ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
             self.0.lock().unwrap().push((client_id, keys));
             Box::pin(async {})
         }
+
+        fn position(&self, _: &[u8]) -> Option<String> {
+            Some("p0".into())
+        }
+
+        fn notified(&self, message: &Message) -> Option<(Vec<u8>, String)> {
+            let key = message.topic.strip_prefix("n/")?;
+            let version = std::str::from_utf8(&message.payload).ok()?;
+            Some((key.as_bytes().to_vec(), version.to_owned()))
+        }
+    }
+
+    fn notification(seq: u64, key: &str, version: &str) -> SessionChange {
+        SessionChange::Appended {
+            client_id: "c".into(),
+            seq,
+            message: mqstate_broker::persist::StoredMessage {
+                message: Arc::new(Message {
+                    topic: format!("n/{key}").into(),
+                    payload: bytes::Bytes::from(version.to_owned()),
+                    qos: mqstate_broker::QoS::AtLeastOnce,
+                    retain: false,
+                    properties: Default::default(),
+                }),
+                qos: mqstate_broker::QoS::AtLeastOnce,
+                retain: false,
+                subscription_ids: Vec::new(),
+                received_at_ms: 1,
+            },
+        }
+    }
+
+    fn with_cursors(keys: &[Vec<u8>], cursors: &[Option<&str>]) -> Vec<(Vec<u8>, Option<String>)> {
+        keys.iter()
+            .cloned()
+            .zip(cursors.iter().map(|c| c.map(str::to_owned)))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_cursor_follows_the_notifications_queued_and_moves_with_the_session() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let (on_a, on_b) = (Arc::new(Restored::default()), Arc::new(Restored::default()));
+        a.attach_observers(on_a.clone());
+        b.attach_observers(on_b.clone());
+        create(&a, 60).await;
+        a.keep_observed("c", vec![b"k1".to_vec()]).await.unwrap();
+        let cursor = |key: &[u8]| row_of(&rows).cursors.get(key).cloned();
+        assert_eq!(cursor(b"k1"), Some("p0".into()), "where this node stood");
+        a.record(vec![
+            notification(0, "k1", "v1"),
+            notification(1, "k1", "v2"),
+        ])
+        .await
+        .unwrap();
+        assert_eq!(
+            cursor(b"k1"),
+            Some("v2".into()),
+            "written with the messages"
+        );
+        // A message that is no notification, or of a key not observed, moves nothing.
+        a.record(vec![subscribed("x/#"), notification(2, "other", "v9")])
+            .await
+            .unwrap();
+        let keys = vec![b"k1".to_vec(), b"k2".to_vec()];
+        a.keep_observed("c", keys.clone()).await.unwrap();
+        assert_eq!(
+            cursor(b"k1"),
+            Some("v2".into()),
+            "a key observed before keeps its own"
+        );
+        assert_eq!(cursor(b"k2"), Some("p0".into()));
+        assert!(cursor(b"other").is_none());
+
+        let Ok(Located::Taken(_)) = b.locate("c", false, true, false).await else {
+            panic!("node 2 takes the session over");
+        };
+        assert_eq!(
+            *on_b.0.lock().unwrap(),
+            [("c".into(), with_cursors(&keys, &[Some("v2"), Some("p0")]))]
+        );
     }
 
     #[tokio::test]
@@ -1081,7 +1217,11 @@ mod tests {
         let Ok(Located::Taken(session)) = b.locate("c", false, true, false).await else {
             panic!("node 2 takes the session over");
         };
-        assert_eq!(*restored.0.lock().unwrap(), [("c".into(), keys.clone())]);
+        assert_eq!(
+            *restored.0.lock().unwrap(),
+            [("c".into(), with_cursors(&keys, &[None, None]))],
+            "node 1 had no state store to say where its keys stood"
+        );
         b.record(row::image_of(&"c".into(), &session))
             .await
             .unwrap();
@@ -1120,7 +1260,7 @@ mod tests {
         // Its client's KEYNOTIFY registrations are in force on the adopter.
         assert_eq!(
             *restored.0.lock().unwrap(),
-            [("c".into(), vec![b"k".to_vec()])]
+            [("c".into(), with_cursors(&[b"k".to_vec()], &[None]))]
         );
         assert!(b.adopt_orphans().await.is_empty(), "adopted once");
         // The old owner is fenced.

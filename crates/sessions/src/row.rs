@@ -5,12 +5,17 @@
 //! ```text
 //! row      = version u8 (= 1), owner u64, epoch u64, image
 //!          | version u8 (= 2), owner u64, epoch u64, observed, image
+//!          | version u8 (= 3), owner u64, epoch u64, observed, cursors, image
 //! observed = count u32, (length u32, key bytes) × count   -- the client's KEYNOTIFY keys, in order
+//! cursors  = (length u32, version bytes) × count           -- per observed key, in the same order:
+//!            the last change of it queued into the session (decision 0065); length 0: from the
+//!            key's first change, length u32::MAX: not known
 //! image    = the change list that recreates the session from nothing (Created first)
 //! ```
 //!
 //! A session whose client observes no state-store key is written as version 1, which nodes of
-//! the previous release read; version 2 carries its registrations with it (decision 0054).
+//! the previous release read; version 2 carries its registrations with it (decision 0054), version
+//! 3 also where each key's notifications stand (decision 0065), written once one is known.
 //! The image of a session that took forwarded QoS 2 publishes in within the last settle bound
 //! holds their numbers (`K` changes, decision 0066): a node of the previous release cannot read
 //! that row (the image does not decode) until those are forgotten.
@@ -18,6 +23,7 @@
 //! Big-endian like every other format. The bytes come from other nodes and from the chain log on
 //! disk: decoding never panics (proptest below, fuzz target `session_row`).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use bytes::{BufMut, BytesMut};
@@ -28,6 +34,12 @@ use mqstate_broker::{Restored, SessionChange, StoredSession};
 pub const ROW_VERSION: u8 = 1;
 /// Version byte of a row that carries the client's observed keys.
 pub const ROW_VERSION_OBSERVED: u8 = 2;
+/// Version byte of a row that carries the client's observed keys and their cursors.
+pub const ROW_VERSION_CURSORS: u8 = 3;
+/// A cursor's length that says "not known".
+const NO_CURSOR: u32 = u32::MAX;
+/// Bytes of one cursor, at most (a version is about 30).
+const MAX_CURSOR: usize = 1 << 10;
 /// Bytes of a row's header: version, owner, epoch.
 pub const HEADER: usize = 1 + 8 + 8;
 /// Observed keys a row holds at most (the store's own registration limit is far below).
@@ -45,6 +57,10 @@ pub struct SessionRow {
     /// The state-store keys the client observes (KEYNOTIFY), in key order: they move with the
     /// session when another node takes it over.
     pub observed: Vec<Vec<u8>>,
+    /// Per observed key, the version of its last change queued into the session (`""`: the key
+    /// had no row when observed: every change of it is owed); a key missing here is not known.
+    /// A node that takes the session over delivers the changes after it (decision 0065).
+    pub cursors: BTreeMap<Vec<u8>, String>,
 }
 
 /// Bytes that are not a session row of the expected client.
@@ -52,7 +68,7 @@ pub struct SessionRow {
 pub enum RowError {
     #[error("session row too short ({0} bytes)")]
     Short(usize),
-    #[error("session row format {0} is not supported (this build reads {ROW_VERSION} and {ROW_VERSION_OBSERVED})")]
+    #[error("session row format {0} is not supported (this build reads {ROW_VERSION} to {ROW_VERSION_CURSORS})")]
     Version(u8),
     #[error("session row's observed keys are damaged: {0}")]
     Observed(&'static str),
@@ -65,13 +81,14 @@ pub enum RowError {
 /// Encodes `row` for `client_id`.
 pub fn encode(client_id: &Arc<str>, row: &SessionRow) -> Vec<u8> {
     let image = encode_changes(&image_of(client_id, &row.session));
-    let observed: usize = row.observed.iter().map(|k| 4 + k.len()).sum();
+    let observed: usize = row.observed.iter().map(|k| 8 + k.len() + 32).sum();
     let mut out = BytesMut::with_capacity(HEADER + 4 + observed + image.len());
-    if row.observed.is_empty() {
-        out.put_u8(ROW_VERSION);
-    } else {
-        out.put_u8(ROW_VERSION_OBSERVED);
-    }
+    let cursors = row.observed.iter().any(|k| row.cursors.contains_key(k));
+    out.put_u8(match (row.observed.is_empty(), cursors) {
+        (true, _) => ROW_VERSION,
+        (false, false) => ROW_VERSION_OBSERVED,
+        (false, true) => ROW_VERSION_CURSORS,
+    });
     out.put_u64(row.owner);
     out.put_u64(row.epoch);
     if !row.observed.is_empty() {
@@ -79,6 +96,17 @@ pub fn encode(client_id: &Arc<str>, row: &SessionRow) -> Vec<u8> {
         for key in &row.observed {
             out.put_u32(key.len() as u32);
             out.extend_from_slice(key);
+        }
+    }
+    if cursors {
+        for key in &row.observed {
+            match row.cursors.get(key) {
+                Some(cursor) => {
+                    out.put_u32(cursor.len() as u32);
+                    out.extend_from_slice(cursor.as_bytes());
+                }
+                None => out.put_u32(NO_CURSOR),
+            }
         }
     }
     out.extend_from_slice(&image);
@@ -89,7 +117,7 @@ pub fn encode(client_id: &Arc<str>, row: &SessionRow) -> Vec<u8> {
 /// `None` if they are not a header this build reads.
 pub fn header(data: &[u8]) -> Option<(u64, u64)> {
     let header = data.get(..HEADER)?;
-    if header[0] != ROW_VERSION && header[0] != ROW_VERSION_OBSERVED {
+    if !(ROW_VERSION..=ROW_VERSION_CURSORS).contains(&header[0]) {
         return None;
     }
     let word = |at: usize| u64::from_be_bytes(header[at..at + 8].try_into().unwrap_or_default());
@@ -101,7 +129,7 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
     if data.len() < HEADER {
         return Err(RowError::Short(data.len()));
     }
-    if data[0] != ROW_VERSION && data[0] != ROW_VERSION_OBSERVED {
+    if !(ROW_VERSION..=ROW_VERSION_CURSORS).contains(&data[0]) {
         return Err(RowError::Version(data[0]));
     }
     let word = |at: usize| {
@@ -112,7 +140,8 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
     let (owner, epoch) = (word(1), word(9));
     let mut rest = &data[HEADER..];
     let mut observed = Vec::new();
-    if data[0] == ROW_VERSION_OBSERVED {
+    let mut cursors = BTreeMap::new();
+    if data[0] != ROW_VERSION {
         let count = take_u32(&mut rest)? as usize;
         if count == 0 || count > MAX_OBSERVED {
             return Err(RowError::Observed("count out of range"));
@@ -124,6 +153,23 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
             }
             let (key, tail) = rest.split_at(len);
             observed.push(key.to_vec());
+            rest = tail;
+        }
+    }
+    if data[0] == ROW_VERSION_CURSORS {
+        for key in &observed {
+            let len = take_u32(&mut rest)?;
+            if len == NO_CURSOR {
+                continue;
+            }
+            let len = len as usize;
+            if len > MAX_CURSOR || rest.len() < len {
+                return Err(RowError::Observed("a cursor runs past the row"));
+            }
+            let (cursor, tail) = rest.split_at(len);
+            let cursor = std::str::from_utf8(cursor)
+                .map_err(|_| RowError::Observed("a cursor is not text"))?;
+            cursors.insert(key.clone(), cursor.to_owned());
             rest = tail;
         }
     }
@@ -146,6 +192,7 @@ pub fn decode(client_id: &str, data: &[u8]) -> Result<SessionRow, RowError> {
         epoch,
         session,
         observed,
+        cursors,
     })
 }
 
@@ -310,6 +357,7 @@ mod tests {
             epoch: 9,
             session: session(6),
             observed: Vec::new(),
+            cursors: BTreeMap::new(),
         };
         let bytes = encode(&client_id, &row);
         assert_eq!(
@@ -319,8 +367,19 @@ mod tests {
         assert_eq!(decode("sub-1", &bytes), Ok(row.clone()));
         row.observed = vec![b"a".to_vec(), Vec::from(&b"k\x00\xff"[..])];
         let bytes = encode(&client_id, &row);
-        assert_eq!(bytes[0], ROW_VERSION_OBSERVED);
-        assert_eq!(decode("sub-1", &bytes), Ok(row));
+        assert_eq!(bytes[0], ROW_VERSION_OBSERVED, "no cursors: format 2");
+        assert_eq!(decode("sub-1", &bytes), Ok(row.clone()));
+        row.cursors.insert(b"a".to_vec(), String::new());
+        let bytes = encode(&client_id, &row);
+        assert_eq!(bytes[0], ROW_VERSION_CURSORS);
+        assert_eq!(decode("sub-1", &bytes), Ok(row.clone()));
+        row.cursors
+            .insert(row.observed[1].clone(), "001700000000000:00000:n1".into());
+        assert_eq!(decode("sub-1", &encode(&client_id, &row)), Ok(row.clone()));
+        // A cursor of a key no longer observed is not written.
+        let mut stale = row.clone();
+        stale.cursors.insert(b"gone".to_vec(), "x".into());
+        assert_eq!(decode("sub-1", &encode(&client_id, &stale)), Ok(row));
     }
 
     #[test]
@@ -330,24 +389,26 @@ mod tests {
             epoch: 1,
             session: session(1),
             observed: Vec::new(),
+            cursors: BTreeMap::new(),
         };
         let bytes = encode(&"a".into(), &row);
         assert_eq!(decode("b", &bytes), Err(RowError::OtherClient));
         assert_eq!(decode("a", &bytes[..5]), Err(RowError::Short(5)));
         assert_eq!(header(&bytes[..5]), None);
         let mut other = bytes.clone();
-        other[0] = 3;
-        assert_eq!(decode("a", &other), Err(RowError::Version(3)));
+        other[0] = 4;
+        assert_eq!(decode("a", &other), Err(RowError::Version(4)));
     }
 
     proptest! {
         #[test]
         fn rows_round_trip(owner in any::<u64>(), epoch in any::<u64>(), messages in 0u64..20, expiry in any::<u32>(),
-                           observed in proptest::collection::btree_set(proptest::collection::vec(any::<u8>(), 0..8), 0..4)) {
+                           observed in proptest::collection::btree_map(proptest::collection::vec(any::<u8>(), 0..8), proptest::option::of("[0-9:a-z]{0,30}"), 0..4)) {
             let client_id: Arc<str> = "c".into();
             let mut s = session(messages);
             s.expiry_secs = expiry;
-            let row = SessionRow { owner, epoch, session: s, observed: observed.into_iter().collect() };
+            let cursors = observed.iter().filter_map(|(k, c)| Some((k.clone(), c.clone()?))).collect();
+            let row = SessionRow { owner, epoch, session: s, observed: observed.into_keys().collect(), cursors };
             let bytes = encode(&client_id, &row);
             prop_assert_eq!(header(&bytes[..HEADER]), Some((owner, epoch)));
             prop_assert_eq!(decode("c", &bytes), Ok(row));

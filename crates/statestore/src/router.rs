@@ -72,17 +72,22 @@ pub type ScanFuture<'a> =
 pub struct ClusterChange {
     pub changes: Vec<Delta>,
     pub done: oneshot::Sender<()>,
+    /// For one client alone: the changes of one key it missed while its session moved here, which
+    /// end its catch-up of the key ([`KeyRouter::catch_up`], decision 0065).
+    pub catch_up: Option<(Arc<str>, Bytes)>,
 }
 
 /// Where a cluster node's service takes [`ClusterChange`]s from.
 pub type ClusterChanges = mpsc::UnboundedReceiver<ClusterChange>;
 
 /// The registrations of a session this node took over: `client_id` observes `keys` here from
-/// now on; `done` is signalled once they are registered and the other nodes know.
+/// now on; `done` is signalled once they are registered and the other nodes know. Each key comes
+/// with its cursor: the version of the last change of it queued into the session (`""`: every
+/// change is owed; `None`: not known), after which the client is owed the changes (decision 0065).
 #[derive(Debug)]
 pub struct RestoredObserver {
     pub client_id: Arc<str>,
-    pub keys: Vec<Bytes>,
+    pub keys: Vec<(Bytes, Option<String>)>,
     pub done: oneshot::Sender<()>,
 }
 
@@ -111,6 +116,16 @@ pub trait KeyRouter: Send + Sync + 'static {
 
     /// The registrations of sessions taken over here; the service takes it once, at start.
     fn take_restored(&self) -> Option<RestoredObservers>;
+
+    /// Hands `client_id` (whose session was taken over here) the changes of `key` after `after`,
+    /// its cursor, as a [`ClusterChange`] for it alone, ordered with the changes handed to every
+    /// observer here; resolves once it is handed (bounded).
+    fn catch_up(
+        &self,
+        client_id: Arc<str>,
+        key: Bytes,
+        after: Option<String>,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
 }
 
 /// A shared router, as the configuration holds it.

@@ -27,12 +27,15 @@
 //! requests, the completer's hand-off), `snapshot_stream` (the snapshot's file, written as it is
 //! encoded), `completer` (release in order), `notify_exec` (persistent notifications).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use mqstate_broker::{service::Acker, Broker, ClientEvent, Principal, ServiceInbox, SharedClock};
-use mqstate_protocol::RequestLimits;
-use mqstate_store::{Expiration, StateMachine};
+use mqstate_protocol::{Hlc, RequestLimits};
+use mqstate_store::{Delta, Expiration, KeyNotification, StateMachine};
 use mqstate_wal::durable::sleep_until;
 use mqstate_wal::{DurableLog, Lsn, Metadata, SnapshotSchedule, WalWriter};
 use tokio::sync::{broadcast, mpsc};
@@ -215,6 +218,7 @@ pub async fn run(
         pending_queue: None,
         expiry_held_until: None,
         key_order: key_order::KeyOrder::default(),
+        catching_up: HashMap::new(),
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -243,7 +247,21 @@ struct Executor {
     expiry_held_until: Option<tokio::time::Instant>,
     /// A client's routed key commands, in arrival order per key.
     key_order: key_order::KeyOrder,
+    /// Clients whose session was taken over here, per key, until the changes they missed meanwhile
+    /// are handed over (decision 0065): their cursor, and the notifications held back till then.
+    catching_up: HashMap<(Arc<str>, Bytes), CatchingUp>,
 }
+
+/// A client catching up on a key: its cursor (the last change it got), the notifications of the
+/// key held back for it meanwhile.
+struct CatchingUp {
+    after: Option<Hlc>,
+    held: Vec<KeyNotification>,
+}
+
+/// How long a session taken over here may take to reach the broker before the changes its client
+/// missed are handed over anyway (the take-over's CONNACK, or the adoption, put it there).
+const SESSION_WAIT: Duration = Duration::from_secs(10);
 
 /// How often the duplicate-request cache forgets expired requests without waiting for new ones,
 /// so an idle server does not hold a busy period's cache.
@@ -329,6 +347,8 @@ impl Executor {
         };
         let keys = self.machine.registered_keys(client_id);
         self.machine.drop_client(client_id);
+        self.catching_up
+            .retain(|(client, _), _| **client != *client_id);
         let unobserved: Vec<_> = keys
             .into_iter()
             .filter(|key| !self.machine.is_observed(key))
@@ -356,7 +376,18 @@ impl Executor {
             now_ms: self.clock.now_ms(),
         };
         let mut newly_observed = Vec::new();
-        for key in observer.keys {
+        let mut cursors = Vec::new();
+        for (key, after) in observer.keys {
+            // Its notifications wait for what it missed (decision 0065), and for its session to
+            // be in the broker.
+            self.catching_up.insert(
+                (observer.client_id.clone(), key.clone()),
+                CatchingUp {
+                    after: after.as_deref().and_then(|a| Hlc::parse(a).ok()),
+                    held: Vec::new(),
+                },
+            );
+            cursors.push((key.clone(), after));
             let was_observed = self.machine.is_observed(&key);
             let command = mqstate_protocol::Command::KeyNotify { key: key.clone() };
             if let mqstate_protocol::Reply::Error(e) = self.machine.execute(command, &context).reply
@@ -368,22 +399,82 @@ impl Executor {
             }
         }
         tracing::debug!(client_id = %observer.client_id, keys = newly_observed.len(), "registrations of a session taken over restored");
+        let broker = self.broker.clone();
+        let client_id = observer.client_id;
         tokio::spawn(async move {
             for key in newly_observed {
                 router.0.watch(key, true).await;
             }
             let _ = observer.done.send(());
+            let waiting = tokio::time::Instant::now();
+            while !broker.has_session(&client_id) && waiting.elapsed() < SESSION_WAIT {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let mut catch_ups = tokio::task::JoinSet::new();
+            for (key, after) in cursors {
+                let (router, client_id) = (router.clone(), client_id.clone());
+                catch_ups.spawn(async move { router.0.catch_up(client_id, key, after).await });
+            }
+            while catch_ups.join_next().await.is_some() {}
         });
+    }
+
+    /// The changes `client_id` missed of `key` while its session moved here, then those held back
+    /// for it since, in version order, once each; its notifications of the key flow from now on.
+    async fn finish_catch_up(&mut self, client_id: Arc<str>, key: Bytes, missed: &[Delta]) {
+        let Some(CatchingUp { after, held }) = self.catching_up.remove(&(client_id.clone(), key))
+        else {
+            return;
+        };
+        let mut owed: Vec<KeyNotification> = missed
+            .iter()
+            .flat_map(|delta| self.machine.notifications_of(delta))
+            .filter(|n| n.client_id == client_id)
+            .chain(held)
+            .filter(|n| after.as_ref().is_none_or(|after| n.version > *after))
+            .collect();
+        owed.sort_by(|a, b| a.version.cmp(&b.version));
+        owed.dedup_by(|a, b| a.version == b.version);
+        if owed.is_empty() {
+            return;
+        }
+        tracing::debug!(%client_id, missed = missed.len(), owed = owed.len(), "notifications of a session taken over caught up");
+        let notifications = self.notifications(&owed);
+        self.send_stateless(Outcome::Reply {
+            commit: None,
+            notifications,
+            reply: None,
+            acker: None,
+            timing: None,
+        })
+        .await;
     }
 
     /// Changes committed at a partition's head for keys observed here: notifications queued like
     /// a local write's (ahead of any reply released after them), then `done`.
     async fn notify_cluster_change(&mut self, change: crate::router::ClusterChange) {
-        let notifications: Vec<_> = change
+        if let Some((client_id, key)) = change.catch_up {
+            self.finish_catch_up(client_id, key, &change.changes).await;
+            let _ = change.done.send(());
+            return;
+        }
+        let mut notifications: Vec<_> = change
             .changes
             .iter()
             .flat_map(|delta| self.machine.notifications_of(delta))
             .collect();
+        if !self.catching_up.is_empty() {
+            notifications.retain_mut(|n| {
+                let Some(catching_up) = self
+                    .catching_up
+                    .get_mut(&(n.client_id.clone(), n.key.clone()))
+                else {
+                    return true;
+                };
+                catching_up.held.push(n.clone());
+                false
+            });
+        }
         if !notifications.is_empty() {
             let notifications = self.notifications(&notifications);
             self.send_stateless(Outcome::Reply {
