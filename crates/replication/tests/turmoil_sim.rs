@@ -51,7 +51,7 @@ use mqstate_cluster::transport::{
     decode_body, encode_body, AdminRequest, BoxFuture, Handler, Request, Response, Transport,
 };
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
-use mqstate_protocol::{Hlc, RequestLimits};
+use mqstate_protocol::RequestLimits;
 use mqstate_replication::head::{HeadConfig, KeyRequest};
 use mqstate_replication::log::ChainLog;
 use mqstate_replication::wire::{Executed, Routed};
