@@ -63,7 +63,7 @@ async fn node(dir: PathBuf) -> Result<(), Box<dyn std::error::Error>> {
     let wal = WalOptions {
         name: "statestore",
         // The writer in the caller, so a commit completes in simulated time (decision 0058).
-        inline: true,
+        committer: mqstate_wal::Committer::Caller,
         ..WalOptions::default()
     };
     let store = StoreConfig {
