@@ -578,14 +578,14 @@ impl SessionSource for ReplicatedSessions {
         let wait = {
             let state = self.shared.lock();
             match state.entries.get(client_id) {
-                // Never replicated (a clean session made persistent later): its end is local.
-                None => None,
                 Some(entry) if entry.role == Role::Owned => {
                     Some((entry.status.subscribe(), entry.generation))
                 }
-                // Lost, or taken over again by a CONNECT here (which waits for this node's own
-                // writes first, so the end landed before): not this expiry's to settle.
-                Some(_) => return Box::pin(async { false }),
+                // Another node took the session over: it lives on there.
+                Some(entry) if entry.role == Role::Lost => return Box::pin(async { false }),
+                // Nothing of it written from here (not replicated, or claimed and never
+                // written): its end is this node's.
+                _ => None,
             }
         };
         Box::pin(async move {
