@@ -11,7 +11,7 @@ use mqstate_broker::{Acceptor, Broker, BrokerConfig, Listener};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_statestore::service::{self, Durability, ServiceConfig};
 use mqstate_store::{Limits, StoreConfig};
-use mqstate_wal::{Failpoints, FsyncPolicy, WalOptions};
+use mqstate_wal::{Committer, Failpoints, FsyncPolicy, WalOptions};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
@@ -79,7 +79,11 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
     };
     let (recovered, recovery) = mqstate_statestore::recovery::recover(
         &settings.data_dir,
-        wal_options(&settings, "statestore"),
+        WalOptions {
+            // The executor writes its own batches (decision 0069).
+            committer: Committer::Owner,
+            ..wal_options(&settings, "statestore")
+        },
         store_config.clone(),
         clock.now_ms(),
     )?;

@@ -787,6 +787,19 @@ impl Connection {
         if let Err(error) = all_durable(durable.into_iter().chain(will_kept).collect()).await {
             // The session exists in memory only: refuse rather than promise what a crash loses.
             tracing::error!(client_id = %self.client_id, %error, "CONNECT refused");
+            if !session_present {
+                // Made by this CONNECT: it goes with it, or the retry would resume it.
+                if let Some(ended) = self
+                    .inner
+                    .registry
+                    .discard_refused(&self.client_id, self.conn_id)
+                {
+                    self.inner.apply(crate::registry::Effects {
+                        ended: vec![ended],
+                        ..Default::default()
+                    });
+                }
+            }
             self.codec.refuse_connack(
                 reason::UNSPECIFIED,
                 Some("session state could not be stored"),

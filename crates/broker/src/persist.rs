@@ -91,7 +91,18 @@ pub trait SessionSource: Send + Sync {
         persistent: bool,
         held_here: bool,
     ) -> Locating;
+
+    /// Resolves once the end of `client_id`'s session that this broker just recorded (its
+    /// expiry: `Deleted`) has landed where the sessions live: `true` if the session ended here,
+    /// so its will is this node's to publish; `false` if another node took the session over
+    /// first (it lives on there and its will is not due). Waits through failures to write: the
+    /// will of an expired session is published once its end is durable, never before a node
+    /// that reads its row could still find the session (decision 0070).
+    fn ended(&self, client_id: &str) -> Ending;
 }
+
+/// What [`SessionSource::ended`] found.
+pub type Ending = Pin<Box<dyn Future<Output = bool> + Send>>;
 
 /// A message in a session queue, with its per-subscriber QoS, retain flag and subscription ids.
 #[derive(Debug, Clone, PartialEq, Eq)]

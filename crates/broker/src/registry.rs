@@ -295,6 +295,31 @@ impl Registry {
         effects
     }
 
+    /// Ends the session that connection `conn_id` created (Session Present 0) when its CONNECT
+    /// was refused (its state could not be made durable): a refused CONNECT leaves nothing
+    /// behind, so the client's next attempt gets the answer it would have got without it. The
+    /// journal records the session as deleted (a row that landed after all goes too). Returns
+    /// the session ended, if the connection still owned it.
+    pub(crate) fn discard_refused(
+        &self,
+        client_id: &str,
+        conn_id: u64,
+    ) -> Option<Arc<SessionHandle>> {
+        let mut sessions = self.lock();
+        let owned = sessions
+            .by_client
+            .get(client_id)
+            .and_then(|e| e.owner.as_ref())
+            .is_some_and(|o| o.conn_id == conn_id);
+        if !owned {
+            return None;
+        }
+        let entry = sessions.by_client.remove(client_id)?;
+        entry.handle.set_online(false);
+        entry.handle.lock().end();
+        Some(entry.handle)
+    }
+
     /// Adds a session read back from a journal or handed over by another node, not connected,
     /// with its delayed will. Returns the epoch its timers must be armed with, or `None` (and adds
     /// nothing) if the client has a session already.

@@ -813,9 +813,17 @@ impl Inner {
 }
 
 /// Publishes a delayed will and ends an expired session, unless the client came back meanwhile
-/// (the registry checks the epoch).
+/// (the registry checks the epoch). A will due when the session expires (its delay reaches the
+/// expiry) goes with the expiry, as one change: a reconnect that saw the will finds no session.
+/// On a cluster node the will of an expired session waits until the session's end landed in its
+/// row (decision 0070): until then another node may still take the session over, and then the
+/// session did not end and its will is not due.
 async fn session_timer(inner: Arc<Inner>, timer: Timer) {
-    if let Some(at) = timer.will_at {
+    let with_expiry = matches!(
+        (timer.will_at, timer.expire_at),
+        (Some(will_at), Some(expire_at)) if will_at >= expire_at
+    );
+    if let Some(at) = timer.will_at.filter(|_| !with_expiry) {
         tokio::time::sleep_until(at.into()).await;
         if let Some(will) = inner.registry.take_due_will(&timer.client_id, timer.epoch) {
             inner.router.route(will.message, None);
@@ -823,10 +831,23 @@ async fn session_timer(inner: Arc<Inner>, timer: Timer) {
     }
     if let Some(at) = timer.expire_at {
         tokio::time::sleep_until(at.into()).await;
-        let effects = inner.registry.expire(&timer.client_id, timer.epoch);
-        if !effects.ended.is_empty() {
-            tracing::debug!(client_id = %timer.client_id, "session expired");
+        let mut effects = inner.registry.expire(&timer.client_id, timer.epoch);
+        if effects.ended.is_empty() {
+            return;
         }
+        tracing::debug!(client_id = %timer.client_id, "session expired");
+        let (Some(source), false) = (&inner.elsewhere, effects.wills.is_empty()) else {
+            inner.apply(effects);
+            return;
+        };
+        let wills = std::mem::take(&mut effects.wills);
         inner.apply(effects);
+        if source.ended(&timer.client_id).await {
+            for will in wills {
+                inner.router.route(will.message, None);
+            }
+        } else {
+            tracing::info!(client_id = %timer.client_id, "an expiring session was taken over by another node first: its will is not published");
+        }
     }
 }

@@ -19,6 +19,9 @@ use tokio::sync::watch;
 struct MemoryJournal {
     changes: Mutex<Vec<SessionChange>>,
     open: watch::Sender<bool>,
+    /// While set, every record fails (after being kept: a change may land though its writer
+    /// reported a failure).
+    failing: std::sync::atomic::AtomicBool,
 }
 
 impl MemoryJournal {
@@ -26,7 +29,13 @@ impl MemoryJournal {
         Arc::new(Self {
             changes: Mutex::new(Vec::new()),
             open: watch::Sender::new(true),
+            failing: Default::default(),
         })
+    }
+
+    fn set_failing(&self, failing: bool) {
+        self.failing
+            .store(failing, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn set_open(&self, open: bool) {
@@ -47,6 +56,9 @@ impl SessionJournal for MemoryJournal {
         let decoded = decode_changes(&encode_changes(&changes)).expect("round trip");
         assert_eq!(decoded, changes);
         self.changes.lock().unwrap().extend(decoded);
+        if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Box::pin(async { Err(JournalError("the disk failed".into())) });
+        }
         let mut open = self.open.subscribe();
         Box::pin(async move {
             open.wait_for(|open| *open)
@@ -105,6 +117,39 @@ async fn puback_waits_until_the_queued_message_is_durable() {
         ),
         "expiry-0 sessions are not journalled"
     );
+}
+
+/// A CONNECT refused because its new session could not be made durable leaves no session
+/// behind: the client's next attempt is answered Session Present = 0, as if the refused one
+/// never came (decision 0070). Before, the refused CONNECT's session stayed in the broker and the
+/// retry resumed it (Session Present = 1).
+#[tokio::test]
+async fn a_refused_connect_leaves_no_session_for_the_retry_to_resume() {
+    let journal = MemoryJournal::new();
+    let s = journalled(&journal).await;
+    journal.set_failing(true);
+    let (_refused, ack) = Raw::connect(s.addr, "refused", false, 600).await;
+    assert_eq!(ack.reason_code, v5::ConnectAckReason::UnspecifiedError);
+    journal.set_failing(false);
+    let (retry, ack) = Raw::connect(s.addr, "refused", false, 600).await;
+    assert_eq!(ack.reason_code, v5::ConnectAckReason::Success);
+    assert!(
+        !ack.session_present,
+        "nothing of the refused CONNECT stayed"
+    );
+    retry
+        .disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    // Its session goes from the journal too (the refused one's `Created` may have landed).
+    assert!(journal.replay().sessions.contains_key("refused"));
+    let changes = journal.changes.lock().unwrap().clone();
+    let deleted = changes.iter().position(
+        |c| matches!(c, SessionChange::Deleted { client_id } if &**client_id == "refused"),
+    );
+    let created_again = changes.iter().rposition(
+        |c| matches!(c, SessionChange::Created { client_id, .. } if &**client_id == "refused"),
+    );
+    assert!(deleted.is_some() && deleted < created_again, "{changes:?}");
 }
 
 #[tokio::test]

@@ -3,7 +3,7 @@
 //! head, forwarding, remembered requests, the chain log on `mqstate-wal`, repair, re-entry) and a
 //! front end that hands each request to [`Replication::execute`], as the state-store service's
 //! router does — on turmoil's simulated TCP and time, with skewed wall clocks. The chain log's
-//! writer runs inline ([`WalOptions::inline`]) so that nothing runs outside simulated time. Nodes
+//! writer runs inline ([`Committer::Caller`](mqstate_wal::Committer::Caller)) so that nothing runs outside simulated time. Nodes
 //! 1–3 found the cluster; node 4 is added during the faults, and partitions move to it.
 //!
 //! Clients send SET, SET NX, GET, DEL and VDEL on a few keys, each to a node the seed picks; a
@@ -147,7 +147,7 @@ async fn node(
     let node = Arc::new(ClusterNode::start(config, Arc::new(transport)).await?);
     let wal = WalOptions {
         name: "chains",
-        inline: true,
+        committer: mqstate_wal::Committer::Caller,
         // Small segments: rotation and the prepared next segment run too.
         segment_soft_limit_bytes: 64 << 10,
         segment_hard_limit_bytes: 256 << 10,

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use mqstate_broker::{
-    Broker, Durable, JournalError, Located, Locating, Message, Restored, SessionChange,
+    Broker, Durable, Ending, JournalError, Located, Locating, Message, Restored, SessionChange,
     SessionJournal, SessionSource, StoredSession,
 };
 pub use mqstate_chain::Version;
@@ -224,7 +224,7 @@ impl ReplicatedSessions {
                     entry.generation += 1;
                     if !entry.flushing {
                         entry.flushing = true;
-                        tokio::spawn(flush(Arc::clone(&self.shared), id));
+                        tokio::spawn(flush(Arc::clone(&self.shared), id, entry.epoch));
                     }
                     Some((entry.status.subscribe(), entry.generation))
                 }
@@ -342,7 +342,11 @@ impl SessionJournal for ReplicatedSessions {
                 if let Some(entry) = entries.get_mut(client_id) {
                     if !entry.flushing {
                         entry.flushing = true;
-                        tokio::spawn(flush(Arc::clone(&self.shared), client_id.clone()));
+                        tokio::spawn(flush(
+                            Arc::clone(&self.shared),
+                            client_id.clone(),
+                            entry.epoch,
+                        ));
                     }
                 }
             }
@@ -379,13 +383,25 @@ impl SessionJournal for ReplicatedSessions {
     }
 }
 
-/// Writes `client_id`'s row until it holds every change applied to the mirror.
-async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
+/// The entry of `client_id` this node took under `epoch`, if it is still the one held: a
+/// take-over here replaces the entry (under a new epoch), and what was under way for the one it
+/// replaced must not touch it.
+fn entry_of<'a>(
+    entries: &'a mut HashMap<Arc<str>, Entry>,
+    client_id: &str,
+    epoch: u64,
+) -> Option<&'a mut Entry> {
+    entries.get_mut(client_id).filter(|e| e.epoch == epoch)
+}
+
+/// Writes `client_id`'s row until it holds every change applied to the mirror (for the entry
+/// of `epoch`).
+async fn flush(shared: Arc<Shared>, client_id: Arc<str>, epoch: u64) {
     loop {
         let (value, base, generation) = {
             let mut state = shared.lock();
             let State { mirror, entries } = &mut *state;
-            let Some(entry) = entries.get_mut(&client_id) else {
+            let Some(entry) = entry_of(entries, &client_id, epoch) else {
                 return;
             };
             if entry.role != Role::Owned || entry.status.borrow().written >= entry.generation {
@@ -409,30 +425,32 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
             });
             (value, entry.base, entry.generation)
         };
+        let deleting = value.is_none();
         let outcome = match shared.rows() {
             Ok(rows) => rows.write(&client_id, value, base).await,
             Err(reason) => Err(reason),
         };
         match outcome {
-            Ok(Ok(version)) => {
-                let mut state = shared.lock();
-                if let Some(entry) = state.entries.get_mut(&client_id) {
-                    entry.base = Some(version);
-                    entry.status.send_modify(|s| s.written = generation);
-                }
-            }
+            Ok(Ok(version)) => written(&shared, &client_id, epoch, Some(version), generation),
             Ok(Err(current)) => {
-                // Our own earlier write whose answer was lost, or another node's take-over.
-                if !still_ours(&shared, &client_id, current).await {
-                    lose(&shared, &client_id);
-                    return;
+                // Our own earlier write whose answer was lost, another node's take-over, or (for
+                // a delete) another node that found the session ended and deleted it first.
+                match refused(&shared, &client_id, epoch, current, deleting).await {
+                    Refused::Ours => {}
+                    Refused::Gone(version) => {
+                        written(&shared, &client_id, epoch, version, generation)
+                    }
+                    Refused::Lost => {
+                        lose(&shared, &client_id, epoch);
+                        return;
+                    }
                 }
             }
             Err(reason) => {
                 tracing::warn!(%client_id, "a session row could not be written: {reason}");
                 {
-                    let state = shared.lock();
-                    if let Some(entry) = state.entries.get(&client_id) {
+                    let mut state = shared.lock();
+                    if let Some(entry) = entry_of(&mut state.entries, &client_id, epoch) {
                         entry.status.send_modify(|s| s.failed = generation);
                     }
                 }
@@ -442,17 +460,54 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>) {
     }
 }
 
-/// After a refused write: reads the row; if this node under its epoch wrote it, adopts its
-/// version as the base and returns `true`.
-async fn still_ours(shared: &Shared, client_id: &Arc<str>, current: Option<Version>) -> bool {
+/// The row of the entry of `epoch` holds every change up to `generation`, at `version`.
+fn written(
+    shared: &Shared,
+    client_id: &Arc<str>,
+    epoch: u64,
+    version: Option<Version>,
+    generation: u64,
+) {
+    let mut state = shared.lock();
+    if let Some(entry) = entry_of(&mut state.entries, client_id, epoch) {
+        entry.base = version;
+        entry.status.send_modify(|s| s.written = generation);
+    }
+}
+
+/// What a refused write of a row found.
+enum Refused {
+    /// This node wrote the row under its epoch (an answer was lost): the base is updated.
+    Ours,
+    /// A delete found the row deleted already (at this version): the session ended anyway.
+    Gone(Option<Version>),
+    /// Another node owns the session now.
+    Lost,
+}
+
+/// After a refused write: reads the row. If this node under its epoch wrote it, adopts its
+/// version as the base. A delete that finds no row is done: a node that reads a row whose
+/// session ended deletes it (decision 0063), and a session whose end this node was writing had
+/// ended.
+async fn refused(
+    shared: &Shared,
+    client_id: &Arc<str>,
+    epoch: u64,
+    current: Option<Version>,
+    deleting: bool,
+) -> Refused {
     let Ok(rows) = shared.rows() else {
-        return false;
+        return Refused::Lost;
     };
     let read = match rows.read(client_id).await {
         Ok(read) => read,
         // Unknown: try the write again later (it will be refused again if we lost it).
-        Err(_) => return true,
+        Err(_) => return Refused::Ours,
     };
+    if deleting && read.value.is_none() {
+        tracing::debug!(%client_id, ?current, "a session row was deleted by another node first");
+        return Refused::Gone(read.version);
+    }
     let mine = read
         .value
         .as_deref()
@@ -460,28 +515,29 @@ async fn still_ours(shared: &Shared, client_id: &Arc<str>, current: Option<Versi
         .and_then(Result::ok)
         .map(|row| (row.owner, row.epoch));
     let mut state = shared.lock();
-    let Some(entry) = state.entries.get_mut(client_id) else {
-        return false;
-    };
-    if mine == Some((shared.node, entry.epoch)) {
-        tracing::debug!(%client_id, ?current, "a session row write of ours landed unanswered");
-        entry.base = read.version;
-        true
-    } else {
-        false
+    match entry_of(&mut state.entries, client_id, epoch) {
+        Some(entry) if mine == Some((shared.node, epoch)) => {
+            tracing::debug!(%client_id, ?current, "a session row write of ours landed unanswered");
+            entry.base = read.version;
+            Refused::Ours
+        }
+        _ => Refused::Lost,
     }
 }
 
-/// Another node owns the session now: stop writing it, fail what waits, drop the copy here.
-fn lose(shared: &Shared, client_id: &Arc<str>) {
+/// Another node owns the session now: stop writing it, fail what waits, drop the copy here (if
+/// the entry of `epoch` is still the one held).
+fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64) {
     {
         let mut state = shared.lock();
-        state.mirror.sessions.remove(client_id);
-        if let Some(entry) = state.entries.get_mut(client_id) {
-            entry.role = Role::Lost;
-            entry.flushing = false;
-            entry.status.send_modify(|s| s.lost = true);
-        }
+        let State { mirror, entries } = &mut *state;
+        let Some(entry) = entry_of(entries, client_id, epoch) else {
+            return;
+        };
+        entry.role = Role::Lost;
+        entry.flushing = false;
+        entry.status.send_modify(|s| s.lost = true);
+        mirror.sessions.remove(client_id);
     }
     tracing::info!(%client_id, "session taken over by another node; the copy here is dropped");
     if let Some(broker) = shared.broker.get() {
@@ -517,6 +573,70 @@ impl SessionSource for ReplicatedSessions {
                 .map_err(JournalError)
         })
     }
+
+    fn ended(&self, client_id: &str) -> Ending {
+        let wait = {
+            let state = self.shared.lock();
+            match state.entries.get(client_id) {
+                Some(entry) if entry.role == Role::Owned => {
+                    Some((entry.status.subscribe(), entry.generation))
+                }
+                // Another node took the session over: it lives on there.
+                Some(entry) if entry.role == Role::Lost => return Box::pin(async { false }),
+                // Nothing of it written from here (not replicated, or claimed and never
+                // written): its end is this node's.
+                _ => None,
+            }
+        };
+        Box::pin(async move {
+            let Some((mut status, generation)) = wait else {
+                return true;
+            };
+            // Failed writes are retried (`flush`): wait for the row to hold the end, or for
+            // another node to have taken the session.
+            match status
+                .wait_for(|s| s.written >= generation || s.lost)
+                .await
+                .map(|s| *s)
+            {
+                // Landed, though the entry may have been replaced since (a CONNECT here that
+                // found the row deleted).
+                Ok(s) => s.written >= generation,
+                // Replaced before it landed: the session was taken over.
+                Err(_) => false,
+            }
+        })
+    }
+}
+
+/// Waits until this node's own writes of `client_id`'s row landed, if it holds the entry and
+/// the broker no longer holds the session (it ended here: its `Deleted` on its way). A CONNECT
+/// here must find the row as the session's end left it: reading the row still being deleted, it
+/// would delete (or take over) the row itself, and the expiry, its own delete refused, would not
+/// know whether the session ended (decision 0070). Failed writes are retried meanwhile; after
+/// [`ROW_BUDGET`] the CONNECT is refused retryably.
+async fn own_writes_landed(shared: &Shared, client_id: &str) -> Result<(), String> {
+    let wait = {
+        let state = shared.lock();
+        match state.entries.get(client_id) {
+            Some(entry)
+                if entry.role == Role::Owned
+                    && entry.status.borrow().written < entry.generation =>
+            {
+                Some((entry.status.subscribe(), entry.generation))
+            }
+            _ => None,
+        }
+    };
+    if let Some((mut status, generation)) = wait {
+        let landed = status.wait_for(|s| s.written >= generation || s.lost);
+        if tokio::time::timeout(ROW_BUDGET, landed).await.is_err() {
+            return Err(format!(
+                "the end of the session of {client_id} is not written to its replicas yet"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The background discard of a clean start that keeps no row: as `locate`, except that the
@@ -565,6 +685,9 @@ async fn locate(
     held_here: bool,
 ) -> Result<Located, String> {
     let rows = shared.rows()?;
+    if !held_here {
+        own_writes_landed(shared, &client_id).await?;
+    }
     for _ in 0..TAKE_OVER_TRIES {
         let mut found = read_row(&*rows, &client_id).await?;
         if clean_start {
@@ -931,9 +1054,67 @@ mod tests {
     /// `tests/cluster_sessions.rs`).
     type Stored = (Option<Vec<u8>>, Version);
 
-    /// The rows, and the nodes counted down.
+    /// The rows, the nodes counted down, and (while holding) the writes waiting to land.
     #[derive(Default)]
-    struct MemoryRows(Mutex<HashMap<String, Stored>>, Mutex<Vec<u64>>);
+    struct MemoryRows(
+        Mutex<HashMap<String, Stored>>,
+        Mutex<Vec<u64>>,
+        Mutex<Option<Vec<tokio::sync::oneshot::Sender<()>>>>,
+    );
+
+    impl MemoryRows {
+        /// From now on, writes wait to be let through (their compare-and-set made then).
+        fn hold(&self) {
+            *self.2.lock().unwrap() = Some(Vec::new());
+        }
+
+        /// Writes waiting to land.
+        fn held(&self) -> usize {
+            self.2.lock().unwrap().as_ref().map_or(0, Vec::len)
+        }
+
+        /// Lets the newest write waiting through.
+        fn land_newest(&self) {
+            if let Some(write) = self.2.lock().unwrap().as_mut().and_then(Vec::pop) {
+                let _ = write.send(());
+            }
+        }
+
+        /// Lets every write waiting through, and the next ones at once.
+        fn stop_holding(&self) {
+            for write in self.2.lock().unwrap().take().into_iter().flatten() {
+                let _ = write.send(());
+            }
+        }
+
+        fn compare_and_set(
+            &self,
+            client_id: &str,
+            value: Option<Vec<u8>>,
+            base: Option<Version>,
+        ) -> Result<Version, Option<Version>> {
+            let mut rows = self.0.lock().unwrap();
+            let current = rows.get(client_id).cloned();
+            let holds = match (&current, base) {
+                (None, None) => true,
+                (Some((value, _)), None) => value.is_none(),
+                (Some((_, version)), Some(base)) => *version == base,
+                (None, Some(_)) => false,
+            };
+            if holds {
+                let wall_ms = current.as_ref().map_or(0, |(_, v)| v.wall_ms) + 1;
+                let version = Version {
+                    wall_ms,
+                    counter: 0,
+                    node: 0,
+                };
+                rows.insert(client_id.to_owned(), (value, version));
+                Ok(version)
+            } else {
+                Err(current.map(|(_, v)| v))
+            }
+        }
+    }
 
     impl SessionRows for MemoryRows {
         fn read<'a>(&'a self, client_id: &'a str) -> RowFuture<'a, ReadRow> {
@@ -955,27 +1136,17 @@ mod tests {
             value: Option<Vec<u8>>,
             base: Option<Version>,
         ) -> RowFuture<'a, Result<Version, Option<Version>>> {
-            let mut rows = self.0.lock().unwrap();
-            let current = rows.get(client_id).cloned();
-            let holds = match (&current, base) {
-                (None, None) => true,
-                (Some((value, _)), None) => value.is_none(),
-                (Some((_, version)), Some(base)) => *version == base,
-                (None, Some(_)) => false,
-            };
-            let outcome = if holds {
-                let wall_ms = current.as_ref().map_or(0, |(_, v)| v.wall_ms) + 1;
-                let version = Version {
-                    wall_ms,
-                    counter: 0,
-                    node: 0,
-                };
-                rows.insert(client_id.to_owned(), (value, version));
-                Ok(version)
-            } else {
-                Err(current.map(|(_, v)| v))
-            };
-            Box::pin(async move { Ok(outcome) })
+            let gate = self.2.lock().unwrap().as_mut().map(|held| {
+                let (write, gate) = tokio::sync::oneshot::channel();
+                held.push(write);
+                gate
+            });
+            Box::pin(async move {
+                if let Some(gate) = gate {
+                    let _ = gate.await;
+                }
+                Ok(self.compare_and_set(client_id, value, base))
+            })
         }
 
         /// Every row, as the head of one partition holding them all.
@@ -993,18 +1164,39 @@ mod tests {
         }
     }
 
-    struct Local;
+    /// A node's own session log: what it was given (its retained messages).
+    #[derive(Default)]
+    struct Local(Mutex<Vec<SessionChange>>);
 
     impl SessionJournal for Local {
-        fn record(&self, _: Vec<SessionChange>) -> Durable {
+        fn record(&self, changes: Vec<SessionChange>) -> Durable {
+            self.0.lock().unwrap().extend(changes);
             Box::pin(async { Ok(()) })
         }
     }
 
+    impl Local {
+        /// How many times the (retained) will of `c` was published on this node.
+        fn wills(&self) -> usize {
+            self.0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|c| matches!(c, SessionChange::RetainedSet { message, .. } if message.topic == "will/c"))
+                .count()
+        }
+    }
+
     fn node(id: u64, rows: &Arc<MemoryRows>) -> ReplicatedSessions {
-        let sessions = ReplicatedSessions::new(id, Arc::new(Local));
+        node_with_log(id, rows).0
+    }
+
+    /// A node and its own session log.
+    fn node_with_log(id: u64, rows: &Arc<MemoryRows>) -> (ReplicatedSessions, Arc<Local>) {
+        let local = Arc::new(Local::default());
+        let sessions = ReplicatedSessions::new(id, local.clone());
         sessions.attach_rows(rows.clone());
-        sessions
+        (sessions, local)
     }
 
     /// `node` locates client `c` (no session yet) and creates its session, owned there.
@@ -1025,6 +1217,7 @@ mod tests {
     fn with_broker(node: &ReplicatedSessions) -> Broker {
         let broker = Broker::builder(mqstate_broker::BrokerConfig::default())
             .journal(Arc::new(node.clone()))
+            .sessions_elsewhere(Arc::new(node.clone()))
             .build();
         node.attach_broker(broker.clone());
         broker
@@ -1355,13 +1548,15 @@ mod tests {
         assert_eq!(rows.0.lock().unwrap()["c"].0, None, "settled: deleted");
         assert_eq!(broker.session_count(), 0, "nothing to resume");
         assert!(b.adopt_orphans().await.is_empty(), "settled once");
-        // The old owner is fenced.
+        // The old owner is fenced. (A delete of its would find the row gone and count as done:
+        // the session ended either way.)
         assert!(a
-            .record(vec![SessionChange::Deleted {
+            .record(vec![SessionChange::WillCancelled {
                 client_id: "c".into()
             }])
             .await
             .is_err());
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "still deleted");
     }
 
     #[tokio::test]
@@ -1407,6 +1602,130 @@ mod tests {
         assert_eq!(b.locate("c", false, false, false).await, Ok(Located::Gone));
         assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
         assert_eq!(broker.session_count(), 0);
+    }
+
+    /// `node` locates client `c` and creates its persistent session (`expiry_secs`), connected,
+    /// with a retained will on `will/c` after `delay_secs`.
+    async fn connected_with_will(node: &ReplicatedSessions, expiry_secs: u32, delay_secs: u32) {
+        assert_eq!(
+            node.locate("c", false, true, false).await,
+            Ok(Located::Gone)
+        );
+        let will = mqstate_broker::will::Will {
+            message: mqstate_broker::Message {
+                topic: ByteString::from("will/c"),
+                payload: bytes::Bytes::from_static(b"gone"),
+                qos: QoS::AtLeastOnce,
+                retain: true,
+                properties: Default::default(),
+            },
+            delay_secs,
+        };
+        node.record(vec![
+            SessionChange::Created {
+                client_id: "c".into(),
+                expiry_secs,
+            },
+            SessionChange::WillSet {
+                client_id: "c".into(),
+                will,
+            },
+        ])
+        .await
+        .unwrap();
+    }
+
+    /// Node 1 dies with client `c` connected (expiry 1 s, its will due at the expiry); node 2
+    /// adopts the session and holds the rows' writes from then on. Returns node 2 with its
+    /// broker and log once the session expired there (its end held on the way to the row).
+    async fn expiring_on_its_adopter(
+        rows: &Arc<MemoryRows>,
+    ) -> (ReplicatedSessions, Broker, Arc<Local>) {
+        connected_with_will(&node(1, rows), 1, 3600).await;
+        rows.1.lock().unwrap().push(1);
+        let (b, log) = node_with_log(2, rows);
+        let broker = with_broker(&b);
+        assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
+        rows.hold();
+        while broker.session_count() > 0 || rows.held() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (b, broker, log)
+    }
+
+    /// Lets the rows' writes land newest first (a later write overtakes an earlier one) until
+    /// `task` is done.
+    async fn land_newest_first<T>(rows: &MemoryRows, task: tokio::task::JoinHandle<T>) -> T {
+        // What the task writes is queued before anything lands.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        while !task.is_finished() {
+            rows.land_newest();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        task.await.unwrap()
+    }
+
+    /// Issue 16 (decision 0070): a client reconnecting to its session's adopter just as the
+    /// session expires there finds it ended (Session Present = 0), its will published once and
+    /// only after the row's delete landed, and its new session is the adopter's to write. Before,
+    /// the will went out before the delete landed, the CONNECT's own delete of the row overtook
+    /// the expiry's, and the expiry's refused delete then took the CONNECT's new claim for a
+    /// take-over by another node: its new session was refused ("moved to another node"; CONNACK
+    /// 0x80 in `tests/cluster_orphans.rs`).
+    #[tokio::test]
+    async fn a_connect_on_the_adopter_as_the_session_expires_there_finds_it_ended() {
+        let rows = Arc::new(MemoryRows::default());
+        let (b, _broker, log) = expiring_on_its_adopter(&rows).await;
+        assert_eq!(log.wills(), 0, "no will before the session's end landed");
+
+        let connect = tokio::spawn({
+            let b = b.clone();
+            async move { b.locate("c", false, true, false).await }
+        });
+        assert_eq!(land_newest_first(&rows, connect).await, Ok(Located::Gone));
+        rows.stop_holding();
+        for _ in 0..100 {
+            if log.wills() > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(log.wills(), 1, "the will of the expired session, once");
+        b.record(vec![SessionChange::Created {
+            client_id: "c".into(),
+            expiry_secs: 60,
+        }])
+        .await
+        .expect("the new session is written");
+        let row = row_of(&rows);
+        assert_eq!((row.owner, row.session.expiry_secs), (2, 60));
+    }
+
+    /// The same with the client reconnecting to another node, whose delete of the ended row lands
+    /// first: the adopter (up, so the other node leaves the will to it) publishes the will once
+    /// its own delete finds the row gone. Before, its will went out before anything landed.
+    #[tokio::test]
+    async fn a_connect_elsewhere_as_the_session_expires_on_its_adopter_leaves_the_will_to_it() {
+        let rows = Arc::new(MemoryRows::default());
+        let (_b, _broker, log) = expiring_on_its_adopter(&rows).await;
+        assert_eq!(log.wills(), 0, "no will before the session's end landed");
+        let (c, c_log) = node_with_log(3, &rows);
+        let _c_broker = with_broker(&c);
+        let connect = tokio::spawn(async move { c.locate("c", false, true, false).await });
+        assert_eq!(land_newest_first(&rows, connect).await, Ok(Located::Gone));
+        rows.stop_holding();
+        for _ in 0..100 {
+            if log.wills() > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            (log.wills(), c_log.wills()),
+            (1, 0),
+            "published once, by the adopter"
+        );
+        assert_eq!(rows.0.lock().unwrap()["c"].0, None);
     }
 
     impl SessionRow {

@@ -263,6 +263,10 @@ struct CatchingUp {
 /// missed are handed over anyway (the take-over's CONNACK, or the adoption, put it there).
 const SESSION_WAIT: Duration = Duration::from_secs(10);
 
+/// Most requests the executor handles in one turn (so in one log batch) before it looks at its
+/// other inputs again.
+pub const TURN_REQUESTS_MAX: usize = 256;
+
 /// How often the duplicate-request cache forgets expired requests without waiting for new ones,
 /// so an idle server does not hold a busy period's cache.
 pub const DEDUP_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
@@ -277,6 +281,7 @@ impl Executor {
         tokio::pin!(shutdown);
         // Keys whose deadline passed while the server was down go first (spec: expired on start).
         self.expire().await;
+        self.log.commit_queued();
         let mut sweep = tokio::time::interval(DEDUP_SWEEP_INTERVAL);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let (mut internal, mut admin) = self.notify_inboxes();
@@ -293,7 +298,10 @@ impl Executor {
                 biased;
                 () = &mut shutdown => break,
                 request = inbox.recv() => match request {
-                    Some(request) => self.handle(request).await,
+                    Some(request) => {
+                        self.handle(request).await;
+                        self.take_turn(&mut inbox).await;
+                    }
                     None => break,
                 },
                 event = events.recv() => match event {
@@ -335,6 +343,36 @@ impl Executor {
                 () = snapshot_schedule::turn(self.snapshot.as_ref()), if self.snapshot.is_some() => {}
             }
             self.advance_snapshot().await;
+            // The end of a turn: what it logged is written and fsynced as one batch, here, when
+            // the log's owner commits (decision 0069).
+            self.log.commit_queued();
+        }
+    }
+
+    /// Takes into the current turn (so into its log batch: one write, one fsync) every request that
+    /// arrives while the tasks already runnable on this worker run: the connections woken by the
+    /// same readiness event each bring one. Yields until a yield brings nothing new, or the turn
+    /// is full. Without it, the first connection's request would wake this task ahead of the
+    /// others (tokio runs a task woken by the running one next), and each batch would be one
+    /// request with a fsync of its own.
+    async fn take_turn(&mut self, inbox: &mut ServiceInbox) {
+        let mut turn = 1;
+        while turn < TURN_REQUESTS_MAX {
+            match inbox.try_recv() {
+                Ok(request) => {
+                    self.handle(request).await;
+                    // A snapshot under way keeps its pace of a chunk per request.
+                    self.advance_snapshot().await;
+                    turn += 1;
+                }
+                Err(_) if !self.log.awaits_commit() => return,
+                Err(_) => {
+                    tokio::task::yield_now().await;
+                    if inbox.is_empty() {
+                        return;
+                    }
+                }
+            }
         }
     }
 
@@ -602,6 +640,10 @@ impl Executor {
     async fn queue(&mut self, epoch: Option<u64>, outcome: Outcome) {
         let high_water_ms = self.machine.clock().high_water().wall_ms;
         self.ceiling.raise(self.log.wal(), high_water_ms).await;
+        if self.tx.capacity() == 0 {
+            // The completer waits for commits that only this task's turn would write.
+            self.log.commit_queued();
+        }
         if self.tx.send(Queued { epoch, outcome }).await.is_err() {
             tracing::error!("state store completer stopped; outcome dropped");
         }

@@ -62,8 +62,9 @@ async fn node(dir: PathBuf) -> Result<(), Box<dyn std::error::Error>> {
     let clock: SharedClock = Arc::new(SimClock::fixed(0));
     let wal = WalOptions {
         name: "statestore",
-        // The writer in the caller, so a commit completes in simulated time (decision 0058).
-        inline: true,
+        // As `serve` opens it: the executor writes and fsyncs its own batches after each turn
+        // (decision 0069), in its task, so a commit completes in simulated time (decision 0058).
+        committer: mqstate_wal::Committer::Owner,
         ..WalOptions::default()
     };
     let store = StoreConfig {

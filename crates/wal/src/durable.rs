@@ -278,6 +278,18 @@ impl<U> DurableLog<U> {
         })
     }
 
+    /// Writes and fsyncs the records appended since the last call as one batch, in the caller, when
+    /// the log's owner commits ([`crate::Committer::Owner`]); nothing otherwise (a writer thread
+    /// does it). The owner calls it after each turn of its work, before it waits for more.
+    pub fn commit_queued(&self) {
+        self.wal.commit_queued();
+    }
+
+    /// Whether records wait for [`DurableLog::commit_queued`] (never with a writer thread).
+    pub fn awaits_commit(&self) -> bool {
+        self.wal.awaits_commit()
+    }
+
     /// Keeps `undo`, which restores the state before the last appended record, until that record
     /// is durable. Undos of records already durable are dropped on the way.
     pub fn push_undo(&mut self, undo: U) {

@@ -62,7 +62,7 @@ pub use failpoint::{FailAction, Failpoints};
 pub use layout::{DataDir, DirLock};
 pub use log::{delete_segments, Entry, Recovered, Wal};
 pub use metadata::{decode_metadata, encode_metadata, read_metadata, LogId, Metadata};
-pub use options::{FsyncPolicy, WalOptions};
+pub use options::{Committer, FsyncPolicy, WalOptions};
 pub use reader::{Entries, WalReader};
 pub use segment::{scan_segment, SegmentEnd, SegmentScan};
 pub use snapshot::{

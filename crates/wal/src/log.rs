@@ -228,7 +228,7 @@ impl Wal {
                 0
             },
         )
-        .inline(options.inline);
+        .inline(options.committer == crate::options::Committer::Caller);
         let (durable, durable_rx) = watch::channel(active.durable.next_lsn);
         let metadata_file = MetadataFile::new(
             dir.clone(),

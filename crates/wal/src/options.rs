@@ -31,6 +31,28 @@ pub enum FsyncPolicy {
     Never,
 }
 
+/// Who carries out the appends of a [`crate::WalWriter`] (decision 0069).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Committer {
+    /// A writer thread of the log's own: it takes everything queued since its last round as one
+    /// batch (group commit) while the appenders go on. For logs with many appending tasks.
+    #[default]
+    Thread,
+    /// The log's one owner: appends are only queued, and the owner's
+    /// [`crate::WalWriter::commit_queued`] writes and fsyncs everything queued as one batch, in the
+    /// owner's thread — after a turn of its work, as Redis does before it sleeps. Saves the
+    /// writer thread's sleep and wake-up and the wake-up of the owner's runtime by it, per batch;
+    /// the owner's thread is blocked for the fsync. Only under [`FsyncPolicy::Always`]: the
+    /// relaxed policies need the thread's timer (the writer falls back to a thread for them).
+    Owner,
+    /// The caller of every command carries it out before it returns: [`crate::WalWriter::append`]
+    /// writes and fsyncs the record (its commit is then ready), and the next segment is prepared
+    /// in the caller too. No group commit, so slow: for the deterministic simulation
+    /// (`crates/replication/tests/turmoil_sim.rs`), where work on other threads would run outside
+    /// simulated time.
+    Caller,
+}
+
 /// Options of [`crate::Wal::open`].
 #[derive(Debug, Clone)]
 pub struct WalOptions {
@@ -52,12 +74,8 @@ pub struct WalOptions {
     /// metadata alone says where the log starts. A purge ([`crate::Wal::compact`]) is then the
     /// application's promise that its snapshot covers the purged records. Default off.
     pub snapshot_elsewhere: bool,
-    /// The writer runs in the caller instead of on threads of its own: [`crate::WalWriter::append`]
-    /// writes and fsyncs the record before it returns (its commit is then ready), and the next
-    /// segment is prepared in the caller too. No group commit, so slow: for the deterministic
-    /// simulation (`crates/replication/tests/turmoil_sim.rs`), where work on other threads would
-    /// run outside simulated time. Default off.
-    pub inline: bool,
+    /// Who writes and fsyncs the appended records. Default [`Committer::Thread`].
+    pub committer: Committer,
 }
 
 impl Default for WalOptions {
@@ -74,7 +92,7 @@ impl Default for WalOptions {
             failpoints: Failpoints::default(),
             preallocate_segments: true,
             snapshot_elsewhere: false,
-            inline: false,
+            committer: Committer::Thread,
         }
     }
 }

@@ -33,7 +33,7 @@ pub(crate) struct Preallocator {
     pending: Option<JoinHandle<io::Result<PathBuf>>>,
     /// The active segment (by first LSN) a preparation was last attempted for: one attempt each.
     attempted_for: Option<u64>,
-    /// Prepared in the caller, not on a thread ([`crate::WalOptions::inline`]).
+    /// Prepared in the caller, not on a thread ([`crate::Committer::Caller`]).
     inline: bool,
     /// A segment prepared in the caller, not taken yet.
     ready: Option<PathBuf>,

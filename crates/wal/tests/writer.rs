@@ -361,14 +361,14 @@ async fn a_streamed_snapshot_is_installed_and_purges_the_log() {
     assert_eq!(replayed, vec![b"c".to_vec()]);
 }
 
-/// `WalOptions::inline` (the simulation's writer): the record is written and fsynced by the time
+/// `Committer::Caller` (the simulation's writer): the record is written and fsynced by the time
 /// `append` returns, segments rotate into prepared ones made in the caller, and what was appended
 /// reads back after a reopen.
 #[tokio::test(flavor = "current_thread")]
 async fn an_inline_writer_is_durable_when_append_returns() {
     let tmp = tempfile::tempdir().unwrap();
     let options = || WalOptions {
-        inline: true,
+        committer: mqstate_wal::Committer::Caller,
         segment_soft_limit_bytes: 4096,
         segment_hard_limit_bytes: 8192,
         ..WalOptions::default()
@@ -397,4 +397,77 @@ async fn an_inline_writer_is_durable_when_append_returns() {
     assert!(segments > 2, "segments rotated: {segments}");
     writer.shutdown().await.unwrap();
     assert_eq!(reopen(tmp.path()), expected);
+}
+
+/// `Committer::Owner` (the state store's log): appends wait in the queue until the owner's
+/// `commit_queued`, which writes and fsyncs them as one batch; a full queue is written out to make
+/// room instead of waiting for a commit nobody else would make.
+#[tokio::test(flavor = "current_thread")]
+async fn an_owned_log_commits_what_was_queued_as_one_batch_when_its_owner_says() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(
+        tmp.path(),
+        WalOptions {
+            committer: mqstate_wal::Committer::Owner,
+            queue_capacity: 4,
+            ..WalOptions::default()
+        },
+    )
+    .unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    let durable = writer.reader().durable();
+    let mut commits = Vec::new();
+    for i in 0..3u8 {
+        commits.push(writer.append(1, Bytes::from(vec![i])).await.unwrap());
+    }
+    assert_eq!(
+        *durable.borrow(),
+        0,
+        "nothing written before the owner commits"
+    );
+    assert_eq!(writer.stats().snapshot().fsyncs, 0);
+    writer.commit_queued();
+    assert_eq!(*durable.borrow(), 3, "the three records are durable");
+    let stats = writer.stats().snapshot();
+    assert_eq!(
+        (stats.batches, stats.fsyncs),
+        (1, 1),
+        "one batch, one fsync"
+    );
+    for (lsn, commit) in commits.into_iter().enumerate() {
+        let done = tokio::time::timeout(std::time::Duration::ZERO, commit)
+            .await
+            .expect("the commit is complete once the owner committed");
+        assert_eq!(done.unwrap(), lsn as u64);
+    }
+    // Ten appends into a queue of four, with no commit in between: none waits forever.
+    for i in 3..13u8 {
+        writer.append(1, Bytes::from(vec![i])).await.unwrap();
+    }
+    writer.commit_queued();
+    assert_eq!(*durable.borrow(), 13);
+    writer.shutdown().await.unwrap();
+    assert_eq!(
+        reopen(tmp.path()),
+        (0..13u8).map(|i| vec![i]).collect::<Vec<_>>()
+    );
+}
+
+/// The relaxed fsync policies need the writer thread's timer: an owned log under them gets one.
+#[tokio::test(flavor = "current_thread")]
+async fn an_owned_log_without_fsync_always_keeps_the_writer_thread() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(
+        tmp.path(),
+        WalOptions {
+            committer: mqstate_wal::Committer::Owner,
+            fsync: FsyncPolicy::Never,
+            ..WalOptions::default()
+        },
+    )
+    .unwrap();
+    let writer = WalWriter::spawn(wal).unwrap();
+    let commit = writer.append(1, Bytes::from_static(b"a")).await.unwrap();
+    assert_eq!(commit.await.unwrap(), 0, "written without commit_queued");
+    writer.shutdown().await.unwrap();
 }
