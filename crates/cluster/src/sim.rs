@@ -205,3 +205,47 @@ pub fn data_root() -> tempfile::TempDir {
     }
     tempfile::tempdir().expect("a temporary directory")
 }
+
+/// The seeds a simulation runs: `<prefix>_SEED` alone when it is set, else `<prefix>_SEEDS` of
+/// them (default `count`) from `<prefix>_FIRST` (default 1).
+pub fn seeds(prefix: &str, count: u64) -> Vec<u64> {
+    match env_u64(&format!("{prefix}_SEED")) {
+        Some(seed) => vec![seed],
+        None => {
+            let first = env_u64(&format!("{prefix}_FIRST")).unwrap_or(1);
+            let count = env_u64(&format!("{prefix}_SEEDS")).unwrap_or(count);
+            (first..first + count).collect()
+        }
+    }
+}
+
+/// Steps `sim` until it is done or a host fails, running the faults of `schedule` (each with the
+/// time it starts at, in order) one at a time: `start` injects one and says how long it lasts;
+/// `end` undoes it when that is over, or at `chaos`, when every fault is over.
+pub fn run_faults<'a, F: Copy>(
+    sim: &mut turmoil::Sim<'a>,
+    chaos: Duration,
+    schedule: Vec<(Duration, F)>,
+    mut start: impl FnMut(&mut turmoil::Sim<'a>, F) -> Duration,
+    mut end: impl FnMut(&mut turmoil::Sim<'a>, F),
+) -> Result<(), String> {
+    let mut schedule = schedule.into_iter().peekable();
+    let mut ending: Option<(Duration, F)> = None;
+    loop {
+        if sim.step().map_err(|e| format!("{e}"))? {
+            return Ok(());
+        }
+        let now = sim.elapsed();
+        if let Some((until, fault)) = ending {
+            if now >= until || now >= chaos {
+                end(sim, fault);
+                ending = None;
+            }
+        }
+        if ending.is_none() && now < chaos && schedule.peek().is_some_and(|(at, _)| now >= *at) {
+            if let Some((_, fault)) = schedule.next() {
+                ending = Some((now + start(sim, fault), fault));
+            }
+        }
+    }
+}

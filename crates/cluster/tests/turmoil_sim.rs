@@ -12,8 +12,9 @@
 //!   member up — node 4 too, added by a membership change during the faults — every partition
 //!   settled, and no partition's view below the highest any node ever applied.
 //!
-//! `MQSTATE_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_SIM_SEEDS=K` runs seeds
-//! 1..=K (default 24); `MQSTATE_SIM_CHAOS_SECS` sets the simulated seconds of faults (default 12).
+//! `MQSTATE_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_SIM_SEEDS=K` runs K
+//! seeds from `MQSTATE_SIM_FIRST` (default 1; K default 24); `MQSTATE_SIM_CHAOS_SECS` sets the
+//! simulated seconds of faults (default 12).
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mqstate_cluster::sim::{
-    addr, data_root, env_u64, host, sim_config, sim_transport, SimClock, SimListener, PORT,
+    addr, data_root, env_u64, host, seeds, sim_config, sim_transport, SimClock, SimListener, PORT,
 };
 use mqstate_cluster::status::PartitionStatus;
 use mqstate_cluster::transport::tcp::serve;
@@ -436,10 +437,7 @@ fn the_control_plane_keeps_its_invariants_under_faults() {
         .with_test_writer()
         .try_init();
     let chaos = Duration::from_secs(env_u64("MQSTATE_SIM_CHAOS_SECS").unwrap_or(12));
-    let seeds: Vec<u64> = match env_u64("MQSTATE_SIM_SEED") {
-        Some(seed) => vec![seed],
-        None => (1..=env_u64("MQSTATE_SIM_SEEDS").unwrap_or(24)).collect(),
-    };
+    let seeds = seeds("MQSTATE_SIM", 24);
     let started = Instant::now();
     let mut figures = Figures::default();
     let mut failures = Vec::new();
