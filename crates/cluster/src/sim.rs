@@ -206,6 +206,20 @@ pub fn data_root() -> tempfile::TempDir {
     tempfile::tempdir().expect("a temporary directory")
 }
 
+/// The simulation of `seed`, of `duration` at most in steps of 1 ms, its messages taking 1 ms to
+/// `max_latency`.
+pub fn simulation<'a>(seed: u64, duration: Duration, max_latency: Duration) -> turmoil::Sim<'a> {
+    turmoil::Builder::new()
+        .rng_seed(seed)
+        .simulation_duration(duration)
+        .tick_duration(Duration::from_millis(1))
+        // Held links queue every message until released.
+        .tcp_capacity(1 << 16)
+        .min_message_latency(Duration::from_millis(1))
+        .max_message_latency(max_latency)
+        .build()
+}
+
 /// The seeds a simulation runs: `<prefix>_SEED` alone when it is set, else `<prefix>_SEEDS` of
 /// them (default `count`) from `<prefix>_FIRST` (default 1).
 pub fn seeds(prefix: &str, count: u64) -> Vec<u64> {

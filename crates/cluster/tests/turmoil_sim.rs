@@ -25,7 +25,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mqstate_cluster::sim::{
-    addr, data_root, env_u64, host, seeds, sim_config, sim_transport, SimClock, SimListener, PORT,
+    addr, data_root, env_u64, host, seeds, sim_config, sim_transport, simulation, SimClock,
+    SimListener, PORT,
 };
 use mqstate_cluster::status::PartitionStatus;
 use mqstate_cluster::transport::tcp::serve;
@@ -214,15 +215,11 @@ impl Checker {
 fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(seed)
-        .simulation_duration(chaos + SETTLE + Duration::from_secs(5))
-        .tick_duration(Duration::from_millis(1))
-        // Held links queue every message until released.
-        .tcp_capacity(1 << 16)
-        .min_message_latency(Duration::from_millis(1))
-        .max_message_latency(Duration::from_millis(rng.gen_range(2..30)))
-        .build();
+    let mut sim = simulation(
+        seed,
+        chaos + SETTLE + Duration::from_secs(5),
+        Duration::from_millis(rng.gen_range(2..30)),
+    );
     let samples: Samples = Rc::default();
     for id in NODES {
         let dir: PathBuf = root.path().join(format!("n{id}"));
@@ -440,12 +437,10 @@ fn the_control_plane_keeps_its_invariants_under_faults() {
     let seeds = seeds("MQSTATE_SIM", 24);
     let started = Instant::now();
     let mut figures = Figures::default();
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed, chaos, &mut figures) {
-            failures.push(e);
-        }
-    }
+    let failures: Vec<String> = seeds
+        .iter()
+        .filter_map(|&seed| run_seed(seed, chaos, &mut figures).err())
+        .collect();
     println!(
         "turmoil sweep: {} seeds, {:.0} s simulated ({} steps of 1 ms), {} faults injected, {} terms with a leader, {} view changes, {} node samples checked, {} violating seeds, trace {:016x}; {:.1} s of real time",
         figures.seeds,

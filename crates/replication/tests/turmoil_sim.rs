@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use mqstate_clock::SharedClock;
 use mqstate_cluster::sim::{
-    addr, data_root, env_u64, host, run_faults, seeds, sim_config, sim_ms, sim_transport, SimClock,
-    SimListener, EPOCH_MS, PORT,
+    addr, data_root, env_u64, host, run_faults, seeds, sim_config, sim_ms, sim_transport,
+    simulation, SimClock, SimListener, EPOCH_MS, PORT,
 };
 use mqstate_cluster::transport::tcp::{serve, TcpTransport};
 use mqstate_cluster::transport::{
@@ -444,14 +444,11 @@ fn run_seed(
 ) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(seed)
-        .simulation_duration(chaos + READABLE_WITHIN + Duration::from_secs(30))
-        .tick_duration(Duration::from_millis(1))
-        .tcp_capacity(1 << 16)
-        .min_message_latency(Duration::from_millis(1))
-        .max_message_latency(Duration::from_millis(rng.gen_range(2..20)))
-        .build();
+    let mut sim = simulation(
+        seed,
+        chaos + READABLE_WITHIN + Duration::from_secs(30),
+        Duration::from_millis(rng.gen_range(2..20)),
+    );
     let mut skews = BTreeMap::new();
     for id in NODES {
         let dir = root.path().join(host(id));
@@ -573,12 +570,10 @@ fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults()
     let started = Instant::now();
     let mut figures = Figures::default();
     let mut slow = Vec::new();
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed, chaos, &mut figures, &mut slow) {
-            failures.push(e);
-        }
-    }
+    let failures: Vec<String> = seeds
+        .iter()
+        .filter_map(|&seed| run_seed(seed, chaos, &mut figures, &mut slow).err())
+        .collect();
     println!(
         "{}",
         figures.summary("data-plane", "-ERR", failures.len(), started.elapsed())

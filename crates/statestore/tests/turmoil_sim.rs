@@ -24,7 +24,9 @@ use bytes::Bytes;
 use mqstate_broker::{Broker, BrokerConfig, SharedClock};
 use mqstate_cli::rpc::{self, TIMESTAMP};
 use mqstate_cli::wire::{self, Conn, Turn};
-use mqstate_cluster::sim::{data_root, env_u64, run_faults, seeds, sim_ms, SimClock, EPOCH_MS};
+use mqstate_cluster::sim::{
+    data_root, env_u64, run_faults, seeds, sim_ms, simulation, SimClock, EPOCH_MS,
+};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, ServiceConfig};
@@ -364,14 +366,11 @@ fn client_host(id: u64) -> String {
 fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(seed)
-        .simulation_duration(chaos + CALL_TIMEOUT + READABLE_WITHIN + Duration::from_secs(30))
-        .tick_duration(Duration::from_millis(1))
-        .tcp_capacity(1 << 16)
-        .min_message_latency(Duration::from_millis(1))
-        .max_message_latency(Duration::from_millis(rng.gen_range(2..20)))
-        .build();
+    let mut sim = simulation(
+        seed,
+        chaos + CALL_TIMEOUT + READABLE_WITHIN + Duration::from_secs(30),
+        Duration::from_millis(rng.gen_range(2..20)),
+    );
     let dir = root.path().join(NODE);
     sim.host(NODE, move || node(dir.clone()));
     let history: Shared = Rc::default();
@@ -445,12 +444,10 @@ fn a_node_front_end_is_linearizable_and_loses_no_acknowledged_write_under_faults
     let seeds = seeds("MQSTATE_FRONT_SIM", 6);
     let started = Instant::now();
     let mut figures = Figures::default();
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed, chaos, &mut figures) {
-            failures.push(e);
-        }
-    }
+    let failures: Vec<String> = seeds
+        .iter()
+        .filter_map(|&seed| run_seed(seed, chaos, &mut figures).err())
+        .collect();
     println!(
         "{}",
         figures.summary(
