@@ -220,16 +220,45 @@ pub fn simulation<'a>(seed: u64, duration: Duration, max_latency: Duration) -> t
         .build()
 }
 
-/// The seeds a simulation runs: `<prefix>_SEED` alone when it is set, else `<prefix>_SEEDS` of
-/// them (default `count`) from `<prefix>_FIRST` (default 1).
-pub fn seeds(prefix: &str, count: u64) -> Vec<u64> {
-    match env_u64(&format!("{prefix}_SEED")) {
+/// What [`sweep`] ran: the seeds, the figures the runs added to, each failing seed's findings, and
+/// how long it all took in real time.
+pub struct Sweep<F> {
+    pub seeds: Vec<u64>,
+    pub figures: F,
+    pub failures: Vec<String>,
+    pub real: Duration,
+}
+
+/// Runs a simulation's seeds: `<prefix>_SEED` alone when it is set, else `<prefix>_SEEDS` of them
+/// (default `count`) from `<prefix>_FIRST` (default 1). `run` runs one seed, with the simulated
+/// time of clients and faults (`<prefix>_CHAOS_SECS`, default `chaos_secs`), adds to the figures,
+/// and gives its findings if it fails.
+pub fn sweep<F: Default>(
+    prefix: &str,
+    count: u64,
+    chaos_secs: u64,
+    mut run: impl FnMut(u64, Duration, &mut F) -> Result<(), String>,
+) -> Sweep<F> {
+    let chaos = Duration::from_secs(env_u64(&format!("{prefix}_CHAOS_SECS")).unwrap_or(chaos_secs));
+    let seeds: Vec<u64> = match env_u64(&format!("{prefix}_SEED")) {
         Some(seed) => vec![seed],
         None => {
             let first = env_u64(&format!("{prefix}_FIRST")).unwrap_or(1);
             let count = env_u64(&format!("{prefix}_SEEDS")).unwrap_or(count);
             (first..first + count).collect()
         }
+    };
+    let started = std::time::Instant::now();
+    let mut figures = F::default();
+    let failures = seeds
+        .iter()
+        .filter_map(|&seed| run(seed, chaos, &mut figures).err())
+        .collect();
+    Sweep {
+        seeds,
+        figures,
+        failures,
+        real: started.elapsed(),
     }
 }
 

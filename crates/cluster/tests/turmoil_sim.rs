@@ -22,11 +22,11 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mqstate_cluster::sim::{
-    addr, data_root, env_u64, host, seeds, sim_config, sim_transport, simulation, SimClock,
-    SimListener, PORT,
+    addr, data_root, host, sim_config, sim_transport, simulation, sweep, SimClock, SimListener,
+    PORT,
 };
 use mqstate_cluster::status::PartitionStatus;
 use mqstate_cluster::transport::tcp::serve;
@@ -433,14 +433,8 @@ fn the_control_plane_keeps_its_invariants_under_faults() {
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "off".to_owned()))
         .with_test_writer()
         .try_init();
-    let chaos = Duration::from_secs(env_u64("MQSTATE_SIM_CHAOS_SECS").unwrap_or(12));
-    let seeds = seeds("MQSTATE_SIM", 24);
-    let started = Instant::now();
-    let mut figures = Figures::default();
-    let failures: Vec<String> = seeds
-        .iter()
-        .filter_map(|&seed| run_seed(seed, chaos, &mut figures).err())
-        .collect();
+    let sweep = sweep("MQSTATE_SIM", 24, 12, run_seed);
+    let figures = &sweep.figures;
     println!(
         "turmoil sweep: {} seeds, {:.0} s simulated ({} steps of 1 ms), {} faults injected, {} terms with a leader, {} view changes, {} node samples checked, {} violating seeds, trace {:016x}; {:.1} s of real time",
         figures.seeds,
@@ -450,9 +444,9 @@ fn the_control_plane_keeps_its_invariants_under_faults() {
         figures.terms,
         figures.view_changes,
         figures.samples,
-        failures.len(),
+        sweep.failures.len(),
         figures.trace,
-        started.elapsed().as_secs_f64(),
+        sweep.real.as_secs_f64(),
     );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
 }

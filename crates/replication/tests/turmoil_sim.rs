@@ -39,12 +39,12 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mqstate_clock::SharedClock;
 use mqstate_cluster::sim::{
-    addr, data_root, env_u64, host, run_faults, seeds, sim_config, sim_ms, sim_transport,
-    simulation, SimClock, SimListener, EPOCH_MS, PORT,
+    addr, data_root, host, run_faults, sim_config, sim_ms, sim_transport, simulation, sweep,
+    SimClock, SimListener, EPOCH_MS, PORT,
 };
 use mqstate_cluster::transport::tcp::{serve, TcpTransport};
 use mqstate_cluster::transport::{
@@ -565,18 +565,15 @@ fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults()
         .with_timer(SimTimer)
         .with_test_writer()
         .try_init();
-    let chaos = Duration::from_secs(env_u64("MQSTATE_DATA_SIM_CHAOS_SECS").unwrap_or(8));
-    let seeds = seeds("MQSTATE_DATA_SIM", 6);
-    let started = Instant::now();
-    let mut figures = Figures::default();
     let mut slow = Vec::new();
-    let failures: Vec<String> = seeds
-        .iter()
-        .filter_map(|&seed| run_seed(seed, chaos, &mut figures, &mut slow).err())
-        .collect();
+    let sweep = sweep("MQSTATE_DATA_SIM", 6, 8, |seed, chaos, figures| {
+        run_seed(seed, chaos, figures, &mut slow)
+    });
     println!(
         "{}",
-        figures.summary("data-plane", "-ERR", failures.len(), started.elapsed())
+        sweep
+            .figures
+            .summary("data-plane", "-ERR", sweep.failures.len(), sweep.real)
     );
     for (seed, after) in &slow {
         println!(
@@ -584,10 +581,10 @@ fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults()
             after.as_secs_f64()
         );
     }
-    if seeds.len() == 1 {
-        for (error, n) in &figures.errors {
+    if sweep.seeds.len() == 1 {
+        for (error, n) in &sweep.figures.errors {
             println!("  {n} × -ERR {error} (taken as unknown)");
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
 }

@@ -18,15 +18,13 @@ use std::cell::RefCell;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use mqstate_broker::{Broker, BrokerConfig, SharedClock};
 use mqstate_cli::rpc::{self, TIMESTAMP};
 use mqstate_cli::wire::{self, Conn, Turn};
-use mqstate_cluster::sim::{
-    data_root, env_u64, run_faults, seeds, sim_ms, simulation, SimClock, EPOCH_MS,
-};
+use mqstate_cluster::sim::{data_root, run_faults, sim_ms, simulation, sweep, SimClock, EPOCH_MS};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, ServiceConfig};
@@ -440,25 +438,18 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
 
 #[test]
 fn a_node_front_end_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
-    let chaos = Duration::from_secs(env_u64("MQSTATE_FRONT_SIM_CHAOS_SECS").unwrap_or(8));
-    let seeds = seeds("MQSTATE_FRONT_SIM", 6);
-    let started = Instant::now();
-    let mut figures = Figures::default();
-    let failures: Vec<String> = seeds
-        .iter()
-        .filter_map(|&seed| run_seed(seed, chaos, &mut figures).err())
-        .collect();
+    let sweep = sweep("MQSTATE_FRONT_SIM", 6, 8, run_seed);
     println!(
         "{}",
-        figures.summary(
+        sweep.figures.summary(
             "front-end",
             "-ERR or refused",
-            failures.len(),
-            started.elapsed()
+            sweep.failures.len(),
+            sweep.real
         )
     );
-    for (error, n) in &figures.errors {
+    for (error, n) in &sweep.figures.errors {
         println!("  {n} × {error} (taken as unknown)");
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
 }
