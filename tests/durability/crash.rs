@@ -698,7 +698,9 @@ async fn kill9_loses_no_acknowledged_message_of_a_persistent_session() {
 /// after the restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retained_message_and_pending_will_survive_restarts() {
-    use rumqttc::v5::mqttbytes::v5::{LastWill, LastWillProperties};
+    use common::mqtt::will_after;
+    use rumqttc::v5::mqttbytes::v5::LastWill;
+
     let mut server = Server::start();
     let (mut publisher, _) = Mqtt::connect(server.addr, "retainer", None).await.unwrap();
     publisher
@@ -739,15 +741,7 @@ async fn retained_message_and_pending_will_survive_restarts() {
         QoS::AtLeastOnce,
         // Retained, so a watcher sees it even if it came due before the watcher subscribed.
         true,
-        Some(LastWillProperties {
-            delay_interval: Some(2),
-            payload_format_indicator: None,
-            message_expiry_interval: None,
-            content_type: None,
-            response_topic: None,
-            correlation_data: None,
-            user_properties: Vec::new(),
-        }),
+        Some(will_after(2)),
     ));
     let (_willer, mut eventloop) = AsyncClient::new(options, 8);
     let (connected_tx, connected) = tokio::sync::oneshot::channel();
