@@ -28,18 +28,38 @@ pub fn set_note(value: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A RESP array of bulk strings, as every client sends it (written out here rather than with the
+/// server's own encoder, so that the wire tests do not share its mistakes).
+pub fn resp(args: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// This machine's wall clock, in milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// HLC text form `%015d:%05d:%s` (spec §4).
+pub fn hlc(wall_ms: u64, counter: u32, node: &str) -> String {
+    format!("{wall_ms:015}:{counter:05}:{node}")
+}
+
 pub fn hlc_now() -> String {
     hlc_in(0)
 }
 
 /// A client timestamp `ahead_ms` ahead of this machine's wall clock.
 pub fn hlc_in(ahead_ms: u64) -> String {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
-        + u128::from(ahead_ms);
-    format!("{ms:015}:{:05}:test", 0)
+    hlc(now_ms() + ahead_ms, 0, "test")
 }
 
 /// The (wall ms, counter) of an HLC text, for comparing versions.

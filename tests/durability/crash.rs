@@ -18,7 +18,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rand::rngs::StdRng;
@@ -29,8 +29,8 @@ use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
 
 use common::state::{
-    bulk, hlc_now, hlc_order, reply_ts, request_properties, StateClient, INVOKE_TOPIC, NIL, OK,
-    WAIT,
+    bulk, hlc, hlc_now, hlc_order, now_ms, reply_ts, request_properties, StateClient, INVOKE_TOPIC,
+    NIL, OK, WAIT,
 };
 use common::Server;
 
@@ -78,13 +78,6 @@ struct Mqtt {
     response_topic: String,
     next_correlation: u64,
     node: String,
-}
-
-fn now_ms() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
 }
 
 impl Mqtt {
@@ -179,7 +172,7 @@ impl Mqtt {
     async fn request(&mut self, args: &[&[u8]]) -> Option<Reply> {
         self.next_correlation += 1;
         let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
-        let ts = format!("{:015}:{:05}:{}", now_ms(), 0, self.node);
+        let ts = hlc(now_ms(), 0, &self.node);
         let properties = request_properties(&self.response_topic, &correlation, ts);
         self.client
             .publish_with_properties(

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::state::{StateClient, NIL, OK};
+use common::state::{now_ms, StateClient, NIL, OK};
 use common::topic::{cli, create, stats};
 use common::Server;
 use serde_json::Value;
@@ -226,11 +226,7 @@ async fn an_endpoint_down_then_up_gets_every_change_in_order() {
     assert!(down["oldest_age_ms"].is_u64(), "{down}");
     assert_eq!(down["owner"], "mqstate", "{down}");
     let expires = down["lock_expires"].as_u64().expect("lock_expires");
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    assert!(expires > now_ms, "the owner's lock is live: {down}");
+    assert!(expires > now_ms(), "the owner's lock is live: {down}");
     assert!(
         down["last_error"].as_str().unwrap().contains("503"),
         "{down}"
