@@ -85,6 +85,26 @@ pub fn request_properties(
     }
 }
 
+/// Publishes the state-store request `args` (QoS 1 to the invoke topic) with the envelope of
+/// [`request_properties`].
+pub async fn send_request(
+    client: &AsyncClient,
+    args: &[&[u8]],
+    response_topic: &str,
+    correlation: &Bytes,
+    ts: String,
+) -> Result<(), rumqttc::v5::ClientError> {
+    client
+        .publish_with_properties(
+            INVOKE_TOPIC,
+            QoS::AtLeastOnce,
+            false,
+            mqstate_protocol::encode_request(args),
+            request_properties(response_topic, correlation, ts),
+        )
+        .await
+}
+
 /// The `__ts` of a reply, if it has one.
 pub fn reply_ts(props: &PublishProperties) -> Option<String> {
     props
@@ -265,15 +285,7 @@ impl StateClient {
         ts: String,
     ) -> (Bytes, Option<String>) {
         let correlation = correlation.clone();
-        let properties = request_properties(&self.response_topic, &correlation, ts);
-        self.client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                mqstate_protocol::encode_request(args),
-                properties,
-            )
+        send_request(&self.client, args, &self.response_topic, &correlation, ts)
             .await
             .unwrap();
         loop {

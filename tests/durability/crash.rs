@@ -29,8 +29,7 @@ use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
 
 use common::state::{
-    bulk, hlc, hlc_now, hlc_order, now_ms, reply_ts, request_properties, StateClient, INVOKE_TOPIC,
-    NIL, OK, WAIT,
+    bulk, hlc, hlc_now, hlc_order, now_ms, reply_ts, send_request, StateClient, NIL, OK, WAIT,
 };
 use common::Server;
 
@@ -173,15 +172,7 @@ impl Mqtt {
         self.next_correlation += 1;
         let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
         let ts = hlc(now_ms(), 0, &self.node);
-        let properties = request_properties(&self.response_topic, &correlation, ts);
-        self.client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                mqstate_protocol::encode_request(args),
-                properties,
-            )
+        send_request(&self.client, args, &self.response_topic, &correlation, ts)
             .await
             .ok()?;
         self.next(|i| match i {
