@@ -38,7 +38,7 @@ use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::{
     accepted, adopted, nothing_lost, publish_for_a_while, retain_until_held,
-    retained_after_restart, retained_at, route_heard, three_nodes, FAILOVER_WAIT,
+    retained_after_restart, retained_at, route_heard, three_nodes, will_watcher, FAILOVER_WAIT,
 };
 use common::mqtt::{will_of, Raw};
 use common::state::{hlc_now, request_properties, set_note, StateClient, INVOKE_TOPIC, OK};
@@ -80,8 +80,7 @@ async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
 async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
-    let (mut watcher, _) = accepted(n2, "will-watcher", true, 0, None).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut watcher = will_watcher(n2, "will-watcher").await;
 
     // Four persistent sessions connected to node 1 when it dies.
     let (at_once, _) = accepted(n1, "will-now", false, 3600, will_of("will-now", 0)).await;
@@ -429,8 +428,7 @@ async fn an_observer_back_on_another_node_gets_what_was_changed_while_its_node_w
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adopted_observer_is_queued_what_was_changed_before_its_adoption() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
-    let (mut watcher, _) = accepted(n2, "adopted-watcher", true, 0, None).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut watcher = will_watcher(n2, "adopted-watcher").await;
     let mut writer = StateClient::connect(n2, "adopted-writer").await;
     // Its will (no delay) tells when it was adopted.
     let id = "adopted-observer";

@@ -24,7 +24,8 @@ use rumqttc::v5::mqttbytes::v5::{Packet, PubAck, PubComp, PubRec};
 use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::{
-    accepted, adopted, nothing_lost, publish_for_a_while, three_nodes, Node, FAILOVER_WAIT,
+    accepted, adopted, nothing_lost, publish_for_a_while, three_nodes, will_watcher, Node,
+    FAILOVER_WAIT,
 };
 use common::mqtt::{will_of, Raw};
 
@@ -185,8 +186,7 @@ async fn a_shared_group_held_only_on_a_dead_node_gets_every_acknowledged_message
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_publish_whose_redelivery_misses_a_node_is_held_again() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
-    let (mut watcher, _) = accepted(n2, "c-watcher", true, 0, None).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut watcher = will_watcher(n2, "c-watcher").await;
     let ids: Vec<String> = (0..6).map(|k| format!("c-sub-{k}")).collect();
     let mut subscribers = Vec::new();
     for id in &ids {

@@ -21,7 +21,7 @@ use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::{
     accepted, agreed, eventually, retain_until_held, retained_after_restart, retained_at,
-    route_heard, three_nodes, Node, FAILOVER_WAIT,
+    route_heard, three_nodes, will_watcher, Node, FAILOVER_WAIT,
 };
 use common::mqtt::will_of;
 
@@ -29,8 +29,7 @@ use common::mqtt::will_of;
 async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
-    let (mut watcher, _) = accepted(n2, "will-watcher", true, 0, None).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut watcher = will_watcher(n2, "will-watcher").await;
 
     // A clean client that leaves normally: its will is deleted with it (on one node too).
     let (quiet, _) = accepted(n1, "clean-quiet", true, 0, will_of("clean-quiet", 0)).await;

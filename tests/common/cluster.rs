@@ -250,6 +250,14 @@ pub async fn accepted(
     Raw::accept_within(addr, id, clean_start, expiry, will, FAILOVER_WAIT).await
 }
 
+/// A client `id` on `addr` that hears every will of [`will_of`](super::mqtt::will_of) (`will/#`,
+/// QoS 1; [`Raw::next_topic`] takes the next).
+pub async fn will_watcher(addr: SocketAddr, id: &str) -> Raw {
+    let (mut watcher, _) = accepted(addr, id, true, 0, None).await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    watcher
+}
+
 /// `id`'s persistent session back on `addr` once adopted (Session Present = 1), within
 /// [`FAILOVER_WAIT`] of `since`.
 pub async fn adopted(addr: SocketAddr, id: &str, since: Instant) -> Raw {
