@@ -262,6 +262,67 @@ pub fn sweep<F: Default>(
     }
 }
 
+/// A fault among simulated nodes (each on its host, [`host`]).
+#[derive(Debug, Clone, Copy)]
+pub enum NodeFault {
+    /// The node's process dies (its disk stays); it restarts after the given time.
+    Crash(NodeId, Duration),
+    /// The node is cut off from the other nodes (what is in flight is lost) for a while.
+    Isolate(NodeId, Duration),
+    /// Messages between two nodes are held back for a while, then delivered.
+    Hold(NodeId, NodeId, Duration),
+}
+
+impl NodeFault {
+    /// Messages between `node` and the node `offset` places after it in `nodes` (cyclically) held
+    /// back for `lasting`.
+    pub fn hold(nodes: &[NodeId], node: NodeId, offset: usize, lasting: Duration) -> NodeFault {
+        let at = nodes.iter().position(|&n| n == node).unwrap_or(0);
+        NodeFault::Hold(node, nodes[(at + offset) % nodes.len()], lasting)
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            NodeFault::Crash(..) => "crash",
+            NodeFault::Isolate(..) => "isolate",
+            NodeFault::Hold(..) => "hold",
+        }
+    }
+
+    /// Injects the fault among `nodes`; how long it lasts.
+    pub fn start(self, sim: &mut turmoil::Sim<'_>, nodes: &[NodeId]) -> Duration {
+        match self {
+            NodeFault::Crash(n, lasting) => {
+                sim.crash(host(n));
+                lasting
+            }
+            NodeFault::Isolate(n, lasting) => {
+                for other in nodes.iter().filter(|&&o| o != n) {
+                    sim.partition(host(n), host(*other));
+                }
+                lasting
+            }
+            NodeFault::Hold(a, b, lasting) => {
+                sim.hold(host(a), host(b));
+                lasting
+            }
+        }
+    }
+
+    /// Undoes the fault: the node restarts, its links come back, held messages are delivered.
+    pub fn end(self, sim: &mut turmoil::Sim<'_>, nodes: &[NodeId]) {
+        match self {
+            NodeFault::Crash(n, _) => sim.bounce(host(n)),
+            NodeFault::Isolate(n, _) => {
+                for other in nodes.iter().filter(|&&o| o != n) {
+                    sim.repair(host(n), host(*other));
+                }
+            }
+            NodeFault::Hold(a, b, _) => sim.release(host(a), host(b)),
+        }
+    }
+}
+
 /// Steps `sim` until it is done or a host fails, running the faults of `schedule` (each with the
 /// time it starts at, in order) one at a time: `start` injects one and says how long it lasts;
 /// `end` undoes it when that is over, or at `chaos`, when every fault is over.

@@ -25,8 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mqstate_cluster::sim::{
-    addr, data_root, host, sim_config, sim_transport, simulation, sweep, SimClock, SimListener,
-    PORT,
+    addr, data_root, host, sim_config, sim_transport, simulation, sweep, NodeFault, SimClock,
+    SimListener, PORT,
 };
 use mqstate_cluster::status::PartitionStatus;
 use mqstate_cluster::transport::tcp::serve;
@@ -84,16 +84,6 @@ fn observe(node: &ClusterNode, samples: &Samples) {
         partitions: status.partitions,
     };
     samples.borrow_mut().insert(node.id(), sample);
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Fault {
-    /// The node's process dies (its disk stays); it restarts after the given time.
-    Crash(NodeId, Duration),
-    /// The node is cut off from every other (messages in flight are lost) for a while.
-    Isolate(NodeId, Duration),
-    /// Messages between two nodes are held back for a while, then delivered.
-    Hold(NodeId, NodeId, Duration),
 }
 
 #[derive(Debug, Default)]
@@ -292,20 +282,15 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
     }
 
     // The fault schedule, drawn up front from the seed.
-    let mut schedule: Vec<(Duration, Fault)> = Vec::new();
+    let mut schedule: Vec<(Duration, NodeFault)> = Vec::new();
     let mut at = Duration::from_millis(rng.gen_range(2_000..4_000));
     while at < chaos {
         let node = NODES[rng.gen_range(0..NODES.len())];
         let lasting = Duration::from_millis(rng.gen_range(300..6_000));
         let fault = match rng.gen_range(0..3) {
-            0 => Fault::Crash(node, lasting),
-            1 => Fault::Isolate(node, lasting),
-            _ => {
-                let other = NODES[(NODES.iter().position(|&n| n == node).unwrap()
-                    + rng.gen_range(1..NODES.len()))
-                    % NODES.len()];
-                Fault::Hold(node, other, lasting)
-            }
+            0 => NodeFault::Crash(node, lasting),
+            1 => NodeFault::Isolate(node, lasting),
+            _ => NodeFault::hold(&NODES, node, rng.gen_range(1..NODES.len()), lasting),
         };
         schedule.push((at, fault));
         at += lasting + Duration::from_millis(rng.gen_range(200..3_000));
@@ -314,7 +299,7 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
 
     let mut checker = Checker::default();
     let mut schedule = schedule.into_iter().peekable();
-    let mut ending: Option<(Duration, Fault)> = None;
+    let mut ending: Option<(Duration, NodeFault)> = None;
     let mut views_seen: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
     let end = chaos + SETTLE;
     let mut converged_at = None;
@@ -326,37 +311,16 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         let now = sim.elapsed();
         if let Some((until, fault)) = ending {
             if now >= until {
-                match fault {
-                    Fault::Crash(n, _) => sim.bounce(host(n)),
-                    Fault::Isolate(n, _) => {
-                        for other in NODES.iter().filter(|&&o| o != n) {
-                            sim.repair(host(n), host(*other));
-                        }
-                    }
-                    Fault::Hold(a, b, _) => sim.release(host(a), host(b)),
-                }
+                fault.end(&mut sim, &NODES);
                 ending = None;
             }
         }
         if ending.is_none() && schedule.peek().is_some_and(|(at, _)| now >= *at) {
             let (_, fault) = schedule.next().unwrap();
-            let lasting = match fault {
-                Fault::Crash(n, lasting) => {
-                    sim.crash(host(n));
-                    samples.borrow_mut().remove(&n);
-                    lasting
-                }
-                Fault::Isolate(n, lasting) => {
-                    for other in NODES.iter().filter(|&&o| o != n) {
-                        sim.partition(host(n), host(*other));
-                    }
-                    lasting
-                }
-                Fault::Hold(a, b, lasting) => {
-                    sim.hold(host(a), host(b));
-                    lasting
-                }
-            };
+            let lasting = fault.start(&mut sim, &NODES);
+            if let NodeFault::Crash(n, _) = fault {
+                samples.borrow_mut().remove(&n);
+            }
             ending = Some((now + lasting, fault));
         }
         let samples = samples.borrow();

@@ -44,7 +44,7 @@ use std::time::Duration;
 use mqstate_clock::SharedClock;
 use mqstate_cluster::sim::{
     addr, data_root, host, run_faults, sim_config, sim_ms, sim_transport, simulation, sweep,
-    SimClock, SimListener, EPOCH_MS, PORT,
+    NodeFault, SimClock, SimListener, EPOCH_MS, PORT,
 };
 use mqstate_cluster::transport::tcp::{serve, TcpTransport};
 use mqstate_cluster::transport::{
@@ -413,12 +413,7 @@ const FINAL_CLIENT: u64 = 99;
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
-    /// The node's process dies (its disk stays); it restarts after the given time.
-    Crash(NodeId, Duration),
-    /// The node is cut off from the other nodes (what is in flight is lost) for a while.
-    Isolate(NodeId, Duration),
-    /// Messages between two nodes are held back for a while, then delivered.
-    Hold(NodeId, NodeId, Duration),
+    Node(NodeFault),
     /// The node's wall clock jumps to another offset within the bound the leases assume.
     Jump(NodeId, i64),
 }
@@ -426,9 +421,7 @@ enum Fault {
 impl Fault {
     fn kind(&self) -> &'static str {
         match self {
-            Fault::Crash(..) => "crash",
-            Fault::Isolate(..) => "isolate",
-            Fault::Hold(..) => "hold",
+            Fault::Node(fault) => fault.kind(),
             Fault::Jump(..) => "clock jump",
         }
     }
@@ -486,14 +479,14 @@ fn run_seed(
         let node = NODES[rng.gen_range(0..NODES.len())];
         let lasting = Duration::from_millis(rng.gen_range(300..3_000));
         let fault = match rng.gen_range(0..4) {
-            0 => Fault::Crash(node, lasting),
-            1 => Fault::Isolate(node, lasting),
-            2 => {
-                let other = NODES[(NODES.iter().position(|&n| n == node).unwrap_or(0)
-                    + rng.gen_range(1..NODES.len()))
-                    % NODES.len()];
-                Fault::Hold(node, other, lasting)
-            }
+            0 => Fault::Node(NodeFault::Crash(node, lasting)),
+            1 => Fault::Node(NodeFault::Isolate(node, lasting)),
+            2 => Fault::Node(NodeFault::hold(
+                &NODES,
+                node,
+                rng.gen_range(1..NODES.len()),
+                lasting,
+            )),
             _ => Fault::Jump(
                 node,
                 rng.gen_range(-(CLOCK_FACTOR_MS as i64) / 2..=CLOCK_FACTOR_MS as i64 / 2),
@@ -507,33 +500,14 @@ fn run_seed(
     }
 
     let start_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
-        Fault::Crash(n, lasting) => {
-            sim.crash(host(n));
-            lasting
-        }
-        Fault::Isolate(n, lasting) => {
-            for other in NODES.iter().filter(|&&o| o != n) {
-                sim.partition(host(n), host(*other));
-            }
-            lasting
-        }
-        Fault::Hold(a, b, lasting) => {
-            sim.hold(host(a), host(b));
-            lasting
-        }
+        Fault::Node(fault) => fault.start(sim, &NODES),
         Fault::Jump(n, skew) => {
             skews[&n].store(skew, Ordering::Relaxed);
             Duration::ZERO
         }
     };
     let end_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
-        Fault::Crash(n, _) => sim.bounce(host(n)),
-        Fault::Isolate(n, _) => {
-            for other in NODES.iter().filter(|&&o| o != n) {
-                sim.repair(host(n), host(*other));
-            }
-        }
-        Fault::Hold(a, b, _) => sim.release(host(a), host(b)),
+        Fault::Node(fault) => fault.end(sim, &NODES),
         Fault::Jump(..) => {}
     };
     let outcome = run_faults(&mut sim, chaos, schedule, start_fault, end_fault);
