@@ -14,7 +14,7 @@ use mqstate_clock::{Clock, SharedClock};
 use crate::transport::mem::MemNetwork;
 use crate::transport::socket::{Accept, BoxStream, Connect};
 use crate::transport::tcp::TcpTransport;
-use crate::transport::BoxFuture;
+use crate::transport::{AdminRequest, BoxFuture, Request, Response, Transport};
 use crate::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
 
 /// A node's config with the quick timings the in-process tests use (a 600 ms lease, 300 ms
@@ -133,6 +133,32 @@ pub fn sim_config(
 /// The cluster transport over turmoil's simulated TCP.
 pub fn sim_transport() -> TcpTransport {
     TcpTransport::over(Arc::new(SimConnect), None)
+}
+
+/// Asks `founders` in turn (only the leader accepts) to add node `joiner`, a round every 0.5 s,
+/// until one says it is done; false if none did before a round began `within` after the first.
+pub async fn add_node(founders: &[NodeId], joiner: NodeId, within: Duration) -> bool {
+    let transport = sim_transport();
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < within {
+        for &id in founders {
+            let request = Request::Admin(AdminRequest::AddNode {
+                id: joiner,
+                addr: addr(joiner),
+            });
+            match transport
+                .call(&addr(id), request, Duration::from_secs(30))
+                .await
+            {
+                Ok(Response::AdminDone) => return true,
+                // A retry after a change that committed but whose answer was lost.
+                Ok(Response::Failed(reason)) if reason.contains("already a member") => return true,
+                _ => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    false
 }
 
 /// turmoil's simulated TCP behind the transport's socket port.

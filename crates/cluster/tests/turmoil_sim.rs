@@ -25,12 +25,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mqstate_cluster::sim::{
-    addr, data_root, host, sim_config, sim_transport, simulation, sweep, NodeFault, SimClock,
+    add_node, data_root, host, sim_config, sim_transport, simulation, sweep, NodeFault, SimClock,
     SimListener, PORT,
 };
 use mqstate_cluster::status::PartitionStatus;
 use mqstate_cluster::transport::tcp::serve;
-use mqstate_cluster::transport::{AdminRequest, Request, Response, Transport};
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -254,30 +253,9 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         let added = added.clone();
         sim.client("admin", async move {
             tokio::time::sleep(ask_at).await;
-            let transport = sim_transport();
-            loop {
-                for id in FOUNDERS {
-                    let request = Request::Admin(AdminRequest::AddNode {
-                        id: JOINER,
-                        addr: addr(JOINER),
-                    });
-                    let answer = transport
-                        .call(&addr(id), request, Duration::from_secs(30))
-                        .await;
-                    let done = match &answer {
-                        Ok(Response::AdminDone) => true,
-                        // A retry after a change that committed but whose answer was lost.
-                        Ok(Response::Failed(reason)) => reason.contains("already a member"),
-                        _ => false,
-                    };
-                    if done {
-                        *added.borrow_mut() =
-                            Some(turmoil::sim_elapsed().unwrap_or_default().as_millis());
-                        return Ok(());
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
+            add_node(&FOUNDERS, JOINER, Duration::MAX).await;
+            *added.borrow_mut() = Some(turmoil::sim_elapsed().unwrap_or_default().as_millis());
+            Ok(())
         });
     }
 

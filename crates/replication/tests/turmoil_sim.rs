@@ -43,12 +43,12 @@ use std::time::Duration;
 
 use mqstate_clock::SharedClock;
 use mqstate_cluster::sim::{
-    addr, data_root, host, run_faults, sim_config, sim_ms, sim_transport, simulation, sweep,
+    add_node, data_root, host, run_faults, sim_config, sim_ms, sim_transport, simulation, sweep,
     NodeFault, SimClock, SimListener, EPOCH_MS, PORT,
 };
 use mqstate_cluster::transport::tcp::{serve, TcpTransport};
 use mqstate_cluster::transport::{
-    decode_body, encode_body, AdminRequest, BoxFuture, Handler, Request, Response, Transport,
+    decode_body, encode_body, BoxFuture, Handler, Request, Response, Transport,
 };
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
 use mqstate_protocol::RequestLimits;
@@ -373,39 +373,17 @@ async fn final_reads(
     Ok(())
 }
 
-/// Adds node 4 to the cluster at `at`, asking the founders in turn until one says it is done.
+/// Adds node 4 to the cluster at `at`.
 async fn add_joiner(
     at: Duration,
     joined: Rc<Cell<bool>>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     tokio::time::sleep(at).await;
-    let transport = sim_transport();
-    let started = tokio::time::Instant::now();
-    while started.elapsed() < SETTLE {
-        for id in FOUNDERS {
-            let request = Request::Admin(AdminRequest::AddNode {
-                id: JOINER,
-                addr: addr(JOINER),
-            });
-            let answer = transport
-                .call(&addr(id), request, Duration::from_secs(30))
-                .await;
-            match &answer {
-                Ok(Response::AdminDone) => {
-                    joined.set(true);
-                    return Ok(());
-                }
-                // A retry after a change that committed but whose answer was lost.
-                Ok(Response::Failed(reason)) if reason.contains("already a member") => {
-                    joined.set(true);
-                    return Ok(());
-                }
-                _ => {}
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    if !add_node(&FOUNDERS, JOINER, SETTLE).await {
+        return Err(format!("node {JOINER} was not added in {SETTLE:?}").into());
     }
-    Err(format!("node {JOINER} was not added in {SETTLE:?}").into())
+    joined.set(true);
+    Ok(())
 }
 
 /// The client id of the reads after the faults.
