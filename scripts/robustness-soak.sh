@@ -34,15 +34,7 @@ done
 dir="${dir:-target/robustness/soak-$nodes}"
 mkdir -p "$dir"
 
-TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
-if [ -n "${MQSTATE_SERVER:-}" ]; then
-  cargo build --release --quiet -p mqstate-robustness
-  server="$MQSTATE_SERVER"
-else
-  cargo build --release --quiet -p mqstate -p mqstate-robustness
-  server="$TARGET/release/mqstate"
-fi
-driver="$TARGET/release/mqstate-robustness"
+. scripts/lib/robustness-build.sh
 
 # A batch is complete when its report counts all of its runs (the driver rewrites the report
 # after every run, so a stopped batch leaves a partial one, which is run again).

@@ -37,12 +37,5 @@ if [[ " $* " == *" --nodes 3 "* ]]; then
     fi
   fi
 fi
-TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
-if [ -n "${MQSTATE_SERVER:-}" ]; then
-  cargo build --release --quiet -p mqstate-robustness
-  server="$MQSTATE_SERVER"
-else
-  cargo build --release --quiet -p mqstate -p mqstate-robustness
-  server="$TARGET/release/mqstate"
-fi
-exec "$TARGET/release/mqstate-robustness" --server "$server" "$@"
+. scripts/lib/robustness-build.sh
+exec "$driver" --server "$server" "$@"

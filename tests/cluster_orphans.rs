@@ -28,71 +28,20 @@
 
 mod common;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use std::collections::BTreeMap;
-
-use rumqttc::v5::mqttbytes::v5::{LastWill, LastWillProperties, Packet, PingReq, PubAck, Publish};
+use rumqttc::v5::mqttbytes::v5::{Packet, PubAck, Publish};
 use rumqttc::v5::mqttbytes::QoS;
 
-use common::cluster::three_nodes;
-use common::mqtt::Raw;
+use common::cluster::{
+    accepted, adopted, nothing_lost, publish_for_a_while, retain_until_held,
+    retained_after_restart, retained_at, route_heard, three_nodes, will_watcher, FAILOVER_WAIT,
+};
+use common::mqtt::{will_of, Raw};
 use common::state::{hlc_now, request_properties, set_note, StateClient, INVOKE_TOPIC, OK};
-
-/// Hang guard of every wait (fail-over, adoption, expiry): generous, the machine is shared.
-const WAIT: Duration = Duration::from_secs(120);
-
-/// [`Raw::accept_within`] [`WAIT`].
-async fn accepted(
-    addr: SocketAddr,
-    id: &str,
-    clean_start: bool,
-    expiry: u32,
-    will: Option<LastWill>,
-) -> (Raw, bool) {
-    Raw::accept_within(addr, id, clean_start, expiry, will, WAIT).await
-}
-
-/// The will of `id`: on `will/<id>`, QoS 1, after `delay` seconds.
-fn will_of(id: &str, delay: u32) -> Option<LastWill> {
-    let properties = LastWillProperties {
-        delay_interval: Some(delay),
-        payload_format_indicator: None,
-        message_expiry_interval: None,
-        content_type: None,
-        response_topic: None,
-        correlation_data: None,
-        user_properties: Vec::new(),
-    };
-    Some(LastWill::new(
-        format!("will/{id}"),
-        Bytes::from_static(b"gone"),
-        QoS::AtLeastOnce,
-        false,
-        Some(properties),
-    ))
-}
-
-/// Waits for the next will published to `watcher` (acknowledged); its topic.
-async fn next_will(watcher: &mut Raw) -> String {
-    loop {
-        match watcher.recv().await {
-            Packet::Publish(p) => {
-                if p.qos == QoS::AtLeastOnce {
-                    watcher
-                        .send(Packet::PubAck(PubAck::new(p.pkid, None)))
-                        .await;
-                }
-                return String::from_utf8_lossy(&p.topic).into_owned();
-            }
-            Packet::PingResp(_) => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-}
 
 /// `observer` (subscribed to its response topic) sends KEYNOTIFY `key` and waits for `+OK`.
 async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
@@ -131,8 +80,7 @@ async fn keynotify(observer: &mut Raw, id: &str, key: &[u8]) {
 async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
-    let (mut watcher, _) = accepted(n2, "will-watcher", true, 0, None).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut watcher = will_watcher(n2, "will-watcher").await;
 
     // Four persistent sessions connected to node 1 when it dies.
     let (at_once, _) = accepted(n1, "will-now", false, 3600, will_of("will-now", 0)).await;
@@ -183,10 +131,10 @@ async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() 
     .collect();
     while wills != everyone {
         assert!(
-            killed.elapsed() < WAIT,
-            "wills after {WAIT:?}: {wills:?}, not {everyone:?}"
+            killed.elapsed() < FAILOVER_WAIT,
+            "wills after {FAILOVER_WAIT:?}: {wills:?}, not {everyone:?}"
         );
-        let will = next_will(&mut watcher).await;
+        let will = watcher.next_topic().await;
         eprintln!("{will} {:?} after kill -9 of node 1", killed.elapsed());
         if will == "will/orphan-long" {
             // Adopted: what is published for it from now on is queued for it.
@@ -249,149 +197,38 @@ async fn the_sessions_of_a_dead_node_are_adopted_with_wills_expiry_and_queues() 
     drop((publisher, watcher, writer));
 }
 
-/// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.
-async fn retain(c: &mut Raw, topic: &str, payload: &str) {
-    let mut p = Publish::new(
-        topic,
-        QoS::AtLeastOnce,
-        Bytes::from(payload.to_owned()),
-        None,
-    );
-    p.retain = true;
-    p.pkid = c.pkid();
-    let pkid = p.pkid;
-    c.send(Packet::Publish(p)).await;
-    match c.recv().await {
-        Packet::PubAck(ack) if ack.pkid == pkid => {}
-        other => panic!("expected PUBACK {pkid}, got {other:?}"),
-    }
-}
-
-/// The retained messages a new subscriber to `r/#` on `addr` gets: topic → payload (they come
-/// in topic order, before the answer to a ping sent after the SUBACK).
-async fn retained_at(addr: SocketAddr, id: &str) -> BTreeMap<String, String> {
-    let (mut c, _) = accepted(addr, id, true, 0, None).await;
-    c.subscribe("r/#", QoS::AtMostOnce).await;
-    c.send(Packet::PingReq(PingReq)).await;
-    let mut got = BTreeMap::new();
-    loop {
-        match c.recv().await {
-            Packet::PingResp(_) => break,
-            Packet::Publish(p) => {
-                got.insert(
-                    String::from_utf8_lossy(&p.topic).into_owned(),
-                    String::from_utf8_lossy(&p.payload).into_owned(),
-                );
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    c.disconnect().await;
-    got
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retained_clears_and_replacements_reach_a_node_that_was_down() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
     let (mut publisher, _) = accepted(n1, "retainer", true, 0, None).await;
-    // Node 3 holds both messages (the nodes' mesh forms in the background: publish again
-    // until it does).
-    let both = BTreeMap::from([
-        ("r/replaced".to_owned(), "v1".to_owned()),
-        ("r/stale".to_owned(), "v1".to_owned()),
-    ]);
-    let started = Instant::now();
-    for attempt in 0.. {
-        retain(&mut publisher, "r/stale", "v1").await;
-        retain(&mut publisher, "r/replaced", "v1").await;
-        if retained_at(n3, &format!("r-before-{attempt}")).await == both {
-            break;
-        }
-        assert!(
-            started.elapsed() < WAIT,
-            "node 3 never got the retained messages"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // Node 3 holds both messages.
+    retain_until_held(
+        &mut publisher,
+        &[("r/stale", "v1"), ("r/replaced", "v1")],
+        n3,
+    )
+    .await;
 
     tokio::task::block_in_place(|| nodes[2].server.kill9());
     // While node 3 is down: one cleared, one replaced, and a marker (last in topic order) that
     // tells when node 3 took in the others' retained sets.
-    retain(&mut publisher, "r/stale", "").await;
-    retain(&mut publisher, "r/replaced", "v2").await;
-    retain(&mut publisher, "r/zz-marker", "m").await;
+    publisher.retain("r/stale", "").await;
+    publisher.retain("r/replaced", "v2").await;
+    publisher.retain("r/zz-marker", "m").await;
     tokio::task::block_in_place(|| nodes[2].server.restart());
 
     let expected = BTreeMap::from([
         ("r/replaced".to_owned(), "v2".to_owned()),
         ("r/zz-marker".to_owned(), "m".to_owned()),
     ]);
-    let restarted = Instant::now();
-    for attempt in 0.. {
-        let got = retained_at(n3, &format!("r-after-{attempt}")).await;
-        if got.contains_key("r/zz-marker") {
-            assert_eq!(got, expected, "node 3 after its restart");
-            eprintln!(
-                "node 3 learned the retained set {:?} after its restart",
-                restarted.elapsed()
-            );
-            break;
-        }
-        assert!(
-            restarted.elapsed() < WAIT,
-            "node 3 never learned the retained set: {got:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    retained_after_restart(n3, &expected).await;
 
     // Node 3's own stream reached node 1 (its resync first, then this route): what node 3 held
     // before did not come back on the others.
-    let (mut probe, _) = accepted(n3, "r-probe", true, 0, None).await;
-    probe.subscribe("probe3", QoS::AtMostOnce).await;
-    let started = Instant::now();
-    loop {
-        let mut p = Publish::new("probe3", QoS::AtMostOnce, Bytes::from_static(b"p"), None);
-        p.pkid = 0;
-        publisher.send(Packet::Publish(p)).await;
-        let heard = tokio::time::timeout(Duration::from_millis(300), probe.recv()).await;
-        if let Ok(Packet::Publish(_)) = heard {
-            break;
-        }
-        assert!(
-            started.elapsed() < WAIT,
-            "node 3's routes never reached node 1"
-        );
-    }
+    let probe = route_heard(&mut publisher, n3).await;
     assert_eq!(retained_at(n1, "r-check-1").await, expected, "node 1");
     assert_eq!(retained_at(n2, "r-check-2").await, expected, "node 2");
     drop((probe, publisher));
-}
-
-/// Publishes `<prefix>0`, `<prefix>1`, … at QoS 1 on `held/t`, each awaiting its PUBACK, until 5 s
-/// after `since` (at least 20); the client, how many, and those acknowledged 0x00.
-async fn publish_sequence(
-    mut publisher: Raw,
-    prefix: String,
-    since: Instant,
-) -> (Raw, usize, Vec<String>) {
-    let mut ok = Vec::new();
-    let mut i = 0;
-    while since.elapsed() < Duration::from_secs(5) || i < 20 {
-        assert!(since.elapsed() < WAIT, "publishing for {WAIT:?}");
-        let payload = format!("{prefix}{i}");
-        let code = publisher
-            .publish("held/t", QoS::AtLeastOnce, &payload)
-            .await;
-        assert!(
-            code == 0x00 || code == 0x10,
-            "PUBACK of {payload}: reason {code:#04x}"
-        );
-        if code == 0x00 {
-            ok.push(payload);
-        }
-        i += 1;
-    }
-    (publisher, i, ok)
 }
 
 /// Issue 16: what a publisher got PUBACK 0x00 for is not lost for a persistent session whose
@@ -422,9 +259,9 @@ async fn publishes_acknowledged_while_a_dead_nodes_session_awaits_adoption_are_n
 
     // Four more publishers starting 0.25 s apart, so that some publish while node 2 still
     // forwards to node 1 and others after it skipped node 1 but before the adoption.
-    let mut others = Vec::new();
+    let mut publishers = vec![publisher];
     for k in 0..4 {
-        others.push(
+        publishers.push(
             accepted(n2, &format!("held-pub-{k}"), true, 0, None)
                 .await
                 .0,
@@ -433,55 +270,19 @@ async fn publishes_acknowledged_while_a_dead_nodes_session_awaits_adoption_are_n
 
     tokio::task::block_in_place(|| nodes[0].server.kill9());
     let killed = Instant::now();
-    let mut tasks = vec![tokio::spawn(publish_sequence(
-        publisher,
-        "m".to_owned(),
-        killed,
-    ))];
-    for (k, publisher) in others.into_iter().enumerate() {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        tasks.push(tokio::spawn(publish_sequence(
-            publisher,
-            format!("p{k}-"),
-            killed,
-        )));
-    }
-    let mut published = 0;
-    let mut publisher = None;
-    for task in tasks {
-        let (client, count, ok) = task.await.expect("publisher task");
-        published += count;
-        acked.extend(ok);
-        publisher.get_or_insert(client);
-    }
-    let mut publisher = publisher.expect("a publisher");
-    eprintln!(
-        "{published} published in {:?} after kill -9, {} acknowledged 0x00",
-        killed.elapsed(),
-        acked.len() - 1
-    );
+    let (after_kill, mut publisher) =
+        publish_for_a_while(publishers, "held/t", QoS::AtLeastOnce, killed, 20).await;
+    acked.extend(after_kill);
 
     // Back on node 3 once adopted (Session Present = 1).
-    let mut subscriber = loop {
-        assert!(
-            killed.elapsed() < WAIT,
-            "held-sub not adopted after {WAIT:?}"
-        );
-        let (client, present) = accepted(n3, "held-sub", false, 3600, None).await;
-        if present {
-            break client;
-        }
-        client.disconnect().await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let mut subscriber = adopted(n3, "held-sub", killed).await;
     // A last message after the reconnect: queued behind whatever was queued for the session, so
     // once it arrives nothing queued is still coming.
     assert_eq!(
         publisher.publish("held/t", QoS::AtLeastOnce, "end").await,
         0x00
     );
-    let mut got = BTreeSet::new();
-    let mut copies = 0;
+    let mut received = Vec::new();
     loop {
         let p = subscriber.next_publish().await;
         if p.qos == QoS::AtLeastOnce {
@@ -493,21 +294,9 @@ async fn publishes_acknowledged_while_a_dead_nodes_session_awaits_adoption_are_n
         if payload == "end" {
             break;
         }
-        copies += 1;
-        got.insert(payload);
+        received.push(payload);
     }
-    let lost: Vec<&String> = acked.difference(&got).collect();
-    eprintln!(
-        "received {} messages ({copies} copies) of {} acknowledged",
-        got.len(),
-        acked.len()
-    );
-    assert!(
-        lost.is_empty(),
-        "{} acknowledged 0x00 and lost, among them {:?}",
-        lost.len(),
-        &lost[..lost.len().min(10)]
-    );
+    nothing_lost(&acked, &received);
     subscriber.disconnect().await;
     drop(publisher);
 }
@@ -535,7 +324,10 @@ async fn resumed(addr: SocketAddr, id: &str) -> StateClient {
         match StateClient::try_connect_persistent(addr, id).await {
             Ok(client) => return client,
             Err(e) => {
-                assert!(started.elapsed() < WAIT, "{id} not resumed on {addr}: {e}");
+                assert!(
+                    started.elapsed() < FAILOVER_WAIT,
+                    "{id} not resumed on {addr}: {e}"
+                );
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
@@ -574,7 +366,7 @@ async fn values_until_end(observer: &mut StateClient) -> BTreeMap<String, Vec<St
         .iter()
         .any(|key| seen.get(*key).and_then(|v| v.last()).map(String::as_str) != Some("end"))
     {
-        let note = observer.next_notification(WAIT).await;
+        let note = observer.next_notification(FAILOVER_WAIT).await;
         seen.entry(key_of(&note.topic))
             .or_default()
             .push(value_of(&note.payload));
@@ -636,8 +428,7 @@ async fn an_observer_back_on_another_node_gets_what_was_changed_while_its_node_w
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adopted_observer_is_queued_what_was_changed_before_its_adoption() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
-    let (mut watcher, _) = accepted(n2, "adopted-watcher", true, 0, None).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut watcher = will_watcher(n2, "adopted-watcher").await;
     let mut writer = StateClient::connect(n2, "adopted-writer").await;
     // Its will (no delay) tells when it was adopted.
     let id = "adopted-observer";
@@ -651,7 +442,7 @@ async fn an_adopted_observer_is_queued_what_was_changed_before_its_adoption() {
     for round in 1..=3 {
         set_all(&mut writer, &format!("r{round}")).await;
     }
-    assert_eq!(next_will(&mut watcher).await, format!("will/{id}"));
+    assert_eq!(watcher.next_topic().await, format!("will/{id}"));
     for round in 4..=5 {
         set_all(&mut writer, &format!("r{round}")).await;
     }

@@ -14,36 +14,26 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use rumqttc::v5::mqttbytes::v5::ConnectReturnCode;
 use rumqttc::v5::mqttbytes::QoS;
 
-use common::cluster::three_nodes;
+use common::cluster::{accepted, three_nodes, FAILOVER_WAIT};
 use common::mqtt::{Connected, Raw, Received};
-
-/// How long a reconnect may keep being refused retryably (fail-over included) before the test
-/// gives up: generous, the machine is shared.
-const RECONNECT_WITHIN: Duration = Duration::from_secs(120);
-
-/// [`Raw::accept_within`] [`RECONNECT_WITHIN`], without a will.
-async fn accepted(addr: SocketAddr, id: &str, clean_start: bool, expiry: u32) -> (Raw, bool) {
-    Raw::accept_within(addr, id, clean_start, expiry, None, RECONNECT_WITHIN).await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_persistent_session_survives_kill_9_of_its_node() {
     let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
-    let (mut sub, present) = accepted(n1, "survivor", false, 3600).await;
+    let (mut sub, present) = accepted(n1, "survivor", false, 3600, None).await;
     assert!(!present, "a new session");
     sub.subscribe("s/q1", QoS::AtLeastOnce).await;
     sub.subscribe("s/q2", QoS::ExactlyOnce).await;
     sub.disconnect().await;
 
     // Published on another node than the session's: routed there, acknowledged once stored.
-    let (mut publisher, _) = accepted(n2, "publisher-2", true, 0).await;
+    let (mut publisher, _) = accepted(n2, "publisher-2", true, 0, None).await;
     let mut want = BTreeSet::new();
     for i in 0..8 {
         let (topic, qos) = if i % 2 == 0 {
@@ -85,7 +75,7 @@ async fn a_persistent_session_survives_kill_9_of_its_node() {
 
     tokio::task::block_in_place(|| nodes[0].server.kill9());
     let killed = Instant::now();
-    let (mut sub, present) = accepted(n3, "survivor", false, 3600).await;
+    let (mut sub, present) = accepted(n3, "survivor", false, 3600, None).await;
     eprintln!(
         "reconnected to node 3 {:?} after kill -9 of node 1",
         killed.elapsed()
@@ -98,7 +88,7 @@ async fn a_persistent_session_survives_kill_9_of_its_node() {
         "only the message left in flight comes again with DUP: {dups:?} (in flight: {in_flight})"
     );
     // Its subscriptions are in force on node 3.
-    let (mut publisher, _) = accepted(n3, "publisher-3", true, 0).await;
+    let (mut publisher, _) = accepted(n3, "publisher-3", true, 0, None).await;
     assert_eq!(
         publisher.publish("s/q2", QoS::ExactlyOnce, "after").await,
         0x00
@@ -123,10 +113,7 @@ async fn a_persistent_session_survives_kill_9_of_its_node() {
             }
             Connected::Refused(code) => panic!("refused with {code:?}, not 0x88"),
         }
-        assert!(
-            started.elapsed() < RECONNECT_WITHIN,
-            "never refused with 0x88"
-        );
+        assert!(started.elapsed() < FAILOVER_WAIT, "never refused with 0x88");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
@@ -135,15 +122,15 @@ async fn a_persistent_session_survives_kill_9_of_its_node() {
 async fn a_session_moves_between_live_nodes_and_a_clean_start_discards_it() {
     let (_root, _nodes, [n1, n2, n3]) = three_nodes();
 
-    let (mut sub, present) = accepted(n1, "mover", false, 3600).await;
+    let (mut sub, present) = accepted(n1, "mover", false, 3600, None).await;
     assert!(!present);
     sub.subscribe("m/t", QoS::AtLeastOnce).await;
     sub.disconnect().await;
 
     // It moves to node 2: Session Present, the subscription in force there.
-    let (mut sub, present) = accepted(n2, "mover", false, 3600).await;
+    let (mut sub, present) = accepted(n2, "mover", false, 3600, None).await;
     assert!(present, "the session moved to node 2");
-    let (mut publisher2, _) = accepted(n2, "publisher-2", true, 0).await;
+    let (mut publisher2, _) = accepted(n2, "publisher-2", true, 0, None).await;
     assert_eq!(
         publisher2.publish("m/t", QoS::AtLeastOnce, "on-2").await,
         0x00
@@ -153,7 +140,7 @@ async fn a_session_moves_between_live_nodes_and_a_clean_start_discards_it() {
 
     // Node 1 dropped its copy when node 2 claimed the client id: a publish on node 1 is routed
     // to the session on node 2 and queued there (acknowledged once stored), as is one on node 2.
-    let (mut publisher1, _) = accepted(n1, "publisher-1", true, 0).await;
+    let (mut publisher1, _) = accepted(n1, "publisher-1", true, 0, None).await;
     assert_eq!(
         publisher1.publish("m/t", QoS::AtLeastOnce, "on-1").await,
         0x00,
@@ -167,7 +154,7 @@ async fn a_session_moves_between_live_nodes_and_a_clean_start_discards_it() {
     );
 
     // Back to node 1: it takes the row, with what node 2 queued, not an old copy of its own.
-    let (mut sub, present) = accepted(n1, "mover", false, 3600).await;
+    let (mut sub, present) = accepted(n1, "mover", false, 3600, None).await;
     assert!(present);
     let want = BTreeSet::from(["on-1".to_owned(), "queued-2".to_owned()]);
     let got = sub.receive_all(&want).await;
@@ -180,19 +167,19 @@ async fn a_session_moves_between_live_nodes_and_a_clean_start_discards_it() {
     sub.disconnect().await;
 
     // A clean start on node 3 discards the session everywhere.
-    let (sub, present) = accepted(n3, "mover", true, 3600).await;
+    let (sub, present) = accepted(n3, "mover", true, 3600, None).await;
     assert!(!present, "clean start");
     sub.disconnect().await;
-    let (sub, present) = accepted(n2, "mover", false, 3600).await;
+    let (sub, present) = accepted(n2, "mover", false, 3600, None).await;
     assert!(
         present,
         "the clean-start session (expiry > 0) is the one that exists now"
     );
     sub.disconnect().await;
-    let (sub, present) = accepted(n2, "mover", true, 0).await;
+    let (sub, present) = accepted(n2, "mover", true, 0, None).await;
     assert!(!present);
     sub.disconnect().await;
-    let (mut sub, present) = accepted(n1, "mover", false, 3600).await;
+    let (mut sub, present) = accepted(n1, "mover", false, 3600, None).await;
     assert!(
         !present,
         "a clean session is not replicated: nothing to restore"

@@ -20,52 +20,14 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{
-    ConnectReturnCode, LastWill, LastWillProperties, Packet, PubAck, PubComp, PubRec,
-};
+use rumqttc::v5::mqttbytes::v5::{Packet, PubAck, PubComp, PubRec};
 use rumqttc::v5::mqttbytes::QoS;
 
-use common::cluster::{formed_cluster, Node};
-use common::mqtt::{Connected, Raw};
-
-/// Hang guard of every wait (fail-over, adoption): generous, the machine is shared.
-const WAIT: Duration = Duration::from_secs(120);
-
-/// Connects, retrying while the server refuses retryably (0x88 while the session's partition
-/// is between heads, 0x89), within [`WAIT`].
-async fn accepted(addr: SocketAddr, id: &str, clean_start: bool, expiry: u32) -> (Raw, bool) {
-    accepted_will(addr, id, clean_start, expiry, None).await
-}
-
-/// [`accepted`] with a will.
-async fn accepted_will(
-    addr: SocketAddr,
-    id: &str,
-    clean_start: bool,
-    expiry: u32,
-    will: Option<LastWill>,
-) -> (Raw, bool) {
-    let started = Instant::now();
-    loop {
-        match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
-            Connected::Accepted {
-                client,
-                session_present,
-            } => return (client, session_present),
-            Connected::Refused(
-                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
-            ) => {
-                assert!(
-                    started.elapsed() < WAIT,
-                    "{id} still refused ({code:?}) after {WAIT:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
-        }
-    }
-}
+use common::cluster::{
+    accepted, adopted, nothing_lost, publish_for_a_while, three_nodes, will_watcher, Node,
+    FAILOVER_WAIT,
+};
+use common::mqtt::{will_of, Raw};
 
 /// The node stops answering (SIGSTOP) without closing anything: calls to it hang until they
 /// time out or the control plane counts it down.
@@ -91,7 +53,7 @@ fn resume(node: &Node) {
 /// Persistent session `id` on `addr` in shared group `g` on `topic` (QoS `qos`), and on
 /// `end/<id>` (non-shared: its marker tells the session's queue was read to the end).
 async fn member(addr: SocketAddr, id: &str, topic: &str, qos: QoS) -> Raw {
-    let (mut client, present) = accepted(addr, id, true, 3600).await;
+    let (mut client, present) = accepted(addr, id, true, 3600, None).await;
     assert!(!present);
     client.subscribe(&format!("$share/g/{topic}"), qos).await;
     client
@@ -133,119 +95,14 @@ async fn read_to_end(mut client: Raw, id: String) -> (Raw, Vec<String>) {
     }
 }
 
-/// What one publisher did.
-struct Published {
-    client: Raw,
-    count: usize,
-    /// Acknowledged 0x00 (PUBACK, or PUBREC then PUBCOMP).
-    ok: Vec<String>,
-    /// Answered 0x10 (no matching subscribers).
-    no_match: usize,
-}
-
-/// Publishes `<prefix>0`, `<prefix>1`, … on `topic` at `qos`, each awaiting its
-/// acknowledgement, until 5 s after `since` (at least 5).
-async fn publish_sequence(
-    mut client: Raw,
-    topic: &'static str,
-    qos: QoS,
-    prefix: String,
-    since: Instant,
-) -> Published {
-    let (mut ok, mut no_match, mut count) = (Vec::new(), 0, 0);
-    while since.elapsed() < Duration::from_secs(5) || count < 5 {
-        assert!(since.elapsed() < WAIT, "publishing for {WAIT:?}");
-        let payload = format!("{prefix}{count}");
-        let code = client.publish(topic, qos, &payload).await;
-        match code {
-            0x00 => ok.push(payload),
-            0x10 => no_match += 1,
-            other => panic!("acknowledgement of {payload}: reason {other:#04x}"),
-        }
-        count += 1;
-    }
-    Published {
-        client,
-        count,
-        ok,
-        no_match,
-    }
-}
-
 /// Five publishers on `addr`, connected before the failure (a CONNECT waits for every live
 /// node to hear of its client id).
 async fn publishers(addr: SocketAddr) -> Vec<Raw> {
     let mut clients = Vec::new();
     for k in 0..5 {
-        clients.push(accepted(addr, &format!("pub-{k}"), true, 0).await.0);
+        clients.push(accepted(addr, &format!("pub-{k}"), true, 0, None).await.0);
     }
     clients
-}
-
-/// The `clients` (the first one now, the others 0.25 s apart) publishing to `topic` at `qos`
-/// for ~5 s after `since`; every payload acknowledged 0x00, and a client.
-async fn publish_for_a_while(
-    clients: Vec<Raw>,
-    topic: &'static str,
-    qos: QoS,
-    since: Instant,
-) -> (BTreeSet<String>, Raw) {
-    let mut tasks = Vec::new();
-    for (k, client) in clients.into_iter().enumerate() {
-        tasks.push(tokio::spawn(publish_sequence(
-            client,
-            topic,
-            qos,
-            format!("p{k}-"),
-            since,
-        )));
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    let (mut acked, mut published, mut no_match, mut client) = (BTreeSet::new(), 0, 0, None);
-    for task in tasks {
-        let p = task.await.expect("publisher task");
-        published += p.count;
-        no_match += p.no_match;
-        acked.extend(p.ok);
-        client.get_or_insert(p.client);
-    }
-    eprintln!(
-        "{published} published in {:?}: {} acknowledged 0x00, {no_match} answered 0x10",
-        since.elapsed(),
-        acked.len()
-    );
-    (acked, client.expect("a publisher"))
-}
-
-/// `id`'s persistent session back on `addr` once adopted (Session Present = 1).
-async fn resumed(addr: SocketAddr, id: &str, since: Instant) -> Raw {
-    loop {
-        assert!(since.elapsed() < WAIT, "{id} not adopted after {WAIT:?}");
-        let (client, present) = accepted(addr, id, false, 3600).await;
-        if present {
-            return client;
-        }
-        client.disconnect().await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Asserts every acknowledged payload is among those received.
-fn nothing_lost(acked: &BTreeSet<String>, received: &[String]) {
-    let got: BTreeSet<&String> = received.iter().collect();
-    let lost: Vec<&String> = acked.iter().filter(|p| !got.contains(p)).collect();
-    eprintln!(
-        "received {} messages ({} copies) of {} acknowledged",
-        got.len(),
-        received.len(),
-        acked.len()
-    );
-    assert!(
-        lost.is_empty(),
-        "{} acknowledged 0x00 and lost, among them {:?}",
-        lost.len(),
-        &lost[..lost.len().min(10)]
-    );
 }
 
 /// Members on node 1 (persistent, away) and node 3 (connected); node 1 hangs, then dies. What
@@ -253,13 +110,7 @@ fn nothing_lost(acked: &BTreeSet<String>, received: &[String]) {
 /// adopted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_group_loses_nothing_acknowledged_when_a_members_node_dies() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
     let away = member(n1, "sh-away", "sh/a", QoS::AtLeastOnce).await;
     away.disconnect().await;
     let live = member(n3, "sh-live", "sh/a", QoS::AtLeastOnce).await;
@@ -269,7 +120,7 @@ async fn a_shared_group_loses_nothing_acknowledged_when_a_members_node_dies() {
     freeze(&nodes[0]);
     let frozen = Instant::now();
     let (acked, mut publisher) =
-        publish_for_a_while(clients, "sh/a", QoS::AtLeastOnce, frozen).await;
+        publish_for_a_while(clients, "sh/a", QoS::AtLeastOnce, frozen, 5).await;
     tokio::task::block_in_place(|| nodes[0].server.kill9());
 
     // Every acknowledged message is in a queue by now: each member's marker comes after.
@@ -281,7 +132,7 @@ async fn a_shared_group_loses_nothing_acknowledged_when_a_members_node_dies() {
     );
     let (live, mut received) = reader.await.expect("sh-live reader");
     eprintln!("sh-live on node 3 received {}", received.len());
-    let away = resumed(n3, "sh-away", frozen).await;
+    let away = adopted(n3, "sh-away", frozen).await;
     assert_eq!(
         publisher
             .publish("end/sh-away", QoS::AtLeastOnce, "end")
@@ -302,13 +153,7 @@ async fn a_shared_group_loses_nothing_acknowledged_when_a_members_node_dies() {
 /// node 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_group_held_only_on_a_dead_node_gets_every_acknowledged_message_once_adopted() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
     let only = member(n1, "sh-only", "sh/b", QoS::ExactlyOnce).await;
     only.disconnect().await;
     let clients = publishers(n2).await;
@@ -316,10 +161,10 @@ async fn a_shared_group_held_only_on_a_dead_node_gets_every_acknowledged_message
     freeze(&nodes[0]);
     let frozen = Instant::now();
     let (acked, mut publisher) =
-        publish_for_a_while(clients, "sh/b", QoS::ExactlyOnce, frozen).await;
+        publish_for_a_while(clients, "sh/b", QoS::ExactlyOnce, frozen, 5).await;
     tokio::task::block_in_place(|| nodes[0].server.kill9());
 
-    let only = resumed(n3, "sh-only", frozen).await;
+    let only = adopted(n3, "sh-only", frozen).await;
     assert_eq!(
         publisher
             .publish("end/sh-only", QoS::AtLeastOnce, "end")
@@ -332,27 +177,6 @@ async fn a_shared_group_held_only_on_a_dead_node_gets_every_acknowledged_message
     drop(publisher);
 }
 
-/// The will of `id`, at once, on `will/<id>`: published when its session is adopted (its
-/// connection was lost with its node).
-fn will_of(id: &str) -> Option<LastWill> {
-    let properties = LastWillProperties {
-        delay_interval: Some(0),
-        payload_format_indicator: None,
-        message_expiry_interval: None,
-        content_type: None,
-        response_topic: None,
-        correlation_data: None,
-        user_properties: Vec::new(),
-    };
-    Some(LastWill::new(
-        format!("will/{id}"),
-        Bytes::from_static(b"gone"),
-        QoS::AtLeastOnce,
-        false,
-        Some(properties),
-    ))
-}
-
 /// Decision 0062 (c): six persistent sessions connected to node 1 subscribe (non-shared); node 1
 /// hangs while node 2's publishers publish, so their messages are held. Once every session was
 /// adopted (its will came), node 3 — the adopter of some — hangs too, past the call timeout, just
@@ -361,19 +185,12 @@ fn will_of(id: &str) -> Option<LastWill> {
 /// not held again, lost for the sessions node 3 adopted.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_publish_whose_redelivery_misses_a_node_is_held_again() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
-    let (mut watcher, _) = accepted(n2, "c-watcher", true, 0).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
+    let mut watcher = will_watcher(n2, "c-watcher").await;
     let ids: Vec<String> = (0..6).map(|k| format!("c-sub-{k}")).collect();
     let mut subscribers = Vec::new();
     for id in &ids {
-        let (mut client, _) = accepted_will(n1, id, true, 3600, will_of(id)).await;
+        let (mut client, _) = accepted(n1, id, true, 3600, will_of(id, 0)).await;
         client.subscribe("c/t", QoS::AtLeastOnce).await;
         client
             .subscribe(&format!("end/{id}"), QoS::AtLeastOnce)
@@ -389,19 +206,15 @@ async fn a_held_publish_whose_redelivery_misses_a_node_is_held_again() {
         "c/t",
         QoS::AtLeastOnce,
         frozen,
+        5,
     ));
     let mut wills = BTreeSet::new();
     while wills.len() < ids.len() {
-        assert!(frozen.elapsed() < WAIT, "wills after {WAIT:?}: {wills:?}");
-        match watcher.recv().await {
-            Packet::Publish(p) => {
-                watcher
-                    .send(Packet::PubAck(PubAck::new(p.pkid, None)))
-                    .await;
-                wills.insert(String::from_utf8_lossy(&p.topic).into_owned());
-            }
-            other => panic!("unexpected {other:?}"),
-        }
+        assert!(
+            frozen.elapsed() < FAILOVER_WAIT,
+            "wills after {FAILOVER_WAIT:?}: {wills:?}"
+        );
+        wills.insert(watcher.next_topic().await);
     }
     // Every session adopted; the held messages go again about now.
     freeze(&nodes[2]);
@@ -417,7 +230,7 @@ async fn a_held_publish_whose_redelivery_misses_a_node_is_held_again() {
     drop(subscribers);
 
     for id in &ids {
-        let client = resumed(n3, id, frozen).await;
+        let client = adopted(n3, id, frozen).await;
         assert_eq!(
             publisher
                 .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
@@ -460,21 +273,15 @@ async fn take_qos2(client: &mut Raw) -> String {
 /// one got it a second time, as a new message.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_qos2_message_reaches_a_session_that_moved_exactly_once() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
     // A persistent subscriber on node 1: what is published on x/t is planned for node 1 too.
-    let (mut away, _) = accepted(n1, "x-away", true, 3600).await;
+    let (mut away, _) = accepted(n1, "x-away", true, 3600, None).await;
     away.subscribe("x/t", QoS::ExactlyOnce).await;
-    let (mut moving, present) = accepted(n3, "x-moving", true, 3600).await;
+    let (mut moving, present) = accepted(n3, "x-moving", true, 3600, None).await;
     assert!(!present);
     moving.subscribe("x/t", QoS::ExactlyOnce).await;
     moving.subscribe("end/x-moving", QoS::AtLeastOnce).await;
-    let (mut publisher, _) = accepted(n2, "x-pub", true, 0).await;
+    let (mut publisher, _) = accepted(n2, "x-pub", true, 0, None).await;
 
     freeze(&nodes[0]);
     let frozen = Instant::now();
@@ -485,7 +292,7 @@ async fn a_held_qos2_message_reaches_a_session_that_moved_exactly_once() {
     });
     assert_eq!(take_qos2(&mut moving).await, "once");
     moving.disconnect().await;
-    let moving = resumed(n2, "x-moving", frozen).await;
+    let moving = adopted(n2, "x-moving", frozen).await;
     eprintln!(
         "x-moving resumed on node 2 {:?} after node 1 hung",
         frozen.elapsed()

@@ -15,102 +15,21 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{
-    ConnectReturnCode, LastWill, LastWillProperties, Packet, PingReq, PubAck, Publish,
-};
 use rumqttc::v5::mqttbytes::QoS;
 
-use common::cluster::{agreed, eventually, formed_cluster, Node};
-use common::mqtt::{Connected, Raw};
-
-/// Hang guard of every wait (fail-over, settling a dead node's rows): generous, the machine is
-/// shared.
-const WAIT: Duration = Duration::from_secs(120);
-
-/// Connects, retrying while the server refuses retryably (0x88 while the session's partition is
-/// between heads, 0x89), within [`WAIT`].
-async fn accepted(
-    addr: SocketAddr,
-    id: &str,
-    clean_start: bool,
-    expiry: u32,
-    will: Option<LastWill>,
-) -> (Raw, bool) {
-    let started = Instant::now();
-    loop {
-        match Raw::connect_will(addr, id, clean_start, expiry, None, will.clone()).await {
-            Connected::Accepted {
-                client,
-                session_present,
-            } => return (client, session_present),
-            Connected::Refused(
-                code @ (ConnectReturnCode::ServerUnavailable | ConnectReturnCode::ServerBusy),
-            ) => {
-                assert!(
-                    started.elapsed() < WAIT,
-                    "{id} still refused ({code:?}) after {WAIT:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Connected::Refused(code) => panic!("{id}: CONNECT refused with {code:?}"),
-        }
-    }
-}
-
-/// The will of `id`: on `will/<id>`, QoS 1, after `delay` seconds.
-fn will_of(id: &str, delay: u32) -> Option<LastWill> {
-    let properties = LastWillProperties {
-        delay_interval: Some(delay),
-        payload_format_indicator: None,
-        message_expiry_interval: None,
-        content_type: None,
-        response_topic: None,
-        correlation_data: None,
-        user_properties: Vec::new(),
-    };
-    Some(LastWill::new(
-        format!("will/{id}"),
-        Bytes::from_static(b"gone"),
-        QoS::AtLeastOnce,
-        false,
-        Some(properties),
-    ))
-}
-
-/// The topic of the next message `watcher` gets (acknowledged).
-async fn next_topic(watcher: &mut Raw) -> String {
-    loop {
-        match watcher.recv().await {
-            Packet::Publish(p) => {
-                if p.qos == QoS::AtLeastOnce {
-                    watcher
-                        .send(Packet::PubAck(PubAck::new(p.pkid, None)))
-                        .await;
-                }
-                return String::from_utf8_lossy(&p.topic).into_owned();
-            }
-            Packet::PingResp(_) => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-}
+use common::cluster::{
+    accepted, agreed, eventually, retain_until_held, retained_after_restart, retained_at,
+    route_heard, three_nodes, will_watcher, Node, FAILOVER_WAIT,
+};
+use common::mqtt::will_of;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
 
-    let (mut watcher, _) = accepted(n2, "will-watcher", true, 0, None).await;
-    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let mut watcher = will_watcher(n2, "will-watcher").await;
 
     // A clean client that leaves normally: its will is deleted with it (on one node too).
     let (quiet, _) = accepted(n1, "clean-quiet", true, 0, will_of("clean-quiet", 0)).await;
@@ -158,10 +77,10 @@ async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
     let mut wills = BTreeSet::new();
     while wills != everyone {
         assert!(
-            killed.elapsed() < WAIT,
-            "wills after {WAIT:?}: {wills:?}, not {everyone:?}"
+            killed.elapsed() < FAILOVER_WAIT,
+            "wills after {FAILOVER_WAIT:?}: {wills:?}, not {everyone:?}"
         );
-        let will = next_topic(&mut watcher).await;
+        let will = watcher.next_topic().await;
         eprintln!("{will} {:?} after kill -9 of node 1", killed.elapsed());
         assert!(
             everyone.contains(&will),
@@ -183,86 +102,26 @@ async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
         0x00
     );
     assert_eq!(
-        next_topic(&mut watcher).await,
+        watcher.next_topic().await,
         "will/zz-marker",
         "no will published twice or for a client that left normally"
     );
     drop((publisher, watcher, back, back_will));
 }
 
-/// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.
-async fn retain(c: &mut Raw, topic: &str, payload: &str) {
-    let mut p = Publish::new(
-        topic,
-        QoS::AtLeastOnce,
-        Bytes::from(payload.to_owned()),
-        None,
-    );
-    p.retain = true;
-    p.pkid = c.pkid();
-    let pkid = p.pkid;
-    c.send(Packet::Publish(p)).await;
-    match c.recv().await {
-        Packet::PubAck(ack) if ack.pkid == pkid => {}
-        other => panic!("expected PUBACK {pkid}, got {other:?}"),
-    }
-}
-
-/// The retained messages a new subscriber to `r/#` on `addr` gets: topic → payload (they come
-/// in topic order, before the answer to a ping sent after the SUBACK).
-async fn retained_at(addr: SocketAddr, id: &str) -> BTreeMap<String, String> {
-    let (mut c, _) = accepted(addr, id, true, 0, None).await;
-    c.subscribe("r/#", QoS::AtMostOnce).await;
-    c.send(Packet::PingReq(PingReq)).await;
-    let mut got = BTreeMap::new();
-    loop {
-        match c.recv().await {
-            Packet::PingResp(_) => break,
-            Packet::Publish(p) => {
-                got.insert(
-                    String::from_utf8_lossy(&p.topic).into_owned(),
-                    String::from_utf8_lossy(&p.payload).into_owned(),
-                );
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    c.disconnect().await;
-    got
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retained_clear_survives_the_restart_of_every_node_that_saw_it() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = tokio::task::block_in_place(|| formed_cluster(root.path()));
-    let [n1, n2, n3] = [
-        nodes[0].server.addr,
-        nodes[1].server.addr,
-        nodes[2].server.addr,
-    ];
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes();
     let (mut publisher, _) = accepted(n1, "retainer", true, 0, None).await;
-    // Node 3 holds the message (the nodes' mesh forms in the background: publish again until
-    // it does).
-    let before = BTreeMap::from([("r/gone".to_owned(), "v1".to_owned())]);
-    let started = Instant::now();
-    for attempt in 0.. {
-        retain(&mut publisher, "r/gone", "v1").await;
-        if retained_at(n3, &format!("r-before-{attempt}")).await == before {
-            break;
-        }
-        assert!(
-            started.elapsed() < WAIT,
-            "node 3 never got the retained message"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // Node 3 holds the message.
+    retain_until_held(&mut publisher, &[("r/gone", "v1")], n3).await;
 
     // Stopped (not killed): what it holds is in its journal.
     tokio::task::block_in_place(|| nodes[2].server.stop());
     // Cleared while node 3 is down, and a marker (last in topic order) that tells when node 3
     // took in the others' retained sets.
-    retain(&mut publisher, "r/gone", "").await;
-    retain(&mut publisher, "r/zz-marker", "m").await;
+    publisher.retain("r/gone", "").await;
+    publisher.retain("r/zz-marker", "m").await;
     drop(publisher);
     // Every node that saw the clear restarts, together (one after the other, the second would
     // learn the clear back from the first): only their journals remember it now.
@@ -278,43 +137,12 @@ async fn a_retained_clear_survives_the_restart_of_every_node_that_saw_it() {
     });
 
     let expected = BTreeMap::from([("r/zz-marker".to_owned(), "m".to_owned())]);
-    let restarted = Instant::now();
-    for attempt in 0.. {
-        let got = retained_at(n3, &format!("r-after-{attempt}")).await;
-        if got.contains_key("r/zz-marker") {
-            assert_eq!(got, expected, "node 3 after its restart");
-            eprintln!(
-                "node 3 learned the retained set {:?} after its restart",
-                restarted.elapsed()
-            );
-            break;
-        }
-        assert!(
-            restarted.elapsed() < WAIT,
-            "node 3 never learned the retained set: {got:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    retained_after_restart(n3, &expected).await;
 
     // Node 3's own resync reached node 1 (it precedes this route on its stream): its stale
     // copy did not come back on the others.
     let (mut publisher, _) = accepted(n1, "prober", true, 0, None).await;
-    let (mut probe, _) = accepted(n3, "r-probe", true, 0, None).await;
-    probe.subscribe("probe3", QoS::AtMostOnce).await;
-    let started = Instant::now();
-    loop {
-        let mut p = Publish::new("probe3", QoS::AtMostOnce, Bytes::from_static(b"p"), None);
-        p.pkid = 0;
-        publisher.send(Packet::Publish(p)).await;
-        let heard = tokio::time::timeout(Duration::from_millis(300), probe.recv()).await;
-        if let Ok(Packet::Publish(_)) = heard {
-            break;
-        }
-        assert!(
-            started.elapsed() < WAIT,
-            "node 3's routes never reached node 1"
-        );
-    }
+    let probe = route_heard(&mut publisher, n3).await;
     assert_eq!(retained_at(n1, "r-check-1").await, expected, "node 1");
     assert_eq!(retained_at(n2, "r-check-2").await, expected, "node 2");
     drop((probe, publisher));

@@ -1,13 +1,19 @@
 //! A cluster of real `mqstate serve` processes on loopback: the three founding nodes, the CLI's
-//! `cluster status` and `partition-of`, and waiting (bounded) for a condition.
+//! `cluster status` and `partition-of`, waiting (bounded) for a condition, and raw MQTT clients
+//! across a node's failure (connecting through a fail-over, retained sets, publishers).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::v5::{LastWill, Packet, PingReq, Publish};
+use rumqttc::v5::mqttbytes::QoS;
 use serde_json::Value;
 
+use super::mqtt::Raw;
 use super::Server;
 
 /// Generous: the machine running the tests may be loaded. Timings are measured and printed, not
@@ -227,4 +233,233 @@ pub fn settled(ports: &[u16], full: usize) -> Option<u64> {
         }
     }
     Some(leader)
+}
+
+/// Hang guard of every wait across a node's failure (fail-over, adoption, settling a dead node's
+/// rows, expiry): generous, the machine is shared.
+pub const FAILOVER_WAIT: Duration = Duration::from_secs(120);
+
+/// [`Raw::accept_within`] [`FAILOVER_WAIT`]: connects, retrying while the server refuses retryably.
+pub async fn accepted(
+    addr: SocketAddr,
+    id: &str,
+    clean_start: bool,
+    expiry: u32,
+    will: Option<LastWill>,
+) -> (Raw, bool) {
+    Raw::accept_within(addr, id, clean_start, expiry, will, FAILOVER_WAIT).await
+}
+
+/// A client `id` on `addr` that hears every will of [`will_of`](super::mqtt::will_of) (`will/#`,
+/// QoS 1; [`Raw::next_topic`] takes the next).
+pub async fn will_watcher(addr: SocketAddr, id: &str) -> Raw {
+    let (mut watcher, _) = accepted(addr, id, true, 0, None).await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    watcher
+}
+
+/// `id`'s persistent session back on `addr` once adopted (Session Present = 1), within
+/// [`FAILOVER_WAIT`] of `since`.
+pub async fn adopted(addr: SocketAddr, id: &str, since: Instant) -> Raw {
+    loop {
+        assert!(
+            since.elapsed() < FAILOVER_WAIT,
+            "{id} not adopted after {FAILOVER_WAIT:?}"
+        );
+        let (client, present) = accepted(addr, id, false, 3600, None).await;
+        if present {
+            return client;
+        }
+        client.disconnect().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The retained messages a new subscriber `id` to `r/#` on `addr` gets: topic → payload (they
+/// come in topic order, before the answer to a ping sent after the SUBACK).
+pub async fn retained_at(addr: SocketAddr, id: &str) -> BTreeMap<String, String> {
+    let (mut c, _) = accepted(addr, id, true, 0, None).await;
+    c.subscribe("r/#", QoS::AtMostOnce).await;
+    c.send(Packet::PingReq(PingReq)).await;
+    let mut got = BTreeMap::new();
+    loop {
+        match c.recv().await {
+            Packet::PingResp(_) => break,
+            Packet::Publish(p) => {
+                got.insert(
+                    String::from_utf8_lossy(&p.topic).into_owned(),
+                    String::from_utf8_lossy(&p.payload).into_owned(),
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    c.disconnect().await;
+    got
+}
+
+/// `publisher` retains `messages` (topic, payload) again until a subscriber on `addr` gets
+/// exactly those: the nodes' mesh forms in the background.
+pub async fn retain_until_held(publisher: &mut Raw, messages: &[(&str, &str)], addr: SocketAddr) {
+    let want: BTreeMap<String, String> = messages
+        .iter()
+        .map(|(topic, payload)| (topic.to_string(), payload.to_string()))
+        .collect();
+    let started = Instant::now();
+    for attempt in 0.. {
+        for (topic, payload) in messages {
+            publisher.retain(topic, payload).await;
+        }
+        if retained_at(addr, &format!("r-before-{attempt}")).await == want {
+            return;
+        }
+        assert!(
+            started.elapsed() < FAILOVER_WAIT,
+            "{addr} never got the retained messages {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until a subscriber on `addr`, a node just restarted, gets the marker `r/zz-marker` (last
+/// in topic order: it took in the others' retained sets), and asserts it gets `expected`.
+pub async fn retained_after_restart(addr: SocketAddr, expected: &BTreeMap<String, String>) {
+    let restarted = Instant::now();
+    for attempt in 0.. {
+        let got = retained_at(addr, &format!("r-after-{attempt}")).await;
+        if got.contains_key("r/zz-marker") {
+            assert_eq!(&got, expected, "{addr} after its restart");
+            eprintln!(
+                "{addr} learned the retained set {:?} after its restart",
+                restarted.elapsed()
+            );
+            return;
+        }
+        assert!(
+            restarted.elapsed() < FAILOVER_WAIT,
+            "{addr} never learned the retained set: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Publishes on `probe` (QoS 0) from `publisher` until a subscriber on `addr` hears it: `addr`'s
+/// route reached the publisher's node, after whatever `addr`'s node sent it before. The
+/// subscriber, kept by the caller.
+pub async fn route_heard(publisher: &mut Raw, addr: SocketAddr) -> Raw {
+    let (mut probe, _) = accepted(addr, "r-probe", true, 0, None).await;
+    probe.subscribe("probe", QoS::AtMostOnce).await;
+    let started = Instant::now();
+    loop {
+        let mut p = Publish::new("probe", QoS::AtMostOnce, Bytes::from_static(b"p"), None);
+        p.pkid = 0;
+        publisher.send(Packet::Publish(p)).await;
+        let heard = tokio::time::timeout(Duration::from_millis(300), probe.recv()).await;
+        if let Ok(Packet::Publish(_)) = heard {
+            return probe;
+        }
+        assert!(
+            started.elapsed() < FAILOVER_WAIT,
+            "the route of {addr} never reached the publisher's node"
+        );
+    }
+}
+
+/// What one publisher of [`publish_for_a_while`] did.
+struct Published {
+    client: Raw,
+    count: usize,
+    /// Acknowledged 0x00 (PUBACK, or PUBREC then PUBCOMP).
+    ok: Vec<String>,
+    /// Answered 0x10 (no matching subscribers).
+    no_match: usize,
+}
+
+/// Publishes `<prefix>0`, `<prefix>1`, … on `topic` at `qos`, each awaiting its
+/// acknowledgement, until 5 s after `since` (at least `at_least`).
+async fn publish_sequence(
+    mut client: Raw,
+    topic: &'static str,
+    qos: QoS,
+    prefix: String,
+    since: Instant,
+    at_least: usize,
+) -> Published {
+    let (mut ok, mut no_match, mut count) = (Vec::new(), 0, 0);
+    while since.elapsed() < Duration::from_secs(5) || count < at_least {
+        assert!(
+            since.elapsed() < FAILOVER_WAIT,
+            "publishing for {FAILOVER_WAIT:?}"
+        );
+        let payload = format!("{prefix}{count}");
+        let code = client.publish(topic, qos, &payload).await;
+        match code {
+            0x00 => ok.push(payload),
+            0x10 => no_match += 1,
+            other => panic!("acknowledgement of {payload}: reason {other:#04x}"),
+        }
+        count += 1;
+    }
+    Published {
+        client,
+        count,
+        ok,
+        no_match,
+    }
+}
+
+/// The `clients` (the first one now, the others 0.25 s apart) publishing `p<k>-<n>` to `topic` at
+/// `qos` for ~5 s after `since` (each at least `at_least` messages); every payload acknowledged
+/// 0x00, and a client.
+pub async fn publish_for_a_while(
+    clients: Vec<Raw>,
+    topic: &'static str,
+    qos: QoS,
+    since: Instant,
+    at_least: usize,
+) -> (BTreeSet<String>, Raw) {
+    let mut tasks = Vec::new();
+    for (k, client) in clients.into_iter().enumerate() {
+        tasks.push(tokio::spawn(publish_sequence(
+            client,
+            topic,
+            qos,
+            format!("p{k}-"),
+            since,
+            at_least,
+        )));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let (mut acked, mut published, mut no_match, mut client) = (BTreeSet::new(), 0, 0, None);
+    for task in tasks {
+        let p = task.await.expect("publisher task");
+        published += p.count;
+        no_match += p.no_match;
+        acked.extend(p.ok);
+        client.get_or_insert(p.client);
+    }
+    eprintln!(
+        "{published} published in {:?}: {} acknowledged 0x00, {no_match} answered 0x10",
+        since.elapsed(),
+        acked.len()
+    );
+    (acked, client.expect("a publisher"))
+}
+
+/// Asserts every acknowledged payload is among those received.
+pub fn nothing_lost(acked: &BTreeSet<String>, received: &[String]) {
+    let got: BTreeSet<&String> = received.iter().collect();
+    let lost: Vec<&String> = acked.iter().filter(|p| !got.contains(p)).collect();
+    eprintln!(
+        "received {} messages ({} copies) of {} acknowledged",
+        got.len(),
+        received.len(),
+        acked.len()
+    );
+    assert!(
+        lost.is_empty(),
+        "{} acknowledged 0x00 and lost, among them {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
 }

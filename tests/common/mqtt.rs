@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
     ConnAck, Connect, ConnectProperties, ConnectReturnCode, Disconnect, DisconnectReasonCode,
-    Filter, LastWill, Packet, PingReq, PubAck, PubAckReason, PubComp, PubRec, PubRecReason, PubRel,
-    Publish, Subscribe, SubscribeReasonCode,
+    Filter, LastWill, LastWillProperties, Packet, PingReq, PubAck, PubAckReason, PubComp, PubRec,
+    PubRecReason, PubRel, Publish, Subscribe, SubscribeReasonCode,
 };
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, ConnectionError, Event, MqttOptions, StateError};
@@ -246,6 +246,30 @@ impl Client {
 }
 
 /// The topic of `p` as text.
+/// A will's properties: published `delay` seconds after the connection is lost.
+pub fn will_after(delay: u32) -> LastWillProperties {
+    LastWillProperties {
+        delay_interval: Some(delay),
+        payload_format_indicator: None,
+        message_expiry_interval: None,
+        content_type: None,
+        response_topic: None,
+        correlation_data: None,
+        user_properties: Vec::new(),
+    }
+}
+
+/// The will of `id`: "gone" on `will/<id>`, QoS 1, after `delay` seconds.
+pub fn will_of(id: &str, delay: u32) -> Option<LastWill> {
+    Some(LastWill::new(
+        format!("will/{id}"),
+        Bytes::from_static(b"gone"),
+        QoS::AtLeastOnce,
+        false,
+        Some(will_after(delay)),
+    ))
+}
+
 pub fn topic(p: &Publish) -> String {
     String::from_utf8_lossy(&p.topic).into_owned()
 }
@@ -472,6 +496,40 @@ impl Raw {
             }
         }
         Received { received, dups }
+    }
+
+    /// Publishes `payload` retained at QoS 1 (empty: clears the topic) and waits for the PUBACK.
+    pub async fn retain(&mut self, topic: &str, payload: &str) {
+        let mut p = Publish::new(
+            topic,
+            QoS::AtLeastOnce,
+            Bytes::from(payload.to_owned()),
+            None,
+        );
+        p.retain = true;
+        p.pkid = self.pkid();
+        let pkid = p.pkid;
+        self.send(Packet::Publish(p)).await;
+        match self.recv().await {
+            Packet::PubAck(ack) if ack.pkid == pkid => {}
+            other => panic!("expected PUBACK {pkid}, got {other:?}"),
+        }
+    }
+
+    /// The topic of the next PUBLISH (acknowledged at QoS 1); PINGRESPs are passed over.
+    pub async fn next_topic(&mut self) -> String {
+        loop {
+            match self.recv().await {
+                Packet::Publish(p) => {
+                    if p.qos == QoS::AtLeastOnce {
+                        self.send(Packet::PubAck(PubAck::new(p.pkid, None))).await;
+                    }
+                    return String::from_utf8_lossy(&p.topic).into_owned();
+                }
+                Packet::PingResp(_) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
     }
 
     /// The next PUBLISH, not acknowledged (it stays in flight).

@@ -28,18 +28,38 @@ pub fn set_note(value: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A RESP array of bulk strings, as every client sends it (written out here rather than with the
+/// server's own encoder, so that the wire tests do not share its mistakes).
+pub fn resp(args: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// This machine's wall clock, in milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// HLC text form `%015d:%05d:%s` (spec §4).
+pub fn hlc(wall_ms: u64, counter: u32, node: &str) -> String {
+    format!("{wall_ms:015}:{counter:05}:{node}")
+}
+
 pub fn hlc_now() -> String {
     hlc_in(0)
 }
 
 /// A client timestamp `ahead_ms` ahead of this machine's wall clock.
 pub fn hlc_in(ahead_ms: u64) -> String {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
-        + u128::from(ahead_ms);
-    format!("{ms:015}:{:05}:test", 0)
+    hlc(now_ms() + ahead_ms, 0, "test")
 }
 
 /// The (wall ms, counter) of an HLC text, for comparing versions.
@@ -63,6 +83,26 @@ pub fn request_properties(
         user_properties: vec![("__ts".to_owned(), ts)],
         ..PublishProperties::default()
     }
+}
+
+/// Publishes the state-store request `args` (QoS 1 to the invoke topic) with the envelope of
+/// [`request_properties`].
+pub async fn send_request(
+    client: &AsyncClient,
+    args: &[&[u8]],
+    response_topic: &str,
+    correlation: &Bytes,
+    ts: String,
+) -> Result<(), rumqttc::v5::ClientError> {
+    client
+        .publish_with_properties(
+            INVOKE_TOPIC,
+            QoS::AtLeastOnce,
+            false,
+            mqstate_protocol::encode_request(args),
+            request_properties(response_topic, correlation, ts),
+        )
+        .await
 }
 
 /// The `__ts` of a reply, if it has one.
@@ -245,15 +285,7 @@ impl StateClient {
         ts: String,
     ) -> (Bytes, Option<String>) {
         let correlation = correlation.clone();
-        let properties = request_properties(&self.response_topic, &correlation, ts);
-        self.client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                mqstate_protocol::encode_request(args),
-                properties,
-            )
+        send_request(&self.client, args, &self.response_topic, &correlation, ts)
             .await
             .unwrap();
         loop {

@@ -18,7 +18,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rand::rngs::StdRng;
@@ -29,8 +29,7 @@ use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
 
 use common::state::{
-    bulk, hlc_now, hlc_order, reply_ts, request_properties, StateClient, INVOKE_TOPIC, NIL, OK,
-    WAIT,
+    bulk, hlc, hlc_now, hlc_order, now_ms, reply_ts, send_request, StateClient, NIL, OK, WAIT,
 };
 use common::Server;
 
@@ -78,13 +77,6 @@ struct Mqtt {
     response_topic: String,
     next_correlation: u64,
     node: String,
-}
-
-fn now_ms() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
 }
 
 impl Mqtt {
@@ -179,16 +171,8 @@ impl Mqtt {
     async fn request(&mut self, args: &[&[u8]]) -> Option<Reply> {
         self.next_correlation += 1;
         let correlation = Bytes::from(self.next_correlation.to_be_bytes().to_vec());
-        let ts = format!("{:015}:{:05}:{}", now_ms(), 0, self.node);
-        let properties = request_properties(&self.response_topic, &correlation, ts);
-        self.client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                mqstate_protocol::encode_request(args),
-                properties,
-            )
+        let ts = hlc(now_ms(), 0, &self.node);
+        send_request(&self.client, args, &self.response_topic, &correlation, ts)
             .await
             .ok()?;
         self.next(|i| match i {
@@ -698,7 +682,9 @@ async fn kill9_loses_no_acknowledged_message_of_a_persistent_session() {
 /// after the restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retained_message_and_pending_will_survive_restarts() {
-    use rumqttc::v5::mqttbytes::v5::{LastWill, LastWillProperties};
+    use common::mqtt::will_after;
+    use rumqttc::v5::mqttbytes::v5::LastWill;
+
     let mut server = Server::start();
     let (mut publisher, _) = Mqtt::connect(server.addr, "retainer", None).await.unwrap();
     publisher
@@ -739,15 +725,7 @@ async fn retained_message_and_pending_will_survive_restarts() {
         QoS::AtLeastOnce,
         // Retained, so a watcher sees it even if it came due before the watcher subscribed.
         true,
-        Some(LastWillProperties {
-            delay_interval: Some(2),
-            payload_format_indicator: None,
-            message_expiry_interval: None,
-            content_type: None,
-            response_topic: None,
-            correlation_data: None,
-            user_properties: Vec::new(),
-        }),
+        Some(will_after(2)),
     ));
     let (_willer, mut eventloop) = AsyncClient::new(options, 8);
     let (connected_tx, connected) = tokio::sync::oneshot::channel();

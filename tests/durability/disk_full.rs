@@ -260,7 +260,7 @@ async fn refuses_writes_serves_reads_and_recovers(root: &Path, disk: Disk) {
 /// error (the completer's `Rollbacks` in `crates/statestore/src/service/completer.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_behind_a_write_that_fails_to_commit_never_sees_it() {
-    use common::state::{request_properties, INVOKE_TOPIC};
+    use common::state::send_request;
     use rumqttc::v5::mqttbytes::v5::Packet;
     use rumqttc::v5::mqttbytes::QoS;
     use rumqttc::v5::{AsyncClient, Event, MqttOptions};
@@ -289,14 +289,7 @@ async fn a_read_behind_a_write_that_fails_to_commit_never_sees_it() {
         .unwrap();
     // Subscribed once a request through it is answered.
     let warm = Bytes::from_static(b"warm");
-    client
-        .publish_with_properties(
-            INVOKE_TOPIC,
-            QoS::AtLeastOnce,
-            false,
-            mqstate_protocol::encode_request(&[&b"GET"[..], b"k"]),
-            request_properties(response_topic, &warm, hlc_now()),
-        )
+    send_request(&client, &[b"GET", b"k"], response_topic, &warm, hlc_now())
         .await
         .unwrap();
     tokio::time::timeout(WAIT, replies.recv())
@@ -310,14 +303,7 @@ async fn a_read_behind_a_write_that_fails_to_commit_never_sees_it() {
         (&[&b"SET"[..], b"k", b"new"][..], &set_id),
         (&[&b"GET"[..], b"k"][..], &get_id),
     ] {
-        client
-            .publish_with_properties(
-                INVOKE_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                mqstate_protocol::encode_request(args),
-                request_properties(response_topic, id, hlc_now()),
-            )
+        send_request(&client, args, response_topic, id, hlc_now())
             .await
             .unwrap();
     }

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::state::{StateClient, NIL, OK};
+use common::state::{now_ms, StateClient, NIL, OK};
 use common::topic::{cli, create, stats};
 use common::Server;
 use serde_json::Value;
@@ -226,11 +226,7 @@ async fn an_endpoint_down_then_up_gets_every_change_in_order() {
     assert!(down["oldest_age_ms"].is_u64(), "{down}");
     assert_eq!(down["owner"], "mqstate", "{down}");
     let expires = down["lock_expires"].as_u64().expect("lock_expires");
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    assert!(expires > now_ms, "the owner's lock is live: {down}");
+    assert!(expires > now_ms(), "the owner's lock is live: {down}");
     assert!(
         down["last_error"].as_str().unwrap().contains("503"),
         "{down}"
@@ -407,34 +403,43 @@ async fn a_paused_owner_cannot_remove_entries_another_owner_holds() {
     assert_eq!(after["delivered"], 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn notifications_reach_an_mqtt_endpoint_at_qos_1() {
-    let port = common::free_addr().port();
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("mosquitto.conf");
-    std::fs::write(
-        &conf,
-        format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-    )
-    .unwrap();
-    let mut mosquitto = Command::new("mosquitto")
-        .arg("-c")
-        .arg(&conf)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("mosquitto (apt-get install mosquitto)");
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_until("mosquitto", || std::net::TcpStream::connect(addr).is_ok()).await;
-    let mut subscriber = common::mqtt::Client::connect(addr, "sub", false).await;
-    subscriber.subscribe("changes/orders").await;
-    let server = Server::start_with(FAST);
-    create(
-        &server,
-        "mirror",
-        &format!("mqtt://127.0.0.1:{port}/changes/orders"),
-        &[],
-    );
+/// A Mosquitto broker, killed when dropped.
+struct Mosquitto(std::process::Child);
+
+impl Mosquitto {
+    /// Mosquitto with the configuration `conf` (written to a file in `dir`), once it listens on
+    /// every port of `ports`.
+    async fn start(dir: &std::path::Path, conf: &str, ports: &[u16]) -> Mosquitto {
+        let path = dir.join("mosquitto.conf");
+        std::fs::write(&path, conf).unwrap();
+        let child = Command::new("mosquitto")
+            .arg("-c")
+            .arg(&path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("mosquitto (apt-get install mosquitto)");
+        let mosquitto = Mosquitto(child);
+        wait_until("mosquitto", || {
+            ports
+                .iter()
+                .all(|port| std::net::TcpStream::connect(("127.0.0.1", *port)).is_ok())
+        })
+        .await;
+        mosquitto
+    }
+}
+
+impl Drop for Mosquitto {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Three SETs through `server` reach `subscriber` (on `changes/orders`) through the endpoint
+/// `mirror`, in order, and its queue empties once they were acknowledged.
+async fn three_orders_mirrored(server: &Server, subscriber: &mut common::mqtt::Client) {
     let mut client = StateClient::connect(server.addr, "writer").await;
     for i in 1..=3 {
         assert_eq!(
@@ -448,11 +453,32 @@ async fn notifications_reach_an_mqtt_endpoint_at_qos_1() {
     }
     assert_eq!(check_in_order(&records, 3), 0);
     wait_until("removal after PUBACK", || {
-        stats(&server, "mirror")["entries"] == 0
+        stats(server, "mirror")["entries"] == 0
     })
     .await;
-    let _ = mosquitto.kill();
-    let _ = mosquitto.wait();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_reach_an_mqtt_endpoint_at_qos_1() {
+    let port = common::free_addr().port();
+    let dir = tempfile::tempdir().unwrap();
+    let _mosquitto = Mosquitto::start(
+        dir.path(),
+        &format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+        &[port],
+    )
+    .await;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut subscriber = common::mqtt::Client::connect(addr, "sub", false).await;
+    subscriber.subscribe("changes/orders").await;
+    let server = Server::start_with(FAST);
+    create(
+        &server,
+        "mirror",
+        &format!("mqtt://127.0.0.1:{port}/changes/orders"),
+        &[],
+    );
+    three_orders_mirrored(&server, &mut subscriber).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -673,30 +699,18 @@ fn a_ca_file_that_is_no_certificate_stops_the_server_at_start() {
 async fn notifications_reach_an_mqtts_endpoint() {
     let certs = TestCerts::new();
     let (plain, tls) = (common::free_addr().port(), common::free_addr().port());
-    let conf = certs.dir.path().join("mosquitto.conf");
-    std::fs::write(
-        &conf,
-        format!(
+    let _mosquitto = Mosquitto::start(
+        certs.dir.path(),
+        &format!(
             "listener {plain} 127.0.0.1\nallow_anonymous true\n\
              listener {tls} 127.0.0.1\ncertfile {}\nkeyfile {}\n",
             certs.path("cert.pem"),
             certs.path("key.pem")
         ),
+        &[plain, tls],
     )
-    .unwrap();
-    let mut mosquitto = Command::new("mosquitto")
-        .arg("-c")
-        .arg(&conf)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("mosquitto (apt-get install mosquitto)");
-    let addr: SocketAddr = format!("127.0.0.1:{plain}").parse().unwrap();
-    let tls_addr: SocketAddr = format!("127.0.0.1:{tls}").parse().unwrap();
-    wait_until("mosquitto", || {
-        std::net::TcpStream::connect(addr).is_ok() && std::net::TcpStream::connect(tls_addr).is_ok()
-    })
     .await;
+    let addr: SocketAddr = format!("127.0.0.1:{plain}").parse().unwrap();
     let mut subscriber = common::mqtt::Client::connect(addr, "sub", false).await;
     subscriber.subscribe("changes/orders").await;
     let mut args = FAST.to_vec();
@@ -709,22 +723,5 @@ async fn notifications_reach_an_mqtts_endpoint() {
         &format!("mqtts://127.0.0.1:{tls}/changes/orders"),
         &[],
     );
-    let mut client = StateClient::connect(server.addr, "writer").await;
-    for i in 1..=3 {
-        assert_eq!(
-            set(&mut client, &format!("order:{i}"), &format!("v{i}")).await,
-            OK
-        );
-    }
-    let mut records = Vec::new();
-    for _ in 0..3 {
-        records.push(serde_json::from_slice::<Value>(&subscriber.next_message().await).unwrap());
-    }
-    assert_eq!(check_in_order(&records, 3), 0);
-    wait_until("removal after PUBACK", || {
-        stats(&server, "mirror")["entries"] == 0
-    })
-    .await;
-    let _ = mosquitto.kill();
-    let _ = mosquitto.wait();
+    three_orders_mirrored(&server, &mut subscriber).await;
 }

@@ -5,7 +5,7 @@
 use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use rand::rngs::StdRng;
@@ -15,6 +15,8 @@ use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+
+use common::state::{hlc, now_ms, resp};
 
 const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 /// Fixed so that a failure reproduces; override with MQSTATE_FLOOD_SEED to explore.
@@ -40,23 +42,6 @@ fn seed() -> u64 {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(DEFAULT_SEED)
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-fn resp(args: &[&[u8]]) -> Vec<u8> {
-    let mut out = format!("*{}\r\n", args.len()).into_bytes();
-    for arg in args {
-        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
-        out.extend_from_slice(arg);
-        out.extend_from_slice(b"\r\n");
-    }
-    out
 }
 
 const WORDS: &[&[u8]] = &[
@@ -140,13 +125,12 @@ fn random_properties(rng: &mut StdRng, correlation: Vec<u8>) -> PublishPropertie
         1 => props
             .user_properties
             .push(("__ts".into(), "garbage".into())),
-        2 => props.user_properties.push((
-            "__ts".into(),
-            format!("{:015}:{:05}:n", now_ms() + 3_600_000, 0),
-        )),
+        2 => props
+            .user_properties
+            .push(("__ts".into(), hlc(now_ms() + 3_600_000, 0, "n"))),
         _ => props
             .user_properties
-            .push(("__ts".into(), format!("{:015}:{:05}:n", now_ms(), 0))),
+            .push(("__ts".into(), hlc(now_ms(), 0, "n"))),
     }
     if rng.gen_bool(0.1) {
         props
@@ -162,7 +146,7 @@ fn valid_props(correlation: Vec<u8>) -> PublishProperties {
         correlation_data: Some(Bytes::from(correlation)),
         message_expiry_interval: Some(3600),
         content_type: Some("application/octet-stream".into()),
-        user_properties: vec![("__ts".into(), format!("{:015}:{:05}:flood", now_ms(), 0))],
+        user_properties: vec![("__ts".into(), hlc(now_ms(), 0, "flood"))],
         ..Default::default()
     }
 }

@@ -6,7 +6,7 @@ use crate::common;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rumqttc::v5::mqttbytes::v5::{ConnectProperties, Packet, Publish, PublishProperties};
@@ -15,7 +15,7 @@ use rumqttc::v5::{AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, S
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use common::state::{parse_scan, set_note};
+use common::state::{hlc, now_ms, parse_scan, resp, set_note};
 
 const INVOKE_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 const NOTIFY_PREFIX: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/";
@@ -43,35 +43,12 @@ const ERR_KEY_EMPTY: &[u8] = b"-ERR the key length is zero\r\n";
 // Helpers: RESP, HLC text, hex
 // ---------------------------------------------------------------------------------------------------------
 
-/// A RESP array of bulk strings, as every client sends it.
-fn resp(args: &[&[u8]]) -> Vec<u8> {
-    let mut out = format!("*{}\r\n", args.len()).into_bytes();
-    for arg in args {
-        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
-        out.extend_from_slice(arg);
-        out.extend_from_slice(b"\r\n");
-    }
-    out
-}
-
 /// The exact GET-hit reply for `value`.
 fn bulk(value: &[u8]) -> Vec<u8> {
     let mut out = format!("${}\r\n", value.len()).into_bytes();
     out.extend_from_slice(value);
     out.extend_from_slice(b"\r\n");
     out
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-/// HLC text form `%015d:%05d:%s` (spec §4).
-fn hlc(wall_ms: u64, counter: u32, node: &str) -> String {
-    format!("{wall_ms:015}:{counter:05}:{node}")
 }
 
 /// Parses an HLC the server produced, asserting the exact text form; returns the ordering key.

@@ -14,7 +14,7 @@ use mqstate_clock::{Clock, SharedClock};
 use crate::transport::mem::MemNetwork;
 use crate::transport::socket::{Accept, BoxStream, Connect};
 use crate::transport::tcp::TcpTransport;
-use crate::transport::BoxFuture;
+use crate::transport::{AdminRequest, BoxFuture, Request, Response, Transport};
 use crate::{ClusterNode, MapConfig, NodeConfig, NodeId, Status};
 
 /// A node's config with the quick timings the in-process tests use (a 600 ms lease, 300 ms
@@ -135,6 +135,32 @@ pub fn sim_transport() -> TcpTransport {
     TcpTransport::over(Arc::new(SimConnect), None)
 }
 
+/// Asks `founders` in turn (only the leader accepts) to add node `joiner`, a round every 0.5 s,
+/// until one says it is done; false if none did before a round began `within` after the first.
+pub async fn add_node(founders: &[NodeId], joiner: NodeId, within: Duration) -> bool {
+    let transport = sim_transport();
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < within {
+        for &id in founders {
+            let request = Request::Admin(AdminRequest::AddNode {
+                id: joiner,
+                addr: addr(joiner),
+            });
+            match transport
+                .call(&addr(id), request, Duration::from_secs(30))
+                .await
+            {
+                Ok(Response::AdminDone) => return true,
+                // A retry after a change that committed but whose answer was lost.
+                Ok(Response::Failed(reason)) if reason.contains("already a member") => return true,
+                _ => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    false
+}
+
 /// turmoil's simulated TCP behind the transport's socket port.
 pub struct SimConnect;
 
@@ -204,4 +230,152 @@ pub fn data_root() -> tempfile::TempDir {
         }
     }
     tempfile::tempdir().expect("a temporary directory")
+}
+
+/// The simulation of `seed`, of `duration` at most in steps of 1 ms, its messages taking 1 ms to
+/// `max_latency`.
+pub fn simulation<'a>(seed: u64, duration: Duration, max_latency: Duration) -> turmoil::Sim<'a> {
+    turmoil::Builder::new()
+        .rng_seed(seed)
+        .simulation_duration(duration)
+        .tick_duration(Duration::from_millis(1))
+        // Held links queue every message until released.
+        .tcp_capacity(1 << 16)
+        .min_message_latency(Duration::from_millis(1))
+        .max_message_latency(max_latency)
+        .build()
+}
+
+/// What [`sweep`] ran: the seeds, the figures the runs added to, each failing seed's findings, and
+/// how long it all took in real time.
+pub struct Sweep<F> {
+    pub seeds: Vec<u64>,
+    pub figures: F,
+    pub failures: Vec<String>,
+    pub real: Duration,
+}
+
+/// Runs a simulation's seeds: `<prefix>_SEED` alone when it is set, else `<prefix>_SEEDS` of them
+/// (default `count`) from `<prefix>_FIRST` (default 1). `run` runs one seed, with the simulated
+/// time of clients and faults (`<prefix>_CHAOS_SECS`, default `chaos_secs`), adds to the figures,
+/// and gives its findings if it fails.
+pub fn sweep<F: Default>(
+    prefix: &str,
+    count: u64,
+    chaos_secs: u64,
+    mut run: impl FnMut(u64, Duration, &mut F) -> Result<(), String>,
+) -> Sweep<F> {
+    let chaos = Duration::from_secs(env_u64(&format!("{prefix}_CHAOS_SECS")).unwrap_or(chaos_secs));
+    let seeds: Vec<u64> = match env_u64(&format!("{prefix}_SEED")) {
+        Some(seed) => vec![seed],
+        None => {
+            let first = env_u64(&format!("{prefix}_FIRST")).unwrap_or(1);
+            let count = env_u64(&format!("{prefix}_SEEDS")).unwrap_or(count);
+            (first..first + count).collect()
+        }
+    };
+    let started = std::time::Instant::now();
+    let mut figures = F::default();
+    let failures = seeds
+        .iter()
+        .filter_map(|&seed| run(seed, chaos, &mut figures).err())
+        .collect();
+    Sweep {
+        seeds,
+        figures,
+        failures,
+        real: started.elapsed(),
+    }
+}
+
+/// A fault among simulated nodes (each on its host, [`host`]).
+#[derive(Debug, Clone, Copy)]
+pub enum NodeFault {
+    /// The node's process dies (its disk stays); it restarts after the given time.
+    Crash(NodeId, Duration),
+    /// The node is cut off from the other nodes (what is in flight is lost) for a while.
+    Isolate(NodeId, Duration),
+    /// Messages between two nodes are held back for a while, then delivered.
+    Hold(NodeId, NodeId, Duration),
+}
+
+impl NodeFault {
+    /// Messages between `node` and the node `offset` places after it in `nodes` (cyclically) held
+    /// back for `lasting`.
+    pub fn hold(nodes: &[NodeId], node: NodeId, offset: usize, lasting: Duration) -> NodeFault {
+        let at = nodes.iter().position(|&n| n == node).unwrap_or(0);
+        NodeFault::Hold(node, nodes[(at + offset) % nodes.len()], lasting)
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            NodeFault::Crash(..) => "crash",
+            NodeFault::Isolate(..) => "isolate",
+            NodeFault::Hold(..) => "hold",
+        }
+    }
+
+    /// Injects the fault among `nodes`; how long it lasts.
+    pub fn start(self, sim: &mut turmoil::Sim<'_>, nodes: &[NodeId]) -> Duration {
+        match self {
+            NodeFault::Crash(n, lasting) => {
+                sim.crash(host(n));
+                lasting
+            }
+            NodeFault::Isolate(n, lasting) => {
+                for other in nodes.iter().filter(|&&o| o != n) {
+                    sim.partition(host(n), host(*other));
+                }
+                lasting
+            }
+            NodeFault::Hold(a, b, lasting) => {
+                sim.hold(host(a), host(b));
+                lasting
+            }
+        }
+    }
+
+    /// Undoes the fault: the node restarts, its links come back, held messages are delivered.
+    pub fn end(self, sim: &mut turmoil::Sim<'_>, nodes: &[NodeId]) {
+        match self {
+            NodeFault::Crash(n, _) => sim.bounce(host(n)),
+            NodeFault::Isolate(n, _) => {
+                for other in nodes.iter().filter(|&&o| o != n) {
+                    sim.repair(host(n), host(*other));
+                }
+            }
+            NodeFault::Hold(a, b, _) => sim.release(host(a), host(b)),
+        }
+    }
+}
+
+/// Steps `sim` until it is done or a host fails, running the faults of `schedule` (each with the
+/// time it starts at, in order) one at a time: `start` injects one and says how long it lasts;
+/// `end` undoes it when that is over, or at `chaos`, when every fault is over.
+pub fn run_faults<'a, F: Copy>(
+    sim: &mut turmoil::Sim<'a>,
+    chaos: Duration,
+    schedule: Vec<(Duration, F)>,
+    mut start: impl FnMut(&mut turmoil::Sim<'a>, F) -> Duration,
+    mut end: impl FnMut(&mut turmoil::Sim<'a>, F),
+) -> Result<(), String> {
+    let mut schedule = schedule.into_iter().peekable();
+    let mut ending: Option<(Duration, F)> = None;
+    loop {
+        if sim.step().map_err(|e| format!("{e}"))? {
+            return Ok(());
+        }
+        let now = sim.elapsed();
+        if let Some((until, fault)) = ending {
+            if now >= until || now >= chaos {
+                end(sim, fault);
+                ending = None;
+            }
+        }
+        if ending.is_none() && now < chaos && schedule.peek().is_some_and(|(at, _)| now >= *at) {
+            if let Some((_, fault)) = schedule.next() {
+                ending = Some((now + start(sim, fault), fault));
+            }
+        }
+    }
 }

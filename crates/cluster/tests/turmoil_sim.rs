@@ -12,8 +12,9 @@
 //!   member up — node 4 too, added by a membership change during the faults — every partition
 //!   settled, and no partition's view below the highest any node ever applied.
 //!
-//! `MQSTATE_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_SIM_SEEDS=K` runs seeds
-//! 1..=K (default 24); `MQSTATE_SIM_CHAOS_SECS` sets the simulated seconds of faults (default 12).
+//! `MQSTATE_SIM_SEED=N` runs seed N alone (a failure prints it); `MQSTATE_SIM_SEEDS=K` runs K
+//! seeds from `MQSTATE_SIM_FIRST` (default 1; K default 24); `MQSTATE_SIM_CHAOS_SECS` sets the
+//! simulated seconds of faults (default 12).
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -21,14 +22,14 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mqstate_cluster::sim::{
-    addr, data_root, env_u64, host, sim_config, sim_transport, SimClock, SimListener, PORT,
+    add_node, data_root, host, sim_config, sim_transport, simulation, sweep, NodeFault, SimClock,
+    SimListener, PORT,
 };
 use mqstate_cluster::status::PartitionStatus;
 use mqstate_cluster::transport::tcp::serve;
-use mqstate_cluster::transport::{AdminRequest, Request, Response, Transport};
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -82,16 +83,6 @@ fn observe(node: &ClusterNode, samples: &Samples) {
         partitions: status.partitions,
     };
     samples.borrow_mut().insert(node.id(), sample);
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Fault {
-    /// The node's process dies (its disk stays); it restarts after the given time.
-    Crash(NodeId, Duration),
-    /// The node is cut off from every other (messages in flight are lost) for a while.
-    Isolate(NodeId, Duration),
-    /// Messages between two nodes are held back for a while, then delivered.
-    Hold(NodeId, NodeId, Duration),
 }
 
 #[derive(Debug, Default)]
@@ -213,15 +204,11 @@ impl Checker {
 fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(seed)
-        .simulation_duration(chaos + SETTLE + Duration::from_secs(5))
-        .tick_duration(Duration::from_millis(1))
-        // Held links queue every message until released.
-        .tcp_capacity(1 << 16)
-        .min_message_latency(Duration::from_millis(1))
-        .max_message_latency(Duration::from_millis(rng.gen_range(2..30)))
-        .build();
+    let mut sim = simulation(
+        seed,
+        chaos + SETTLE + Duration::from_secs(5),
+        Duration::from_millis(rng.gen_range(2..30)),
+    );
     let samples: Samples = Rc::default();
     for id in NODES {
         let dir: PathBuf = root.path().join(format!("n{id}"));
@@ -266,48 +253,22 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         let added = added.clone();
         sim.client("admin", async move {
             tokio::time::sleep(ask_at).await;
-            let transport = sim_transport();
-            loop {
-                for id in FOUNDERS {
-                    let request = Request::Admin(AdminRequest::AddNode {
-                        id: JOINER,
-                        addr: addr(JOINER),
-                    });
-                    let answer = transport
-                        .call(&addr(id), request, Duration::from_secs(30))
-                        .await;
-                    let done = match &answer {
-                        Ok(Response::AdminDone) => true,
-                        // A retry after a change that committed but whose answer was lost.
-                        Ok(Response::Failed(reason)) => reason.contains("already a member"),
-                        _ => false,
-                    };
-                    if done {
-                        *added.borrow_mut() =
-                            Some(turmoil::sim_elapsed().unwrap_or_default().as_millis());
-                        return Ok(());
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
+            add_node(&FOUNDERS, JOINER, Duration::MAX).await;
+            *added.borrow_mut() = Some(turmoil::sim_elapsed().unwrap_or_default().as_millis());
+            Ok(())
         });
     }
 
     // The fault schedule, drawn up front from the seed.
-    let mut schedule: Vec<(Duration, Fault)> = Vec::new();
+    let mut schedule: Vec<(Duration, NodeFault)> = Vec::new();
     let mut at = Duration::from_millis(rng.gen_range(2_000..4_000));
     while at < chaos {
         let node = NODES[rng.gen_range(0..NODES.len())];
         let lasting = Duration::from_millis(rng.gen_range(300..6_000));
         let fault = match rng.gen_range(0..3) {
-            0 => Fault::Crash(node, lasting),
-            1 => Fault::Isolate(node, lasting),
-            _ => {
-                let other = NODES[(NODES.iter().position(|&n| n == node).unwrap()
-                    + rng.gen_range(1..NODES.len()))
-                    % NODES.len()];
-                Fault::Hold(node, other, lasting)
-            }
+            0 => NodeFault::Crash(node, lasting),
+            1 => NodeFault::Isolate(node, lasting),
+            _ => NodeFault::hold(&NODES, node, rng.gen_range(1..NODES.len()), lasting),
         };
         schedule.push((at, fault));
         at += lasting + Duration::from_millis(rng.gen_range(200..3_000));
@@ -316,7 +277,7 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
 
     let mut checker = Checker::default();
     let mut schedule = schedule.into_iter().peekable();
-    let mut ending: Option<(Duration, Fault)> = None;
+    let mut ending: Option<(Duration, NodeFault)> = None;
     let mut views_seen: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
     let end = chaos + SETTLE;
     let mut converged_at = None;
@@ -328,37 +289,16 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         let now = sim.elapsed();
         if let Some((until, fault)) = ending {
             if now >= until {
-                match fault {
-                    Fault::Crash(n, _) => sim.bounce(host(n)),
-                    Fault::Isolate(n, _) => {
-                        for other in NODES.iter().filter(|&&o| o != n) {
-                            sim.repair(host(n), host(*other));
-                        }
-                    }
-                    Fault::Hold(a, b, _) => sim.release(host(a), host(b)),
-                }
+                fault.end(&mut sim, &NODES);
                 ending = None;
             }
         }
         if ending.is_none() && schedule.peek().is_some_and(|(at, _)| now >= *at) {
             let (_, fault) = schedule.next().unwrap();
-            let lasting = match fault {
-                Fault::Crash(n, lasting) => {
-                    sim.crash(host(n));
-                    samples.borrow_mut().remove(&n);
-                    lasting
-                }
-                Fault::Isolate(n, lasting) => {
-                    for other in NODES.iter().filter(|&&o| o != n) {
-                        sim.partition(host(n), host(*other));
-                    }
-                    lasting
-                }
-                Fault::Hold(a, b, lasting) => {
-                    sim.hold(host(a), host(b));
-                    lasting
-                }
-            };
+            let lasting = fault.start(&mut sim, &NODES);
+            if let NodeFault::Crash(n, _) = fault {
+                samples.borrow_mut().remove(&n);
+            }
             ending = Some((now + lasting, fault));
         }
         let samples = samples.borrow();
@@ -435,19 +375,8 @@ fn the_control_plane_keeps_its_invariants_under_faults() {
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "off".to_owned()))
         .with_test_writer()
         .try_init();
-    let chaos = Duration::from_secs(env_u64("MQSTATE_SIM_CHAOS_SECS").unwrap_or(12));
-    let seeds: Vec<u64> = match env_u64("MQSTATE_SIM_SEED") {
-        Some(seed) => vec![seed],
-        None => (1..=env_u64("MQSTATE_SIM_SEEDS").unwrap_or(24)).collect(),
-    };
-    let started = Instant::now();
-    let mut figures = Figures::default();
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed, chaos, &mut figures) {
-            failures.push(e);
-        }
-    }
+    let sweep = sweep("MQSTATE_SIM", 24, 12, run_seed);
+    let figures = &sweep.figures;
     println!(
         "turmoil sweep: {} seeds, {:.0} s simulated ({} steps of 1 ms), {} faults injected, {} terms with a leader, {} view changes, {} node samples checked, {} violating seeds, trace {:016x}; {:.1} s of real time",
         figures.seeds,
@@ -457,9 +386,9 @@ fn the_control_plane_keeps_its_invariants_under_faults() {
         figures.terms,
         figures.view_changes,
         figures.samples,
-        failures.len(),
+        sweep.failures.len(),
         figures.trace,
-        started.elapsed().as_secs_f64(),
+        sweep.real.as_secs_f64(),
     );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
 }

@@ -33,22 +33,22 @@
 //! with its recovery copy).
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, BTreeSet};
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::collections::BTreeMap;
+use std::hash::{DefaultHasher, Hash};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mqstate_clock::SharedClock;
 use mqstate_cluster::sim::{
-    addr, data_root, env_u64, host, sim_config, sim_ms, sim_transport, SimClock, SimListener,
-    EPOCH_MS, PORT,
+    add_node, data_root, host, run_faults, sim_config, sim_ms, sim_transport, simulation, sweep,
+    NodeFault, SimClock, SimListener, EPOCH_MS, PORT,
 };
 use mqstate_cluster::transport::tcp::{serve, TcpTransport};
 use mqstate_cluster::transport::{
-    decode_body, encode_body, AdminRequest, BoxFuture, Handler, Request, Response, Transport,
+    decode_body, encode_body, BoxFuture, Handler, Request, Response, Transport,
 };
 use mqstate_cluster::{ClusterNode, MapConfig, NodeId};
 use mqstate_protocol::RequestLimits;
@@ -58,8 +58,7 @@ use mqstate_replication::wire::{Executed, Routed};
 use mqstate_replication::Replication;
 use mqstate_store::StoreConfig;
 use mqstate_wal::WalOptions;
-use mqstate_wgl::kv::{self, Cmd, Outcome};
-use mqstate_wgl::UNKNOWN;
+use mqstate_wgl::kv::{self, Cmd, Figures, Keyed, Outcome};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -215,24 +214,27 @@ struct Op {
     kv: kv::Op,
 }
 
-#[derive(Default)]
-struct History {
-    /// The next event's place.
-    clock: u64,
-    ops: Vec<Op>,
-    /// `-ERR` texts taken as "unknown", with their counts.
-    errors: BTreeMap<String, u64>,
-    /// How long after the final reads began every key had answered one.
-    readable_after: Duration,
+impl Keyed for Op {
+    fn keyed(&self) -> (&'static str, &kv::Op) {
+        (self.key, &self.kv)
+    }
+
+    fn trace(&self, hasher: &mut DefaultHasher) {
+        (
+            self.kv.client,
+            self.node,
+            self.key,
+            &self.kv.cmd,
+            self.kv.invoked,
+            self.kv.returned,
+            &self.kv.outcome,
+        )
+            .hash(hasher);
+    }
 }
 
-type Shared = Rc<RefCell<History>>;
-
-fn tick(history: &Shared) -> u64 {
-    let mut h = history.borrow_mut();
-    h.clock += 1;
-    h.clock
-}
+/// The history; `-ERR` texts taken as "unknown" are its errors.
+type Shared = Rc<RefCell<kv::History<Op>>>;
 
 /// `-ERR` texts that do not say whether the request ran: the node gave up retrying it, but an
 /// attempt may have reached the head.
@@ -262,7 +264,7 @@ async fn call(
         // Set by `Replication::execute`, as on a real front end.
         deadline_ms: 0,
     };
-    let invoked = tick(history);
+    let invoked = history.borrow_mut().tick();
     let answer = transport
         .call(
             &format!("{}:{FRONT_PORT}", host(node)),
@@ -275,8 +277,7 @@ async fn call(
             Ok(executed) => match kv::outcome(&cmd, &executed.payload, executed.ts.as_deref()) {
                 Ok(outcome) => Ok(outcome),
                 Err(error) if indeterminate(&error) => {
-                    let mut h = history.borrow_mut();
-                    *h.errors.entry(error).or_default() += 1;
+                    history.borrow_mut().count_error(error);
                     Ok(Outcome::Unknown)
                 }
                 Err(error) => Err(error),
@@ -288,10 +289,7 @@ async fn call(
         Err(_) => Ok(Outcome::Unknown),
     };
     let outcome = result.clone().unwrap_or(Outcome::Unknown);
-    let returned = match outcome {
-        Outcome::Unknown => UNKNOWN,
-        _ => tick(history),
-    };
+    let returned = history.borrow_mut().returned(&outcome);
     history.borrow_mut().ops.push(Op {
         node,
         key,
@@ -331,22 +329,7 @@ async fn client(
             FOUNDERS.len()
         };
         let node = NODES[rng.gen_range(0..up)];
-        let value = id << 32 | seq;
-        let cmd = match rng.gen_range(0..100) {
-            0..=29 => Cmd::Set { value, nx: false },
-            30..=44 => Cmd::Set { value, nx: true },
-            45..=79 => Cmd::Get,
-            80..=89 => Cmd::Del,
-            _ => Cmd::Vdel {
-                value: match written.last() {
-                    Some(&v) if rng.gen_bool(0.7) => v,
-                    _ => id << 32 | rng.gen_range(1..=seq),
-                },
-            },
-        };
-        if let Cmd::Set { value, .. } = cmd {
-            written.push(value);
-        }
+        let cmd = kv::draw(&mut rng, id, seq, &mut written);
         if let Err(e) = call(&transport, &history, id, seq, node, key, cmd).await {
             return Err(format!("client {id}: {e}").into());
         }
@@ -355,8 +338,13 @@ async fn client(
     Ok(())
 }
 
-/// After the faults: reads every key until it answers, from each node in turn.
-async fn final_reads(from: Duration, history: Shared) -> Result<(), Box<dyn std::error::Error>> {
+/// After the faults: reads every key until it answers, from each node in turn; sets
+/// `readable_after` to how long that took.
+async fn final_reads(
+    from: Duration,
+    history: Shared,
+    readable_after: Rc<Cell<Duration>>,
+) -> Result<(), Box<dyn std::error::Error>> {
     tokio::time::sleep(from).await;
     let transport = sim_transport();
     let started = tokio::time::Instant::now();
@@ -381,43 +369,21 @@ async fn final_reads(from: Duration, history: Shared) -> Result<(), Box<dyn std:
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-    history.borrow_mut().readable_after = started.elapsed();
+    readable_after.set(started.elapsed());
     Ok(())
 }
 
-/// Adds node 4 to the cluster at `at`, asking the founders in turn until one says it is done.
+/// Adds node 4 to the cluster at `at`.
 async fn add_joiner(
     at: Duration,
     joined: Rc<Cell<bool>>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     tokio::time::sleep(at).await;
-    let transport = sim_transport();
-    let started = tokio::time::Instant::now();
-    while started.elapsed() < SETTLE {
-        for id in FOUNDERS {
-            let request = Request::Admin(AdminRequest::AddNode {
-                id: JOINER,
-                addr: addr(JOINER),
-            });
-            let answer = transport
-                .call(&addr(id), request, Duration::from_secs(30))
-                .await;
-            match &answer {
-                Ok(Response::AdminDone) => {
-                    joined.set(true);
-                    return Ok(());
-                }
-                // A retry after a change that committed but whose answer was lost.
-                Ok(Response::Failed(reason)) if reason.contains("already a member") => {
-                    joined.set(true);
-                    return Ok(());
-                }
-                _ => {}
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    if !add_node(&FOUNDERS, JOINER, SETTLE).await {
+        return Err(format!("node {JOINER} was not added in {SETTLE:?}").into());
     }
-    Err(format!("node {JOINER} was not added in {SETTLE:?}").into())
+    joined.set(true);
+    Ok(())
 }
 
 /// The client id of the reads after the faults.
@@ -425,44 +391,35 @@ const FINAL_CLIENT: u64 = 99;
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
-    /// The node's process dies (its disk stays); it restarts after the given time.
-    Crash(NodeId, Duration),
-    /// The node is cut off from the other nodes (what is in flight is lost) for a while.
-    Isolate(NodeId, Duration),
-    /// Messages between two nodes are held back for a while, then delivered.
-    Hold(NodeId, NodeId, Duration),
+    Node(NodeFault),
     /// The node's wall clock jumps to another offset within the bound the leases assume.
     Jump(NodeId, i64),
 }
 
-#[derive(Debug, Default)]
-struct Figures {
-    seeds: u64,
-    simulated: Duration,
-    faults: BTreeMap<&'static str, u64>,
-    ops: u64,
-    acked: u64,
-    unknown: u64,
-    errors: BTreeMap<String, u64>,
-    /// Seeds whose keys became readable only after [`SLOW_RECOVERY`], with how long it took.
-    slow: Vec<(u64, Duration)>,
-    /// A hash of every operation of every seed, in order: equal for two runs of one seed when
-    /// the run is reproduced exactly.
-    trace: u64,
+impl Fault {
+    fn kind(&self) -> &'static str {
+        match self {
+            Fault::Node(fault) => fault.kind(),
+            Fault::Jump(..) => "clock jump",
+        }
+    }
 }
 
-/// Runs one seed; its violations, if any, with how to reproduce them.
-fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+/// Runs one seed; its violations, if any, with how to reproduce them. A seed whose keys became
+/// readable only after [`SLOW_RECOVERY`] goes into `slow`, with how long it took.
+fn run_seed(
+    seed: u64,
+    chaos: Duration,
+    figures: &mut Figures,
+    slow: &mut Vec<(u64, Duration)>,
+) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(seed)
-        .simulation_duration(chaos + READABLE_WITHIN + Duration::from_secs(30))
-        .tick_duration(Duration::from_millis(1))
-        .tcp_capacity(1 << 16)
-        .min_message_latency(Duration::from_millis(1))
-        .max_message_latency(Duration::from_millis(rng.gen_range(2..20)))
-        .build();
+    let mut sim = simulation(
+        seed,
+        chaos + READABLE_WITHIN + Duration::from_secs(30),
+        Duration::from_millis(rng.gen_range(2..20)),
+    );
     let mut skews = BTreeMap::new();
     for id in NODES {
         let dir = root.path().join(host(id));
@@ -472,6 +429,7 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         sim.host(host(id), move || node(id, dir.clone(), Arc::clone(&skew)));
     }
     let history: Shared = Rc::default();
+    let readable_after: Rc<Cell<Duration>> = Rc::default();
     let joined: Rc<Cell<bool>> = Rc::default();
     for id in 1..=CLIENTS {
         sim.client(
@@ -489,6 +447,7 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         final_reads(
             chaos + CALL_TIMEOUT + Duration::from_secs(2),
             history.clone(),
+            readable_after.clone(),
         ),
     );
 
@@ -498,14 +457,14 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         let node = NODES[rng.gen_range(0..NODES.len())];
         let lasting = Duration::from_millis(rng.gen_range(300..3_000));
         let fault = match rng.gen_range(0..4) {
-            0 => Fault::Crash(node, lasting),
-            1 => Fault::Isolate(node, lasting),
-            2 => {
-                let other = NODES[(NODES.iter().position(|&n| n == node).unwrap_or(0)
-                    + rng.gen_range(1..NODES.len()))
-                    % NODES.len()];
-                Fault::Hold(node, other, lasting)
-            }
+            0 => Fault::Node(NodeFault::Crash(node, lasting)),
+            1 => Fault::Node(NodeFault::Isolate(node, lasting)),
+            2 => Fault::Node(NodeFault::hold(
+                &NODES,
+                node,
+                rng.gen_range(1..NODES.len()),
+                lasting,
+            )),
             _ => Fault::Jump(
                 node,
                 rng.gen_range(-(CLOCK_FACTOR_MS as i64) / 2..=CLOCK_FACTOR_MS as i64 / 2),
@@ -515,134 +474,31 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         at += lasting + Duration::from_millis(rng.gen_range(100..1_000));
     }
     for (_, fault) in &schedule {
-        let kind = match fault {
-            Fault::Crash(..) => "crash",
-            Fault::Isolate(..) => "isolate",
-            Fault::Hold(..) => "hold",
-            Fault::Jump(..) => "clock jump",
-        };
-        *figures.faults.entry(kind).or_default() += 1;
+        *figures.faults.entry(fault.kind()).or_default() += 1;
     }
 
-    let mut schedule = schedule.into_iter().peekable();
-    let mut ending: Option<(Duration, Fault)> = None;
-    let end_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
-        Fault::Crash(n, _) => sim.bounce(host(n)),
-        Fault::Isolate(n, _) => {
-            for other in NODES.iter().filter(|&&o| o != n) {
-                sim.repair(host(n), host(*other));
-            }
+    let start_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
+        Fault::Node(fault) => fault.start(sim, &NODES),
+        Fault::Jump(n, skew) => {
+            skews[&n].store(skew, Ordering::Relaxed);
+            Duration::ZERO
         }
-        Fault::Hold(a, b, _) => sim.release(host(a), host(b)),
+    };
+    let end_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
+        Fault::Node(fault) => fault.end(sim, &NODES),
         Fault::Jump(..) => {}
     };
-    let outcome = loop {
-        let done = match sim.step() {
-            Ok(done) => done,
-            Err(e) => break Err(format!("{e}")),
-        };
-        if done {
-            break Ok(());
-        }
-        let now = sim.elapsed();
-        if let Some((until, fault)) = ending {
-            // Every fault is over when the clients stop.
-            if now >= until || now >= chaos {
-                end_fault(&mut sim, fault);
-                ending = None;
-            }
-        }
-        if ending.is_none() && now < chaos && schedule.peek().is_some_and(|(at, _)| now >= *at) {
-            let Some((_, fault)) = schedule.next() else {
-                continue;
-            };
-            let lasting = match fault {
-                Fault::Crash(n, lasting) => {
-                    sim.crash(host(n));
-                    lasting
-                }
-                Fault::Isolate(n, lasting) => {
-                    for other in NODES.iter().filter(|&&o| o != n) {
-                        sim.partition(host(n), host(*other));
-                    }
-                    lasting
-                }
-                Fault::Hold(a, b, lasting) => {
-                    sim.hold(host(a), host(b));
-                    lasting
-                }
-                Fault::Jump(n, skew) => {
-                    skews[&n].store(skew, Ordering::Relaxed);
-                    Duration::ZERO
-                }
-            };
-            ending = Some((now + lasting, fault));
-        }
-    };
-    figures.seeds += 1;
-    figures.simulated += sim.elapsed();
+    let outcome = run_faults(&mut sim, chaos, schedule, start_fault, end_fault);
+    let simulated = sim.elapsed();
     drop(sim);
 
     let history = history.borrow();
-    let mut trace = DefaultHasher::new();
-    figures.trace.hash(&mut trace);
-    for op in &history.ops {
-        (
-            op.kv.client,
-            op.node,
-            op.key,
-            &op.kv.cmd,
-            op.kv.invoked,
-            op.kv.returned,
-            &op.kv.outcome,
-        )
-            .hash(&mut trace);
+    figures.add(simulated, &history);
+    history.dump("MQSTATE_DATA_SIM_DUMP", seed);
+    if readable_after.get() > SLOW_RECOVERY {
+        slow.push((seed, readable_after.get()));
     }
-    figures.trace = trace.finish();
-    if let Ok(path) = std::env::var("MQSTATE_DATA_SIM_DUMP") {
-        // The history as text, to compare two runs of a seed line by line.
-        let text: String = history.ops.iter().map(|op| format!("{op:?}\n")).collect();
-        let _ = std::fs::write(format!("{path}.{seed}"), text);
-    }
-    figures.ops += history.ops.len() as u64;
-    figures.unknown += history
-        .ops
-        .iter()
-        .filter(|op| op.kv.outcome == Outcome::Unknown)
-        .count() as u64;
-    figures.acked += history
-        .ops
-        .iter()
-        .filter(|op| matches!(op.kv.outcome, Outcome::Written(_) | Outcome::Deleted(1)))
-        .count() as u64;
-    for (error, n) in &history.errors {
-        *figures.errors.entry(error.clone()).or_default() += n;
-    }
-    if history.readable_after > SLOW_RECOVERY {
-        figures.slow.push((seed, history.readable_after));
-    }
-
-    let mut findings = Vec::new();
-    if let Err(e) = outcome {
-        findings.push(format!("the run failed: {e}"));
-    }
-    let by_key: BTreeMap<&str, Vec<&kv::Op>> =
-        history.ops.iter().fold(BTreeMap::new(), |mut m, op| {
-            m.entry(op.key).or_insert_with(Vec::new).push(&op.kv);
-            m
-        });
-    for (key, ops) in &by_key {
-        findings.extend(kv::check_key(key, ops, FINAL_CLIENT, SEARCH_BUDGET));
-    }
-    let reads: BTreeSet<&str> = history
-        .ops
-        .iter()
-        .filter(|op| op.kv.client == FINAL_CLIENT && op.kv.returned != UNKNOWN)
-        .map(|op| op.key)
-        .collect();
-    if findings.is_empty() && reads.len() != KEYS.len() {
-        findings.push(format!("only {reads:?} were read after the faults"));
-    }
+    let findings = history.findings(outcome, &KEYS, FINAL_CLIENT, SEARCH_BUDGET);
     if findings.is_empty() {
         Ok(())
     } else {
@@ -661,51 +517,26 @@ fn the_data_plane_is_linearizable_and_loses_no_acknowledged_write_under_faults()
         .with_timer(SimTimer)
         .with_test_writer()
         .try_init();
-    let chaos = Duration::from_secs(env_u64("MQSTATE_DATA_SIM_CHAOS_SECS").unwrap_or(8));
-    let seeds: Vec<u64> = match env_u64("MQSTATE_DATA_SIM_SEED") {
-        Some(seed) => vec![seed],
-        None => {
-            let first = env_u64("MQSTATE_DATA_SIM_FIRST").unwrap_or(1);
-            let count = env_u64("MQSTATE_DATA_SIM_SEEDS").unwrap_or(6);
-            (first..first + count).collect()
-        }
-    };
-    let started = Instant::now();
-    let mut figures = Figures::default();
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed, chaos, &mut figures) {
-            failures.push(e);
-        }
-    }
-    let faults: Vec<String> = figures
-        .faults
-        .iter()
-        .map(|(kind, n)| format!("{n} {kind}"))
-        .collect();
+    let mut slow = Vec::new();
+    let sweep = sweep("MQSTATE_DATA_SIM", 6, 8, |seed, chaos, figures| {
+        run_seed(seed, chaos, figures, &mut slow)
+    });
     println!(
-        "data-plane turmoil sweep: {} seeds, {:.0} s simulated, faults: {}, {} operations ({} acknowledged writes, {} unknown, {} of them -ERR), {} violating seeds, trace {:016x}; {:.1} s of real time",
-        figures.seeds,
-        figures.simulated.as_secs_f64(),
-        faults.join(", "),
-        figures.ops,
-        figures.acked,
-        figures.unknown,
-        figures.errors.values().sum::<u64>(),
-        failures.len(),
-        figures.trace,
-        started.elapsed().as_secs_f64(),
+        "{}",
+        sweep
+            .figures
+            .summary("data-plane", "-ERR", sweep.failures.len(), sweep.real)
     );
-    for (seed, after) in &figures.slow {
+    for (seed, after) in &slow {
         println!(
             "  seed {seed}: a key became readable only {:.0} s after the faults stopped",
             after.as_secs_f64()
         );
     }
-    if seeds.len() == 1 {
-        for (error, n) in &figures.errors {
+    if sweep.seeds.len() == 1 {
+        for (error, n) in &sweep.figures.errors {
             println!("  {n} × -ERR {error} (taken as unknown)");
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
 }

@@ -15,25 +15,22 @@
 //! `MQSTATE_FRONT_SIM_DUMP=FILE` writes each seed's history to `FILE.<seed>`.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet};
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use mqstate_broker::{Broker, BrokerConfig, SharedClock};
 use mqstate_cli::rpc::{self, TIMESTAMP};
 use mqstate_cli::wire::{self, Conn, Turn};
-use mqstate_cluster::sim::{data_root, env_u64, sim_ms, SimClock, EPOCH_MS};
+use mqstate_cluster::sim::{data_root, run_faults, sim_ms, simulation, sweep, SimClock, EPOCH_MS};
 use mqstate_protocol::topic::INVOKE_TOPIC;
 use mqstate_protocol::Hlc;
 use mqstate_statestore::service::{self, ServiceConfig};
 use mqstate_store::{Limits, StoreConfig};
 use mqstate_wal::WalOptions;
-use mqstate_wgl::kv::{self, Cmd, Outcome};
-use mqstate_wgl::UNKNOWN;
+use mqstate_wgl::kv::{self, Cmd, Figures, Keyed, Outcome};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rumqttc::v5::mqttbytes::v5::Filter;
@@ -95,22 +92,14 @@ struct Op {
     kv: kv::Op,
 }
 
-#[derive(Default)]
-struct History {
-    /// The next event's place.
-    clock: u64,
-    ops: Vec<Op>,
-    /// `-ERR` texts and refusals taken as "unknown", with their counts.
-    errors: BTreeMap<String, u64>,
+impl Keyed for Op {
+    fn keyed(&self) -> (&'static str, &kv::Op) {
+        (self.key, &self.kv)
+    }
 }
 
-type Shared = Rc<RefCell<History>>;
-
-fn tick(history: &Shared) -> u64 {
-    let mut h = history.borrow_mut();
-    h.clock += 1;
-    h.clock
-}
+/// The history; `-ERR` texts and refusals taken as "unknown" are its errors.
+type Shared = Rc<RefCell<kv::History<Op>>>;
 
 /// A client's MQTT connection to the node, subscribed to its response topic.
 type Session = Conn<turmoil::net::TcpStream>;
@@ -217,7 +206,7 @@ async fn exchange(
         }
         // An `-ERR` or a refused PUBLISH: counted, and taken as unknown.
         Ok(Ok(Err(error))) => {
-            *history.borrow_mut().errors.entry(error).or_default() += 1;
+            history.borrow_mut().count_error(error);
             Answer::Outcome(Outcome::Unknown)
         }
         // The connection broke or the reply did not come: it may have run.
@@ -250,7 +239,7 @@ async fn call(
     if conn.is_none() {
         *conn = Some(connect(client).await.map_err(|_| CallError::NotConnected)?);
     }
-    let invoked = tick(history);
+    let invoked = history.borrow_mut().tick();
     let first = tokio::time::Instant::now();
     let ts = Hlc {
         wall_ms: EPOCH_MS + sim_ms(),
@@ -275,10 +264,7 @@ async fn call(
         Answer::Outcome(outcome) => (outcome, None),
         Answer::Wrong(error) => (Outcome::Unknown, Some(error)),
     };
-    let returned = match outcome {
-        Outcome::Unknown => UNKNOWN,
-        _ => tick(history),
-    };
+    let returned = history.borrow_mut().returned(&outcome);
     history.borrow_mut().ops.push(Op {
         key,
         kv: kv::Op {
@@ -311,22 +297,7 @@ async fn client(
     while turmoil::sim_elapsed().unwrap_or_default() < until {
         seq += 1;
         let key = KEYS[rng.gen_range(0..KEYS.len())];
-        let value = id << 32 | seq;
-        let cmd = match rng.gen_range(0..100) {
-            0..=29 => Cmd::Set { value, nx: false },
-            30..=44 => Cmd::Set { value, nx: true },
-            45..=79 => Cmd::Get,
-            80..=89 => Cmd::Del,
-            _ => Cmd::Vdel {
-                value: match written.last() {
-                    Some(&v) if rng.gen_bool(0.7) => v,
-                    _ => id << 32 | rng.gen_range(1..=seq),
-                },
-            },
-        };
-        if let Cmd::Set { value, .. } = cmd {
-            written.push(value);
-        }
+        let cmd = kv::draw(&mut rng, id, seq, &mut written);
         match call(&mut conn, &history, id, seq, key, cmd).await {
             Ok(_) => {}
             Err(CallError::Wrong(e)) => return Err(e.into()),
@@ -376,18 +347,14 @@ enum Fault {
     Hold(u64, Duration),
 }
 
-#[derive(Debug, Default)]
-struct Figures {
-    seeds: u64,
-    simulated: Duration,
-    faults: BTreeMap<&'static str, u64>,
-    ops: u64,
-    acked: u64,
-    unknown: u64,
-    errors: BTreeMap<String, u64>,
-    /// A hash of every operation of every seed, in order: equal for two runs of one seed when
-    /// the run is reproduced exactly.
-    trace: u64,
+impl Fault {
+    fn kind(&self) -> &'static str {
+        match self {
+            Fault::Crash(..) => "crash",
+            Fault::Isolate(..) => "isolate",
+            Fault::Hold(..) => "hold",
+        }
+    }
 }
 
 fn client_host(id: u64) -> String {
@@ -398,14 +365,11 @@ fn client_host(id: u64) -> String {
 fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(seed)
-        .simulation_duration(chaos + CALL_TIMEOUT + READABLE_WITHIN + Duration::from_secs(30))
-        .tick_duration(Duration::from_millis(1))
-        .tcp_capacity(1 << 16)
-        .min_message_latency(Duration::from_millis(1))
-        .max_message_latency(Duration::from_millis(rng.gen_range(2..20)))
-        .build();
+    let mut sim = simulation(
+        seed,
+        chaos + CALL_TIMEOUT + READABLE_WITHIN + Duration::from_secs(30),
+        Duration::from_millis(rng.gen_range(2..20)),
+    );
     let dir = root.path().join(NODE);
     sim.host(NODE, move || node(dir.clone()));
     let history: Shared = Rc::default();
@@ -434,117 +398,35 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
         at += lasting + Duration::from_millis(rng.gen_range(100..1_000));
     }
     for (_, fault) in &schedule {
-        let kind = match fault {
-            Fault::Crash(..) => "crash",
-            Fault::Isolate(..) => "isolate",
-            Fault::Hold(..) => "hold",
-        };
-        *figures.faults.entry(kind).or_default() += 1;
+        *figures.faults.entry(fault.kind()).or_default() += 1;
     }
-    let mut schedule = schedule.into_iter().peekable();
-    let mut ending: Option<(Duration, Fault)> = None;
+    let start_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
+        Fault::Crash(lasting) => {
+            sim.crash(NODE);
+            lasting
+        }
+        Fault::Isolate(id, lasting) => {
+            sim.partition(client_host(id), NODE);
+            lasting
+        }
+        Fault::Hold(id, lasting) => {
+            sim.hold(client_host(id), NODE);
+            lasting
+        }
+    };
     let end_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
         Fault::Crash(_) => sim.bounce(NODE),
         Fault::Isolate(id, _) => sim.repair(client_host(id), NODE),
         Fault::Hold(id, _) => sim.release(client_host(id), NODE),
     };
-    let outcome = loop {
-        let done = match sim.step() {
-            Ok(done) => done,
-            Err(e) => break Err(format!("{e}")),
-        };
-        if done {
-            break Ok(());
-        }
-        let now = sim.elapsed();
-        if let Some((until, fault)) = ending {
-            // Every fault is over when the clients stop.
-            if now >= until || now >= chaos {
-                end_fault(&mut sim, fault);
-                ending = None;
-            }
-        }
-        if ending.is_none() && now < chaos && schedule.peek().is_some_and(|(at, _)| now >= *at) {
-            let Some((_, fault)) = schedule.next() else {
-                continue;
-            };
-            let lasting = match fault {
-                Fault::Crash(lasting) => {
-                    sim.crash(NODE);
-                    lasting
-                }
-                Fault::Isolate(id, lasting) => {
-                    sim.partition(client_host(id), NODE);
-                    lasting
-                }
-                Fault::Hold(id, lasting) => {
-                    sim.hold(client_host(id), NODE);
-                    lasting
-                }
-            };
-            ending = Some((now + lasting, fault));
-        }
-    };
-    figures.seeds += 1;
-    figures.simulated += sim.elapsed();
+    let outcome = run_faults(&mut sim, chaos, schedule, start_fault, end_fault);
+    let simulated = sim.elapsed();
     drop(sim);
 
     let history = history.borrow();
-    let mut trace = DefaultHasher::new();
-    figures.trace.hash(&mut trace);
-    for op in &history.ops {
-        (
-            op.key,
-            op.kv.client,
-            &op.kv.cmd,
-            op.kv.invoked,
-            op.kv.returned,
-            &op.kv.outcome,
-        )
-            .hash(&mut trace);
-    }
-    figures.trace = trace.finish();
-    if let Ok(path) = std::env::var("MQSTATE_FRONT_SIM_DUMP") {
-        // The history as text, to compare two runs of a seed line by line.
-        let text: String = history.ops.iter().map(|op| format!("{op:?}\n")).collect();
-        let _ = std::fs::write(format!("{path}.{seed}"), text);
-    }
-    figures.ops += history.ops.len() as u64;
-    figures.unknown += history
-        .ops
-        .iter()
-        .filter(|op| op.kv.outcome == Outcome::Unknown)
-        .count() as u64;
-    figures.acked += history
-        .ops
-        .iter()
-        .filter(|op| matches!(op.kv.outcome, Outcome::Written(_) | Outcome::Deleted(1)))
-        .count() as u64;
-    for (error, n) in &history.errors {
-        *figures.errors.entry(error.clone()).or_default() += n;
-    }
-
-    let mut findings = Vec::new();
-    if let Err(e) = outcome {
-        findings.push(format!("the run failed: {e}"));
-    }
-    let by_key: BTreeMap<&str, Vec<&kv::Op>> =
-        history.ops.iter().fold(BTreeMap::new(), |mut m, op| {
-            m.entry(op.key).or_insert_with(Vec::new).push(&op.kv);
-            m
-        });
-    for (key, ops) in &by_key {
-        findings.extend(kv::check_key(key, ops, FINAL_CLIENT, SEARCH_BUDGET));
-    }
-    let reads: BTreeSet<&str> = history
-        .ops
-        .iter()
-        .filter(|op| op.kv.client == FINAL_CLIENT && op.kv.returned != UNKNOWN)
-        .map(|op| op.key)
-        .collect();
-    if findings.is_empty() && reads.len() != KEYS.len() {
-        findings.push(format!("only {reads:?} were read after the faults"));
-    }
+    figures.add(simulated, &history);
+    history.dump("MQSTATE_FRONT_SIM_DUMP", seed);
+    let findings = history.findings(outcome, &KEYS, FINAL_CLIENT, SEARCH_BUDGET);
     if findings.is_empty() {
         Ok(())
     } else {
@@ -557,43 +439,18 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
 
 #[test]
 fn a_node_front_end_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
-    let chaos = Duration::from_secs(env_u64("MQSTATE_FRONT_SIM_CHAOS_SECS").unwrap_or(8));
-    let seeds: Vec<u64> = match env_u64("MQSTATE_FRONT_SIM_SEED") {
-        Some(seed) => vec![seed],
-        None => {
-            let first = env_u64("MQSTATE_FRONT_SIM_FIRST").unwrap_or(1);
-            let count = env_u64("MQSTATE_FRONT_SIM_SEEDS").unwrap_or(6);
-            (first..first + count).collect()
-        }
-    };
-    let started = Instant::now();
-    let mut figures = Figures::default();
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed, chaos, &mut figures) {
-            failures.push(e);
-        }
-    }
-    let faults: Vec<String> = figures
-        .faults
-        .iter()
-        .map(|(kind, n)| format!("{n} {kind}"))
-        .collect();
+    let sweep = sweep("MQSTATE_FRONT_SIM", 6, 8, run_seed);
     println!(
-        "front-end turmoil sweep: {} seeds, {:.0} s simulated, faults: {}, {} operations ({} acknowledged writes, {} unknown, {} of them -ERR or refused), {} violating seeds, trace {:016x}; {:.1} s of real time",
-        figures.seeds,
-        figures.simulated.as_secs_f64(),
-        faults.join(", "),
-        figures.ops,
-        figures.acked,
-        figures.unknown,
-        figures.errors.values().sum::<u64>(),
-        failures.len(),
-        figures.trace,
-        started.elapsed().as_secs_f64(),
+        "{}",
+        sweep.figures.summary(
+            "front-end",
+            "-ERR or refused",
+            sweep.failures.len(),
+            sweep.real
+        )
     );
-    for (error, n) in &figures.errors {
+    for (error, n) in &sweep.figures.errors {
         println!("  {n} × {error} (taken as unknown)");
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
 }

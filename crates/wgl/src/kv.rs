@@ -1,11 +1,19 @@
 //! The state-store commands the simulations issue (SET, SET NX, GET, DEL, VDEL on small integer
-//! values), their RESP form, what an answer says, one key's sequential model with versions, and the
-//! checks of one key's history: linearizable, versions never backwards in real time, the newest
-//! acknowledged write not lost. Shared by the data plane's simulation
+//! values), the clients' mix of them, their RESP form, what an answer says, one key's sequential
+//! model with versions, and the checks of one key's history: linearizable, versions never
+//! backwards in real time, the newest acknowledged write not lost; a run's [`History`] and a
+//! sweep's [`Figures`]. Shared by the data plane's simulation
 //! (`crates/replication/tests/turmoil_sim.rs`) and the front end's
-//! (`crates/statestore/tests/turmoil_sim.rs`; decision 0067).
+//! (`crates/statestore/tests/turmoil_sim.rs`; decision 0067), which keep only what differs: the
+//! nodes, how a request travels, the faults.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Debug;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Duration;
 
 use mqstate_protocol::Hlc;
+use rand::Rng;
 
 use crate::{Model, Timed, UNKNOWN};
 
@@ -39,6 +47,29 @@ pub struct Op {
     /// [`UNKNOWN`] when no outcome came back.
     pub returned: u64,
     pub outcome: Outcome,
+}
+
+/// A client's next command: 30 % SET, 15 % SET NX, 35 % GET, 10 % DEL, 10 % VDEL of a value it
+/// wrote (its latest most often). A value is the client's id and `seq`, so every SET writes one
+/// no other does; `written` gathers them.
+pub fn draw(rng: &mut impl Rng, client: u64, seq: u64, written: &mut Vec<u64>) -> Cmd {
+    let value = client << 32 | seq;
+    let cmd = match rng.gen_range(0..100) {
+        0..=29 => Cmd::Set { value, nx: false },
+        30..=44 => Cmd::Set { value, nx: true },
+        45..=79 => Cmd::Get,
+        80..=89 => Cmd::Del,
+        _ => Cmd::Vdel {
+            value: match written.last() {
+                Some(&v) if rng.gen_bool(0.7) => v,
+                _ => client << 32 | rng.gen_range(1..=seq),
+            },
+        },
+    };
+    if let Cmd::Set { value, .. } = cmd {
+        written.push(value);
+    }
+    cmd
 }
 
 fn bulk(text: &str) -> String {
@@ -247,6 +278,188 @@ pub fn check_key(key: &str, ops: &[&Op], final_client: u64, max_states: usize) -
         }
     }
     findings
+}
+
+/// An operation of a simulation's history: [`Op`] on a key, with what else the simulation records
+/// (its `Debug` form is the line [`History::dump`] writes).
+pub trait Keyed: Debug {
+    /// The key and the operation on it.
+    fn keyed(&self) -> (&'static str, &Op);
+
+    fn key(&self) -> &'static str {
+        self.keyed().0
+    }
+
+    fn kv(&self) -> &Op {
+        self.keyed().1
+    }
+
+    /// Adds the operation to a run's trace, a hash of every operation in order.
+    fn trace(&self, hasher: &mut DefaultHasher) {
+        let op = self.kv();
+        (
+            self.key(),
+            op.client,
+            &op.cmd,
+            op.invoked,
+            op.returned,
+            &op.outcome,
+        )
+            .hash(hasher);
+    }
+}
+
+/// A run's operations, in the order they were recorded, and the one clock their `invoked` and
+/// `returned` are places of.
+#[derive(Debug)]
+pub struct History<O> {
+    clock: u64,
+    pub ops: Vec<O>,
+    /// Errors taken as "unknown" (`-ERR` texts, refusals), with their counts.
+    pub errors: BTreeMap<String, u64>,
+}
+
+impl<O> Default for History<O> {
+    fn default() -> Self {
+        History {
+            clock: 0,
+            ops: Vec::new(),
+            errors: BTreeMap::new(),
+        }
+    }
+}
+
+impl<O> History<O> {
+    /// The next event's place.
+    pub fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// The `returned` of an operation that came back with `outcome`: the next place, or
+    /// [`UNKNOWN`].
+    pub fn returned(&mut self, outcome: &Outcome) -> u64 {
+        match outcome {
+            Outcome::Unknown => UNKNOWN,
+            _ => self.tick(),
+        }
+    }
+
+    /// Counts an error taken as "unknown".
+    pub fn count_error(&mut self, error: String) {
+        *self.errors.entry(error).or_default() += 1;
+    }
+}
+
+impl<O: Keyed> History<O> {
+    /// With the environment variable `var` set to a path, writes the history as text to
+    /// `<path>.<seed>`, an operation a line, to compare two runs of a seed.
+    pub fn dump(&self, var: &str, seed: u64) {
+        if let Ok(path) = std::env::var(var) {
+            let text: String = self.ops.iter().map(|op| format!("{op:?}\n")).collect();
+            // Only a tool for comparing runs: a failed write shows as a missing file.
+            let _ = std::fs::write(format!("{path}.{seed}"), text);
+        }
+    }
+
+    /// What is wrong with a run that ended with `run`: its failure, then [`check_key`]'s findings
+    /// on each key, or else a key of `keys` that `final_client` did not read.
+    pub fn findings(
+        &self,
+        run: Result<(), String>,
+        keys: &[&str],
+        final_client: u64,
+        max_states: usize,
+    ) -> Vec<String> {
+        let mut findings = Vec::new();
+        if let Err(e) = run {
+            findings.push(format!("the run failed: {e}"));
+        }
+        let by_key: BTreeMap<&str, Vec<&Op>> =
+            self.ops.iter().fold(BTreeMap::new(), |mut m, op| {
+                m.entry(op.key()).or_insert_with(Vec::new).push(op.kv());
+                m
+            });
+        for (key, ops) in &by_key {
+            findings.extend(check_key(key, ops, final_client, max_states));
+        }
+        let reads: BTreeSet<&str> = self
+            .ops
+            .iter()
+            .filter(|op| op.kv().client == final_client && op.kv().returned != UNKNOWN)
+            .map(|op| op.key())
+            .collect();
+        if findings.is_empty() && reads.len() != keys.len() {
+            findings.push(format!("only {reads:?} were read after the faults"));
+        }
+        findings
+    }
+}
+
+/// What a sweep of seeds ran, for its summary.
+#[derive(Debug, Default)]
+pub struct Figures {
+    pub seeds: u64,
+    pub simulated: Duration,
+    /// Faults injected, by kind.
+    pub faults: BTreeMap<&'static str, u64>,
+    pub ops: u64,
+    pub acked: u64,
+    pub unknown: u64,
+    pub errors: BTreeMap<String, u64>,
+    /// A hash of every operation of every seed, in order: equal for two runs of one seed when
+    /// the run is reproduced exactly.
+    pub trace: u64,
+}
+
+impl Figures {
+    /// Adds a seed that ran `simulated` and recorded `history`.
+    pub fn add<O: Keyed>(&mut self, simulated: Duration, history: &History<O>) {
+        self.seeds += 1;
+        self.simulated += simulated;
+        let mut trace = DefaultHasher::new();
+        self.trace.hash(&mut trace);
+        for op in &history.ops {
+            op.trace(&mut trace);
+        }
+        self.trace = trace.finish();
+        self.ops += history.ops.len() as u64;
+        self.unknown += history
+            .ops
+            .iter()
+            .filter(|op| op.kv().outcome == Outcome::Unknown)
+            .count() as u64;
+        self.acked += history
+            .ops
+            .iter()
+            .filter(|op| matches!(op.kv().outcome, Outcome::Written(_) | Outcome::Deleted(1)))
+            .count() as u64;
+        for (error, n) in &history.errors {
+            *self.errors.entry(error.clone()).or_default() += n;
+        }
+    }
+
+    /// The sweep's summary line: `errors` names what [`History::errors`] counts, `violating` is
+    /// the number of seeds that failed, `real` how long the sweep took.
+    pub fn summary(&self, sim: &str, errors: &str, violating: usize, real: Duration) -> String {
+        let faults: Vec<String> = self
+            .faults
+            .iter()
+            .map(|(kind, n)| format!("{n} {kind}"))
+            .collect();
+        format!(
+            "{sim} turmoil sweep: {} seeds, {:.0} s simulated, faults: {}, {} operations ({} acknowledged writes, {} unknown, {} of them {errors}), {violating} violating seeds, trace {:016x}; {:.1} s of real time",
+            self.seeds,
+            self.simulated.as_secs_f64(),
+            faults.join(", "),
+            self.ops,
+            self.acked,
+            self.unknown,
+            self.errors.values().sum::<u64>(),
+            self.trace,
+            real.as_secs_f64(),
+        )
+    }
 }
 
 #[cfg(test)]
