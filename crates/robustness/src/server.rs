@@ -13,14 +13,18 @@ use anyhow::{bail, Context};
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The failpoints every process is started with, each armed by creating its marker file
-/// (`crates/wal/src/failpoint.rs`).
-pub const CRASH_POINTS: [&str; 5] = [
+/// (`crates/wal/src/failpoint.rs`; one spec per point, joined with `,`).
+pub const CRASH_POINTS: [&str; 8] = [
     "after-write-before-fsync",
     "mid-snapshot",
     "before-rename",
     "power-loss",
     // The state store's: a notified write reserved and executed, its commit not logged yet.
     "notify-after-reserve",
+    // The chain protocol's (`crates/replication/src/failpoint.rs`), reached on a cluster node only.
+    "chain-head-after-prepare",
+    "chain-tail-before-commit",
+    "chain-mid-copy",
 ];
 
 pub struct Server {
