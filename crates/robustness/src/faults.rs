@@ -431,4 +431,21 @@ mod tests {
             assert!(drawn.contains(&fault), "{} never drawn", fault.name());
         }
     }
+
+    #[test]
+    fn every_kind_has_its_own_report_name() {
+        let names: Vec<&str> = kinds().map(Fault::name).collect();
+        for (i, name) in names.iter().enumerate() {
+            // A failpoint's own name (`Fault::Crash`'s fallback) is not a report name.
+            assert!(!name.contains('-'), "{name}");
+            assert!(!names[..i].contains(name), "{name} twice");
+        }
+        // The server arms every crash point these faults create a marker for.
+        for fault in kinds() {
+            if let Fault::Crash(point) = fault {
+                assert!(crate::server::CRASH_POINTS.contains(&point), "{point}");
+            }
+        }
+        assert!(crate::server::CRASH_POINTS.contains(&CHAIN_MID_COPY));
+    }
 }
