@@ -9,6 +9,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+/// The servers' log filter (`MQSTATE_LOG`), `warn` unless this is set: more to analyse a finding
+/// with, e.g. `warn,mqstate_sessions=info`.
+const SERVER_LOG_ENV: &str = "MQSTATE_ROBUSTNESS_SERVER_LOG";
+
 /// How long a start (recovery included) may take.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -163,7 +167,10 @@ impl Server {
                     .then(|| format!("--test-clock-offset-ms={}", self.clock_offset_ms)),
             )
             .env("MQSTATE_FAILPOINT", self.failpoint_spec())
-            .env("MQSTATE_LOG", "warn")
+            .env(
+                "MQSTATE_LOG",
+                std::env::var(SERVER_LOG_ENV).unwrap_or_else(|_| "warn".to_owned()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
