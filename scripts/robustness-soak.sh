@@ -10,9 +10,9 @@
 # command again resumes where it stopped. Stops after N runs (default 1000) or once M minutes
 # (default 60) have passed, whichever comes first (a batch is never cut short). Then sums every
 # batch report in DIR (default target/robustness/soak-<nodes>) into DIR/summary.json and prints it:
-# runs, operations, violations, acknowledged writes lost, faults, failing seeds. With --parallel P,
-# P batches run at once (each driver its own processes, ports and, on 3 nodes, network namespaces
-# and subnet): about P times the runs per hour while the machine has the cores for it.
+# runs, operations, violations, acknowledged writes lost, faults, failpoints not reached, failing
+# seeds. With --parallel P, P batches run at once (each driver its own processes, ports and, on 3
+# nodes, network namespaces and subnet): about P times the runs per hour while the machine has the cores for it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -102,6 +102,8 @@ jq -s --argjson nodes "$nodes" --argjson duration "$duration" '{
     acked_lost: (map(.acked_lost) | add // 0),
     incomplete_checks: (map(.incomplete_checks) | add // 0),
     faults: (map(.faults | to_entries) | add // [] | group_by(.key)
+             | map({key: .[0].key, value: (map(.value) | add)}) | from_entries),
+    failpoints_missed: (map(.failpoints_missed // {} | to_entries) | add // [] | group_by(.key)
              | map({key: .[0].key, value: (map(.value) | add)}) | from_entries),
     failing_seeds: (map(.failing_seeds) | add // [] | sort)
   }' "$dir"/batch-*.json > "$dir/summary.json"

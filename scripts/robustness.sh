@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The robustness suite (docs/robustness.md): real `mqstate serve` processes under injected faults
 # (kill -9, SIGSTOP pauses, a full disk, crashes at failpoints, power loss, client clock skew; with
-# --nodes 3 also partitions, packet loss and slow links between nodes, each in its own namespace),
-# many concurrent state-store clients, a persistent notification queue, and checks of the history.
+# --nodes 3 also crashes at the chain protocol's failpoints, per-node clock offsets, and partitions,
+# packet loss and slow links between nodes, each in its own namespace), many concurrent
+# state-store clients, a persistent notification queue, and checks of the history.
 #
 #   scripts/robustness.sh [--nodes 1|3] [--runs N] [--duration S] [--seed S] [--report FILE]
-#                         [--check-budget S] [--keep]
+#                         [--check-budget S] [--fsync POLICY] [--faults KIND,…] [--keep]
+#                         [--no-cluster-observers]
+# (`--faults`' kinds: `mqstate-robustness --help`.)
 #
 # Builds the server and the driver (crates/robustness) with --release, then runs the driver; with
 # MQSTATE_SERVER=PATH it tests that server binary instead (CI passes the static build). The JSON
@@ -16,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
 # A cluster run puts each node in a network namespace (iproute2's `ip`, `tc`) and drops packets

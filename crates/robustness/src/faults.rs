@@ -14,6 +14,9 @@ use crate::workload::{Shared, LEASE_MS};
 
 /// How long an armed failpoint may take to be reached before the process is killed instead.
 const FAILPOINT_WAIT: Duration = Duration::from_secs(6);
+/// The same for `chain-mid-copy`, armed on a node as it restarts: its recovery, its first lease
+/// renewal, the view that puts it back at the tail and the heads' first copy chunk come first.
+const COPY_WAIT: Duration = Duration::from_secs(15);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -23,9 +26,15 @@ pub enum Fault {
     Pause,
     /// Every write fails with ENOSPC for a while (the wal's `enospc` failpoint).
     DiskFull,
-    /// Abort at a wal failpoint (`after-write-before-fsync`, `mid-snapshot`, `before-rename`) or
-    /// between a notified write's reservation and its commit (`notify-after-reserve`), restart.
+    /// Abort at a wal failpoint (`after-write-before-fsync`, `mid-snapshot`, `before-rename`),
+    /// between a notified write's reservation and its commit (`notify-after-reserve`), or, on a
+    /// cluster, at a chain failpoint of a write (`chain-head-after-prepare`,
+    /// `chain-tail-before-commit`), restart.
     Crash(&'static str),
+    /// Cluster only: a node killed, kept down until the control plane has taken it out of its
+    /// chains, then restarted armed at `chain-mid-copy`: it aborts at the first recovery-copy
+    /// chunk it receives on re-entering at the tail, and is restarted again.
+    CrashMidCopy,
     /// Unsynced log writes discarded, then abort (the wal's `power-loss` failpoint), restart.
     PowerLoss,
     /// Clients' clocks (`__ts`) jump ahead or behind for a while.
@@ -53,8 +62,13 @@ impl Fault {
             Fault::DiskFull => "disk_full",
             Fault::Crash("after-write-before-fsync") => "crash_after_write_before_fsync",
             Fault::Crash("mid-snapshot") => "crash_mid_snapshot",
+            Fault::Crash("before-rename") => "crash_before_rename",
             Fault::Crash(NOTIFY_AFTER_RESERVE) => "crash_notify_after_reserve",
-            Fault::Crash(_) => "crash_before_rename",
+            Fault::Crash(CHAIN_HEAD_AFTER_PREPARE) => "crash_chain_after_prepare",
+            Fault::Crash(CHAIN_TAIL_BEFORE_COMMIT) => "crash_chain_before_commit",
+            // Every point is named above; `WEIGHTED` draws no other.
+            Fault::Crash(point) => point,
+            Fault::CrashMidCopy => "crash_chain_mid_copy",
             Fault::PowerLoss => "power_loss",
             Fault::ClockSkew => "clock_skew",
             Fault::Partition => "partition",
@@ -68,8 +82,14 @@ impl Fault {
 /// The state store's crash point between a notified write's reservation and its commit record
 /// (docs/notifications.md); reached only by writes a notification topic matches (single node).
 const NOTIFY_AFTER_RESERVE: &str = "notify-after-reserve";
+/// The chain protocol's crash points (`crates/replication/src/failpoint.rs`): the head has sent
+/// phase 1 of a write on, no other replica has it yet; the tail holds phase 1 and is about to
+/// send phase 2 back; a replica re-entering at the tail received a recovery-copy chunk.
+const CHAIN_HEAD_AFTER_PREPARE: &str = "chain-head-after-prepare";
+const CHAIN_TAIL_BEFORE_COMMIT: &str = "chain-tail-before-commit";
+const CHAIN_MID_COPY: &str = "chain-mid-copy";
 
-const WEIGHTED: [(Fault, u32); 13] = [
+const WEIGHTED: [(Fault, u32); 16] = [
     (Fault::Kill9, 3),
     (Fault::Pause, 2),
     (Fault::DiskFull, 2),
@@ -83,12 +103,30 @@ const WEIGHTED: [(Fault, u32); 13] = [
     (Fault::ClockOffset, 1),
     (Fault::Loss, 3),
     (Fault::SlowLink, 2),
+    (Fault::Crash(CHAIN_HEAD_AFTER_PREPARE), 2),
+    (Fault::Crash(CHAIN_TAIL_BEFORE_COMMIT), 2),
+    (Fault::CrashMidCopy, 2),
 ];
 
 impl Fault {
     /// Whether the fault acts on the links between nodes (the cluster's namespaces, `Net`).
     fn needs_net(self) -> bool {
         matches!(self, Fault::Partition | Fault::Loss | Fault::SlowLink)
+    }
+
+    /// Whether only a cluster can reach it (or has the setting it changes).
+    fn cluster_only(self) -> bool {
+        matches!(
+            self,
+            Fault::ClockOffset
+                | Fault::CrashMidCopy
+                | Fault::Crash(CHAIN_HEAD_AFTER_PREPARE | CHAIN_TAIL_BEFORE_COMMIT)
+        )
+    }
+
+    /// Whether only a single node can reach it: no notification topic on a cluster run.
+    fn single_only(self) -> bool {
+        self == Fault::Crash(NOTIFY_AFTER_RESERVE)
     }
 }
 
@@ -102,8 +140,9 @@ pub fn kinds() -> impl Iterator<Item = Fault> {
 const NODE_LEASE_MS: u64 = 3000 + 1000;
 
 /// One to three faults at times in the middle of the run (offsets from its start), drawn from
-/// `allowed` (every kind when empty) among those a `cluster` (clock offsets) and `partitions`
-/// (the cluster's namespaces) allow.
+/// `allowed` (every kind when empty) among those a `cluster` (clock offsets, chain failpoints) or
+/// a single node (the notification queue's failpoint) and `partitions` (the cluster's
+/// namespaces) allow.
 pub fn schedule(
     seed: u64,
     duration: Duration,
@@ -117,9 +156,13 @@ pub fn schedule(
         .iter()
         .filter(|(f, _)| allowed.is_empty() || allowed.contains(f))
         .filter(|(f, _)| partitions || !f.needs_net())
-        .filter(|(f, _)| cluster || *f != Fault::ClockOffset)
-        // No notification topic on a cluster run: the point would never be reached.
-        .filter(|(f, _)| !cluster || *f != Fault::Crash(NOTIFY_AFTER_RESERVE))
+        .filter(|(f, _)| {
+            if cluster {
+                !f.single_only()
+            } else {
+                !f.cluster_only()
+            }
+        })
         .copied()
         .collect();
     if weighted.is_empty() {
@@ -155,7 +198,7 @@ pub fn inject(
     rng: &mut StdRng,
 ) -> anyhow::Result<()> {
     let started_us = now_us();
-    let mut kind = fault.name();
+    let mut missed = None;
     let target = rng.gen_range(0..servers.len());
     let n = servers.len();
     let cluster = n > 1;
@@ -193,12 +236,29 @@ pub fn inject(
             } else {
                 "power-loss"
             };
-            let (reached, detail) = crash_at(server, shared, point)?;
+            let (reached, detail) = crash_at(server, shared, point, false)?;
             if !reached {
-                // Counted as what happened.
-                kind = Fault::Kill9.name();
+                missed = Some(fault.name());
             }
             detail
+        }
+        Fault::CrashMidCopy => {
+            // Long enough for the control plane to mark it down (lease + clock factor since its
+            // last grant, by the leader's clock; an election first if it led), so that it
+            // re-enters its chains at the tail and is copied; a quicker return keeps its place.
+            let down =
+                Duration::from_millis(rng.gen_range(NODE_LEASE_MS + 2000..NODE_LEASE_MS + 4000));
+            server.kill9();
+            shared.end_incarnation();
+            std::thread::sleep(down);
+            let (reached, detail) = crash_at(server, shared, CHAIN_MID_COPY, true)?;
+            if !reached {
+                missed = Some(fault.name());
+            }
+            format!(
+                "killed, down for {} ms, restarted: {detail}",
+                down.as_millis()
+            )
         }
         Fault::ClockSkew => {
             let magnitude: i64 = rng.gen_range(5_000..30_000);
@@ -293,19 +353,40 @@ pub fn inject(
         detail
     };
     shared.record_fault(FaultRecord {
-        kind: kind.to_owned(),
+        // Counted as what happened: a failpoint not reached is a kill -9.
+        kind: if missed.is_some() {
+            Fault::Kill9.name()
+        } else {
+            fault.name()
+        }
+        .to_owned(),
         started_us,
         ended_us: now_us(),
         detail,
+        missed: missed.map(str::to_owned),
     });
     Ok(())
 }
 
 /// Arms `point` and waits for the process to abort there; kills it if the point is not reached.
-fn crash_at(server: &mut Server, shared: &Shared, point: &str) -> anyhow::Result<(bool, String)> {
-    let armed = Instant::now();
+/// With `starting`, the server is down and is started once armed (a point reached on the way
+/// back, such as `chain-mid-copy`).
+fn crash_at(
+    server: &mut Server,
+    shared: &Shared,
+    point: &str,
+    starting: bool,
+) -> anyhow::Result<(bool, String)> {
     server.arm(point)?;
-    let reached = server.wait_exit(FAILPOINT_WAIT);
+    let armed = Instant::now();
+    let limit = if starting {
+        // It may abort before it accepts connections: `wait_exit`, not `wait_ready`.
+        server.spawn_only().context("start, armed")?;
+        COPY_WAIT
+    } else {
+        FAILPOINT_WAIT
+    };
+    let reached = server.wait_exit(limit);
     if !reached {
         server.kill9();
     }
@@ -320,7 +401,7 @@ fn crash_at(server: &mut Server, shared: &Shared, point: &str) -> anyhow::Result
             armed.elapsed().as_millis()
         )
     } else {
-        format!("{point} not reached in {FAILPOINT_WAIT:?}: killed instead; restarted")
+        format!("{point} not reached in {limit:?}: killed instead; restarted")
     };
     Ok((reached, detail))
 }
@@ -335,14 +416,11 @@ mod tests {
         let mut drawn = Vec::new();
         for seed in 0..500 {
             for (_, fault) in schedule(seed, run, &[], false, false) {
-                assert!(
-                    !fault.needs_net() && fault != Fault::ClockOffset,
-                    "{fault:?}"
-                );
+                assert!(!fault.needs_net() && !fault.cluster_only(), "{fault:?}");
                 drawn.push(fault);
             }
             for (_, fault) in schedule(seed, run, &[], true, true) {
-                assert_ne!(fault, Fault::Crash(NOTIFY_AFTER_RESERVE));
+                assert!(!fault.single_only(), "{fault:?} on a cluster");
                 drawn.push(fault);
             }
             for (_, fault) in schedule(seed, run, &[], true, false) {
@@ -352,5 +430,22 @@ mod tests {
         for fault in kinds() {
             assert!(drawn.contains(&fault), "{} never drawn", fault.name());
         }
+    }
+
+    #[test]
+    fn every_kind_has_its_own_report_name() {
+        let names: Vec<&str> = kinds().map(Fault::name).collect();
+        for (i, name) in names.iter().enumerate() {
+            // A failpoint's own name (`Fault::Crash`'s fallback) is not a report name.
+            assert!(!name.contains('-'), "{name}");
+            assert!(!names[..i].contains(name), "{name} twice");
+        }
+        // The server arms every crash point these faults create a marker for.
+        for fault in kinds() {
+            if let Fault::Crash(point) = fault {
+                assert!(crate::server::CRASH_POINTS.contains(&point), "{point}");
+            }
+        }
+        assert!(crate::server::CRASH_POINTS.contains(&CHAIN_MID_COPY));
     }
 }

@@ -175,10 +175,15 @@ pub struct Registration {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FaultRecord {
+    /// What happened: a crash at a failpoint that was not reached in time is a `kill9`.
     pub kind: String,
     pub started_us: u64,
     pub ended_us: u64,
     pub detail: String,
+    /// The failpoint fault that was drawn when its point was not reached in time and the node
+    /// was killed instead (`kind` is then `kill9`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub missed: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -61,7 +61,11 @@ struct Args {
     /// durable: a negative control, under which the power-loss fault must find lost writes.
     #[arg(long, default_value = "always")]
     fsync: String,
-    /// Only these fault kinds (report names, comma-separated), e.g. `pause,power_loss`.
+    /// Only these fault kinds (report names, comma-separated), e.g. `pause,power_loss`: kill9,
+    /// pause, disk_full, crash_after_write_before_fsync, crash_mid_snapshot, crash_before_rename,
+    /// power_loss, clock_skew; single node only crash_notify_after_reserve; cluster only
+    /// partition, loss, slow_link (in network namespaces), clock_offset,
+    /// crash_chain_after_prepare, crash_chain_before_commit, crash_chain_mid_copy.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
     /// Keep the data directory, server log and history of passing runs too.
@@ -111,7 +115,10 @@ struct Report {
     queue_records: usize,
     violations: usize,
     acked_lost: usize,
+    /// The faults that happened, by kind: a failpoint not reached in time counts as `kill9`.
     faults: BTreeMap<String, u64>,
+    /// Failpoint faults drawn whose point was not reached in time (the node was killed instead).
+    failpoints_missed: BTreeMap<String, u64>,
     failing_seeds: Vec<u64>,
     /// Keys whose linearizability search ran out of budget (not failures; listed per run).
     incomplete_checks: usize,
@@ -222,6 +229,7 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         violations: 0,
         acked_lost: 0,
         faults: BTreeMap::new(),
+        failpoints_missed: BTreeMap::new(),
         failing_seeds: Vec::new(),
         incomplete_checks: 0,
         max_version_ahead_ms: 0,
@@ -238,7 +246,15 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
             summary.operations,
             summary.unknown_operations,
             summary.notifications,
-            summary.faults.iter().map(|f| f.kind.as_str()).collect::<Vec<_>>().join(", "),
+            summary
+                .faults
+                .iter()
+                .map(|f| match &f.missed {
+                    Some(missed) => format!("{} ({missed} not reached)", f.kind),
+                    None => f.kind.clone(),
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
             summary.violations.len(),
             summary.incomplete_checks.len(),
             summary.check_millis
@@ -259,6 +275,9 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
             .max(summary.max_version_ahead_ms);
         for fault in &summary.faults {
             *report.faults.entry(fault.kind.clone()).or_default() += 1;
+            if let Some(missed) = &fault.missed {
+                *report.failpoints_missed.entry(missed.clone()).or_default() += 1;
+            }
         }
         if !summary.violations.is_empty() {
             report.failing_seeds.push(seed);
@@ -268,8 +287,13 @@ fn run_all(args: &Args) -> anyhow::Result<i32> {
         write_report(&args.report, &report)?;
     }
     println!(
-        "robustness: {} runs, {} operations, {} violations, {} acknowledged writes lost, faults {:?}",
-        report.runs, report.operations, report.violations, report.acked_lost, report.faults
+        "robustness: {} runs, {} operations, {} violations, {} acknowledged writes lost, faults {:?}, failpoints not reached {:?}",
+        report.runs,
+        report.operations,
+        report.violations,
+        report.acked_lost,
+        report.faults,
+        report.failpoints_missed
     );
     if !report.failing_seeds.is_empty() {
         println!("robustness: failing seeds {:?}", report.failing_seeds);
@@ -367,6 +391,7 @@ fn run_one(
             started_us: crashed,
             ended_us: now_us(),
             detail: "final kill -9 (of every node) before the reads after recovery".into(),
+            missed: None,
         });
         match restart_all(&mut servers) {
             Ok(()) => {

@@ -9,18 +9,26 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+/// The servers' log filter (`MQSTATE_LOG`), `warn` unless this is set: more to analyse a finding
+/// with, e.g. `warn,mqstate_sessions=info`.
+const SERVER_LOG_ENV: &str = "MQSTATE_ROBUSTNESS_SERVER_LOG";
+
 /// How long a start (recovery included) may take.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The failpoints every process is started with, each armed by creating its marker file
-/// (`crates/wal/src/failpoint.rs`).
-pub const CRASH_POINTS: [&str; 5] = [
+/// (`crates/wal/src/failpoint.rs`; one spec per point, joined with `,`).
+pub const CRASH_POINTS: [&str; 8] = [
     "after-write-before-fsync",
     "mid-snapshot",
     "before-rename",
     "power-loss",
     // The state store's: a notified write reserved and executed, its commit not logged yet.
     "notify-after-reserve",
+    // The chain protocol's (`crates/replication/src/failpoint.rs`), reached on a cluster node only.
+    "chain-head-after-prepare",
+    "chain-tail-before-commit",
+    "chain-mid-copy",
 ];
 
 pub struct Server {
@@ -159,7 +167,10 @@ impl Server {
                     .then(|| format!("--test-clock-offset-ms={}", self.clock_offset_ms)),
             )
             .env("MQSTATE_FAILPOINT", self.failpoint_spec())
-            .env("MQSTATE_LOG", "warn")
+            .env(
+                "MQSTATE_LOG",
+                std::env::var(SERVER_LOG_ENV).unwrap_or_else(|_| "warn".to_owned()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
