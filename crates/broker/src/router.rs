@@ -238,12 +238,6 @@ impl Router {
         }
     }
 
-    /// What a new subscription's retained messages wait for: in a cluster, until the other
-    /// nodes' retained sets were taken in after this node started (decision 0072).
-    pub(crate) fn retained_ready(&self) -> Option<Settled> {
-        self.peers.get().and_then(|peers| peers.retained_ready())
-    }
-
     pub(crate) fn retained_matching(&self, filter: &str, now: Instant) -> Vec<Retained> {
         self.retained
             .lock()
@@ -697,9 +691,6 @@ mod tests {
             None
         }
         fn claim(&self, _: &str) -> Option<Settled> {
-            None
-        }
-        fn retained_ready(&self) -> Option<Settled> {
             None
         }
         fn redelivered_within(&self) -> std::time::Duration {

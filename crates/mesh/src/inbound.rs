@@ -30,10 +30,10 @@ impl Inbound {
         let shared = &self.0;
         let from = batch.from;
         let mut work = Vec::new();
-        let resync = matches!(batch.items.first(), Some(Item::Resync { .. }));
         {
             let mut state = shared.lock();
             let state = &mut *state;
+            let resync = matches!(batch.items.first(), Some(Item::Resync { .. }));
             let known = state.inbound.get(&from).copied();
             if !resync && known != Some((batch.incarnation, batch.seq)) {
                 return Reply::Resync;
@@ -109,11 +109,6 @@ impl Inbound {
             if let Err(error) = d.await {
                 tracing::error!(%error, node = from, "mesh: a forwarded message is not durable here");
             }
-        }
-        if resync {
-            // Its retained messages and clears are in the store: subscriptions waiting for
-            // every member's resync may look again (decision 0072).
-            shared.lock().resynced_from.insert(from);
         }
         Reply::Accepted
     }

@@ -31,8 +31,8 @@ pub mod wire;
 mod inbound;
 mod peer;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -59,11 +59,6 @@ const ADOPTION_SLACK: Duration = Duration::from_secs(2);
 /// How much earlier than a held publish's receipt a session put back counts as one that may
 /// have missed it: a bound on a batch's transit (a call not answered within it failed).
 const REDELIVERY_MARGIN: Duration = CALL_TIMEOUT;
-/// After a node starts, how long a new subscription's retained messages wait at most for every
-/// live member's resync (decision 0072).
-const RETAINED_WAIT: Duration = SETTLE_TIMEOUT;
-/// How often a subscription waiting for the resyncs looks again.
-const RETAINED_POLL: Duration = Duration::from_millis(20);
 
 /// The mesh of one node.
 pub struct Mesh {
@@ -83,12 +78,6 @@ struct Shared {
     adoption_window: Duration,
     /// The next number a forwarded publish gets (decision 0066).
     next_seq: AtomicU64,
-    /// When this run of the mesh started: retained messages are served without waiting for the
-    /// others' resyncs from [`RETAINED_WAIT`] after it on.
-    started: Instant,
-    /// Every live member's resync was taken in once (or [`RETAINED_WAIT`] passed): this node's
-    /// retained set holds what the cluster cleared and replaced while it was away.
-    retained_ready: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -99,21 +88,6 @@ struct State {
     outboxes: BTreeMap<NodeId, Outbox>,
     /// Per sender: its incarnation and the next batch number expected.
     inbound: HashMap<NodeId, (u64, u64)>,
-    /// Membership was read once: the outboxes name every other member.
-    members_known: bool,
-    /// The senders whose resync this run took in (its retained messages and clears adopted).
-    resynced_from: HashSet<NodeId>,
-}
-
-impl State {
-    /// Whether every member this node counts live has resynced it since it started.
-    fn every_live_member_resynced(&self) -> bool {
-        self.members_known
-            && self
-                .outboxes
-                .iter()
-                .all(|(id, outbox)| !outbox.is_live() || self.resynced_from.contains(id))
-    }
 }
 
 impl Shared {
@@ -134,8 +108,6 @@ impl Mesh {
             incarnation,
             adoption_window,
             next_seq: AtomicU64::new(0),
-            started: Instant::now(),
-            retained_ready: AtomicBool::new(false),
             broker: broker.clone(),
             node: Arc::clone(&node),
             state: Mutex::default(),
@@ -197,7 +169,6 @@ async fn follow_membership(shared: Arc<Shared>) {
                     }
                 }
             }
-            state.members_known = true;
         }
         tokio::time::sleep(MEMBERSHIP_PERIOD).await;
     }
@@ -478,23 +449,6 @@ impl Peers for Port {
 
     fn claim(&self, client_id: &str) -> Option<Settled> {
         self.to_all_live(|| Some(Item::Claim(client_id.to_owned())))
-    }
-
-    fn retained_ready(&self) -> Option<Settled> {
-        let shared = &self.0;
-        if shared.retained_ready.load(Ordering::Acquire) {
-            return None;
-        }
-        let shared = Arc::clone(shared);
-        Some(Box::pin(async move {
-            // A member that stops being live (counted down, not answering) is not waited for.
-            while !shared.lock().every_live_member_resynced()
-                && shared.started.elapsed() < RETAINED_WAIT
-            {
-                tokio::time::sleep(RETAINED_POLL).await;
-            }
-            shared.retained_ready.store(true, Ordering::Release);
-        }))
     }
 
     /// A publish is given again within its settle bound of its receipt at the origin; a session
