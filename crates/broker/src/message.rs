@@ -13,7 +13,7 @@ pub enum QoS {
 
 /// The PUBLISH properties that travel with a message from publisher to subscriber unchanged
 /// (topic alias and subscription identifiers are per-hop and live elsewhere).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct PublishProperties {
     /// Payload Format Indicator = 1 (UTF-8).
     pub payload_is_utf8: bool,
@@ -36,7 +36,7 @@ impl PublishProperties {
 }
 
 /// One application message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Message {
     pub topic: ByteString,
     pub payload: Bytes,

@@ -1,8 +1,10 @@
 //! Retained messages: the last retained message per topic.
 
+use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytestring::ByteString;
 
@@ -19,6 +21,14 @@ pub(crate) struct Retained {
 /// Clears a cluster node remembers at most (the oldest are forgotten first).
 pub(crate) const CLEARS_KEPT: usize = 65_536;
 
+/// How much later than a clear a copy of the very message that clear removed may read, and
+/// still be refused as that message come back (decision 0072). A copy's time is read late by
+/// up to two mesh calls (8 s each): the forward that brought it to the node that stamped it at
+/// receipt, and the resync that carries it on, whose age is taken before its transit. So a node
+/// that was down offers its copy of a message cleared moments after it went down with a time
+/// that can read later than the clear; without this, the later-of rule took it back.
+pub(crate) const CLEARED_COPY_WITHIN: Duration = Duration::from_secs(16);
+
 #[derive(Default)]
 pub(crate) struct RetainedStore {
     by_topic: HashMap<ByteString, Retained>,
@@ -30,31 +40,63 @@ pub(crate) struct RetainedStore {
 
 #[derive(Default)]
 struct Clears {
-    at: HashMap<ByteString, Instant>,
+    at: HashMap<ByteString, Clear>,
     /// In the order noted; an entry whose time is no longer the topic's is skipped.
     order: VecDeque<(ByteString, Instant)>,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct Clear {
+    at: Instant,
+    /// The fingerprint of the message the clear removed here, if this node held one (not kept
+    /// across a restart: the journal's tombstone has the time only).
+    removed: Option<u64>,
+}
+
 impl Clears {
-    fn note(&mut self, topic: &ByteString, at: Instant) {
-        if self.at.get(topic).is_some_and(|known| *known >= at) {
+    fn note(&mut self, topic: &ByteString, at: Instant, removed: Option<u64>) {
+        let known = self.at.get(topic).copied();
+        if known.is_some_and(|known| known.at >= at) {
             return;
         }
-        self.at.insert(topic.clone(), at);
+        // A later clear of a topic nothing was retained on since: the message the earlier one
+        // removed is still the last the topic had.
+        let removed = removed.or(known.and_then(|k| k.removed));
+        self.at.insert(topic.clone(), Clear { at, removed });
         self.order.push_back((topic.clone(), at));
         while self.at.len() > CLEARS_KEPT {
             let Some((topic, at)) = self.order.pop_front() else {
                 break;
             };
-            if self.at.get(&topic) == Some(&at) {
+            if self.at.get(&topic).is_some_and(|c| c.at == at) {
                 self.at.remove(&topic);
             }
         }
         if self.order.len() > 2 * CLEARS_KEPT {
-            let at = &self.at;
-            self.order.retain(|(topic, t)| at.get(topic) == Some(t));
+            let kept = &self.at;
+            self.order
+                .retain(|(topic, t)| kept.get(topic).is_some_and(|c| c.at == *t));
         }
     }
+
+    /// Whether `message`, read as made at `at`, is older than the topic's clear, or is the very
+    /// message the clear removed come back with a time read late (within
+    /// [`CLEARED_COPY_WITHIN`]).
+    fn refuse(&self, message: &Message, at: Instant) -> bool {
+        self.at.get(&message.topic).is_some_and(|clear| {
+            clear.at >= at
+                || (clear.removed == Some(fingerprint(message))
+                    && at < clear.at + CLEARED_COPY_WITHIN)
+        })
+    }
+}
+
+/// Tells one message from another (topic, payload, QoS, properties) in a clear's memory, without
+/// keeping the message.
+fn fingerprint(message: &Message) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    message.hash(&mut hasher);
+    hasher.finish()
 }
 
 impl RetainedStore {
@@ -79,19 +121,23 @@ impl RetainedStore {
         {
             return;
         }
-        self.by_topic.remove(topic);
+        let removed = self.by_topic.remove(topic).map(|r| fingerprint(&r.message));
         self.clears
             .get_or_insert_with(Clears::default)
-            .note(topic, at);
+            .note(topic, at, removed);
     }
 
     /// Applies a PUBLISH with RETAIN set: an empty payload deletes, anything else replaces.
     pub(crate) fn apply(&mut self, message: &Arc<Message>, received_at: Instant) {
         debug_assert!(message.retain);
         if message.payload.is_empty() {
-            self.by_topic.remove(&message.topic);
+            let removed = self.by_topic.remove(&message.topic);
             if let Some(clears) = &mut self.clears {
-                clears.note(&message.topic, received_at);
+                clears.note(
+                    &message.topic,
+                    received_at,
+                    removed.map(|r| fingerprint(&r.message)),
+                );
             }
         } else {
             if let Some(clears) = &mut self.clears {
@@ -109,7 +155,8 @@ impl RetainedStore {
 
     /// Takes in a retained message (or, with an empty payload, a clear) that another node holds,
     /// received there at `received_at`, if it is newer than what this node holds or remembers
-    /// clearing on its topic (the later one wins); whether it did.
+    /// clearing on its topic (the later one wins; the message a clear removed here loses to it
+    /// unless it reads more than [`CLEARED_COPY_WITHIN`] later); whether it did.
     pub(crate) fn adopt(&mut self, message: &Arc<Message>, received_at: Instant) -> bool {
         debug_assert!(message.retain);
         let held = self.by_topic.get(&message.topic);
@@ -117,13 +164,21 @@ impl RetainedStore {
             return false;
         }
         if message.payload.is_empty() {
+            let removed = self.by_topic.remove(&message.topic);
             if let Some(clears) = &mut self.clears {
-                clears.note(&message.topic, received_at);
+                clears.note(
+                    &message.topic,
+                    received_at,
+                    removed.as_ref().map(|r| fingerprint(&r.message)),
+                );
             }
-            return self.by_topic.remove(&message.topic).is_some();
+            return removed.is_some();
         }
-        let cleared = self.clears.as_ref().and_then(|c| c.at.get(&message.topic));
-        if cleared.is_some_and(|at| *at >= received_at) {
+        if self
+            .clears
+            .as_ref()
+            .is_some_and(|c| c.refuse(message, received_at))
+        {
             return false;
         }
         self.apply(message, received_at);
@@ -135,7 +190,7 @@ impl RetainedStore {
         let Some(clears) = &self.clears else {
             return Vec::new();
         };
-        let mut all: Vec<_> = clears.at.iter().map(|(t, at)| (t.clone(), *at)).collect();
+        let mut all: Vec<_> = clears.at.iter().map(|(t, c)| (t.clone(), c.at)).collect();
         all.sort_unstable();
         all
     }
@@ -245,6 +300,40 @@ mod tests {
             &here.matching("b", at(30))[0].message.payload[..],
             b"replaced"
         );
+    }
+
+    /// Issue 16 (decision 0072): a node that was down offers, at its resync, its copy of a
+    /// message cleared moments after it went down, with a time read later than the clear (its
+    /// receipt of the forward, then the resync's transit). A node whose clear removed that very
+    /// message refuses it; another message, or the same one again well after, still wins.
+    #[test]
+    fn the_message_a_clear_removed_does_not_come_back_with_a_time_read_late() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut here = RetainedStore::default();
+        here.keep_clears();
+        for topic in ["a", "b", "c"] {
+            here.apply(&msg(topic, b"v1"), at(0));
+            here.apply(&msg(topic, b""), at(21));
+        }
+        // The away node's copy, read as received 39 ms after the clear.
+        assert!(!here.adopt(&msg("a", b"v1"), at(60)));
+        assert!(here.matching("a", at(100)).is_empty());
+        // A clear again (nothing held since) still knows which message the topic last had.
+        here.apply(&msg("a", b""), at(30));
+        assert!(!here.adopt(&msg("a", b"v1"), at(60)));
+        // Another message made after the clear wins, as before.
+        assert!(here.adopt(&msg("b", b"v2"), at(60)));
+        assert_eq!(&here.matching("b", at(100))[0].message.payload[..], b"v2");
+        // The same message retained again well after the clear wins too.
+        let again = at(21) + CLEARED_COPY_WITHIN + Duration::from_millis(1);
+        assert!(here.adopt(&msg("c", b"v1"), again));
+        assert_eq!(&here.matching("c", again)[0].message.payload[..], b"v1");
+        // A clear of a topic this node held nothing for: the later-of rule only.
+        let mut other = RetainedStore::default();
+        other.keep_clears();
+        other.apply(&msg("a", b""), at(21));
+        assert!(other.adopt(&msg("a", b"v1"), at(60)));
     }
 
     #[test]
