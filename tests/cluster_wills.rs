@@ -6,16 +6,21 @@
 //!   when the connection ends; a client that disconnected normally has no will published; a
 //!   client that reconnects elsewhere at once, clean and with a will of its own, does not take the
 //!   old will row over before that will is published (decision 0066);
+//! * a persistent session's pending delayed will on a running node goes out at once, once, when
+//!   its client comes back clean on another node (the session ends: MQTT 5 publishes the will
+//!   when its delay passes or its session ends, whichever is first);
 //! * a retained message cleared while a node was down does not come back when that node rejoins
 //!   after every node that saw the clear restarted (the clear is durable).
 //!
-//! (Before: the clean session's will died with its node — no row held it; and a restarted node
-//! forgot the clears it had seen, so the rejoining node's stale copy came back everywhere.)
+//! (Before: the clean session's will died with its node — no row held it; the pending delayed
+//! will was dropped by the node that held it when the clean start claimed the client id; and a
+//! restarted node forgot the clears it had seen, so the rejoining node's stale copy came back
+//! everywhere.)
 
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rumqttc::v5::mqttbytes::QoS;
 
@@ -107,6 +112,57 @@ async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
         "no will published twice or for a client that left normally"
     );
     drop((publisher, watcher, back, back_will));
+}
+
+/// How long the test waits for a will that is due at once (its delay is far longer).
+const PROMPT_WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_start_elsewhere_publishes_a_pending_delayed_will_once() {
+    let (_root, _nodes, [n1, n2, n3]) = three_nodes();
+    let mut watcher = will_watcher(n2, "delay-watcher").await;
+
+    // Persistent sessions on node 1 whose clients vanish (no DISCONNECT): their wills wait 120 s
+    // there, while node 1 stays up.
+    let (sdk, _) = accepted(n1, "delay-sdk", false, 300, will_of("delay-sdk", 120)).await;
+    let (own, _) = accepted(n1, "delay-own", false, 300, will_of("delay-own", 120)).await;
+    drop((sdk, own));
+    // Back on node 3 with Clean Start = 1: one as the SDKs reconnect (expiry 0, no will: the
+    // CONNACK does not wait for the old row), one with a session of its own (expiry 300).
+    let (sdk, present) = accepted(n3, "delay-sdk", true, 0, None).await;
+    assert!(!present, "a clean start discards the session");
+    let (own, present) = accepted(n3, "delay-own", true, 300, None).await;
+    assert!(!present, "a clean start discards the session");
+    let back = Instant::now();
+
+    let everyone: BTreeSet<String> = ["will/delay-sdk", "will/delay-own"]
+        .iter()
+        .map(|t| (*t).to_owned())
+        .collect();
+    let mut wills = BTreeSet::new();
+    while wills != everyone {
+        let Ok(will) = tokio::time::timeout(PROMPT_WAIT, watcher.next_topic()).await else {
+            panic!("wills {PROMPT_WAIT:?} after the clean starts: {wills:?}, not {everyone:?}");
+        };
+        eprintln!("{will} {:?} after the clean start", back.elapsed());
+        assert!(everyone.contains(&will), "{will}: not a pending will");
+        assert!(wills.insert(will.clone()), "{will} published twice");
+    }
+
+    // No will comes again: a marker published now is the next thing the watcher hears.
+    let (mut publisher, _) = accepted(n3, "delay-marker", true, 0, None).await;
+    assert_eq!(
+        publisher
+            .publish("will/zz-marker", QoS::AtLeastOnce, "m")
+            .await,
+        0x00
+    );
+    assert_eq!(
+        watcher.next_topic().await,
+        "will/zz-marker",
+        "each pending will published once"
+    );
+    drop((publisher, watcher, sdk, own));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -204,15 +204,25 @@ impl crate::Broker {
     /// Where sessions live elsewhere too (replicated, decision 0047), this node's copy is then
     /// dropped: the claiming node reads the session from its replicas, and a copy kept here would
     /// keep its subscriptions routed to this node, whose next write of it would be fenced (a
-    /// publisher answered 0x80 for a session that had moved).
+    /// publisher answered 0x80 for a session that had moved). The copy's writes land before this
+    /// resolves (bounded by the takeover timeout), so the claiming node reads the session as it
+    /// was left here; a delayed will pending here goes with the copy, and a clean start's
+    /// claimer publishes it.
     pub async fn take_over_here(&self, client_id: &str) {
         let (done, wait) = tokio::sync::oneshot::channel();
         let control = crate::registry::Control::TakeOver { done };
         if self.inner.registry.send_control(client_id, control) {
             let _ = tokio::time::timeout(self.inner.config.takeover_timeout, wait).await;
         }
-        if self.inner.elsewhere.is_some() {
+        if let Some(source) = &self.inner.elsewhere {
             self.forget_session(client_id);
+            // What was recorded here of the session (its client's leaving, a delayed will that
+            // came due) lands in its row before the claim is answered: the claiming node reads
+            // the row next, and decides from it whether a delayed will this copy held is still
+            // pending (a clean start publishes it, decision 0063). Dropped first, the copy
+            // records nothing more meanwhile.
+            let landed = source.ended(client_id);
+            let _ = tokio::time::timeout(self.inner.config.takeover_timeout, landed).await;
         }
     }
 

@@ -97,7 +97,9 @@ pub trait SessionSource: Send + Sync {
     /// so its will is this node's to publish; `false` if another node took the session over
     /// first (it lives on there and its will is not due). Waits through failures to write: the
     /// will of an expired session is published once its end is durable, never before a node
-    /// that reads its row could still find the session (decision 0070).
+    /// that reads its row could still find the session (decision 0070). Also awaited once a
+    /// copy taken over by another node was dropped (`Broker::take_over_here`): the claiming node
+    /// then reads what this broker recorded of the session.
     fn ended(&self, client_id: &str) -> Ending;
 }
 

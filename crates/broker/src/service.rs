@@ -497,11 +497,13 @@ impl Broker {
         }
     }
 
-    /// Publishes the will of a session that ended with its node (decision 0063): the node died
-    /// while its client was connected, or with its delayed will pending, and the cluster node
-    /// that settled the session's row found it ended (expired, or discarded by a clean start).
+    /// Publishes the will of a session another node held (decision 0063): the node died while
+    /// its client was connected, or with its delayed will pending, and the cluster node that
+    /// settled the session's row found it ended (expired, or discarded by a clean start); or a
+    /// clean start here ended a session whose delayed will a running node dropped when this
+    /// node claimed the client id.
     pub fn publish_will(&self, will: Will) {
-        tracing::info!(topic = %will.message.topic, "will of a session ended on a dead node published");
+        tracing::info!(topic = %will.message.topic, "will of a session held by another node published");
         drop(self.inner.router.route(will.message, None));
     }
 

@@ -803,7 +803,9 @@ fn now_ms() -> u64 {
 /// A row whose session ended is deleted, not taken. One that nobody running holds (its node
 /// died) whose session ended — or that a clean start discards — has its will published here, as
 /// its own node would have (decision 0063): the compare-and-set makes this node the only one
-/// that does. `Ok(None)`: the row changed since it was read.
+/// that does. So has a delayed will that a clean start ends while its running node holds it
+/// (that node dropped it with its copy when this node claimed the client id). `Ok(None)`: the
+/// row changed since it was read.
 async fn take_over(
     shared: &Shared,
     rows: &dyn SessionRows,
@@ -823,6 +825,20 @@ async fn take_over(
         )
     });
     let settle = nobody && (clean_start || ended);
+    // A clean start ends a session whose delayed will another running node holds (pending, or
+    // due when the connection the claim ended closes): the claim made that node drop its copy of
+    // the session, the will with it (`Broker::take_over_here`), so the will goes out here, as one
+    // node publishes a pending will when a clean start ends its session. A delay-0 will is the
+    // owner's: its connection published it as the claim ended it; a clean session's connection
+    // publishes its will whatever the delay (its session ends with it).
+    let dropped = |row: &SessionRow| {
+        clean_start
+            && !nobody
+            && !ended
+            && row.owner != shared.node
+            && row.session.expiry_secs > 0
+            && row.session.will_at_end().is_some_and(|w| w.delay_secs > 0)
+    };
     let mut observed = Vec::new();
     let mut cursors = BTreeMap::new();
     let mut will = None;
@@ -843,7 +859,7 @@ async fn take_over(
         // A clean start discards the session everywhere; an ended one goes too.
         Some(row) => match rows.write(&client_id, None, found.version).await? {
             Ok(version) => {
-                if settle {
+                if settle || dropped(&row) {
                     will = row.session.will_at_end().cloned();
                 }
                 (Some(version), Located::Gone)
@@ -856,7 +872,7 @@ async fn take_over(
         match shared.broker.get() {
             Some(broker) => broker.publish_will(will),
             None => {
-                tracing::error!(%client_id, "the will of a session ended on a dead node is lost: no broker attached")
+                tracing::error!(%client_id, "the will of a session ended elsewhere is lost: no broker attached")
             }
         }
     }
@@ -1633,6 +1649,55 @@ mod tests {
         ])
         .await
         .unwrap();
+    }
+
+    /// Issue 16: a clean start on node 2 ends the session whose delayed will node 1 (up) holds,
+    /// pending or due when the claim ends its connection: node 1 dropped it with its copy at the
+    /// claim, so node 2 publishes it, once. A resume takes the session over and cancels the will
+    /// (as on one node); a delay-0 will is the connection's to publish. Before, the clean start
+    /// deleted the row and the will was lost.
+    #[tokio::test]
+    async fn a_clean_start_publishes_the_delayed_will_a_running_node_dropped() {
+        for (delay_secs, detached, clean_start, published) in [
+            (30, true, true, 1),
+            (30, false, true, 1),
+            (30, true, false, 0),
+            (0, false, true, 0),
+        ] {
+            let rows = Arc::new(MemoryRows::default());
+            let a = node(1, &rows);
+            connected_with_will(&a, 60, delay_secs).await;
+            if detached {
+                let will = row_of(&rows).session.connected_will.unwrap();
+                a.record(vec![
+                    SessionChange::Detached {
+                        client_id: "c".into(),
+                        expiry_secs: 60,
+                        at_ms: now_ms(),
+                    },
+                    SessionChange::WillScheduled {
+                        client_id: "c".into(),
+                        will,
+                        at_ms: now_ms() + 30_000,
+                    },
+                ])
+                .await
+                .unwrap();
+            }
+            let (b, log) = node_with_log(2, &rows);
+            let _broker = with_broker(&b);
+            let located = b.locate("c", clean_start, true, false).await.unwrap();
+            assert_eq!(
+                matches!(located, Located::Gone),
+                clean_start,
+                "delay {delay_secs}, detached {detached}, clean start {clean_start}"
+            );
+            assert_eq!(
+                log.wills(),
+                published,
+                "delay {delay_secs}, detached {detached}, clean start {clean_start}"
+            );
+        }
     }
 
     /// Node 1 dies with client `c` connected (expiry 1 s, its will due at the expiry); node 2
