@@ -16,6 +16,8 @@ pub const TEMP_DIR: &str = "temp";
 pub const SNAPSHOT_FILE: &str = "mqstate.snapshot";
 pub const METADATA_FILE: &str = "mqstate.metadata";
 pub const LOCK_FILE: &str = "LOCK";
+/// How long a data directory's lock must stay held before [`DataDir::lock`] gives up.
+const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// Proof that this process holds a data directory's lock ([`DataDir::lock`]).
 #[derive(Debug)]
@@ -69,12 +71,25 @@ impl DataDir {
             .write(true)
             .open(&path)
             .map_err(WalError::io("open the lock file", &path))?;
-        match file.try_lock() {
-            Ok(()) => Ok(DirLock { _file: file }),
-            Err(TryLockError::WouldBlock) => Err(WalError::Locked {
-                path: self.root.clone(),
-            }),
-            Err(TryLockError::Error(e)) => Err(WalError::io("lock", &path)(e)),
+        // A `flock` belongs to the open file, and a child that another thread of this process is
+        // spawning holds a copy of every descriptor until its `exec` closes them: a lock this
+        // process just released can look held for that moment (seen as a test that reopens a log
+        // while another test spawns a process). A held lock is only reported after it stayed held
+        // a little while; another process's lock stays held, so the answer is the same.
+        let started = std::time::Instant::now();
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(DirLock { _file: file }),
+                Err(TryLockError::WouldBlock) if started.elapsed() < LOCK_PATIENCE => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(TryLockError::WouldBlock) => {
+                    return Err(WalError::Locked {
+                        path: self.root.clone(),
+                    })
+                }
+                Err(TryLockError::Error(e)) => return Err(WalError::io("lock", &path)(e)),
+            }
         }
     }
 
@@ -185,5 +200,22 @@ mod tests {
         assert!(refused.to_string().contains("in use"), "{refused}");
         drop(held);
         dir.lock().unwrap();
+    }
+
+    /// What a child being spawned by another thread does: it holds a copy of the lock's
+    /// descriptor for a moment after this process released the lock.
+    #[test]
+    fn a_lock_released_while_a_copy_of_its_descriptor_lingers_is_taken_once_the_copy_is_gone() {
+        let temp = tempfile::tempdir().unwrap();
+        let dir = DataDir::new(temp.path());
+        let held = dir.lock().unwrap();
+        let lingering = held._file.try_clone().unwrap();
+        drop(held);
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            drop(lingering);
+        });
+        dir.lock().unwrap();
+        closer.join().unwrap();
     }
 }
