@@ -704,7 +704,7 @@ async fn locate(
         }
         // The row changed between the read and the write (its owner wrote it, or another node
         // settled it): read it again.
-        if let Some(located) =
+        if let Some((located, _)) =
             take_over(shared, &*rows, client_id.clone(), found, clean_start).await?
         {
             return Ok(located);
@@ -804,15 +804,15 @@ fn now_ms() -> u64 {
 /// died) whose session ended — or that a clean start discards — has its will published here, as
 /// its own node would have (decision 0063): the compare-and-set makes this node the only one
 /// that does. So has a delayed will that a clean start ends while its running node holds it
-/// (that node dropped it with its copy when this node claimed the client id). `Ok(None)`: the
-/// row changed since it was read.
+/// (that node dropped it with its copy when this node claimed the client id). Returns what was
+/// found and the epoch of the claim; `Ok(None)`: the row changed since it was read.
 async fn take_over(
     shared: &Shared,
     rows: &dyn SessionRows,
     client_id: Arc<str>,
     found: Found,
     clean_start: bool,
-) -> Result<Option<Located>, String> {
+) -> Result<Option<(Located, u64)>, String> {
     let known_epoch = shared.lock().entries.get(&client_id).map_or(0, |e| e.epoch);
     let epoch = known_epoch.max(found.row.as_ref().map_or(0, |r| r.epoch)) + 1;
     // An ended session is not taken: its row goes. Its will is published here only if no
@@ -915,7 +915,7 @@ async fn take_over(
             }
         }
     }
-    Ok(Some(located))
+    Ok(Some((located, epoch)))
 }
 
 /// How often a node looks for orphaned sessions (decision 0054).
@@ -1010,8 +1010,8 @@ async fn adopt(
     if found.row.as_ref().map(|r| (r.owner, r.epoch)) != Some(seen) {
         return Ok(false);
     }
-    let session = match take_over(shared, rows, client_id.clone(), found, false).await? {
-        Some(Located::Taken(session)) => session,
+    let (session, epoch) = match take_over(shared, rows, client_id.clone(), found, false).await? {
+        Some((Located::Taken(session), epoch)) => (session, epoch),
         // It had ended: its row is deleted and its will published.
         Some(_) => {
             tracing::info!(%client_id, owner = seen.0, "the ended session of a dead node settled");
@@ -1019,6 +1019,21 @@ async fn adopt(
         }
         None => return Ok(false),
     };
+    // A CONNECT of the client here may have taken the session from this claim while
+    // `take_over` waited (for the restore of its observed keys): the copy it put in the broker
+    // is the client's, and this adoption is over (seed 946 of the robustness suite: the
+    // `forget_session` below dropped it before the CONNECT attached, which then created an
+    // empty session). The check and what follows do not wait, so only a CONNECT whose
+    // compare-and-set completes in the instant between them could still be overtaken.
+    let current = shared
+        .lock()
+        .entries
+        .get(&client_id)
+        .is_some_and(|e| e.role == Role::Claimed && e.epoch == epoch);
+    if !current {
+        tracing::info!(%client_id, "an orphaned session was taken by its client during its adoption");
+        return Ok(false);
+    }
     tracing::info!(%client_id, owner = seen.0, "orphaned session adopted");
     // A stale copy of an earlier run (none is expected) makes way for the row's session.
     broker.forget_session(&client_id);
@@ -1474,6 +1489,93 @@ mod tests {
         assert!(b.adopt_orphans().await.is_empty(), "adopted once");
         // The old owner is fenced.
         assert!(a.record(vec![subscribed("stale/#")]).await.is_err());
+    }
+
+    /// A state store whose first `restore` is held until the test opens it.
+    struct Gated(
+        Mutex<
+            Option<(
+                tokio::sync::oneshot::Sender<()>,
+                tokio::sync::oneshot::Receiver<()>,
+            )>,
+        >,
+    );
+
+    impl Observers for Gated {
+        fn restore(
+            &self,
+            _: Arc<str>,
+            _: Vec<(Vec<u8>, Option<String>)>,
+        ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+            let gate = self.0.lock().unwrap().take();
+            Box::pin(async move {
+                if let Some((entered, open)) = gate {
+                    let _ = entered.send(());
+                    let _ = open.await;
+                }
+            })
+        }
+
+        fn position(&self, _: &[u8]) -> Option<String> {
+            None
+        }
+
+        fn notified(&self, _: &Message) -> Option<(Vec<u8>, String)> {
+            None
+        }
+    }
+
+    /// Seed 946 of the robustness suite: a node restarted at once and its persistent client
+    /// reconnected to it while it adopted the client's row; the adopter, resumed after the
+    /// client's CONNECT had taken the session from it, dropped the copy the CONNECT had just put
+    /// in the broker (the client then got a new, empty session).
+    #[tokio::test]
+    async fn an_adoption_overtaken_by_its_clients_connect_leaves_the_clients_copy() {
+        let rows = Arc::new(MemoryRows::default());
+        let a = node(1, &rows);
+        create(&a, 60).await;
+        a.keep_observed("c", vec![b"k".to_vec()]).await.unwrap();
+        // Node 1 runs again; its adopter takes the row over and waits in the restore of the
+        // client's observed keys.
+        let again = node(1, &rows);
+        let broker = with_broker(&again);
+        let (entered_tx, entered) = tokio::sync::oneshot::channel();
+        let (open, open_rx) = tokio::sync::oneshot::channel();
+        again.attach_observers(Arc::new(Gated(Mutex::new(Some((entered_tx, open_rx))))));
+        let mut events = broker.events();
+        let adopter = {
+            let again = again.clone();
+            tokio::spawn(async move { again.adopt_orphans().await })
+        };
+        entered.await.unwrap();
+        let adopted_epoch = row_of(&rows).epoch;
+        // Meanwhile the client's CONNECT takes the session here and puts it in the broker, as
+        // `locate_elsewhere` does.
+        let Ok(Located::Taken(session)) = again.locate("c", false, true, false).await else {
+            panic!("the CONNECT takes the session over");
+        };
+        assert_eq!(row_of(&rows).epoch, adopted_epoch + 1);
+        let adoption = broker.adopt_session("c".into(), *session).unwrap();
+        if let Some(durable) = adoption.durable {
+            durable.await.unwrap();
+        }
+        open.send(()).unwrap();
+        assert!(
+            adopter.await.unwrap().is_empty(),
+            "the client took it first"
+        );
+        while let Ok(event) = events.try_recv() {
+            assert!(
+                !matches!(event, mqstate_broker::ClientEvent::SessionEnded { .. }),
+                "the client's copy was dropped: {event:?}"
+            );
+        }
+        assert_eq!(broker.session_count(), 1);
+        assert_eq!(
+            row_of(&rows).epoch,
+            adopted_epoch + 1,
+            "the CONNECT's claim stands"
+        );
     }
 
     #[tokio::test]

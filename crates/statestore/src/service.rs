@@ -38,7 +38,7 @@ use mqstate_protocol::{Hlc, RequestLimits};
 use mqstate_store::{Delta, Expiration, KeyNotification, StateMachine};
 use mqstate_wal::durable::sleep_until;
 use mqstate_wal::{DurableLog, Lsn, Metadata, SnapshotSchedule, WalWriter};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, watch};
 
 use crate::access::KeyAccess;
 use crate::dedup::{DedupCache, RecoveredRequests, DEFAULT_MAX_ENTRIES};
@@ -219,6 +219,7 @@ pub async fn run(
         expiry_held_until: None,
         key_order: key_order::KeyOrder::default(),
         catching_up: HashMap::new(),
+        watching: Arc::new(Mutex::new(HashMap::new())),
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -250,6 +251,10 @@ struct Executor {
     /// Clients whose session was taken over here, per key, until the changes they missed meanwhile
     /// are handed over (decision 0065): their cursor, and the notifications held back till then.
     catching_up: HashMap<(Arc<str>, Bytes), CatchingUp>,
+    /// Keys newly observed here whose watch the other nodes do not know of yet: a restore that
+    /// finds one of its keys observed already waits for that watch too, since until then the
+    /// key's changes do not reach this node.
+    watching: Arc<Mutex<HashMap<Bytes, watch::Receiver<bool>>>>,
 }
 
 /// A client catching up on a key: its cursor (the last change it got), the notifications of the
@@ -414,17 +419,20 @@ impl Executor {
             now_ms: self.clock.now_ms(),
         };
         let mut newly_observed = Vec::new();
+        let mut in_flight = Vec::new();
         let mut cursors = Vec::new();
         for (key, after) in observer.keys {
             // Its notifications wait for what it missed (decision 0065), and for its session to
-            // be in the broker.
-            self.catching_up.insert(
-                (observer.client_id.clone(), key.clone()),
-                CatchingUp {
-                    after: after.as_deref().and_then(|a| Hlc::parse(a).ok()),
+            // be in the broker. A restore of the same client still catching up (an adoption
+            // overtaken by the client's CONNECT) keeps what it held: those changes are owed too.
+            let cursor = after.as_deref().and_then(|a| Hlc::parse(a).ok());
+            self.catching_up
+                .entry((observer.client_id.clone(), key.clone()))
+                .and_modify(|c| c.after.clone_from(&cursor))
+                .or_insert(CatchingUp {
+                    after: cursor,
                     held: Vec::new(),
-                },
-            );
+                });
             cursors.push((key.clone(), after));
             let was_observed = self.machine.is_observed(&key);
             let command = mqstate_protocol::Command::KeyNotify { key: key.clone() };
@@ -432,16 +440,37 @@ impl Executor {
             {
                 tracing::warn!(client_id = %observer.client_id, "a kept registration not restored: {e:?}");
             }
+            let mut watching = self.watching.lock().unwrap_or_else(|p| p.into_inner());
             if !was_observed && self.machine.is_observed(&key) {
-                newly_observed.push(key);
+                let (known, rx) = watch::channel(false);
+                watching.insert(key.clone(), rx);
+                newly_observed.push((key, known));
+            } else if let Some(rx) = watching.get(&key) {
+                in_flight.push(rx.clone());
             }
         }
         tracing::debug!(client_id = %observer.client_id, keys = newly_observed.len(), "registrations of a session taken over restored");
         let broker = self.broker.clone();
         let client_id = observer.client_id;
+        let watching = Arc::clone(&self.watching);
         tokio::spawn(async move {
-            for key in newly_observed {
-                router.0.watch(key, true).await;
+            for (key, known) in newly_observed {
+                router.0.watch(key.clone(), true).await;
+                let _ = known.send(true);
+                let mut watching = watching.lock().unwrap_or_else(|p| p.into_inner());
+                if watching
+                    .get(&key)
+                    .is_some_and(|rx| rx.same_channel(&known.subscribe()))
+                {
+                    watching.remove(&key);
+                }
+            }
+            // A key another restore began observing is not in force before its watch is: until
+            // then its changes pass this node by (seed 920 of the robustness suite: a CONNECT
+            // that overtook its session's adoption got its CONNACK and caught up while the
+            // adoption's watch was still on its way, and missed the changes between).
+            for mut rx in in_flight {
+                let _ = rx.wait_for(|known| *known).await;
             }
             let _ = observer.done.send(());
             let waiting = tokio::time::Instant::now();
