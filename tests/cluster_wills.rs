@@ -22,11 +22,9 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use rumqttc::v5::mqttbytes::QoS;
-
 use common::cluster::{
-    accepted, agreed, eventually, retain_until_held, retained_after_restart, retained_at,
-    route_heard, three_nodes, will_watcher, Node, FAILOVER_WAIT,
+    accepted, agreed, eventually, no_more_wills, retain_until_held, retained_after_restart,
+    retained_at, route_heard, three_nodes, will_watcher, Node, FAILOVER_WAIT,
 };
 use common::mqtt::will_of;
 
@@ -99,19 +97,14 @@ async fn the_will_of_a_clean_session_on_a_dead_node_is_published_once() {
     let (again, present) = accepted(n3, "clean-resume", false, 0, None).await;
     assert!(!present, "a clean session ended with its node");
     again.disconnect().await;
-    let (mut publisher, _) = accepted(n3, "will-marker", true, 0, None).await;
-    assert_eq!(
-        publisher
-            .publish("will/zz-marker", QoS::AtLeastOnce, "m")
-            .await,
-        0x00
-    );
-    assert_eq!(
-        watcher.next_topic().await,
-        "will/zz-marker",
-        "no will published twice or for a client that left normally"
-    );
-    drop((publisher, watcher, back, back_will));
+    no_more_wills(
+        &mut watcher,
+        n3,
+        "will-marker",
+        "no will published twice or for a client that left normally",
+    )
+    .await;
+    drop((watcher, back, back_will));
 }
 
 /// How long the test waits for a will that is due at once (its delay is far longer).
@@ -150,19 +143,14 @@ async fn a_clean_start_elsewhere_publishes_a_pending_delayed_will_once() {
     }
 
     // No will comes again: a marker published now is the next thing the watcher hears.
-    let (mut publisher, _) = accepted(n3, "delay-marker", true, 0, None).await;
-    assert_eq!(
-        publisher
-            .publish("will/zz-marker", QoS::AtLeastOnce, "m")
-            .await,
-        0x00
-    );
-    assert_eq!(
-        watcher.next_topic().await,
-        "will/zz-marker",
-        "each pending will published once"
-    );
-    drop((publisher, watcher, sdk, own));
+    no_more_wills(
+        &mut watcher,
+        n3,
+        "delay-marker",
+        "each pending will published once",
+    )
+    .await;
+    drop((watcher, sdk, own));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

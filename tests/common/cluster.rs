@@ -258,6 +258,20 @@ pub async fn will_watcher(addr: SocketAddr, id: &str) -> Raw {
     watcher
 }
 
+/// Asserts that `watcher` (a [`will_watcher`]) hears no more wills: a marker published on `will/`
+/// from a new client on `addr` is the next topic it hears. `why` names what a failure means.
+pub async fn no_more_wills(watcher: &mut Raw, addr: SocketAddr, marker_client: &str, why: &str) {
+    let (mut publisher, _) = accepted(addr, marker_client, true, 0, None).await;
+    assert_eq!(
+        publisher
+            .publish("will/zz-marker", QoS::AtLeastOnce, "m")
+            .await,
+        0x00
+    );
+    assert_eq!(watcher.next_topic().await, "will/zz-marker", "{why}");
+    drop(publisher);
+}
+
 /// `id`'s persistent session back on `addr` once adopted (Session Present = 1), within
 /// [`FAILOVER_WAIT`] of `since`.
 pub async fn adopted(addr: SocketAddr, id: &str, since: Instant) -> Raw {

@@ -1207,6 +1207,16 @@ mod tests {
     }
 
     impl Local {
+        /// Waits (at most a second) until the will of `c` was published on this node.
+        async fn until_a_will(&self) {
+            for _ in 0..100 {
+                if self.wills() > 0 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+
         /// How many times the (retained) will of `c` was published on this node.
         fn wills(&self) -> usize {
             self.0
@@ -1268,8 +1278,13 @@ mod tests {
         }
     }
 
+    /// The value of `c`'s row (`None`: deleted).
+    fn value_of(rows: &MemoryRows) -> Option<Vec<u8>> {
+        rows.0.lock().unwrap()["c"].0.clone()
+    }
+
     fn row_of(rows: &MemoryRows) -> SessionRow {
-        let value = rows.0.lock().unwrap()["c"].0.clone().expect("a row");
+        let value = value_of(rows).expect("a row");
         row::decode("c", &value).unwrap()
     }
 
@@ -1319,7 +1334,7 @@ mod tests {
         let (a, b) = (node(1, &rows), node(2, &rows));
         create(&a, 60).await;
         assert_eq!(b.locate("c", true, true, false).await, Ok(Located::Gone));
-        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
+        assert_eq!(value_of(&rows), None, "deleted");
         assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
     }
 
@@ -1615,34 +1630,7 @@ mod tests {
             .unwrap();
         assert_eq!(b.adopt_orphans().await.len(), 1);
         assert_eq!(broker.session_count(), 0);
-        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
-    }
-
-    /// `node` locates client `c` as a clean client with a will, which is kept as its row.
-    async fn clean_with_will(node: &ReplicatedSessions) {
-        assert_eq!(node.locate("c", true, true, false).await, Ok(Located::Gone));
-        let will = mqstate_broker::will::Will {
-            message: mqstate_broker::Message {
-                topic: ByteString::from("will/c"),
-                payload: bytes::Bytes::from_static(b"gone"),
-                qos: QoS::AtLeastOnce,
-                retain: false,
-                properties: Default::default(),
-            },
-            delay_secs: 30,
-        };
-        node.record(vec![
-            SessionChange::Created {
-                client_id: "c".into(),
-                expiry_secs: 0,
-            },
-            SessionChange::WillSet {
-                client_id: "c".into(),
-                will,
-            },
-        ])
-        .await
-        .unwrap();
+        assert_eq!(value_of(&rows), None, "deleted");
     }
 
     #[tokio::test]
@@ -1650,7 +1638,7 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
         let broker = with_broker(&b);
-        clean_with_will(&a).await;
+        connected_with_will(&a, 0, 30).await;
         let row = row_of(&rows);
         assert_eq!(row.session.expiry_secs, 0);
         assert!(row.session.connected_will.is_some(), "the will is kept");
@@ -1663,7 +1651,7 @@ mod tests {
         assert!(b.adopt_orphans().await.is_empty(), "node 1 is up");
         rows.1.lock().unwrap().push(1);
         assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
-        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "settled: deleted");
+        assert_eq!(value_of(&rows), None, "settled: deleted");
         assert_eq!(broker.session_count(), 0, "nothing to resume");
         assert!(b.adopt_orphans().await.is_empty(), "settled once");
         // The old owner is fenced. (A delete of its would find the row gone and count as done:
@@ -1674,7 +1662,7 @@ mod tests {
             }])
             .await
             .is_err());
-        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "still deleted");
+        assert_eq!(value_of(&rows), None, "still deleted");
     }
 
     #[tokio::test]
@@ -1682,7 +1670,7 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
         let _broker = with_broker(&b);
-        clean_with_will(&a).await;
+        connected_with_will(&a, 0, 30).await;
         // Node 1 is up: its connection was taken over by the claim and publishes the will, and
         // deletes the row; a clean start without a will of its own leaves the row to it.
         assert!(!held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
@@ -1690,22 +1678,18 @@ mod tests {
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
-        assert!(rows.0.lock().unwrap()["c"].0.is_some(), "left to node 1");
+        assert!(value_of(&rows).is_some(), "left to node 1");
         rows.1.lock().unwrap().push(1);
         assert!(held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
         // The client is back on node 2 (no will of its own) before node 1's rows were settled.
         assert_eq!(b.locate("c", true, false, false).await, Ok(Located::Here));
         for _ in 0..100 {
-            if rows.0.lock().unwrap()["c"].0.is_none() {
+            if value_of(&rows).is_none() {
                 break;
             }
             tokio::task::yield_now().await;
         }
-        assert_eq!(
-            rows.0.lock().unwrap()["c"].0,
-            None,
-            "deleted by the clean start"
-        );
+        assert_eq!(value_of(&rows), None, "deleted by the clean start");
         assert!(b.adopt_orphans().await.is_empty(), "nothing left to settle");
     }
 
@@ -1714,19 +1698,21 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
         let broker = with_broker(&b);
-        clean_with_will(&a).await;
+        connected_with_will(&a, 0, 30).await;
         // Node 1 is up (its connection ended by the claim publishes the will there): Clean
         // Start 0 elsewhere finds the session ended, not a session to resume.
         assert_eq!(b.locate("c", false, false, false).await, Ok(Located::Gone));
-        assert_eq!(rows.0.lock().unwrap()["c"].0, None, "deleted");
+        assert_eq!(value_of(&rows), None, "deleted");
         assert_eq!(broker.session_count(), 0);
     }
 
-    /// `node` locates client `c` and creates its persistent session (`expiry_secs`), connected,
-    /// with a retained will on `will/c` after `delay_secs`.
+    /// `node` locates client `c` (no session yet) and creates its session (`expiry_secs`; 0 is a
+    /// clean session, located with Clean Start = 1), connected, with a retained will on `will/c`
+    /// after `delay_secs`: all of it kept in its row.
     async fn connected_with_will(node: &ReplicatedSessions, expiry_secs: u32, delay_secs: u32) {
+        let clean_start = expiry_secs == 0;
         assert_eq!(
-            node.locate("c", false, true, false).await,
+            node.locate("c", clean_start, true, false).await,
             Ok(Located::Gone)
         );
         let will = mqstate_broker::will::Will {
@@ -1851,12 +1837,7 @@ mod tests {
         });
         assert_eq!(land_newest_first(&rows, connect).await, Ok(Located::Gone));
         rows.stop_holding();
-        for _ in 0..100 {
-            if log.wills() > 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        log.until_a_will().await;
         assert_eq!(log.wills(), 1, "the will of the expired session, once");
         b.record(vec![SessionChange::Created {
             client_id: "c".into(),
@@ -1881,18 +1862,13 @@ mod tests {
         let connect = tokio::spawn(async move { c.locate("c", false, true, false).await });
         assert_eq!(land_newest_first(&rows, connect).await, Ok(Located::Gone));
         rows.stop_holding();
-        for _ in 0..100 {
-            if log.wills() > 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        log.until_a_will().await;
         assert_eq!(
             (log.wills(), c_log.wills()),
             (1, 0),
             "published once, by the adopter"
         );
-        assert_eq!(rows.0.lock().unwrap()["c"].0, None);
+        assert_eq!(value_of(&rows), None);
     }
 
     impl SessionRow {

@@ -33,7 +33,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use mqstate_broker::{service::Acker, Broker, ClientEvent, Principal, ServiceInbox, SharedClock};
+use mqstate_broker::{
+    service::Acker, Broker, ClientEvent, Message, Principal, ServiceInbox, SharedClock,
+};
 use mqstate_protocol::{Hlc, RequestLimits};
 use mqstate_store::{Delta, Expiration, KeyNotification, StateMachine};
 use mqstate_wal::durable::sleep_until;
@@ -507,14 +509,7 @@ impl Executor {
         }
         tracing::debug!(%client_id, missed = missed.len(), owed = owed.len(), "notifications of a session taken over caught up");
         let notifications = self.notifications(&owed);
-        self.send_stateless(Outcome::Reply {
-            commit: None,
-            notifications,
-            reply: None,
-            acker: None,
-            timing: None,
-        })
-        .await;
+        self.send_stateless_notifications(notifications).await;
     }
 
     /// Changes committed at a partition's head for keys observed here: notifications queued like
@@ -544,14 +539,7 @@ impl Executor {
         }
         if !notifications.is_empty() {
             let notifications = self.notifications(&notifications);
-            self.send_stateless(Outcome::Reply {
-                commit: None,
-                notifications,
-                reply: None,
-                acker: None,
-                timing: None,
-            })
-            .await;
+            self.send_stateless_notifications(notifications).await;
         }
         let _ = change.done.send(());
     }
@@ -661,6 +649,18 @@ impl Executor {
             notifications: Vec::new(),
             reply: Some(reply),
             acker: Some(acker),
+            timing: None,
+        })
+        .await;
+    }
+
+    /// [`Executor::send_stateless`] of notifications alone: no change to commit, no reply.
+    async fn send_stateless_notifications(&mut self, notifications: Vec<(Arc<str>, Message)>) {
+        self.send_stateless(Outcome::Reply {
+            commit: None,
+            notifications,
+            reply: None,
+            acker: None,
             timing: None,
         })
         .await;
