@@ -40,7 +40,7 @@ use mqstate_protocol::{Hlc, RequestLimits};
 use mqstate_store::{Delta, Expiration, KeyNotification, StateMachine};
 use mqstate_wal::durable::sleep_until;
 use mqstate_wal::{DurableLog, Lsn, Metadata, SnapshotSchedule, WalWriter};
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{broadcast, mpsc};
 
 use crate::access::KeyAccess;
 use crate::dedup::{DedupCache, RecoveredRequests, DEFAULT_MAX_ENTRIES};
@@ -59,6 +59,7 @@ mod routed;
 mod snapshot_schedule;
 pub mod snapshot_stream;
 mod undo;
+mod watching;
 
 use clock_ceiling::ClockCeiling;
 pub use clock_ceiling::{next_clock_ceiling, CLOCK_CEILING_LEASE_MS};
@@ -67,6 +68,7 @@ pub use completer::{Rollbacks, NOT_DURABLE_REPLY};
 use snapshot_schedule::SnapshotInProgress;
 pub use snapshot_schedule::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_CHUNK_KEYS};
 use undo::Undo;
+use watching::Watching;
 
 /// Outcomes queued between executor and completer; bounds memory when the disk is slow.
 pub const COMPLETION_QUEUE_CAPACITY: usize = 8192;
@@ -221,7 +223,7 @@ pub async fn run(
         expiry_held_until: None,
         key_order: key_order::KeyOrder::default(),
         catching_up: HashMap::new(),
-        watching: Arc::new(Mutex::new(HashMap::new())),
+        watching: Watching::default(),
     };
     executor.run(inbox, broker.events(), shutdown).await;
     drop(executor);
@@ -253,10 +255,8 @@ struct Executor {
     /// Clients whose session was taken over here, per key, until the changes they missed meanwhile
     /// are handed over (decision 0065): their cursor, and the notifications held back till then.
     catching_up: HashMap<(Arc<str>, Bytes), CatchingUp>,
-    /// Keys newly observed here whose watch the other nodes do not know of yet: a restore that
-    /// finds one of its keys observed already waits for that watch too, since until then the
-    /// key's changes do not reach this node.
-    watching: Arc<Mutex<HashMap<Bytes, watch::Receiver<bool>>>>,
+    /// Keys newly observed here whose watch the other nodes do not know of yet.
+    watching: Watching,
 }
 
 /// A client catching up on a key: its cursor (the last change it got), the notifications of the
@@ -442,37 +442,25 @@ impl Executor {
             {
                 tracing::warn!(client_id = %observer.client_id, "a kept registration not restored: {e:?}");
             }
-            let mut watching = self.watching.lock().unwrap_or_else(|p| p.into_inner());
             if !was_observed && self.machine.is_observed(&key) {
-                let (known, rx) = watch::channel(false);
-                watching.insert(key.clone(), rx);
-                newly_observed.push((key, known));
-            } else if let Some(rx) = watching.get(&key) {
-                in_flight.push(rx.clone());
+                newly_observed.push(self.watching.begin(key));
+            } else if let Some(rx) = self.watching.on_its_way(&key) {
+                in_flight.push(rx);
             }
         }
         tracing::debug!(client_id = %observer.client_id, keys = newly_observed.len(), "registrations of a session taken over restored");
         let broker = self.broker.clone();
         let client_id = observer.client_id;
-        let watching = Arc::clone(&self.watching);
         tokio::spawn(async move {
-            for (key, known) in newly_observed {
-                router.0.watch(key.clone(), true).await;
-                let _ = known.send(true);
-                let mut watching = watching.lock().unwrap_or_else(|p| p.into_inner());
-                if watching
-                    .get(&key)
-                    .is_some_and(|rx| rx.same_channel(&known.subscribe()))
-                {
-                    watching.remove(&key);
-                }
+            for announcing in newly_observed {
+                announcing.send(&router).await;
             }
             // A key another restore began observing is not in force before its watch is: until
             // then its changes pass this node by (seed 920 of the robustness suite: a CONNECT
             // that overtook its session's adoption got its CONNACK and caught up while the
             // adoption's watch was still on its way, and missed the changes between).
-            for mut rx in in_flight {
-                let _ = rx.wait_for(|known| *known).await;
+            for rx in in_flight {
+                watching::in_force(rx).await;
             }
             let _ = observer.done.send(());
             let waiting = tokio::time::Instant::now();

@@ -5,8 +5,9 @@
 //!
 //! KEYNOTIFY and KEYNOTIFY STOP register here (the observer's session is here); when a key becomes
 //! observed here, the reply waits until the router told the other nodes, so a write executed at
-//! any head after the reply is notified, and until the client's set of keys is kept with its
-//! session (decision 0054). SCAN is checked here by this node's own state machine
+//! any head after the reply is notified — as does the reply to a registration of a key whose
+//! watch another registration sent and is still on its way ([`super::watching`]) — and until the
+//! client's set of keys is kept with its session (decision 0054). SCAN is checked here by this node's own state machine
 //! (which holds no keys: only the pattern's checks apply) and assembled over every partition.
 
 use std::future::Future;
@@ -85,18 +86,29 @@ impl Executor {
                 let after = self.machine.registered_keys(&request.client_id);
                 // The client's whole set, kept with its session (if persistent) before the reply.
                 let keep = (after != before).then_some(after);
-                let watch = observed && !was_observed;
                 if was_observed && !observed {
                     let (router, key) = (router.clone(), key.clone());
                     tokio::spawn(async move { router.0.watch(key, false).await });
                 }
-                if watch || keep.is_some() {
+                // Newly observed here: this request tells the other nodes. Observed already by
+                // a registration whose watch is still on its way: that watch is awaited too.
+                let announcing =
+                    (observed && !was_observed).then(|| self.watching.begin(key.clone()));
+                let on_its_way = if observed && announcing.is_none() {
+                    self.watching.on_its_way(&key)
+                } else {
+                    None
+                };
+                if announcing.is_some() || on_its_way.is_some() || keep.is_some() {
                     // Answered once the nodes that may execute its writes know of it, and the
                     // registration is kept with the client's session.
                     let client_id = request.client_id.clone();
                     return self.reply_later(request, label, started, acker, async move {
-                        if watch {
-                            router.0.watch(key, true).await;
+                        if let Some(announcing) = announcing {
+                            announcing.send(&router).await;
+                        }
+                        if let Some(on_its_way) = on_its_way {
+                            super::watching::in_force(on_its_way).await;
                         }
                         if let Some(keys) = keep {
                             if let Err(e) = router.0.keep_observed(&client_id, keys).await {
