@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use mqstate_wal::{Wal, WalError, WalOptions, WalReader};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{CommittedLeaderId, EntryPayload, LeaderId, OptionalSend, RaftLogReader};
+use tokio::sync::watch;
 
 use crate::types::{storage_error, Entry, LogId, StorageError, TypeConfig, Vote};
 use crate::NodeId;
@@ -26,6 +27,10 @@ pub const MAX_NODE_ID: NodeId = i32::MAX as NodeId;
 /// The committed log id is a hint (it lets a restart apply without waiting for a leader), so it is
 /// written to the metadata file only every this many entries, and with every vote.
 const COMMITTED_WRITE_EVERY: u64 = 64;
+
+/// How long a purge waits for the snapshot covering it to be written (an install from the leader
+/// takes a fsync or two; one that fails stops Raft, which this then does not hold up for ever).
+const SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The control plane's log is small and its rate low: small segments, so that a purge frees
 /// space soon, and none prepared ahead.
@@ -66,6 +71,9 @@ pub struct LogStore {
     inner: Arc<Mutex<Inner>>,
     /// Reads records without waiting for a write in progress.
     reader: WalReader,
+    /// The last log id the state machine's snapshot on disk covers, when the log is a node's
+    /// ([`LogStore::purging_within`]).
+    snapshot: Option<watch::Receiver<Option<LogId>>>,
 }
 
 impl LogStore {
@@ -82,6 +90,7 @@ impl LogStore {
         let (wal, recovered) = Wal::open(dir, options)?;
         let committed = recovered.metadata.committed.map(to_raft);
         Ok(LogStore {
+            snapshot: None,
             reader: wal.reader(),
             inner: Arc::new(Mutex::new(Inner {
                 wal,
@@ -89,6 +98,15 @@ impl LogStore {
                 written_committed: committed,
             })),
         })
+    }
+
+    /// Purges only what the snapshot on disk covers, waiting for it if need be
+    /// ([`crate::state_machine::StateMachineStore::snapshot_covers`]; decision 0073).
+    pub fn purging_within(self, covered: watch::Receiver<Option<LogId>>) -> LogStore {
+        LogStore {
+            snapshot: Some(covered),
+            ..self
+        }
     }
 
     fn inner(&self) -> MutexGuard<'_, Inner> {
@@ -351,6 +369,24 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        if let Some(covered) = &mut self.snapshot {
+            // openraft 0.9 purges after a snapshot from the leader without waiting for the
+            // state machine to have written it (decision 0073).
+            let written = covered.wait_for(|c| c.is_some_and(|c| c.index >= log_id.index));
+            match tokio::time::timeout(SNAPSHOT_WAIT, written).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => {
+                    return Err(storage_error::write_logs(
+                        "cannot purge the Raft log: the state machine is gone",
+                    ))
+                }
+                Err(_) => {
+                    return Err(storage_error::write_logs(format!(
+                        "cannot purge the Raft log up to {log_id}: no snapshot covering it was written within {SNAPSHOT_WAIT:?}"
+                    )))
+                }
+            }
+        }
         let mut inner = self.inner();
         let obsolete = inner
             .wal
@@ -442,6 +478,85 @@ mod tests {
             ids(&store.try_get_log_entries(..).await.unwrap()),
             [(4, 31)]
         );
+    }
+
+    /// openraft 0.9 has a follower install its leader's snapshot in the state machine's worker
+    /// and purge the log it covers at once, without waiting for the install to be written. A
+    /// crash between the two left a log purged past the snapshot on disk: the restarted node
+    /// could not re-apply what it had committed, and answered its leader's heartbeat with a
+    /// conflict below the entries it had acknowledged (the leader's "follower log reversion is
+    /// not allowed"). The purge now waits for the snapshot covering it.
+    #[tokio::test]
+    async fn a_purge_waits_until_the_snapshot_on_disk_covers_it() {
+        use openraft::storage::RaftStateMachine;
+
+        use crate::state_machine::{Applied, StateMachineStore};
+
+        let dir = tempfile::tempdir().unwrap();
+        let installed = {
+            let mut machine = StateMachineStore::open(dir.path()).unwrap();
+            let mut store = LogStore::open(dir.path())
+                .unwrap()
+                .purging_within(machine.snapshot_covers());
+            store
+                .inner()
+                .append(&(0..10).map(|i| entry(1, i)).collect::<Vec<_>>())
+                .unwrap();
+            // The leader's snapshot (ahead of this log) is on its way to the state machine
+            // worker when openraft purges the log up to it.
+            let mut purging = store.clone();
+            let purge = purging.purge(log_id(2, 20));
+            tokio::pin!(purge);
+            tokio::select! {
+                biased;
+                purged = &mut purge => panic!("purged before the snapshot was written: {purged:?}"),
+                () = std::future::ready(()) => {}
+            }
+            assert_eq!(
+                store.get_log_state().await.unwrap().last_purged_log_id,
+                None
+            );
+            // A crash now keeps the whole log. Once the snapshot is written the purge goes on.
+            let applied = Applied {
+                last_applied: Some(log_id(2, 20)),
+                ..Applied::default()
+            };
+            let meta = openraft::SnapshotMeta {
+                last_log_id: Some(log_id(2, 20)),
+                last_membership: Default::default(),
+                snapshot_id: "leader".into(),
+            };
+            let data = postcard::to_allocvec(&applied).unwrap();
+            machine
+                .install_snapshot(&meta, Box::new(std::io::Cursor::new(data)))
+                .await
+                .unwrap();
+            purge.await.unwrap();
+            store.get_log_state().await.unwrap()
+        };
+        assert_eq!(installed.last_purged_log_id, Some(log_id(2, 20)));
+        assert_eq!(installed.last_log_id, Some(log_id(2, 20)));
+
+        // What a crash before the install leaves: the log whole, nothing purged.
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let machine = StateMachineStore::open(dir.path()).unwrap();
+            let mut store = LogStore::open(dir.path())
+                .unwrap()
+                .purging_within(machine.snapshot_covers());
+            store.inner().append(&[entry(1, 0), entry(1, 1)]).unwrap();
+            let purge = store.purge(log_id(2, 20));
+            tokio::pin!(purge);
+            tokio::select! {
+                biased;
+                purged = &mut purge => panic!("purged before the snapshot was written: {purged:?}"),
+                () = std::future::ready(()) => {}
+            }
+        }
+        let mut store = LogStore::open(dir.path()).unwrap();
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, None);
+        assert_eq!(state.last_log_id, Some(log_id(1, 1)));
     }
 
     /// Set in the child process of the kill -9 test: the directory it appends to.

@@ -155,6 +155,7 @@ impl ClusterNode {
         let log = LogStore::open(&config.dir).map_err(|e| ClusterError::Storage(e.to_string()))?;
         let machine = StateMachineStore::open(&config.dir)
             .map_err(|e| ClusterError::Storage(e.to_string()))?;
+        let log = log.purging_within(machine.snapshot_covers());
         let state = machine.shared();
         let heartbeat = config.heartbeat.as_millis() as u64;
         let election = config.election_timeout.as_millis() as u64;

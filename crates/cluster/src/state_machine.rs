@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 
 use crate::control::{ControlState, Outcome};
 use crate::types::{storage_error, Entry, LogId, StorageError, StoredMembership, TypeConfig};
@@ -55,6 +56,9 @@ pub struct StateMachineStore {
     dir: PathBuf,
     /// Shared with the snapshot builders openraft gets (clones of this store).
     current: Arc<Mutex<Current>>,
+    /// The last log id the snapshot on disk covers: what the log may be purged up to
+    /// ([`StateMachineStore::snapshot_covers`]).
+    covered: Arc<watch::Sender<Option<LogId>>>,
 }
 
 #[derive(Debug, Default)]
@@ -88,7 +92,9 @@ impl StateMachineStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, Applied::default()),
             Err(e) => return Err(storage_error::read_snapshot(e)),
         };
+        let covered = current.as_ref().and_then(|s| s.meta.last_log_id);
         Ok(StateMachineStore {
+            covered: Arc::new(watch::Sender::new(covered)),
             state: SharedState(Arc::new(RwLock::new(applied))),
             dir: dir.to_owned(),
             current: Arc::new(Mutex::new(Current {
@@ -106,6 +112,12 @@ impl StateMachineStore {
         self.state.clone()
     }
 
+    /// Watches the last log id the snapshot on disk covers, for the log store to purge no further
+    /// ([`crate::log_store::LogStore::purging_within`]).
+    pub fn snapshot_covers(&self) -> watch::Receiver<Option<LogId>> {
+        self.covered.subscribe()
+    }
+
     /// Writes `snapshot` to a temp file, fsyncs, renames it over the old one, fsyncs the directory.
     /// Called with the `current` lock held: one temp file, one writer.
     #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
@@ -119,7 +131,16 @@ impl StateMachineStore {
             .and_then(|()| File::open(&self.dir)?.sync_all());
         written.map_err(|e| {
             storage_error::write_snapshot(format!("cannot write {}: {e}", path.display()))
-        })
+        })?;
+        let last = snapshot.meta.last_log_id;
+        self.covered.send_if_modified(|covered| {
+            let newer = last > *covered;
+            if newer {
+                *covered = last;
+            }
+            newer
+        });
+        Ok(())
     }
 
     fn to_snapshot(stored: &StoredSnapshot) -> Snapshot<TypeConfig> {
