@@ -93,6 +93,7 @@ pub async fn start(
         election_timeout: settings.election_timeout,
         election_timeout_max: None,
         clock: data.clock.clone(),
+        snapshot_every: mqstate_cluster::node::SNAPSHOT_EVERY_ENTRIES,
     };
     let tls = settings.tls.as_ref().map(load_tls).transpose()?;
     if tls.is_none() && settings.plaintext {

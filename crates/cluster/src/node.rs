@@ -40,8 +40,9 @@ const LEARNER_CATCH_UP: Duration = Duration::from_secs(10);
 const LEADER_STEP: Duration = Duration::from_millis(50);
 /// How often the lease task looks for a pending view change to confirm between renewals.
 const CONFIRM_LOOK: Duration = Duration::from_millis(25);
-/// Raft snapshots after this many entries; older entries are then purged.
-const SNAPSHOT_EVERY_ENTRIES: u64 = 1000;
+/// Raft snapshots after this many entries ([`NodeConfig::snapshot_every`]); older entries are then
+/// purged but for the last tenth.
+pub const SNAPSHOT_EVERY_ENTRIES: u64 = 1000;
 
 /// How a node runs.
 #[derive(Debug, Clone)]
@@ -66,6 +67,9 @@ pub struct NodeConfig {
     pub election_timeout_max: Option<Duration>,
     /// Wall time for the leader's stamps, monotonic time for this node's lease.
     pub clock: SharedClock,
+    /// Raft snapshots after this many entries ([`SNAPSHOT_EVERY_ENTRIES`]; tests take fewer to
+    /// have a follower brought back by a snapshot).
+    pub snapshot_every: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +159,7 @@ impl ClusterNode {
         let log = LogStore::open(&config.dir).map_err(|e| ClusterError::Storage(e.to_string()))?;
         let machine = StateMachineStore::open(&config.dir)
             .map_err(|e| ClusterError::Storage(e.to_string()))?;
+        let log = log.purging_within(machine.snapshot_covers());
         let state = machine.shared();
         let heartbeat = config.heartbeat.as_millis() as u64;
         let election = config.election_timeout.as_millis() as u64;
@@ -167,8 +172,8 @@ impl ClusterNode {
                 .map_or(election.max(heartbeat + 1) * 2, |max| {
                     (max.as_millis() as u64).max(election.max(heartbeat + 1) + 1)
                 }),
-            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
-            max_in_snapshot_log_to_keep: 100,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(config.snapshot_every.max(1)),
+            max_in_snapshot_log_to_keep: config.snapshot_every / 10,
             ..openraft::Config::default()
         }
         .validate()

@@ -42,6 +42,7 @@ pub fn quick_config(
         election_timeout: Duration::from_millis(300),
         election_timeout_max: None,
         clock: mqstate_clock::system(),
+        snapshot_every: crate::node::SNAPSHOT_EVERY_ENTRIES,
     }
 }
 
@@ -127,6 +128,7 @@ pub fn sim_config(
         election_timeout: election,
         election_timeout_max: Some(election + Duration::from_millis(1)),
         clock,
+        snapshot_every: crate::node::SNAPSHOT_EVERY_ENTRIES,
     }
 }
 

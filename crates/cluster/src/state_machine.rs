@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 
 use crate::control::{ControlState, Outcome};
 use crate::types::{storage_error, Entry, LogId, StorageError, StoredMembership, TypeConfig};
@@ -55,6 +56,9 @@ pub struct StateMachineStore {
     dir: PathBuf,
     /// Shared with the snapshot builders openraft gets (clones of this store).
     current: Arc<Mutex<Current>>,
+    /// The last log id the snapshot on disk covers: what the log may be purged up to
+    /// ([`StateMachineStore::snapshot_covers`]).
+    covered: Arc<watch::Sender<Option<LogId>>>,
 }
 
 #[derive(Debug, Default)]
@@ -88,7 +92,9 @@ impl StateMachineStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, Applied::default()),
             Err(e) => return Err(storage_error::read_snapshot(e)),
         };
+        let covered = current.as_ref().and_then(|s| s.meta.last_log_id);
         Ok(StateMachineStore {
+            covered: Arc::new(watch::Sender::new(covered)),
             state: SharedState(Arc::new(RwLock::new(applied))),
             dir: dir.to_owned(),
             current: Arc::new(Mutex::new(Current {
@@ -106,7 +112,14 @@ impl StateMachineStore {
         self.state.clone()
     }
 
+    /// Watches the last log id the snapshot on disk covers, for the log store to purge no further
+    /// ([`crate::log_store::LogStore::purging_within`]).
+    pub fn snapshot_covers(&self) -> watch::Receiver<Option<LogId>> {
+        self.covered.subscribe()
+    }
+
     /// Writes `snapshot` to a temp file, fsyncs, renames it over the old one, fsyncs the directory.
+    /// Called with the `current` lock held: one temp file, one writer.
     #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
     fn persist(&self, snapshot: &StoredSnapshot) -> Result<(), StorageError> {
         let bytes = postcard::to_allocvec(snapshot).map_err(storage_error::write_snapshot)?;
@@ -118,7 +131,16 @@ impl StateMachineStore {
             .and_then(|()| File::open(&self.dir)?.sync_all());
         written.map_err(|e| {
             storage_error::write_snapshot(format!("cannot write {}: {e}", path.display()))
-        })
+        })?;
+        let last = snapshot.meta.last_log_id;
+        self.covered.send_if_modified(|covered| {
+            let newer = last > *covered;
+            if newer {
+                *covered = last;
+            }
+            newer
+        });
+        Ok(())
     }
 
     fn to_snapshot(stored: &StoredSnapshot) -> Snapshot<TypeConfig> {
@@ -131,19 +153,19 @@ impl StateMachineStore {
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        // openraft runs this in a task of its own, beside an install: the state is read and the
+        // file written under the lock an install holds, so neither the file nor `current` ever
+        // goes back to a state older than one installed (the log it covers may be purged by then).
+        let mut current = self.current();
         let (data, last_log_id, last_membership) = {
             let applied = self.state.read();
             let data = postcard::to_allocvec(&*applied).map_err(storage_error::write_snapshot)?;
             (data, applied.last_applied, applied.membership.clone())
         };
-        let built = {
-            let mut current = self.current();
-            current.built += 1;
-            current.built
-        };
+        current.built += 1;
         let snapshot_id = match last_log_id {
-            Some(id) => format!("{}-{}-{built}", id.leader_id.term, id.index),
-            None => format!("none-{built}"),
+            Some(id) => format!("{}-{}-{}", id.leader_id.term, id.index, current.built),
+            None => format!("none-{}", current.built),
         };
         let stored = StoredSnapshot {
             meta: Meta {
@@ -155,7 +177,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
         };
         self.persist(&stored)?;
         let snapshot = Self::to_snapshot(&stored);
-        self.current().snapshot = Some(stored);
+        current.snapshot = Some(stored);
         Ok(snapshot)
     }
 }
@@ -216,17 +238,95 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             meta: meta.clone(),
             data,
         };
+        // Under the lock a build holds from reading the state to writing the file (see
+        // `build_snapshot`).
+        let mut current = self.current();
         self.persist(&stored)?;
         *self.state.write() = Applied {
             last_applied: meta.last_log_id,
             membership: meta.last_membership.clone(),
             ..applied
         };
-        self.current().snapshot = Some(stored);
+        current.snapshot = Some(stored);
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
         Ok(self.current().snapshot.as_ref().map(Self::to_snapshot))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, RaftSnapshotBuilder};
+
+    use super::*;
+
+    fn log_id(index: u64) -> LogId {
+        LogId::new(CommittedLeaderId::new(1, 0), index)
+    }
+
+    /// A snapshot received from the leader, as openraft hands it to `install_snapshot`.
+    fn received(index: u64) -> (Meta, Box<Cursor<Vec<u8>>>) {
+        let applied = Applied {
+            last_applied: Some(log_id(index)),
+            ..Applied::default()
+        };
+        let meta = Meta {
+            last_log_id: Some(log_id(index)),
+            last_membership: StoredMembership::default(),
+            snapshot_id: format!("leader-{index}"),
+        };
+        let data = postcard::to_allocvec(&applied).unwrap();
+        (meta, Box::new(Cursor::new(data)))
+    }
+
+    /// openraft builds snapshots in a task of their own, beside the state machine worker that
+    /// installs one received from the leader (after which openraft purges the log it covers). A
+    /// build that read the state before the install must not replace the installed snapshot with
+    /// its older one, in memory or on disk: a restart would then start from a snapshot older than
+    /// the purged log, below entries this node acknowledged.
+    #[test]
+    fn a_build_racing_an_install_never_replaces_the_installed_snapshot_with_an_older_one() {
+        const INSTALLS: u64 = 200;
+        let dir = tempfile::tempdir().unwrap();
+        let mut machine = StateMachineStore::open(dir.path()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let builder = {
+            let mut builder = machine.clone();
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .unwrap();
+                while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                    rt.block_on(builder.build_snapshot()).unwrap();
+                }
+            })
+        };
+        for index in 1..=INSTALLS {
+            let (meta, data) = received(index);
+            rt.block_on(machine.install_snapshot(&meta, data)).unwrap();
+            let current = rt
+                .block_on(machine.get_current_snapshot())
+                .unwrap()
+                .unwrap();
+            assert!(
+                current.meta.last_log_id >= Some(log_id(index)),
+                "snapshot {:?} after installing {index}",
+                current.meta.last_log_id
+            );
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        builder.join().unwrap();
+        let reopened = StateMachineStore::open(dir.path()).unwrap();
+        assert_eq!(
+            reopened.state.read().last_applied,
+            Some(log_id(INSTALLS)),
+            "the snapshot on disk is the newest"
+        );
     }
 }

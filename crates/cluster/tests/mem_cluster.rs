@@ -151,3 +151,78 @@ async fn three_nodes_form_survive_the_leader_and_change_membership() {
         node.shutdown().await;
     }
 }
+
+/// A follower cut off while the leader snapshots and purges past it is brought back by a snapshot
+/// (installed by openraft on the follower, the log purged after it: decision 0073), is crashed and
+/// restarted on what it then holds, and catches up again; every node, the leader included, goes on
+/// applying (a leader whose follower reported a log below what it had acknowledged stops in a debug
+/// build: "follower log reversion is not allowed").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_brought_back_by_a_snapshot_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new();
+    let founders = [1, 2, 3];
+    let start_snapshotting = |id: NodeId| {
+        let mut config = quick_config(
+            id,
+            addr(id),
+            peers(&founders),
+            dir.path().join(format!("n{id}")),
+            PARTITIONS,
+        );
+        // A snapshot every 10 entries, 1 kept after it: a follower 50 behind needs the snapshot.
+        config.snapshot_every = 10;
+        mem_node(&net, config)
+    };
+    let mut nodes = Vec::new();
+    for id in founders {
+        nodes.push(start_snapshotting(id).await);
+    }
+    let all: Vec<&ClusterNode> = nodes.iter().collect();
+    eventually(&all, "one leader, three members up, the map created", |s| {
+        s.leader.is_some() && s.members.iter().all(|m| m.state == "up") && settled(s)
+    })
+    .await;
+    let leader = nodes[0].status().leader.unwrap();
+    let follower = founders.into_iter().find(|&id| id != leader).unwrap();
+    let at = |id: NodeId| founders.iter().position(|&n| n == id).unwrap();
+    for other in founders.into_iter().filter(|&id| id != follower) {
+        net.cut(&addr(follower), &addr(other));
+    }
+    let behind = nodes[at(follower)].status().applied_index.unwrap_or(0);
+    let others: Vec<&ClusterNode> = nodes.iter().filter(|n| n.id() != follower).collect();
+    eventually(
+        &others,
+        "the others 50 entries past the cut-off follower",
+        |s| s.applied_index.is_some_and(|a| a > behind + 50),
+    )
+    .await;
+    net.heal_all();
+    let reached = |nodes: &[ClusterNode]| {
+        nodes
+            .iter()
+            .filter_map(|n| n.status().applied_index)
+            .max()
+            .unwrap_or(0)
+    };
+    let target = reached(&nodes);
+    let all: Vec<&ClusterNode> = nodes.iter().collect();
+    eventually(&all, "the follower caught up, everyone up", |s| {
+        s.applied_index.is_some_and(|a| a >= target)
+            && s.members.iter().all(|m| m.state == "up")
+            && settled(s)
+    })
+    .await;
+
+    let node = nodes.remove(at(follower));
+    crash(&net, node).await;
+    nodes.insert(at(follower), start_snapshotting(follower).await);
+    let target = reached(&nodes) + 20;
+    let all: Vec<&ClusterNode> = nodes.iter().collect();
+    eventually(&all, "every node applying again after the restart", |s| {
+        s.applied_index.is_some_and(|a| a >= target)
+            && s.members.iter().all(|m| m.state == "up")
+            && settled(s)
+    })
+    .await;
+}

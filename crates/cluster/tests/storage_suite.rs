@@ -12,6 +12,8 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, tempfile::TempDir> fo
         &self,
     ) -> Result<(tempfile::TempDir, LogStore, StateMachineStore), StorageError> {
         let dir = tempfile::tempdir().expect("a temporary directory");
+        // Not `purging_within` a state machine's snapshot, as a node's log is: the suite purges
+        // logs no snapshot covers.
         let log = LogStore::open(dir.path()).expect("a fresh Raft log opens");
         let sm = StateMachineStore::open(dir.path())?;
         Ok((dir, log, sm))
