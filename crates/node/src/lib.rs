@@ -1,5 +1,5 @@
 //! A cluster member's assembly, as `mqstate serve --node-id` runs it (and the simulation of the
-//! whole cluster, `tests/turmoil_cluster.rs`): the control-plane node and the data plane
+//! whole cluster, `crates/node/tests/turmoil_sim.rs`): the control-plane node and the data plane
 //! (`mqstate-replication`: the state store's keys on chains) on one transport, the state-store
 //! service's router to the partitions' heads, the broker's persistent sessions as rows on the
 //! chains and the brokers' mesh. Where the node listens, how it connects and which incarnation its

@@ -13,11 +13,12 @@
 //! (`mqstate_wgl::kv`): linearizable, versions never backwards, the newest acknowledged write not
 //! lost; a request without an answer may take effect at any time until the end of the run.
 //!
-//! `MQSTATE_CLUSTER_SIM_SEED=N` runs seed N alone; `MQSTATE_CLUSTER_SIM_SEEDS=K` runs K seeds from
-//! `MQSTATE_CLUSTER_SIM_FIRST` (default 1; K default 2); `MQSTATE_CLUSTER_SIM_CHAOS_SECS` sets the
-//! simulated seconds of clients and faults (default 8). Each seed runs twice and the two runs'
-//! traces must be equal; `MQSTATE_CLUSTER_SIM_DUMP=FILE` writes each seed's history to
-//! `FILE.<seed>`; `RUST_LOG` logs with the simulated time.
+//! `MQSTATE_CLUSTER_FRONT_SIM_SEED=N` runs seed N alone; `MQSTATE_CLUSTER_FRONT_SIM_SEEDS=K` runs K seeds from
+//! `MQSTATE_CLUSTER_FRONT_SIM_FIRST` (default 1; K default 2); `MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS` sets the
+//! simulated seconds of clients and faults (default 8). Two runs of a seed print the same `trace`;
+//! `MQSTATE_CLUSTER_FRONT_SIM_DUMP=FILE` writes each seed's history to `FILE.<seed>`, and
+//! `SIM=cluster REPLAY=1 scripts/sim-seeds.sh COUNT` runs each seed in two processes and compares
+//! the histories byte for byte; `RUST_LOG` logs with the simulated time.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -498,8 +499,8 @@ fn client_host(id: u64) -> String {
     format!("c{id}")
 }
 
-/// Runs one seed: its trace, or its violations with how to reproduce them.
-fn run_once(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+/// Runs one seed; its violations, if any, with how to reproduce them.
+fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
     let mut sim = simulation(
@@ -581,39 +582,16 @@ fn run_once(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
 
     let history = history.borrow();
     figures.add(simulated, &history);
-    history.dump("MQSTATE_CLUSTER_SIM_DUMP", seed);
+    history.dump("MQSTATE_CLUSTER_FRONT_SIM_DUMP", seed);
     let findings = history.findings(outcome, &KEYS, FINAL_CLIENT, SEARCH_BUDGET);
     if findings.is_empty() {
         Ok(())
     } else {
         Err(format!(
-            "seed {seed} (reproduce: MQSTATE_CLUSTER_SIM_SEED={seed} cargo test -p mqstate-node --test turmoil_cluster -- --nocapture):\n  {}",
+            "seed {seed} (reproduce: MQSTATE_CLUSTER_FRONT_SIM_SEED={seed} cargo test -p mqstate-node --test turmoil_sim -- --nocapture):\n  {}",
             findings.join("\n  ")
         ))
     }
-}
-
-/// Runs a seed twice: the second run must record the same history, operation for operation (the
-/// trace), or the seed fails as not reproducible.
-fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
-    // Chained from the same trace as the run that counts, so the two end equal when they agree.
-    let mut first = Figures {
-        trace: figures.trace,
-        ..Figures::default()
-    };
-    let first_outcome = run_once(seed, chaos, &mut first);
-    let ops_before = figures.ops;
-    let outcome = run_once(seed, chaos, figures);
-    if first.trace != figures.trace || first_outcome.is_ok() != outcome.is_ok() {
-        return Err(format!(
-            "seed {seed} does not replay: {} operations then {} (trace {:016x} then {:016x})",
-            first.ops,
-            figures.ops - ops_before,
-            first.trace,
-            figures.trace
-        ));
-    }
-    outcome
 }
 
 #[test]
@@ -624,7 +602,7 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
         .with_timer(SimTimer)
         .with_test_writer()
         .try_init();
-    let sweep = sweep("MQSTATE_CLUSTER_SIM", 2, 8, run_seed);
+    let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, run_seed);
     println!(
         "{}",
         sweep.figures.summary(
