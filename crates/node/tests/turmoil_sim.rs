@@ -15,10 +15,11 @@
 //!
 //! `MQSTATE_CLUSTER_FRONT_SIM_SEED=N` runs seed N alone; `MQSTATE_CLUSTER_FRONT_SIM_SEEDS=K` runs K seeds from
 //! `MQSTATE_CLUSTER_FRONT_SIM_FIRST` (default 1; K default 2); `MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS` sets the
-//! simulated seconds of clients and faults (default 8). Two runs of a seed print the same `trace`;
-//! `MQSTATE_CLUSTER_FRONT_SIM_DUMP=FILE` writes each seed's history to `FILE.<seed>`, and
-//! `SIM=cluster REPLAY=1 scripts/sim-seeds.sh COUNT` runs each seed in two processes and compares
-//! the histories byte for byte; `RUST_LOG` logs with the simulated time.
+//! simulated seconds of clients and faults (default 8). Each seed runs in a process of its own
+//! (the test binary again), so a seed of a sweep replays alone. Two runs of a seed print the same
+//! `trace`; `MQSTATE_CLUSTER_FRONT_SIM_DUMP=FILE` writes each seed's history to `FILE.<seed>`, and
+//! `SIM=cluster REPLAY=1 scripts/sim-seeds.sh COUNT` runs each seed twice and compares the
+//! histories byte for byte; `RUST_LOG` logs with the simulated time.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -594,6 +595,108 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
     }
 }
 
+const TEST: &str = "the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults";
+/// Set in the process that runs one seed for a sweep (see [`run_apart`]).
+const ONE_SEED: &str = "MQSTATE_CLUSTER_FRONT_SIM_ONE";
+/// The fault kinds a seed reports, as [`Figures::faults`] names them.
+const FAULT_KINDS: [&str; 5] = ["crash", "isolate", "hold", "client cut off", "client held"];
+
+/// Runs one seed in a process of its own (this test binary again, with [`ONE_SEED`] set) and adds
+/// what it reports to `figures`. A seed's history depends on what ran before it in the same
+/// process (decision 0071), so each seed starts from a new process: a seed of a sweep is then
+/// reproduced by running it alone.
+fn run_apart(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("seed {seed}: no test binary: {e}"))?;
+    let output = std::process::Command::new(exe)
+        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .env(ONE_SEED, seed.to_string())
+        .env(
+            "MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS",
+            chaos.as_secs().to_string(),
+        )
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("seed {seed}: cannot run it: {e}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut reported = false;
+    let mut failure = None;
+    for line in stdout.lines() {
+        let mut words = line.splitn(2, ' ');
+        match (words.next(), words.next()) {
+            (Some("sim-seed"), Some(rest)) => {
+                let n: Vec<u64> = rest
+                    .split(' ')
+                    .map(|w| u64::from_str_radix(w, 16).unwrap_or(0))
+                    .collect();
+                let [ms, ops, acked, unknown, trace] = n[..] else {
+                    return Err(format!(
+                        "seed {seed}: a report line that does not parse: {line}"
+                    ));
+                };
+                figures.seeds += 1;
+                figures.simulated += Duration::from_millis(ms);
+                figures.ops += ops;
+                figures.acked += acked;
+                figures.unknown += unknown;
+                let mut hasher = DefaultHasher::new();
+                (figures.trace, trace).hash(&mut hasher);
+                figures.trace = std::hash::Hasher::finish(&hasher);
+                reported = true;
+            }
+            (Some("sim-fault"), Some(rest)) => {
+                let (n, kind) = rest.split_once(' ').unwrap_or(("0", rest));
+                if let Some(kind) = FAULT_KINDS.iter().find(|k| **k == kind) {
+                    *figures.faults.entry(kind).or_default() += n.parse::<u64>().unwrap_or(0);
+                }
+            }
+            (Some("sim-error"), Some(rest)) => {
+                let (n, error) = rest.split_once(' ').unwrap_or(("0", rest));
+                *figures.errors.entry(error.to_owned()).or_default() +=
+                    n.parse::<u64>().unwrap_or(0);
+            }
+            (Some("sim-failure"), Some(rest)) => failure = Some(rest.replace('\u{1f}', "\n")),
+            (Some("running" | "test"), _) | (Some("" | "ok"), None) => {}
+            _ => println!("{line}"),
+        }
+    }
+    match (failure, reported) {
+        (Some(failure), _) => Err(failure),
+        (None, true) => Ok(()),
+        (None, false) => Err(format!(
+            "seed {seed}: its process ended ({}) without a report",
+            output.status
+        )),
+    }
+}
+
+/// The process of one seed ([`run_apart`]): runs it and reports its figures on stdout.
+fn run_one(seed: u64) {
+    let chaos = Duration::from_secs(
+        mqstate_cluster::sim::env_u64("MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS").unwrap_or(8),
+    );
+    let mut figures = Figures::default();
+    let outcome = run_seed(seed, chaos, &mut figures);
+    // The test harness's "test … " has no line end of its own yet.
+    println!();
+    for (kind, n) in &figures.faults {
+        println!("sim-fault {n} {kind}");
+    }
+    for (error, n) in &figures.errors {
+        println!("sim-error {n} {}", error.replace('\n', " "));
+    }
+    if let Err(findings) = outcome {
+        println!("sim-failure {}", findings.replace('\n', "\u{1f}"));
+    }
+    println!(
+        "sim-seed {:x} {:x} {:x} {:x} {:x}",
+        figures.simulated.as_millis(),
+        figures.ops,
+        figures.acked,
+        figures.unknown,
+        figures.trace
+    );
+}
+
 #[test]
 fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
     let _ = tracing_subscriber::fmt()
@@ -602,7 +705,11 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
         .with_timer(SimTimer)
         .with_test_writer()
         .try_init();
-    let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, run_seed);
+    if let Some(seed) = mqstate_cluster::sim::env_u64(ONE_SEED) {
+        run_one(seed);
+        return;
+    }
+    let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, run_apart);
     println!(
         "{}",
         sweep.figures.summary(
