@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs many seeds of a deterministic simulation in JOBS processes at once: SIM=data (the default)
 # is the data plane's (crates/replication/tests/turmoil_sim.rs, decision 0058), SIM=front a node's
-# MQTT front end (crates/statestore/tests/turmoil_sim.rs, decision 0067).
+# MQTT front end (crates/statestore/tests/turmoil_sim.rs, decision 0067), SIM=cluster three cluster
+# members with their front ends (crates/node/tests/turmoil_sim.rs, decision 0071).
 #
 #   scripts/sim-seeds.sh COUNT [FIRST]            (FIRST defaults to 1)
 #   REPLAY=1 scripts/sim-seeds.sh COUNT [FIRST]   (each seed twice; the two histories must be equal
 #                                                  byte for byte: the simulation is deterministic)
 #
 # JOBS (default: the number of cores) processes each take a slice of the seeds;
-# MQSTATE_DATA_SIM_CHAOS_SECS (MQSTATE_FRONT_SIM_* for SIM=front) and the other variables of the
+# MQSTATE_DATA_SIM_CHAOS_SECS (MQSTATE_FRONT_SIM_* for SIM=front, MQSTATE_CLUSTER_FRONT_SIM_* for
+# SIM=cluster) and the other variables of the
 # simulation pass through. The
 # histories go to $OUT (default target/sim-seeds), one file per seed and run; a failing slice's
 # output is kept in $OUT/slice-*.log. Exits non-zero if a seed fails its checks or replays
@@ -28,7 +30,10 @@ case "$SIM" in
   front)
     SOURCE=crates/statestore/tests/turmoil_sim.rs VARS=MQSTATE_FRONT_SIM
     TEST=a_node_front_end_is_linearizable_and_loses_no_acknowledged_write_under_faults ;;
-  *) echo "SIM is data or front, not $SIM" >&2; exit 2 ;;
+  cluster)
+    SOURCE=crates/node/tests/turmoil_sim.rs VARS=MQSTATE_CLUSTER_FRONT_SIM
+    TEST=the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults ;;
+  *) echo "SIM is data, front or cluster, not $SIM" >&2; exit 2 ;;
 esac
 OUT="${OUT:-${CARGO_TARGET_DIR:-target}/sim-seeds-$SIM}"
 

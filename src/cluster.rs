@@ -1,6 +1,5 @@
 //! `mqstate serve` as a cluster member: starts the control-plane node on `--cluster-listen` and
-//! the data plane (`mqstate-replication`: the state store's keys on chains) on the same
-//! transport, connects the state-store service's router port to it, and answers the operator's
+//! the data plane (`mqstate-node`) on the operating system's TCP, and answers the operator's
 //! `mqstate cluster …` requests on the admin topic of the MQTT port.
 
 use std::sync::Arc;
@@ -11,24 +10,10 @@ use mqstate_broker::service::ServiceInbox;
 use mqstate_broker::{Broker, Message, PublishProperties, QoS};
 use mqstate_cluster::admin::{AdminCall, AdminReply};
 use mqstate_cluster::transport::socket::TokioTcp;
-use mqstate_cluster::transport::tcp::{self, TcpTransport};
 use mqstate_cluster::transport::tls::NodeTls;
 use mqstate_cluster::{ClusterNode, MapConfig, NodeConfig};
-use mqstate_replication::head::{HeadConfig, KeyRequest};
-use mqstate_replication::log::ChainLog;
-use mqstate_replication::notify::Sink;
-use mqstate_replication::wire::{Committed, RowExpect, RowWritten};
-use mqstate_replication::{rows, Replication};
-use mqstate_sessions::replicated::{
-    Observers, ReadRow, ReplicatedSessions, RowFuture, SessionRows, Version, ROW_BUDGET,
-};
-use mqstate_statestore::router::{
-    ClusterChange, ClusterChanges, KeepFuture, KeyRouter, RestoredObserver, RestoredObservers,
-    RoutedReply, RoutedRequest, Router, RouterFuture, ScanFuture, ScanRequest,
-};
-use mqstate_wal::WalOptions;
+use mqstate_node::{DataPlane, Network, Running};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
 
 use crate::settings::{ClusterSettings, ClusterTlsFiles};
 
@@ -46,25 +31,6 @@ fn load_tls(files: &ClusterTlsFiles) -> anyhow::Result<NodeTls> {
             files.ca.display()
         )
     })
-}
-
-/// The running node, its data plane, its brokers' mesh and its listener task.
-pub struct Running {
-    pub node: Arc<ClusterNode>,
-    replication: mqstate_replication::Running,
-    mesh: Option<mqstate_mesh::Mesh>,
-    listener: tokio::task::JoinHandle<()>,
-}
-
-/// What the data plane needs besides the cluster settings.
-pub struct DataPlane {
-    /// The chain log's options (`fsync` and the like, as the other logs).
-    pub wal: WalOptions,
-    /// The chain log is compacted with a snapshot once it grew by this much (`snapshot_threshold_bytes`).
-    pub snapshot_threshold_bytes: u64,
-    /// The store's configuration: the head executes with the same semantics as a single node.
-    pub head: HeadConfig,
-    pub clock: mqstate_clock::SharedClock,
 }
 
 /// Binds the cluster address and starts the node and its data plane; the node forms or joins the
@@ -101,22 +67,13 @@ pub async fn start(
             "node-to-node traffic is plain TCP (cluster_plaintext): anyone who reaches the cluster port can join the Raft group; set cluster_tls_* for mutual TLS"
         );
     }
-    let transport = TcpTransport::over(Arc::new(TokioTcp), tls.clone());
-    let node = ClusterNode::start(config, Arc::new(transport))
-        .await
-        .context("cannot start the cluster node")?;
-    let node = Arc::new(node);
-    let (log, restored) =
-        ChainLog::open(data_dir, data.wal).context("cannot open the chain replicas' log")?;
-    let log = log.snapshot_every(data.snapshot_threshold_bytes);
-    let replication = Replication::start(Arc::clone(&node), log, restored, data.head, data.clock);
     let mutual_tls = tls.is_some();
-    let listener = tokio::spawn(tcp::serve_with(
+    let network = Network {
         listener,
+        connect: Arc::new(TokioTcp),
         tls,
-        node.handler(),
-        std::future::pending(),
-    ));
+    };
+    let running = mqstate_node::start(config, network, data_dir, data).await?;
     tracing::info!(
         node_id = settings.node_id,
         cluster_listen = %settings.listen,
@@ -125,67 +82,12 @@ pub async fn start(
         mutual_tls,
         "cluster node started"
     );
-    Ok(Running {
-        node,
-        replication,
-        mesh: None,
-        listener,
-    })
+    Ok(running)
 }
 
-impl Running {
-    /// The broker's persistent sessions as rows on the data plane.
-    pub fn session_rows(&self) -> Arc<ChainSessionRows> {
-        Arc::new(ChainSessionRows(Arc::clone(&self.replication.replication)))
-    }
-
-    /// The state-store service's router: key commands go to their partition's head, and the
-    /// changes committed there come back for this node's observers. KEYNOTIFY registrations of
-    /// persistent sessions are kept with the session's row in `sessions`, and come back to the
-    /// state store when a session is taken over here (decision 0054).
-    pub fn router(&self, sessions: Option<&ReplicatedSessions>) -> Router {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let replication = Arc::clone(&self.replication.replication);
-        replication.set_sink(Arc::new(ChangeSink(tx)));
-        let (restored_tx, restored_rx) = mpsc::unbounded_channel();
-        if let Some(sessions) = sessions {
-            sessions.attach_observers(Arc::new(ObserverBridge {
-                restored: restored_tx,
-                replication: Arc::clone(&replication),
-            }));
-        }
-        Router(Arc::new(ChainRouter {
-            replication,
-            changes: std::sync::Mutex::new(Some(rx)),
-            sessions: sessions.cloned(),
-            restored: std::sync::Mutex::new(Some(restored_rx)),
-        }))
-    }
-
-    /// Makes `broker` one broker with the other nodes' (decision 0044): routes, publishes,
-    /// retained messages and client-id takeover across the cluster.
-    pub fn attach_mesh(&mut self, broker: &Broker, clock: &mqstate_clock::SharedClock) {
-        // A run of this node: distinct across restarts (and from other nodes' runs).
-        let incarnation = clock.now_ms() << 16 ^ u64::from(std::process::id() & 0xffff);
-        self.mesh = Some(mqstate_mesh::Mesh::start(
-            Arc::clone(&self.node),
-            broker.clone(),
-            incarnation,
-        ));
-    }
-
-    pub async fn stop(self) {
-        if let Some(mesh) = self.mesh {
-            mesh.stop().await;
-        }
-        self.listener.abort();
-        let _ = self.listener.await;
-        self.replication.stop().await;
-        match Arc::try_unwrap(self.node) {
-            Ok(node) => node.shutdown().await,
-            Err(_) => tracing::warn!("cluster node still in use at shutdown"),
-        }
-    }
+/// This run of the node, for its mesh: distinct across restarts (and from other nodes' runs).
+pub fn incarnation(clock: &mqstate_clock::SharedClock) -> u64 {
+    clock.now_ms() << 16 ^ u64::from(std::process::id() & 0xffff)
 }
 
 /// Answers admin requests until the inbox closes or `shutdown` completes. Without a cluster every
@@ -270,228 +172,5 @@ async fn execute(node: &ClusterNode, call: AdminCall) -> AdminReply {
             },
             Err(e) => AdminReply::error(e.to_string()),
         },
-    }
-}
-
-/// The state store's router port on the data plane.
-struct ChainRouter {
-    replication: Arc<Replication>,
-    changes: std::sync::Mutex<Option<ClusterChanges>>,
-    sessions: Option<ReplicatedSessions>,
-    restored: std::sync::Mutex<Option<RestoredObservers>>,
-}
-
-/// Registrations of a session taken over here, handed to the state-store service; the CONNACK
-/// waits until they are in force. Also where the session's cursors come from (decision 0065).
-struct ObserverBridge {
-    restored: mpsc::UnboundedSender<RestoredObserver>,
-    replication: Arc<Replication>,
-}
-
-impl Observers for ObserverBridge {
-    fn restore(
-        &self,
-        client_id: Arc<str>,
-        keys: Vec<(Vec<u8>, Option<String>)>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
-        let (done, wait) = oneshot::channel();
-        let observer = RestoredObserver {
-            client_id,
-            keys: keys
-                .into_iter()
-                .map(|(key, after)| (Bytes::from(key), after))
-                .collect(),
-            done,
-        };
-        let sent = self.restored.send(observer).is_ok();
-        Box::pin(async move {
-            if sent {
-                let _ = wait.await;
-            }
-        })
-    }
-
-    fn position(&self, key: &[u8]) -> Option<String> {
-        self.replication.position(key)
-    }
-
-    fn notified(&self, message: &Message) -> Option<(Vec<u8>, String)> {
-        let key = mqstate_protocol::topic::notified_key(&message.topic)?;
-        let version = message
-            .properties
-            .user_property(mqstate_statestore::envelope::prop::TIMESTAMP)?;
-        Some((key, version.to_string()))
-    }
-}
-
-/// Committed changes for this node's observers, handed to the state-store service.
-struct ChangeSink(mpsc::UnboundedSender<ClusterChange>);
-
-impl Sink for ChangeSink {
-    fn deliver(&self, changes: Vec<Committed>, done: oneshot::Sender<()>) {
-        let changes = changes
-            .iter()
-            .filter_map(|c| {
-                rows::delta_of_committed(c)
-                    .map_err(|e| tracing::error!("a notification from the cluster dropped: {e}"))
-                    .ok()
-            })
-            .collect();
-        // The service is gone only at shutdown: nobody is left to notify.
-        let _ = self.0.send(ClusterChange {
-            changes,
-            done,
-            catch_up: None,
-        });
-    }
-
-    fn catch_up(&self, observer: Arc<str>, key: Vec<u8>, changes: Vec<Committed>) {
-        let changes = changes
-            .iter()
-            .filter_map(|c| {
-                rows::delta_of_committed(c)
-                    .map_err(|e| tracing::error!("a notification from the cluster dropped: {e}"))
-                    .ok()
-            })
-            .collect();
-        let (done, _) = oneshot::channel();
-        let _ = self.0.send(ClusterChange {
-            changes,
-            done,
-            catch_up: Some((observer, Bytes::from(key))),
-        });
-    }
-}
-
-impl KeyRouter for ChainRouter {
-    fn scan(&self, request: ScanRequest) -> ScanFuture<'_> {
-        Box::pin(async move {
-            let (keys, continuation) = self
-                .replication
-                .scan(
-                    request.pattern.to_vec(),
-                    request.continuation.map(|c| c.to_vec()),
-                    request.expiry,
-                )
-                .await?;
-            Ok((
-                keys.into_iter().map(Bytes::from).collect(),
-                continuation.map(Bytes::from),
-            ))
-        })
-    }
-
-    fn watch(
-        &self,
-        key: Bytes,
-        observed: bool,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(self.replication.watch(key.to_vec(), observed))
-    }
-
-    fn take_changes(&self) -> Option<ClusterChanges> {
-        self.changes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-    }
-
-    fn keep_observed(&self, client_id: &str, keys: Vec<Bytes>) -> KeepFuture<'_> {
-        match &self.sessions {
-            Some(sessions) => {
-                sessions.keep_observed(client_id, keys.into_iter().map(|k| k.to_vec()).collect())
-            }
-            None => Box::pin(async { Ok(()) }),
-        }
-    }
-
-    fn take_restored(&self) -> Option<RestoredObservers> {
-        self.restored
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-    }
-
-    fn catch_up(
-        &self,
-        client_id: Arc<str>,
-        key: Bytes,
-        after: Option<String>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(self.replication.catch_up(client_id, key.to_vec(), after))
-    }
-
-    fn execute(&self, request: RoutedRequest) -> RouterFuture<'_> {
-        Box::pin(async move {
-            let request = KeyRequest {
-                client_id: request.client_id,
-                id: request.id,
-                correlation: request.correlation,
-                key: request.key,
-                payload: request.payload,
-                command: request.command,
-                ts: request.ts,
-                fencing_token: request.fencing_token,
-                expiry_ms: u64::try_from(request.expiry.as_millis()).unwrap_or(u64::MAX),
-                // Set by `Replication::execute` from its retry budget.
-                deadline_ms: 0,
-            };
-            let reply = self.replication.execute(request).await;
-            RoutedReply {
-                payload: reply.payload,
-                ts: reply.ts,
-            }
-        })
-    }
-}
-
-/// The broker's persistent sessions as rows on the data plane (decision 0047).
-pub struct ChainSessionRows(pub Arc<Replication>);
-
-impl SessionRows for ChainSessionRows {
-    fn read<'a>(&'a self, client_id: &'a str) -> RowFuture<'a, ReadRow> {
-        Box::pin(async move {
-            let row = self.0.session_read(client_id, ROW_BUDGET).await?;
-            Ok(ReadRow {
-                value: row.value,
-                version: row.version,
-            })
-        })
-    }
-
-    fn write<'a>(
-        &'a self,
-        client_id: &'a str,
-        value: Option<Vec<u8>>,
-        base: Option<Version>,
-    ) -> RowFuture<'a, Result<Version, Option<Version>>> {
-        Box::pin(async move {
-            let expect = base.map_or(RowExpect::Absent, RowExpect::Version);
-            match self
-                .0
-                .session_write(client_id, value, expect, ROW_BUDGET)
-                .await?
-            {
-                RowWritten::Written(version) => Ok(Ok(version)),
-                RowWritten::Conflict(current) => Ok(Err(current)),
-            }
-        })
-    }
-
-    fn here(&self) -> RowFuture<'_, Vec<(String, Vec<u8>, bool)>> {
-        Box::pin(async move {
-            Ok(self
-                .0
-                .sessions_here(mqstate_sessions::row::HEADER)
-                .await
-                .into_iter()
-                // Rows are keyed by client id, which MQTT makes UTF-8.
-                .filter_map(|(key, value, head)| Some((String::from_utf8(key).ok()?, value, head)))
-                .collect())
-        })
-    }
-
-    fn is_up(&self, node: u64) -> bool {
-        self.0.is_up(node)
     }
 }

@@ -139,7 +139,7 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
     // listeners open at once.
     let cluster = match &settings.cluster {
         Some(cluster) => {
-            let data = crate::cluster::DataPlane {
+            let data = mqstate_node::DataPlane {
                 wal: wal_options(&settings, "chains"),
                 snapshot_threshold_bytes: settings.snapshot_threshold_bytes,
                 head: mqstate_replication::head::HeadConfig {
@@ -150,7 +150,7 @@ pub async fn run(settings: Resolved) -> anyhow::Result<()> {
                 clock: clock.clone(),
             };
             let mut running = crate::cluster::start(cluster, &settings.data_dir, data).await?;
-            running.attach_mesh(&broker, &clock);
+            running.attach_mesh(&broker, crate::cluster::incarnation(&clock));
             if let Some(replicated) = &replicated_sessions {
                 replicated.attach_rows(running.session_rows());
             }

@@ -1,0 +1,726 @@
+//! The deterministic simulation of the whole cluster (issue 18, decision 0071): three turmoil
+//! hosts each run a cluster member as `mqstate serve --node-id` assembles it — the state store's
+//! recovery, the broker with its persistent sessions on the chains, the control plane and the
+//! data plane (`mqstate_node::start`), the brokers' mesh, the orphan adopter, the state-store
+//! service routed to the partitions' heads, the MQTT listener — on turmoil's simulated TCP, time
+//! and skewed wall clocks. MQTT 5 clients on hosts of their own speak the AIO state-store protocol
+//! (as `crates/statestore/tests/turmoil_sim.rs` does against one node) to a node the seed picks;
+//! a connection that fails or a reply that does not come makes the client connect to another node
+//! and send the request again with the same correlation data. The seed draws the faults: node
+//! crashes and restarts (the disk stays), a node cut off from the others, messages between two
+//! nodes held back, clients cut off from a node or their messages held. After the faults a last
+//! client reads every key. Each key's history is checked as the other simulations check it
+//! (`mqstate_wgl::kv`): linearizable, versions never backwards, the newest acknowledged write not
+//! lost; a request without an answer may take effect at any time until the end of the run.
+//!
+//! `MQSTATE_CLUSTER_FRONT_SIM_SEED=N` runs seed N alone; `MQSTATE_CLUSTER_FRONT_SIM_SEEDS=K` runs K seeds from
+//! `MQSTATE_CLUSTER_FRONT_SIM_FIRST` (default 1; K default 2); `MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS` sets the
+//! simulated seconds of clients and faults (default 8). Each seed runs in a process of its own
+//! (the test binary again), so a seed of a sweep replays alone. Two runs of a seed print the same
+//! `trace`; `MQSTATE_CLUSTER_FRONT_SIM_DUMP=FILE` writes each seed's history to `FILE.<seed>`, and
+//! `SIM=cluster REPLAY=1 scripts/sim-seeds.sh COUNT` runs each seed twice and compares the
+//! histories byte for byte; `RUST_LOG` logs with the simulated time.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::hash::{DefaultHasher, Hash};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use mqstate_broker::{Broker, BrokerConfig, SharedClock};
+use mqstate_cli::rpc::{self, TIMESTAMP};
+use mqstate_cli::wire::{self, Conn, Turn};
+use mqstate_cluster::sim::{
+    data_root, host, run_faults, sim_config, sim_ms, simulation, sweep, NodeFault, SimClock,
+    SimConnect, SimListener, EPOCH_MS, PORT,
+};
+use mqstate_cluster::{MapConfig, NodeId};
+use mqstate_node::{DataPlane, Network};
+use mqstate_protocol::topic::INVOKE_TOPIC;
+use mqstate_protocol::{Hlc, RequestLimits};
+use mqstate_replication::head::HeadConfig;
+use mqstate_sessions::replicated::ReplicatedSessions;
+use mqstate_statestore::service::{self, ServiceConfig};
+use mqstate_store::{Limits, StoreConfig};
+use mqstate_wal::{Committer, WalOptions};
+use mqstate_wgl::kv::{self, Cmd, Figures, Keyed, Outcome};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rumqttc::v5::mqttbytes::v5::Filter;
+use rumqttc::v5::mqttbytes::QoS;
+
+const NODES: [NodeId; 3] = [1, 2, 3];
+const PARTITIONS: u32 = 4;
+const LEASE_MS: u64 = 1_000;
+const CLOCK_FACTOR_MS: u64 = 300;
+const MQTT_PORT: u16 = 1883;
+const KEYS: [&str; 3] = ["k0", "k1", "k2"];
+const CLIENTS: u64 = 4;
+/// The client id of the reads after the faults.
+const FINAL_CLIENT: u64 = 99;
+/// A request's message expiry: the head remembers its first reply this long.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one attempt waits for the reply before the client connects again and resends it.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+/// A client sends a request again (same correlation data) only this long after the first attempt,
+/// well within its expiry: a retry after it would run again, as the protocol says.
+const RETRY_WITHIN: Duration = Duration::from_secs(3);
+/// Every key must answer a read within this long after the faults stopped.
+const READABLE_WITHIN: Duration = Duration::from_secs(30);
+const SEARCH_BUDGET: usize = 4_000_000;
+
+/// Log lines carry the simulated time.
+struct SimTimer;
+
+impl tracing_subscriber::fmt::time::FormatTime for SimTimer {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        write!(
+            w,
+            "{:>9.3}",
+            turmoil::sim_elapsed().unwrap_or_default().as_secs_f64()
+        )
+    }
+}
+
+/// A log's options as `serve` gives them, except that nothing is written on a thread of its own
+/// (it would run outside simulated time): the state store's executor writes its batches itself,
+/// as in `serve` (decision 0069); the other logs are written by their callers.
+fn wal(name: &'static str, committer: Committer) -> WalOptions {
+    WalOptions {
+        name,
+        committer,
+        ..WalOptions::default()
+    }
+}
+
+/// A cluster member, wired as `src/serve.rs` wires it (without the admin topic, metrics and TLS):
+/// runs until its host crashes. `incarnation` is its mesh's, one per run of the host.
+async fn node(
+    id: NodeId,
+    dir: PathBuf,
+    skew_ms: Arc<AtomicI64>,
+    incarnation: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let clock: SharedClock = Arc::new(SimClock { skew_ms });
+    let store_config = StoreConfig {
+        node_id: "mqstate".into(),
+        limits: Limits::default(),
+    };
+    let (recovered, _) = mqstate_statestore::recovery::recover(
+        &dir,
+        wal("statestore", Committer::Owner),
+        store_config.clone(),
+        clock.now_ms(),
+    )?;
+    // Compaction is not simulated: its snapshots are encoded and written on blocking threads.
+    let no_snapshots = u64::MAX;
+    let (mut restored, session_log, appender) =
+        mqstate_sessions::recover(&dir, wal("sessions", Committer::Caller), no_snapshots)?;
+    let session_log = Arc::new(session_log);
+    let replicated = ReplicatedSessions::new(id, session_log.clone());
+    restored.sessions.clear();
+    let broker = Broker::builder(BrokerConfig::default())
+        .clock(clock.clone())
+        .journal(Arc::new(replicated.clone()))
+        .sessions_elsewhere(Arc::new(replicated.clone()))
+        .build();
+    replicated.attach_broker(broker.clone());
+    broker.restore(restored);
+    tokio::spawn(appender.run(broker.clone()));
+    let inbox = broker.claim_topic(INVOKE_TOPIC)?;
+
+    let map = MapConfig {
+        partition_count: PARTITIONS,
+        replication_factor: 3,
+        lease_ms: LEASE_MS,
+        clock_factor_ms: CLOCK_FACTOR_MS,
+    };
+    let config = sim_config(id, &NODES, dir.join("cluster"), map, clock.clone());
+    let network = Network {
+        listener: SimListener(turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?),
+        connect: Arc::new(SimConnect),
+        tls: None,
+    };
+    let data = DataPlane {
+        wal: wal("chains", Committer::Caller),
+        snapshot_threshold_bytes: no_snapshots,
+        head: HeadConfig {
+            store: store_config,
+            limits: RequestLimits::default(),
+            node: id,
+        },
+        clock: clock.clone(),
+    };
+    let mut running = mqstate_node::start(config, network, &dir, data).await?;
+    running.attach_mesh(&broker, incarnation);
+    replicated.attach_rows(running.session_rows());
+    let _adopter = replicated.adopt_orphans_regularly();
+    let service_config = ServiceConfig {
+        router: Some(running.router(Some(&replicated))),
+        ..ServiceConfig::default()
+    };
+    tokio::spawn(service::run(
+        broker.clone(),
+        inbox,
+        recovered,
+        service_config,
+        std::future::pending(),
+    ));
+    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", MQTT_PORT)).await?;
+    // The host runs until it crashes, which drops its runtime and everything in it.
+    let _running = running;
+    mqstate_broker::serve_streams(|| listener.accept(), broker).await;
+    Ok(())
+}
+
+/// An operation of the history, with the node it was last sent to and its key.
+#[derive(Debug, Clone)]
+struct Op {
+    node: NodeId,
+    key: &'static str,
+    kv: kv::Op,
+}
+
+impl Keyed for Op {
+    fn keyed(&self) -> (&'static str, &kv::Op) {
+        (self.key, &self.kv)
+    }
+
+    fn trace(&self, hasher: &mut DefaultHasher) {
+        (
+            self.kv.client,
+            self.node,
+            self.key,
+            &self.kv.cmd,
+            self.kv.invoked,
+            self.kv.returned,
+            &self.kv.outcome,
+        )
+            .hash(hasher);
+    }
+}
+
+/// The history; `-ERR` texts and refusals taken as "unknown" are its errors.
+type Shared = Rc<RefCell<kv::History<Op>>>;
+
+/// A client's MQTT connection to a node, subscribed to its response topic.
+struct Session {
+    node: NodeId,
+    conn: Conn<turmoil::net::TcpStream>,
+}
+
+/// Connects client `client` to a node drawn by `rng`.
+async fn connect(client: u64, rng: &mut StdRng) -> Result<Session, String> {
+    let node = NODES[rng.gen_range(0..NODES.len())];
+    let handshake = async {
+        let stream = turmoil::net::TcpStream::connect((host(node), MQTT_PORT))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let options = wire::Options {
+            client_id: format!("c{client}"),
+            keep_alive: Duration::from_secs(10),
+            login: None,
+            max_inflight: 1,
+        };
+        let mut conn = Conn::start(stream, options)
+            .await
+            .map_err(|e| e.to_string())?;
+        let topic = rpc::response_topic(&format!("c{client}"));
+        conn.subscribe(vec![Filter::new(topic, QoS::AtLeastOnce)])
+            .await?;
+        Ok::<_, String>(conn)
+    };
+    let conn = tokio::time::timeout(CALL_TIMEOUT, handshake)
+        .await
+        .map_err(|_| "the handshake timed out".to_owned())??;
+    Ok(Session { node, conn })
+}
+
+/// What one request's exchange gave.
+enum Answer {
+    Outcome(Outcome),
+    /// An answer no state store gives (a bug): the seed fails.
+    Wrong(String),
+}
+
+/// Sends one request on `session` and waits for its reply; the session is dropped (set to
+/// `None`) when it failed or the reply did not come in time. `seq` makes the correlation data.
+async fn exchange(
+    session: &mut Option<Session>,
+    history: &Shared,
+    client: u64,
+    seq: u64,
+    key: &str,
+    cmd: &Cmd,
+    ts: &Hlc,
+) -> Answer {
+    let Some(Session { conn, .. }) = session.as_mut() else {
+        return Answer::Outcome(Outcome::Unknown);
+    };
+    let correlation = rpc::correlation(seq);
+    let properties = rpc::request_properties(
+        &format!("c{client}"),
+        &rpc::response_topic(&format!("c{client}")),
+        correlation.clone(),
+        ts,
+        None,
+        CALL_TIMEOUT,
+    );
+    let mut publish = wire::publish(
+        &Bytes::from_static(INVOKE_TOPIC.as_bytes()),
+        QoS::AtLeastOnce,
+        Bytes::from(kv::resp(cmd, key)),
+        Some(properties),
+    );
+    let run = async {
+        while !conn.window_open() {
+            // The previous request's PUBACK is still owed: wait for it.
+            conn.read().await?;
+            while let Some(p) = conn.next()? {
+                conn.acknowledge(&p)?;
+            }
+            conn.flush().await?;
+        }
+        conn.publish(&mut publish)?;
+        conn.flush().await?;
+        loop {
+            if let Turn::Input = conn.read().await? {
+                while let Some(p) = conn.next()? {
+                    conn.acknowledge(&p)?;
+                    let properties = p.properties.as_ref();
+                    if properties.and_then(|p| p.correlation_data.as_ref()) != Some(&correlation) {
+                        // A late reply to an earlier request of this client.
+                        continue;
+                    }
+                    let ts = rpc::user_property(properties, TIMESTAMP);
+                    conn.flush().await?;
+                    return Ok(kv::outcome(cmd, &p.payload, ts));
+                }
+            }
+            if let Some(code) = conn.take_refusal() {
+                return Ok(Err(format!("PUBACK 0x{code:02x}")));
+            }
+            conn.flush().await?;
+        }
+    };
+    let answer: Result<Result<Result<Outcome, String>, String>, _> =
+        tokio::time::timeout(ATTEMPT_TIMEOUT, run).await;
+    match answer {
+        Ok(Ok(Ok(outcome))) => Answer::Outcome(outcome),
+        Ok(Ok(Err(error)))
+            if error.starts_with("unexpected reply") || error.contains("without a version") =>
+        {
+            Answer::Wrong(error)
+        }
+        // An `-ERR` or a refused PUBLISH: counted, and taken as unknown.
+        Ok(Ok(Err(error))) => {
+            history.borrow_mut().count_error(error);
+            Answer::Outcome(Outcome::Unknown)
+        }
+        // The connection broke or the reply did not come: it may have run.
+        Ok(Err(_)) | Err(_) => {
+            *session = None;
+            Answer::Outcome(Outcome::Unknown)
+        }
+    }
+}
+
+/// Why [`call`] did not record an operation's outcome.
+enum CallError {
+    /// No connection could be made: nothing was sent.
+    NotConnected,
+    /// An answer no state store gives: the seed fails.
+    Wrong(String),
+}
+
+/// Sends one request, connecting first if need be, and records it. Without an answer, it is sent
+/// again on a new connection (to a node drawn again) within [`RETRY_WITHIN`], as an AIO client
+/// resends an unacknowledged request after a reconnect.
+async fn call(
+    session: &mut Option<Session>,
+    rng: &mut StdRng,
+    history: &Shared,
+    client: u64,
+    seq: u64,
+    key: &'static str,
+    cmd: Cmd,
+) -> Result<Outcome, CallError> {
+    if session.is_none() {
+        *session = Some(
+            connect(client, rng)
+                .await
+                .map_err(|_| CallError::NotConnected)?,
+        );
+    }
+    let invoked = history.borrow_mut().tick();
+    let first = tokio::time::Instant::now();
+    let ts = Hlc {
+        wall_ms: EPOCH_MS + sim_ms(),
+        counter: 0,
+        node_id: format!("c{client}").into(),
+    };
+    let mut node = session.as_ref().map_or(0, |s| s.node);
+    let answer = loop {
+        let answer = exchange(session, history, client, seq, key, &cmd, &ts).await;
+        let retry = matches!(answer, Answer::Outcome(Outcome::Unknown)) && session.is_none();
+        if !retry || first.elapsed() >= RETRY_WITHIN {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Ok(again) = connect(client, rng).await {
+            node = again.node;
+            *session = Some(again);
+        }
+        if first.elapsed() >= RETRY_WITHIN {
+            break answer;
+        }
+    };
+    let (outcome, wrong) = match answer {
+        Answer::Outcome(outcome) => (outcome, None),
+        Answer::Wrong(error) => (Outcome::Unknown, Some(error)),
+    };
+    let returned = history.borrow_mut().returned(&outcome);
+    history.borrow_mut().ops.push(Op {
+        node,
+        key,
+        kv: kv::Op {
+            client,
+            cmd,
+            invoked,
+            returned,
+            outcome: outcome.clone(),
+        },
+    });
+    match wrong {
+        Some(error) => Err(CallError::Wrong(format!("c{client}: {error}"))),
+        None => Ok(outcome),
+    }
+}
+
+fn client_rng(seed: u64, id: u64) -> StdRng {
+    StdRng::seed_from_u64(seed.wrapping_mul(1_000_003).wrapping_add(id))
+}
+
+/// A client: requests on random keys until `until`, one at a time, reconnecting as needed.
+async fn client(
+    id: u64,
+    seed: u64,
+    until: Duration,
+    history: Shared,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut rng = client_rng(seed, id);
+    let mut session: Option<Session> = None;
+    // Values this client wrote, for its VDELs (the latest most often).
+    let mut written: Vec<u64> = Vec::new();
+    let mut seq = 0u64;
+    // The cluster forms in the first second or two; requests before that wait in the nodes.
+    tokio::time::sleep(Duration::from_millis(rng.gen_range(500..1_500))).await;
+    while turmoil::sim_elapsed().unwrap_or_default() < until {
+        seq += 1;
+        let key = KEYS[rng.gen_range(0..KEYS.len())];
+        let cmd = kv::draw(&mut rng, id, seq, &mut written);
+        match call(&mut session, &mut rng, &history, id, seq, key, cmd).await {
+            Ok(_) => {}
+            Err(CallError::Wrong(e)) => return Err(e.into()),
+            // The node is down or cut off: try again (elsewhere) a little later.
+            Err(CallError::NotConnected) => {
+                tokio::time::sleep(Duration::from_millis(rng.gen_range(100..300))).await
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(1..40))).await;
+    }
+    Ok(())
+}
+
+/// After the faults: reads every key until it answers.
+async fn final_reads(
+    seed: u64,
+    from: Duration,
+    history: Shared,
+) -> Result<(), Box<dyn std::error::Error>> {
+    tokio::time::sleep(from).await;
+    let mut rng = client_rng(seed, FINAL_CLIENT);
+    let started = tokio::time::Instant::now();
+    let mut session: Option<Session> = None;
+    let mut seq = 0;
+    for key in KEYS {
+        loop {
+            seq += 1;
+            match call(
+                &mut session,
+                &mut rng,
+                &history,
+                FINAL_CLIENT,
+                seq,
+                key,
+                Cmd::Get,
+            )
+            .await
+            {
+                Ok(Outcome::Unknown) | Err(CallError::NotConnected) => {}
+                Ok(_) => break,
+                Err(CallError::Wrong(e)) => return Err(e.into()),
+            }
+            if started.elapsed() > READABLE_WITHIN {
+                return Err(format!(
+                    "{key} is still not readable {READABLE_WITHIN:?} after the faults stopped"
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Node(NodeFault),
+    /// A client is cut off from a node (what is in flight is lost) for a while.
+    Cut(u64, NodeId, Duration),
+    /// Messages between a client and a node are held back for a while, then delivered.
+    Hold(u64, NodeId, Duration),
+}
+
+impl Fault {
+    fn kind(&self) -> &'static str {
+        match self {
+            Fault::Node(fault) => fault.kind(),
+            Fault::Cut(..) => "client cut off",
+            Fault::Hold(..) => "client held",
+        }
+    }
+}
+
+fn client_host(id: u64) -> String {
+    format!("c{id}")
+}
+
+/// Runs one seed; its violations, if any, with how to reproduce them.
+fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let root = data_root();
+    let mut sim = simulation(
+        seed,
+        chaos + CALL_TIMEOUT + READABLE_WITHIN + Duration::from_secs(30),
+        Duration::from_millis(rng.gen_range(2..20)),
+    );
+    let mut skews = BTreeMap::new();
+    for id in NODES {
+        let dir = root.path().join(host(id));
+        let skew = rng.gen_range(-(CLOCK_FACTOR_MS as i64) / 2..=CLOCK_FACTOR_MS as i64 / 2);
+        let skew = Arc::new(AtomicI64::new(skew));
+        skews.insert(id, Arc::clone(&skew));
+        // Each run of the host gets the next incarnation; the seed makes them differ between runs
+        // of the simulation as a real node's clock and process id do.
+        let first = rng.gen::<u32>() as u64;
+        let boots = Arc::new(AtomicU64::new(0));
+        sim.host(host(id), move || {
+            let incarnation = (first + boots.fetch_add(1, Ordering::Relaxed)) << 16 | id;
+            node(id, dir.clone(), Arc::clone(&skew), incarnation)
+        });
+    }
+    let history: Shared = Rc::default();
+    for id in 1..=CLIENTS {
+        sim.client(client_host(id), client(id, seed, chaos, history.clone()));
+    }
+    sim.client(
+        client_host(FINAL_CLIENT),
+        final_reads(
+            seed,
+            chaos + CALL_TIMEOUT + Duration::from_secs(2),
+            history.clone(),
+        ),
+    );
+
+    let mut schedule: Vec<(Duration, Fault)> = Vec::new();
+    let mut at = Duration::from_millis(rng.gen_range(1_500..2_500));
+    while at < chaos {
+        let node = NODES[rng.gen_range(0..NODES.len())];
+        let lasting = Duration::from_millis(rng.gen_range(300..3_000));
+        let client = rng.gen_range(1..=CLIENTS);
+        let fault = match rng.gen_range(0..5) {
+            0 => Fault::Node(NodeFault::Crash(node, lasting)),
+            1 => Fault::Node(NodeFault::Isolate(node, lasting)),
+            2 => Fault::Node(NodeFault::hold(
+                &NODES,
+                node,
+                rng.gen_range(1..NODES.len()),
+                lasting,
+            )),
+            3 => Fault::Cut(client, node, lasting),
+            _ => Fault::Hold(client, node, lasting),
+        };
+        schedule.push((at, fault));
+        at += lasting + Duration::from_millis(rng.gen_range(100..1_000));
+    }
+    for (_, fault) in &schedule {
+        *figures.faults.entry(fault.kind()).or_default() += 1;
+    }
+    let start_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
+        Fault::Node(fault) => fault.start(sim, &NODES),
+        Fault::Cut(client, node, lasting) => {
+            sim.partition(client_host(client), host(node));
+            lasting
+        }
+        Fault::Hold(client, node, lasting) => {
+            sim.hold(client_host(client), host(node));
+            lasting
+        }
+    };
+    let end_fault = |sim: &mut turmoil::Sim<'_>, fault: Fault| match fault {
+        Fault::Node(fault) => fault.end(sim, &NODES),
+        Fault::Cut(client, node, _) => sim.repair(client_host(client), host(node)),
+        Fault::Hold(client, node, _) => sim.release(client_host(client), host(node)),
+    };
+    let outcome = run_faults(&mut sim, chaos, schedule, start_fault, end_fault);
+    let simulated = sim.elapsed();
+    drop(sim);
+
+    let history = history.borrow();
+    figures.add(simulated, &history);
+    history.dump("MQSTATE_CLUSTER_FRONT_SIM_DUMP", seed);
+    let findings = history.findings(outcome, &KEYS, FINAL_CLIENT, SEARCH_BUDGET);
+    if findings.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "seed {seed} (reproduce: MQSTATE_CLUSTER_FRONT_SIM_SEED={seed} cargo test -p mqstate-node --test turmoil_sim -- --nocapture):\n  {}",
+            findings.join("\n  ")
+        ))
+    }
+}
+
+const TEST: &str = "the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults";
+/// Set in the process that runs one seed for a sweep (see [`run_apart`]).
+const ONE_SEED: &str = "MQSTATE_CLUSTER_FRONT_SIM_ONE";
+/// The fault kinds a seed reports, as [`Figures::faults`] names them.
+const FAULT_KINDS: [&str; 5] = ["crash", "isolate", "hold", "client cut off", "client held"];
+
+/// Runs one seed in a process of its own (this test binary again, with [`ONE_SEED`] set) and adds
+/// what it reports to `figures`. A seed's history depends on what ran before it in the same
+/// process (decision 0071), so each seed starts from a new process: a seed of a sweep is then
+/// reproduced by running it alone.
+fn run_apart(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("seed {seed}: no test binary: {e}"))?;
+    let output = std::process::Command::new(exe)
+        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .env(ONE_SEED, seed.to_string())
+        .env(
+            "MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS",
+            chaos.as_secs().to_string(),
+        )
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("seed {seed}: cannot run it: {e}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut reported = false;
+    let mut failure = None;
+    for line in stdout.lines() {
+        let mut words = line.splitn(2, ' ');
+        match (words.next(), words.next()) {
+            (Some("sim-seed"), Some(rest)) => {
+                let n: Vec<u64> = rest
+                    .split(' ')
+                    .map(|w| u64::from_str_radix(w, 16).unwrap_or(0))
+                    .collect();
+                let [ms, ops, acked, unknown, trace] = n[..] else {
+                    return Err(format!(
+                        "seed {seed}: a report line that does not parse: {line}"
+                    ));
+                };
+                figures.seeds += 1;
+                figures.simulated += Duration::from_millis(ms);
+                figures.ops += ops;
+                figures.acked += acked;
+                figures.unknown += unknown;
+                let mut hasher = DefaultHasher::new();
+                (figures.trace, trace).hash(&mut hasher);
+                figures.trace = std::hash::Hasher::finish(&hasher);
+                reported = true;
+            }
+            (Some("sim-fault"), Some(rest)) => {
+                let (n, kind) = rest.split_once(' ').unwrap_or(("0", rest));
+                if let Some(kind) = FAULT_KINDS.iter().find(|k| **k == kind) {
+                    *figures.faults.entry(kind).or_default() += n.parse::<u64>().unwrap_or(0);
+                }
+            }
+            (Some("sim-error"), Some(rest)) => {
+                let (n, error) = rest.split_once(' ').unwrap_or(("0", rest));
+                *figures.errors.entry(error.to_owned()).or_default() +=
+                    n.parse::<u64>().unwrap_or(0);
+            }
+            (Some("sim-failure"), Some(rest)) => failure = Some(rest.replace('\u{1f}', "\n")),
+            (Some("running" | "test"), _) | (Some("" | "ok"), None) => {}
+            _ => println!("{line}"),
+        }
+    }
+    match (failure, reported) {
+        (Some(failure), _) => Err(failure),
+        (None, true) => Ok(()),
+        (None, false) => Err(format!(
+            "seed {seed}: its process ended ({}) without a report",
+            output.status
+        )),
+    }
+}
+
+/// The process of one seed ([`run_apart`]): runs it and reports its figures on stdout.
+fn run_one(seed: u64) {
+    let chaos = Duration::from_secs(
+        mqstate_cluster::sim::env_u64("MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS").unwrap_or(8),
+    );
+    let mut figures = Figures::default();
+    let outcome = run_seed(seed, chaos, &mut figures);
+    // The test harness's "test … " has no line end of its own yet.
+    println!();
+    for (kind, n) in &figures.faults {
+        println!("sim-fault {n} {kind}");
+    }
+    for (error, n) in &figures.errors {
+        println!("sim-error {n} {}", error.replace('\n', " "));
+    }
+    if let Err(findings) = outcome {
+        println!("sim-failure {}", findings.replace('\n', "\u{1f}"));
+    }
+    println!(
+        "sim-seed {:x} {:x} {:x} {:x} {:x}",
+        figures.simulated.as_millis(),
+        figures.ops,
+        figures.acked,
+        figures.unknown,
+        figures.trace
+    );
+}
+
+#[test]
+fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "off".to_owned()))
+        // Simulated time in the lines, not real: two runs of a seed log the same text (diff them).
+        .with_timer(SimTimer)
+        .with_test_writer()
+        .try_init();
+    if let Some(seed) = mqstate_cluster::sim::env_u64(ONE_SEED) {
+        run_one(seed);
+        return;
+    }
+    let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, run_apart);
+    println!(
+        "{}",
+        sweep.figures.summary(
+            "cluster",
+            "-ERR or refused",
+            sweep.failures.len(),
+            sweep.real
+        )
+    );
+    for (error, n) in &sweep.figures.errors {
+        println!("  {n} × {error} (taken as unknown)");
+    }
+    assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
+}
