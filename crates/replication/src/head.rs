@@ -129,8 +129,15 @@ pub const DEADLINE_SLACK_MS: u64 = 1_000;
 /// What the head does with a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
-    /// Answer at once: a read, a failed condition, an error, or a retry of the row's own request.
+    /// Answer at once: a read, an error, or a retry of the row's own request.
     Reply(KeyReply),
+    /// Answer at once a write that ran and changed nothing (a SET NX that found the key, a DEL of
+    /// no key, a failed VDEL or fencing check); no row records it, so the head remembers `record`
+    /// itself: a late copy of the request must get this reply, not run again.
+    Unwritten {
+        reply: KeyReply,
+        record: RequestRecord,
+    },
     /// Write `value` at `version` through the chain, then answer `reply`; `delta` is the key
     /// change `value` holds (its deadline and notification, once committed).
     Write {
@@ -212,7 +219,16 @@ pub fn step(
     let high_water = Some(machine.clock().high_water());
     let reply = reply_of(&execution.reply, execution.ts.as_ref());
     let Some(delta) = execution.delta else {
-        return (Step::Reply(reply), high_water);
+        if matches!(request.command, Command::Get { .. }) {
+            return (Step::Reply(reply), high_water);
+        }
+        let record = RequestRecord {
+            id: request.id,
+            expires_at_ms: now_ms.saturating_add(request.expiry_ms),
+            reply: reply.payload.clone(),
+            reply_ts: execution.ts.clone(),
+        };
+        return (Step::Unwritten { reply, record }, high_water);
     };
     let version = delta.version();
     let version = Version {
@@ -292,7 +308,7 @@ mod tests {
             let (step, high) = step(&config(), request, row.as_deref(), now_ms, floor.as_ref());
             floor = high.or(floor);
             match step {
-                Step::Reply(reply) => replies.push(reply),
+                Step::Reply(reply) | Step::Unwritten { reply, .. } => replies.push(reply),
                 Step::Write {
                     value,
                     version,
@@ -344,6 +360,47 @@ mod tests {
         // The GET answers the SET's version as its `__ts`.
         assert_eq!(replies[0].ts, replies[2].ts);
         assert!(replies[0].ts.is_some());
+    }
+
+    /// Cluster simulation seed 61: a write that changed nothing is remembered by its head (a late
+    /// copy of it must not run again and apply); a read is not.
+    #[test]
+    fn a_write_that_changed_nothing_is_answered_with_a_record_to_remember() {
+        let now = 1_700_000_000_000;
+        let (_, row) = run(&[request(&["SET", "k", "v1"], 1, now)], now);
+        for (args, reply) in [
+            (&["SET", "k", "v2", "NX"][..], ":-1\r\n"),
+            (&["VDEL", "k", "other"][..], ":-1\r\n"),
+        ] {
+            let (outcome, _) = step(&config(), &request(args, 2, now), row.as_deref(), now, None);
+            let Step::Unwritten {
+                reply: answer,
+                record,
+            } = outcome
+            else {
+                panic!("{args:?} changes nothing: {outcome:?}");
+            };
+            assert_eq!(&answer.payload[..], reply.as_bytes(), "{args:?}");
+            assert_eq!(record.reply, answer.payload);
+            assert_eq!(record.id, RequestId::of("client", &[2]));
+            assert_eq!(record.expires_at_ms, now + 10_000);
+        }
+        let (outcome, _) = step(
+            &config(),
+            &request(&["DEL", "gone"], 3, now),
+            None,
+            now,
+            None,
+        );
+        assert!(matches!(outcome, Step::Unwritten { .. }), "{outcome:?}");
+        let (outcome, _) = step(
+            &config(),
+            &request(&["GET", "k"], 4, now),
+            row.as_deref(),
+            now,
+            None,
+        );
+        assert!(matches!(outcome, Step::Reply(_)), "{outcome:?}");
     }
 
     #[test]

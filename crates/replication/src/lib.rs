@@ -279,6 +279,11 @@ impl Replication {
                     }
                     return Ok(reply);
                 }
+                Step::Unwritten { reply, record } => {
+                    self.recent
+                        .note_unwritten(partition, record, self.clock.now_ms());
+                    return Ok(reply);
+                }
                 Step::Write {
                     value,
                     version,

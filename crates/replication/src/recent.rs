@@ -8,8 +8,14 @@
 //! before it, however many writes followed. Entries live until the request's own deadline (after
 //! it a retry is a new request), at most [`KEEP_AT_MOST_MS`].
 //!
-//! Invariant: an entry stands for a row this replica holds durably or is making durable, never for
-//! one it voided. A re-entry at the tail ([`Record::Clear`]) voids the partition's rows, so it
+//! A write that ran and changed nothing (a SET NX that found the key, a DEL of no key) makes no
+//! row: its head notes it here itself ([`Recent::note_unwritten`]), so a late copy of the request
+//! (a front end still trying a head its client had given up on, and resent to) gets the first
+//! reply, not a second run that may then apply (cluster simulation seed 61). Only that head knows
+//! it (and the members a re-entered replica asks): a fail-over between the two copies forgets it.
+//!
+//! Invariant: an entry stands for a row this replica holds durably or is making durable, or for a
+//! reply it gave as head on a committed row, never for a row it voided. A re-entry at the tail ([`Record::Clear`]) voids the partition's rows, so it
 //! forgets the partition's entries too: a write that was never committed must not answer a retry.
 //! A hit is only a reply once the key's row is committed at the head (the caller reads the key
 //! first, which flushes an interrupted write through the chain).
@@ -101,6 +107,12 @@ impl Recent {
         if let Some(table) = partitions.get_mut(&partition) {
             table.sweep(now_ms);
         }
+    }
+
+    /// Notes a request this replica, as head of `partition`, answered without writing a row.
+    pub fn note_unwritten(&self, partition: u32, request: RequestRecord, now_ms: u64) {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        insert_request(&mut partitions, partition, request, now_ms);
     }
 
     /// Notes the requests of the rows this replica of `partition` held at start.
@@ -222,9 +234,17 @@ impl Recent {
 }
 
 fn insert(partitions: &mut HashMap<u32, Table>, partition: u32, row: &Row, now_ms: u64) {
-    let Some(request) = row.value.as_deref().and_then(request_of) else {
-        return;
-    };
+    if let Some(request) = row.value.as_deref().and_then(request_of) {
+        insert_request(partitions, partition, request, now_ms);
+    }
+}
+
+fn insert_request(
+    partitions: &mut HashMap<u32, Table>,
+    partition: u32,
+    request: RequestRecord,
+    now_ms: u64,
+) {
     if request.expires_at_ms.saturating_add(CLOCK_MARGIN_MS) <= now_ms {
         return;
     }
@@ -336,6 +356,23 @@ mod tests {
         let reply = first(&recent, 3, &RequestId::of("c", b"1"), 1_200);
         assert_eq!(reply.map(|r| r.reply), Some(Bytes::from_static(b"+OK\r\n")));
         assert!(first(&recent, 4, &RequestId::of("c", b"1"), 1_200).is_none());
+    }
+
+    #[test]
+    fn a_request_answered_without_a_row_has_its_first_reply() {
+        let recent = Recent::default();
+        let id = RequestId::of("c", b"nx");
+        let record = RequestRecord {
+            id,
+            expires_at_ms: 10_000,
+            reply: Bytes::from_static(b":-1\r\n"),
+            reply_ts: None,
+        };
+        recent.note_unwritten(3, record, 1_000);
+        let reply = first(&recent, 3, &id, 5_000);
+        assert_eq!(reply.map(|r| r.reply), Some(Bytes::from_static(b":-1\r\n")));
+        // Forgotten like a row's once the request expired (give or take the clocks' margin).
+        assert!(first(&recent, 3, &id, 10_000 + CLOCK_MARGIN_MS).is_none());
     }
 
     #[test]
