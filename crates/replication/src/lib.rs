@@ -130,13 +130,16 @@ impl Replication {
     /// Starts the driver over the restored log and attaches the data plane to `node`.
     pub fn start(
         node: Arc<ClusterNode>,
-        log: ChainLog,
+        mut log: ChainLog,
         restored: BTreeMap<u32, Restored>,
         config: HeadConfig,
         clock: SharedClock,
     ) -> Running {
         let (stop, stopped) = watch::channel(false);
         let recent = Arc::new(Recent::default());
+        for (partition, requests) in log.take_replayed_requests() {
+            recent.note_replayed(partition, requests, clock.now_ms());
+        }
         for (&partition, image) in &restored {
             recent.note_restored(partition, image, clock.now_ms());
         }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use mqstate_chain::{Record, Restored};
+use mqstate_store::RequestRecord;
 use mqstate_wal::{Lsn, PendingCommit, Wal, WalError, WalOptions, WalWriter};
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +70,9 @@ pub struct ChainLog {
     healthy: Arc<AtomicBool>,
     /// Snapshots, once [`ChainLog::snapshot_every`] set a threshold.
     compactor: Option<Compactor>,
+    /// The requests of every row the replay after the snapshot folded (not only each key's last),
+    /// per partition, until [`ChainLog::take_replayed_requests`] (decision 0050).
+    replayed_requests: BTreeMap<u32, Vec<RequestRecord>>,
 }
 
 impl ChainLog {
@@ -93,6 +97,7 @@ impl ChainLog {
             None => BTreeMap::new(),
         };
         let next_lsn = recovered.replay.end;
+        let mut replayed_requests: BTreeMap<u32, Vec<RequestRecord>> = BTreeMap::new();
         for entry in recovered.records {
             let entry = entry.map_err(|source| LogError::Read {
                 path: path.clone(),
@@ -103,6 +108,17 @@ impl ChainLog {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
+            let requests = replayed_requests.entry(batch.partition).or_default();
+            for record in &batch.records {
+                match record {
+                    Record::Row { row, .. } => {
+                        requests.extend(row.value.as_deref().and_then(crate::recent::request_of));
+                    }
+                    // The re-entry voided the rows before it, and their requests with them.
+                    Record::Clear { .. } => requests.clear(),
+                    Record::CaughtUp { .. } | Record::Readable => {}
+                }
+            }
             let partition = restored.entry(batch.partition).or_default();
             for record in batch.records {
                 partition.apply(record);
@@ -115,8 +131,14 @@ impl ChainLog {
             logged: 0,
             healthy: Arc::new(AtomicBool::new(true)),
             compactor: None,
+            replayed_requests,
         };
         Ok((log, restored))
+    }
+
+    /// The requests of the rows the log replayed at open, per partition in log order (once).
+    pub fn take_replayed_requests(&mut self) -> BTreeMap<u32, Vec<RequestRecord>> {
+        std::mem::take(&mut self.replayed_requests)
     }
 
     /// Queues one batch of `partition`'s replica; the returned commit resolves once it is durable
@@ -255,6 +277,45 @@ mod tests {
         assert_eq!(restored[&3].rows[b"k".as_slice()], row(5));
         assert_eq!(restored[&7].rows[b"k".as_slice()], row(2));
         assert_eq!(restored[&7].joining_since, Some(2));
+        log.shutdown().await;
+    }
+
+    /// Cluster simulation seed 56: a head restarted from its log ran a retry a second time, since
+    /// it remembered only the requests of each key's last row; the first run's row had been
+    /// replaced before the restart. Every row the replay folds gives its request now, and a
+    /// re-entry voids those before it.
+    #[tokio::test]
+    async fn the_replay_gives_the_requests_of_every_row_since_the_last_re_entry() {
+        use crate::recent::tests::row_of;
+        use mqstate_store::RequestId;
+
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
+            let batches = [
+                (3, vec![row_of("c", b"1", 10_000)]),
+                (3, vec![row_of("c", b"2", 10_000)]),
+                (7, vec![row_of("c", b"voided", 10_000)]),
+                (
+                    7,
+                    vec![Record::Clear { view: 2 }, row_of("c", b"3", 10_000)],
+                ),
+            ];
+            for (partition, records) in batches {
+                log.append(partition, records).await.unwrap().await.unwrap();
+            }
+            log.shutdown().await;
+        }
+        let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
+        let ids = |requests: &[RequestRecord]| requests.iter().map(|r| r.id).collect::<Vec<_>>();
+        let replayed = log.take_replayed_requests();
+        assert_eq!(
+            ids(&replayed[&3]),
+            [RequestId::of("c", b"1"), RequestId::of("c", b"2")],
+            "the replaced row's request too"
+        );
+        assert_eq!(ids(&replayed[&7]), [RequestId::of("c", b"3")]);
+        assert!(log.take_replayed_requests().is_empty(), "given once");
         log.shutdown().await;
     }
 }

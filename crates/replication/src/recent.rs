@@ -115,6 +115,17 @@ impl Recent {
         insert_request(&mut partitions, partition, request, now_ms);
     }
 
+    /// Notes the requests of the rows this replica's log replayed at start
+    /// ([`crate::log::ChainLog::take_replayed_requests`]): a retry of a request whose row was
+    /// replaced before a restart still gets its first reply (cluster simulation seed 56). Those
+    /// replaced before the log's last snapshot are not among them.
+    pub fn note_replayed(&self, partition: u32, requests: Vec<RequestRecord>, now_ms: u64) {
+        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        for request in requests {
+            insert_request(&mut partitions, partition, request, now_ms);
+        }
+    }
+
     /// Notes the requests of the rows this replica of `partition` held at start.
     pub fn note_restored(&self, partition: u32, restored: &Restored, now_ms: u64) {
         let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
@@ -286,12 +297,12 @@ impl Table {
 /// rows of sessions and of expiry deletes carry none), read from the record's header: every
 /// replica notes every row it persists, on the write path. A value that does not decode is not
 /// this module's to report: the head reports it when it reads the row.
-fn request_of(value: &[u8]) -> Option<RequestRecord> {
+pub(crate) fn request_of(value: &[u8]) -> Option<RequestRecord> {
     RequestRecord::of_record(value).ok().flatten()
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Arc;
 
     use bytes::Bytes;
@@ -301,7 +312,8 @@ mod tests {
 
     use super::*;
 
-    fn row_of(client: &str, correlation: &[u8], expires_at_ms: u64) -> Record {
+    /// A row of `k` made by request (`client`, `correlation`) that expires at `expires_at_ms`.
+    pub(crate) fn row_of(client: &str, correlation: &[u8], expires_at_ms: u64) -> Record {
         let version = Hlc::new(1_000, 0, Arc::from("n"));
         let change = Change::Requested {
             request: RequestRecord {
