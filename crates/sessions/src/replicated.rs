@@ -410,7 +410,7 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>, epoch: u64) {
             }
             let value = mirror.sessions.get_mut(&client_id).map(|session| {
                 // Numbers that can no longer come again leave the row (decision 0066).
-                let now = now_ms();
+                let now = shared.now_ms();
                 session.taken.retain(|t| t.kept_at(now));
                 row::encode(
                     &client_id,
@@ -791,7 +791,19 @@ fn ended(session: &StoredSession, now_ms: u64) -> bool {
     }
 }
 
-fn now_ms() -> u64 {
+impl Shared {
+    /// The node's clock — the broker's, which stamps the sessions' instants (a detach, a kept
+    /// packet id) — so an expiry is judged on the clock it was stamped by (a node's clock may be
+    /// offset from the system's: `test_clock_offset_ms`, a simulation); the system's until the
+    /// broker is attached.
+    fn now_ms(&self) -> u64 {
+        self.broker
+            .get()
+            .map_or_else(system_now_ms, |broker| broker.clock().now_ms())
+    }
+}
+
+fn system_now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -820,7 +832,7 @@ async fn take_over(
     // claim ends its connection).
     let (ended, nobody) = found.row.as_ref().map_or((false, false), |row| {
         (
-            ended(&row.session, now_ms()),
+            ended(&row.session, shared.now_ms()),
             held_by_nobody(shared, rows, &client_id, row),
         )
     });
@@ -1761,12 +1773,12 @@ mod tests {
                     SessionChange::Detached {
                         client_id: "c".into(),
                         expiry_secs: 60,
-                        at_ms: now_ms(),
+                        at_ms: system_now_ms(),
                     },
                     SessionChange::WillScheduled {
                         client_id: "c".into(),
                         will,
-                        at_ms: now_ms() + 30_000,
+                        at_ms: system_now_ms() + 30_000,
                     },
                 ])
                 .await
