@@ -1605,6 +1605,40 @@ mod tests {
         );
     }
 
+    /// A session's expiry is judged on the node's clock, which stamped its detach: a node whose
+    /// clock runs 120 s ahead of the system's finds a session that expires after 60 s ended, its
+    /// row deleted, not resumed. Before, the system's clock judged it: not ended.
+    #[tokio::test]
+    async fn a_sessions_expiry_is_judged_on_the_nodes_clock() {
+        let rows = Arc::new(MemoryRows::default());
+        let a = node(1, &rows);
+        create(&a, 60).await;
+        a.record(vec![SessionChange::Detached {
+            client_id: "c".into(),
+            expiry_secs: 60,
+            at_ms: system_now_ms(),
+        }])
+        .await
+        .unwrap();
+        let b = node(2, &rows);
+        let ahead: mqstate_broker::SharedClock = Arc::new(mqstate_clock::OffsetClock::new(
+            mqstate_clock::system(),
+            120_000,
+        ));
+        let broker = Broker::builder(mqstate_broker::BrokerConfig::default())
+            .clock(ahead)
+            .journal(Arc::new(b.clone()))
+            .sessions_elsewhere(Arc::new(b.clone()))
+            .build();
+        b.attach_broker(broker);
+        assert_eq!(
+            b.locate("c", false, true, false).await,
+            Ok(Located::Gone),
+            "ended by the node's clock"
+        );
+        assert_eq!(value_of(&rows), None, "its row deleted");
+    }
+
     #[tokio::test]
     async fn a_restarted_node_adopts_its_own_rows_and_an_expired_one_is_deleted() {
         let rows = Arc::new(MemoryRows::default());
