@@ -139,6 +139,68 @@ pub struct Response {
 /// replies (the server sends the reply first).
 pub const CLI_INFLIGHT: u16 = 16;
 
+/// One state-store request of `client_id` on an open [`wire::Conn`] subscribed to its response
+/// topic, as the simulations' clients send it: correlation data [`correlation`]`(seq)`, `ts` as
+/// its `__ts`, `expiry` as its message expiry. Waits for the reply with that correlation data,
+/// acknowledging every PUBLISH on the way (late replies to earlier requests are skipped).
+/// `Ok(Err(code))`: the broker refused the PUBLISH (its PUBACK's reason code); `Err`: the
+/// connection failed. Not bounded in time: the caller bounds it.
+pub async fn exchange<S>(
+    conn: &mut wire::Conn<S>,
+    client_id: &str,
+    seq: u64,
+    payload: Bytes,
+    ts: &Hlc,
+    expiry: Duration,
+) -> Result<Result<Publish, u8>, String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let correlation = correlation(seq);
+    let properties = request_properties(
+        client_id,
+        &response_topic(client_id),
+        correlation.clone(),
+        ts,
+        None,
+        expiry,
+    );
+    let mut publish = wire::publish(
+        &Bytes::from_static(INVOKE_TOPIC.as_bytes()),
+        QoS::AtLeastOnce,
+        payload,
+        Some(properties),
+    );
+    while !conn.window_open() {
+        // The previous request's PUBACK is still owed: wait for it.
+        conn.read().await?;
+        while let Some(p) = conn.next()? {
+            conn.acknowledge(&p)?;
+        }
+        conn.flush().await?;
+    }
+    conn.publish(&mut publish)?;
+    conn.flush().await?;
+    loop {
+        if let wire::Turn::Input = conn.read().await? {
+            while let Some(p) = conn.next()? {
+                conn.acknowledge(&p)?;
+                let properties = p.properties.as_ref();
+                if properties.and_then(|p| p.correlation_data.as_ref()) != Some(&correlation) {
+                    // A late reply to an earlier request of this client.
+                    continue;
+                }
+                conn.flush().await?;
+                return Ok(Ok(p));
+            }
+        }
+        if let Some(code) = conn.take_refusal() {
+            return Ok(Err(code));
+        }
+        conn.flush().await?;
+    }
+}
+
 /// A sequential state-store client (one request at a time) over our own MQTT 5 client ([`wire`]):
 /// the CLI's path to any AIO-compatible broker.
 pub struct RawClient {

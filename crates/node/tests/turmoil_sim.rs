@@ -33,7 +33,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use mqstate_broker::{Broker, BrokerConfig, SharedClock};
 use mqstate_cli::rpc::{self, TIMESTAMP};
-use mqstate_cli::wire::{self, Conn, Turn};
+use mqstate_cli::wire::{self, Conn};
 use mqstate_cluster::sim::{
     data_root, host, run_faults, sim_config, sim_ms, simulation, sweep, NodeFault, SimClock,
     SimConnect, SimListener, EPOCH_MS, PORT,
@@ -261,51 +261,23 @@ async fn exchange(
     let Some(Session { conn, .. }) = session.as_mut() else {
         return Answer::Outcome(Outcome::Unknown);
     };
-    let correlation = rpc::correlation(seq);
-    let properties = rpc::request_properties(
-        &format!("c{client}"),
-        &rpc::response_topic(&format!("c{client}")),
-        correlation.clone(),
-        ts,
-        None,
-        CALL_TIMEOUT,
-    );
-    let mut publish = wire::publish(
-        &Bytes::from_static(INVOKE_TOPIC.as_bytes()),
-        QoS::AtLeastOnce,
-        Bytes::from(kv::resp(cmd, key)),
-        Some(properties),
-    );
     let run = async {
-        while !conn.window_open() {
-            // The previous request's PUBACK is still owed: wait for it.
-            conn.read().await?;
-            while let Some(p) = conn.next()? {
-                conn.acknowledge(&p)?;
+        let reply = rpc::exchange(
+            conn,
+            &format!("c{client}"),
+            seq,
+            Bytes::from(kv::resp(cmd, key)),
+            ts,
+            CALL_TIMEOUT,
+        )
+        .await?;
+        Ok(match reply {
+            Ok(p) => {
+                let ts = rpc::user_property(p.properties.as_ref(), TIMESTAMP);
+                kv::outcome(cmd, &p.payload, ts)
             }
-            conn.flush().await?;
-        }
-        conn.publish(&mut publish)?;
-        conn.flush().await?;
-        loop {
-            if let Turn::Input = conn.read().await? {
-                while let Some(p) = conn.next()? {
-                    conn.acknowledge(&p)?;
-                    let properties = p.properties.as_ref();
-                    if properties.and_then(|p| p.correlation_data.as_ref()) != Some(&correlation) {
-                        // A late reply to an earlier request of this client.
-                        continue;
-                    }
-                    let ts = rpc::user_property(properties, TIMESTAMP);
-                    conn.flush().await?;
-                    return Ok(kv::outcome(cmd, &p.payload, ts));
-                }
-            }
-            if let Some(code) = conn.take_refusal() {
-                return Ok(Err(format!("PUBACK 0x{code:02x}")));
-            }
-            conn.flush().await?;
-        }
+            Err(code) => Err(format!("PUBACK 0x{code:02x}")),
+        })
     };
     let answer: Result<Result<Result<Outcome, String>, String>, _> =
         tokio::time::timeout(ATTEMPT_TIMEOUT, run).await;
