@@ -47,7 +47,7 @@ use mqstate_sessions::replicated::ReplicatedSessions;
 use mqstate_statestore::service::{self, ServiceConfig};
 use mqstate_store::{Limits, StoreConfig};
 use mqstate_wal::{Committer, WalOptions};
-use mqstate_wgl::kv::{self, Cmd, Figures, Keyed, Outcome};
+use mqstate_wgl::kv::{self, Cmd, Figures, NodeOp, Outcome};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rumqttc::v5::mqttbytes::v5::Filter;
@@ -177,35 +177,8 @@ async fn node(
     Ok(())
 }
 
-/// An operation of the history, with the node it was last sent to and its key.
-#[derive(Debug, Clone)]
-struct Op {
-    node: NodeId,
-    key: &'static str,
-    kv: kv::Op,
-}
-
-impl Keyed for Op {
-    fn keyed(&self) -> (&'static str, &kv::Op) {
-        (self.key, &self.kv)
-    }
-
-    fn trace(&self, hasher: &mut DefaultHasher) {
-        (
-            self.kv.client,
-            self.node,
-            self.key,
-            &self.kv.cmd,
-            self.kv.invoked,
-            self.kv.returned,
-            &self.kv.outcome,
-        )
-            .hash(hasher);
-    }
-}
-
 /// The history; `-ERR` texts and refusals taken as "unknown" are its errors.
-type Shared = Rc<RefCell<kv::History<Op>>>;
+type Shared = Rc<RefCell<kv::History<NodeOp>>>;
 
 /// A client's MQTT connection to a node, subscribed to its response topic.
 struct Session {
@@ -356,7 +329,7 @@ async fn call(
         Answer::Wrong(error) => (Outcome::Unknown, Some(error)),
     };
     let returned = history.borrow_mut().returned(&outcome);
-    history.borrow_mut().ops.push(Op {
+    history.borrow_mut().ops.push(NodeOp {
         node,
         key,
         kv: kv::Op {

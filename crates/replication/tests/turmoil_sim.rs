@@ -34,7 +34,6 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
-use std::hash::{DefaultHasher, Hash};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -58,7 +57,7 @@ use mqstate_replication::wire::{Executed, Routed};
 use mqstate_replication::Replication;
 use mqstate_store::StoreConfig;
 use mqstate_wal::WalOptions;
-use mqstate_wgl::kv::{self, Cmd, Figures, Keyed, Outcome};
+use mqstate_wgl::kv::{self, Cmd, Figures, NodeOp, Outcome};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -206,35 +205,8 @@ async fn node(
     Ok(())
 }
 
-/// An operation of the history, with the node it was sent to and its key.
-#[derive(Debug, Clone)]
-struct Op {
-    node: NodeId,
-    key: &'static str,
-    kv: kv::Op,
-}
-
-impl Keyed for Op {
-    fn keyed(&self) -> (&'static str, &kv::Op) {
-        (self.key, &self.kv)
-    }
-
-    fn trace(&self, hasher: &mut DefaultHasher) {
-        (
-            self.kv.client,
-            self.node,
-            self.key,
-            &self.kv.cmd,
-            self.kv.invoked,
-            self.kv.returned,
-            &self.kv.outcome,
-        )
-            .hash(hasher);
-    }
-}
-
 /// The history; `-ERR` texts taken as "unknown" are its errors.
-type Shared = Rc<RefCell<kv::History<Op>>>;
+type Shared = Rc<RefCell<kv::History<NodeOp>>>;
 
 /// `-ERR` texts that do not say whether the request ran: the node gave up retrying it, but an
 /// attempt may have reached the head.
@@ -290,7 +262,7 @@ async fn call(
     };
     let outcome = result.clone().unwrap_or(Outcome::Unknown);
     let returned = history.borrow_mut().returned(&outcome);
-    history.borrow_mut().ops.push(Op {
+    history.borrow_mut().ops.push(NodeOp {
         node,
         key,
         kv: kv::Op {

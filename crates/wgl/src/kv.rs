@@ -309,6 +309,34 @@ pub trait Keyed: Debug {
     }
 }
 
+/// An operation of a cluster's history: [`Op`] on a key, with the node it was (last) sent to,
+/// which is part of its trace.
+#[derive(Debug, Clone)]
+pub struct NodeOp {
+    pub node: u64,
+    pub key: &'static str,
+    pub kv: Op,
+}
+
+impl Keyed for NodeOp {
+    fn keyed(&self) -> (&'static str, &Op) {
+        (self.key, &self.kv)
+    }
+
+    fn trace(&self, hasher: &mut DefaultHasher) {
+        (
+            self.kv.client,
+            self.node,
+            self.key,
+            &self.kv.cmd,
+            self.kv.invoked,
+            self.kv.returned,
+            &self.kv.outcome,
+        )
+            .hash(hasher);
+    }
+}
+
 /// A run's operations, in the order they were recorded, and the one clock their `invoked` and
 /// `returned` are places of.
 #[derive(Debug)]
