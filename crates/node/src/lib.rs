@@ -203,9 +203,16 @@ impl Observers for ObserverBridge {
 /// Committed changes for this node's observers, handed to the state-store service.
 struct ChangeSink(mpsc::UnboundedSender<ClusterChange>);
 
-impl Sink for ChangeSink {
-    fn deliver(&self, changes: Vec<Committed>, done: oneshot::Sender<()>) {
-        let changes = changes
+impl ChangeSink {
+    /// Hands the key changes of `committed` to the service (one that does not decode is dropped,
+    /// with a log line). The service is gone only at shutdown: nobody is left to notify.
+    fn send(
+        &self,
+        committed: &[Committed],
+        done: oneshot::Sender<()>,
+        catch_up: Option<(Arc<str>, Bytes)>,
+    ) {
+        let changes = committed
             .iter()
             .filter_map(|c| {
                 rows::delta_of_committed(c)
@@ -213,29 +220,22 @@ impl Sink for ChangeSink {
                     .ok()
             })
             .collect();
-        // The service is gone only at shutdown: nobody is left to notify.
         let _ = self.0.send(ClusterChange {
             changes,
             done,
-            catch_up: None,
+            catch_up,
         });
+    }
+}
+
+impl Sink for ChangeSink {
+    fn deliver(&self, changes: Vec<Committed>, done: oneshot::Sender<()>) {
+        self.send(&changes, done, None);
     }
 
     fn catch_up(&self, observer: Arc<str>, key: Vec<u8>, changes: Vec<Committed>) {
-        let changes = changes
-            .iter()
-            .filter_map(|c| {
-                rows::delta_of_committed(c)
-                    .map_err(|e| tracing::error!("a notification from the cluster dropped: {e}"))
-                    .ok()
-            })
-            .collect();
         let (done, _) = oneshot::channel();
-        let _ = self.0.send(ClusterChange {
-            changes,
-            done,
-            catch_up: Some((observer, Bytes::from(key))),
-        });
+        self.send(&changes, done, Some((observer, Bytes::from(key))));
     }
 }
 
