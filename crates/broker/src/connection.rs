@@ -61,6 +61,7 @@ enum End {
     Kicked {
         reason_code: u8,
         reason_string: Option<String>,
+        publish_will: bool,
     },
     Shutdown,
     /// CONNACK refused the session after attaching it (its state could not be made durable).
@@ -977,8 +978,8 @@ impl Connection {
                     _ = link.shutdown.cancelled() => return End::Shutdown,
                     ctl = poll_fn(|cx| link.control.poll_recv(cx)) => match ctl {
                         Some(Control::TakeOver { done }) => return End::TakenOver(Some(done)),
-                        Some(Control::Disconnect { reason_code, reason_string }) => {
-                            return End::Kicked { reason_code, reason_string }
+                        Some(Control::Disconnect { reason_code, reason_string, publish_will }) => {
+                            return End::Kicked { reason_code, reason_string, publish_will }
                         }
                         // The registry dropped our channel: the session was taken by force.
                         None => return End::TakenOver(None),
@@ -1610,9 +1611,10 @@ impl Connection {
             End::Kicked {
                 reason_code,
                 reason_string,
+                publish_will,
             } => (
                 Some((reason_code, reason_string)),
-                true,
+                publish_will,
                 None,
                 "disconnected by a service",
             ),

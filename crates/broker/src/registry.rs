@@ -28,10 +28,13 @@ use crate::will::Will;
 pub(crate) enum Control {
     /// Another connection wants this session: disconnect with 0x8E, detach, then reply.
     TakeOver { done: oneshot::Sender<()> },
-    /// Disconnect with this reason (a service asked for it).
+    /// Disconnect with this reason (a service asked for it). `publish_will`: false when the
+    /// session lives on elsewhere (it moved to another node, or will be adopted by one): its
+    /// will is then the new holder's to publish, not this connection's.
     Disconnect {
         reason_code: u8,
         reason_string: Option<String>,
+        publish_will: bool,
     },
 }
 
@@ -168,6 +171,7 @@ impl Registry {
                     let _ = displaced.control.try_send(Control::Disconnect {
                         reason_code: crate::codec::reason::SESSION_TAKEN_OVER,
                         reason_string: None,
+                        publish_will: true,
                     });
                 }
                 if clean_start {
@@ -500,7 +504,8 @@ mod tests {
             &id,
             Control::Disconnect {
                 reason_code: 0,
-                reason_string: None
+                reason_string: None,
+                publish_will: true,
             }
         ));
     }

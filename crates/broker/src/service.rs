@@ -385,6 +385,7 @@ impl Broker {
         let control = Control::Disconnect {
             reason_code,
             reason_string: reason_string.map(str::to_owned),
+            publish_will: true,
         };
         self.inner.registry.send_control(client_id, control)
     }
@@ -480,17 +481,19 @@ impl Broker {
 
     /// Drops this broker's copy of `client_id`'s session without recording anything: another
     /// node owns the session now (a cluster node learnt it when its write was fenced). A
-    /// connected session is disconnected with 0x8E Session taken over first, and dropped when
-    /// the next CONNECT of the client finds it. Returns whether a copy was dropped.
+    /// connected session is disconnected with 0x8E Session taken over first (its will is left to
+    /// the new holder), and dropped when the next CONNECT of the client finds it. Returns whether a copy was dropped.
     pub fn forget_session(&self, client_id: &str) -> bool {
         match self.inner.forget(client_id) {
             Ok(dropped) => dropped,
             Err(Untaken::Connected) => {
-                self.disconnect(
-                    client_id,
-                    crate::codec::reason::SESSION_TAKEN_OVER,
-                    Some("the session moved to another node"),
-                );
+                // The session lives on at its new holder, which publishes its will when due.
+                let control = Control::Disconnect {
+                    reason_code: crate::codec::reason::SESSION_TAKEN_OVER,
+                    reason_string: Some("the session moved to another node".into()),
+                    publish_will: false,
+                };
+                self.inner.registry.send_control(client_id, control);
                 false
             }
             Err(Untaken::Missing) => false,

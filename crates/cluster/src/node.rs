@@ -219,6 +219,13 @@ impl ClusterNode {
         self.inner.status()
     }
 
+    /// Whether this node holds its control-plane lease now. Once it lapses the control plane
+    /// may count this node down (after its clock factor) and other members take over what it
+    /// held: its partitions, its clients' sessions.
+    pub fn lease_valid(&self) -> bool {
+        self.inner.lease_valid()
+    }
+
     /// Whether this node is ready for clients: a voting member, up, with a valid lease and caught
     /// up in every partition whose chain it is in (`/ready` on a cluster node).
     pub fn readiness(&self) -> Result<(), crate::status::NotReady> {

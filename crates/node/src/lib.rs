@@ -370,4 +370,8 @@ impl SessionRows for ChainSessionRows {
     fn is_up(&self, node: u64) -> bool {
         self.0.is_up(node)
     }
+
+    fn lease_held(&self) -> bool {
+        self.0.lease_held()
+    }
 }

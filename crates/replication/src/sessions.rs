@@ -96,6 +96,11 @@ impl Replication {
             .any(|&(id, _, up)| id == node && up)
     }
 
+    /// Whether this node holds its control-plane lease (`ClusterNode::lease_valid`).
+    pub fn lease_held(&self) -> bool {
+        self.node.lease_valid()
+    }
+
     async fn session_call(
         &self,
         client_id: &str,

@@ -90,6 +90,9 @@ pub trait SessionRows: Send + Sync {
     fn here(&self) -> RowFuture<'_, Vec<(String, Vec<u8>, bool)>>;
     /// Whether node `node` is up: a member whose lease is current.
     fn is_up(&self, node: u64) -> bool;
+    /// Whether this node holds its own control-plane lease. Once it lapses, the control plane
+    /// may count this node down and the heads adopt its sessions (decision 0054).
+    fn lease_held(&self) -> bool;
 }
 
 /// This node's relation to a client's session row.
@@ -441,7 +444,7 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>, epoch: u64) {
                         written(&shared, &client_id, epoch, version, generation)
                     }
                     Refused::Lost => {
-                        lose(&shared, &client_id, epoch);
+                        lose(&shared, &client_id, epoch, Lost::TakenOver);
                         return;
                     }
                 }
@@ -525,9 +528,10 @@ async fn refused(
     }
 }
 
-/// Another node owns the session now: stop writing it, fail what waits, drop the copy here (if
-/// the entry of `epoch` is still the one held).
-fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64) {
+/// Another node owns the session now (or may adopt it: this node's lease lapsed): stop writing
+/// it, fail what waits, drop the copy here (if the entry of `epoch` is still the one held), and
+/// disconnect its client, whose will is the next holder's to publish.
+fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64, why: Lost) {
     {
         let mut state = shared.lock();
         let State { mirror, entries } = &mut *state;
@@ -539,7 +543,15 @@ fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64) {
         entry.status.send_modify(|s| s.lost = true);
         mirror.sessions.remove(client_id);
     }
-    tracing::info!(%client_id, "session taken over by another node; the copy here is dropped");
+    match why {
+        Lost::TakenOver => {
+            tracing::info!(%client_id, "session taken over by another node; the copy here is dropped")
+        }
+        Lost::LeaseLapsed => tracing::info!(
+            %client_id,
+            "this node's lease lapsed: the session is dropped here (another node may adopt it)"
+        ),
+    }
     if let Some(broker) = shared.broker.get() {
         broker.forget_session(client_id);
     }
@@ -932,30 +944,45 @@ async fn take_over(
 
 /// How often a node looks for orphaned sessions (decision 0054).
 pub const ADOPT_EVERY: Duration = Duration::from_secs(1);
+/// How often a node looks whether its lease still holds (a lapse drops its sessions at once:
+/// the control plane counts it down only a clock factor later).
+pub const LEASE_LOOK: Duration = Duration::from_millis(100);
 
 impl ReplicatedSessions {
-    /// Looks for orphaned sessions every [`ADOPT_EVERY`] while the journal lives (the task
-    /// holds it weakly). Abort the task to stop earlier.
+    /// Looks for orphaned sessions every [`ADOPT_EVERY`], and whether this node's lease still
+    /// holds every [`LEASE_LOOK`], while the journal lives (the task holds it weakly). Abort the
+    /// task to stop earlier.
     pub fn adopt_orphans_regularly(&self) -> tokio::task::JoinHandle<()> {
         let shared = Arc::downgrade(&self.shared);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(ADOPT_EVERY);
+            let mut tick = tokio::time::interval(LEASE_LOOK);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut next_look = tokio::time::Instant::now();
             loop {
                 tick.tick().await;
                 let Some(shared) = shared.upgrade() else {
                     return;
                 };
-                adopt_orphans(&shared).await;
+                let Ok(rows) = shared.rows() else {
+                    continue;
+                };
+                if !rows.lease_held() {
+                    let_go_of_sessions(&shared);
+                } else if tokio::time::Instant::now() >= next_look {
+                    next_look = tokio::time::Instant::now() + ADOPT_EVERY;
+                    adopt_orphans(&shared).await;
+                }
             }
         })
     }
 
     /// One look for orphaned sessions (decision 0054): rows that no running node holds — their
     /// owner is down (its lease lapsed; adopted by the head of their partition) or is this node
-    /// under an earlier run (it restarted; adopted by itself). Each is taken over as a CONNECT
+    /// under an earlier run (it restarted; adopted by itself), or this node let it go when its
+    /// lease lapsed and nobody took it since (adopted back). Each is taken over as a CONNECT
     /// would take it, and handed to the broker, which expires it, publishes its will when due
-    /// and queues what is routed to it. Returns the client ids adopted.
+    /// and queues what is routed to it. Returns the client ids adopted. While this node's own
+    /// lease has lapsed it adopts nothing and drops the sessions it owns instead.
     pub async fn adopt_orphans(&self) -> Vec<Arc<str>> {
         adopt_orphans(&self.shared).await
     }
@@ -965,6 +992,10 @@ async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
     let Ok(rows) = shared.rows() else {
         return Vec::new();
     };
+    if !rows.lease_held() {
+        let_go_of_sessions(shared);
+        return Vec::new();
+    }
     let here = match rows.here().await {
         Ok(here) => here,
         Err(e) => {
@@ -979,8 +1010,13 @@ async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
             continue;
         };
         let orphan = if owner == shared.node {
-            // Nothing this run of the node took over or created: a row of an earlier run.
-            !shared.lock().entries.contains_key(&client_id)
+            // Nothing this run of the node took over or created (a row of an earlier run), or
+            // a row it let go of when its lease lapsed (still its own: nobody took it since).
+            shared
+                .lock()
+                .entries
+                .get(&client_id)
+                .is_none_or(|e| e.role == Role::Lost)
         } else {
             head && !rows.is_up(owner) && !holds(shared, &client_id)
         };
@@ -994,6 +1030,35 @@ async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
         }
     }
     adopted
+}
+
+/// Why a copy of a session is dropped.
+#[derive(Debug, Clone, Copy)]
+enum Lost {
+    /// Its row was written by another node since.
+    TakenOver,
+    /// This node's control-plane lease lapsed.
+    LeaseLapsed,
+}
+
+/// This node's control-plane lease lapsed: the control plane may count it down and the heads
+/// adopt its sessions (decision 0054), while its clients, cut off with it, stay connected.
+/// Every session owned here is dropped now, before an adoption can happen, so that a stale copy
+/// never queues or delivers beside the adopter's (seed 400378 of the robustness suite: a client
+/// on a node cut off for 5 s got the old copy's notifications after the partition healed, then
+/// the adopter's, which went back in version order). Its client reconnects; the row is where
+/// it was, and this node adopts it back once its lease holds if nobody else took it.
+fn let_go_of_sessions(shared: &Shared) {
+    let owned: Vec<(Arc<str>, u64)> = shared
+        .lock()
+        .entries
+        .iter()
+        .filter(|(_, e)| e.role == Role::Owned)
+        .map(|(client_id, e)| (client_id.clone(), e.epoch))
+        .collect();
+    for (client_id, epoch) in &owned {
+        lose(shared, client_id, *epoch, Lost::LeaseLapsed);
+    }
 }
 
 /// Whether this node owns (or is taking over) `client_id`'s session.
@@ -1097,12 +1162,14 @@ mod tests {
     /// `tests/cluster_sessions.rs`).
     type Stored = (Option<Vec<u8>>, Version);
 
-    /// The rows, the nodes counted down, and (while holding) the writes waiting to land.
+    /// The rows, the nodes counted down, (while holding) the writes waiting to land, and whether
+    /// the nodes' own leases lapsed.
     #[derive(Default)]
     struct MemoryRows(
         Mutex<HashMap<String, Stored>>,
         Mutex<Vec<u64>>,
         Mutex<Option<Vec<tokio::sync::oneshot::Sender<()>>>>,
+        std::sync::atomic::AtomicBool,
     );
 
     impl MemoryRows {
@@ -1204,6 +1271,10 @@ mod tests {
 
         fn is_up(&self, node: u64) -> bool {
             !self.1.lock().unwrap().contains(&node)
+        }
+
+        fn lease_held(&self) -> bool {
+            !self.3.load(std::sync::atomic::Ordering::Relaxed)
         }
     }
 
@@ -1516,6 +1587,43 @@ mod tests {
         assert!(b.adopt_orphans().await.is_empty(), "adopted once");
         // The old owner is fenced.
         assert!(a.record(vec![subscribed("stale/#")]).await.is_err());
+    }
+
+    /// Seed 400378 of the robustness suite: a node cut off from the control plane kept serving
+    /// its client's session while the head adopted it, and after the partition healed the client
+    /// got notifications from both copies, out of version order. A node whose lease lapsed lets
+    /// its sessions go at once (its client is disconnected, its will left to the next holder),
+    /// and adopts a row back once its lease holds if nobody else took it.
+    #[tokio::test]
+    async fn a_node_whose_lease_lapsed_lets_its_sessions_go() {
+        use std::sync::atomic::Ordering;
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let broker = with_broker(&a);
+        create(&a, 60).await;
+        let epoch = row_of(&rows).epoch;
+        a.record(vec![subscribed("a/#")]).await.unwrap();
+
+        rows.3.store(true, Ordering::Relaxed);
+        assert!(
+            a.adopt_orphans().await.is_empty(),
+            "nothing adopted without a lease"
+        );
+        assert!(
+            a.record(vec![subscribed("stale/#")]).await.is_err(),
+            "the copy of a node without a lease is not written any more"
+        );
+        assert_eq!(row_of(&rows).owner, 1, "the row stays where it was");
+
+        // Nobody adopted it: once the lease holds again, the node adopts its own row back.
+        rows.3.store(false, Ordering::Relaxed);
+        assert_eq!(a.adopt_orphans().await, [Arc::<str>::from("c")]);
+        let row = row_of(&rows);
+        assert_eq!((row.owner, row.epoch), (1, epoch + 1));
+        assert!(row.session.subscriptions.contains_key("a/#"));
+        assert!(!row.session.subscriptions.contains_key("stale/#"));
+        assert_eq!(broker.session_count(), 1);
+        assert!(b.adopt_orphans().await.is_empty(), "node 1 holds it again");
     }
 
     /// A state store whose first `restore` is held until the test opens it.

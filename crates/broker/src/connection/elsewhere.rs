@@ -58,6 +58,7 @@ impl Connection {
                         crate::registry::Control::Disconnect {
                             reason_code: reason::SESSION_TAKEN_OVER,
                             reason_string: Some("the session moved to another node".into()),
+                            publish_will: false,
                         },
                     );
                     tokio::time::sleep(RETAKE_EVERY).await;
