@@ -256,7 +256,7 @@ fn insert_request(
     request: RequestRecord,
     now_ms: u64,
 ) {
-    if request.expires_at_ms.saturating_add(CLOCK_MARGIN_MS) <= now_ms {
+    if !is_live(&request, now_ms) {
         return;
     }
     let until = request
@@ -291,6 +291,12 @@ impl Table {
         self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
         self.requests.retain(|_, (until, _)| *until > now_ms);
     }
+}
+
+/// Whether a retry of `request` may still come at `now_ms` (give or take the clocks' margin), so
+/// that it is worth remembering.
+pub(crate) fn is_live(request: &RequestRecord, now_ms: u64) -> bool {
+    request.expires_at_ms.saturating_add(CLOCK_MARGIN_MS) > now_ms
 }
 
 /// The request record a row's value carries, if it is a store record made by a request (the
