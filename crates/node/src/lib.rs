@@ -77,8 +77,8 @@ pub async fn start(
         .await
         .context("cannot start the cluster node")?;
     let node = Arc::new(node);
-    let (log, restored) =
-        ChainLog::open(data_dir, data.wal).context("cannot open the chain replicas' log")?;
+    let (log, restored) = ChainLog::open(data_dir, data.wal, data.clock.now_ms())
+        .context("cannot open the chain replicas' log")?;
     let log = log.snapshot_every(data.snapshot_threshold_bytes);
     let replication = Replication::start(Arc::clone(&node), log, restored, data.head, data.clock);
     let listener = tokio::spawn(tcp::serve_with(

@@ -163,7 +163,7 @@ mod tests {
             (partition, records)
         };
         {
-            let (log, restored) = ChainLog::open(dir.path(), options()).unwrap();
+            let (log, restored) = ChainLog::open(dir.path(), options(), 1_000).unwrap();
             let mut log = log.snapshot_every(2048);
             assert!(restored.is_empty());
             for n in 1..=200 {
@@ -195,7 +195,7 @@ mod tests {
             log.shutdown().await;
         }
         assert!(dir.path().join("chains").join("mqstate.snapshot").exists());
-        let (log, restored) = ChainLog::open(dir.path(), options()).unwrap();
+        let (log, restored) = ChainLog::open(dir.path(), options(), 1_000).unwrap();
         assert_eq!(restored, fold(&batches));
         assert_eq!(restored[&0].joining_since, Some(7));
         assert_eq!(restored[&0].caught_up_view, Some(7));

@@ -218,16 +218,17 @@ pub fn step(
     let execution = machine.execute(request.command.clone(), &context);
     let high_water = Some(machine.clock().high_water());
     let reply = reply_of(&execution.reply, execution.ts.as_ref());
+    // What a retry of this write must get, whether it writes a row or not.
+    let record = RequestRecord {
+        id: request.id,
+        expires_at_ms: now_ms.saturating_add(request.expiry_ms),
+        reply: reply.payload.clone(),
+        reply_ts: execution.ts,
+    };
     let Some(delta) = execution.delta else {
         if matches!(request.command, Command::Get { .. }) {
             return (Step::Reply(reply), high_water);
         }
-        let record = RequestRecord {
-            id: request.id,
-            expires_at_ms: now_ms.saturating_add(request.expiry_ms),
-            reply: reply.payload.clone(),
-            reply_ts: execution.ts.clone(),
-        };
         return (Step::Unwritten { reply, record }, high_water);
     };
     let version = delta.version();
@@ -235,12 +236,6 @@ pub fn step(
         wall_ms: version.wall_ms,
         counter: version.counter,
         node: config.node,
-    };
-    let record = RequestRecord {
-        id: request.id,
-        expires_at_ms: now_ms.saturating_add(request.expiry_ms),
-        reply: reply.payload.clone(),
-        reply_ts: execution.ts.clone(),
     };
     let row = Change::Requested {
         request: record,

@@ -138,7 +138,7 @@ impl Replication {
         let (stop, stopped) = watch::channel(false);
         let recent = Arc::new(Recent::default());
         for (partition, requests) in log.take_replayed_requests() {
-            recent.note_replayed(partition, requests, clock.now_ms());
+            recent.remember(partition, requests, clock.now_ms());
         }
         for (&partition, image) in &restored {
             recent.note_restored(partition, image, clock.now_ms());
@@ -284,7 +284,7 @@ impl Replication {
                 }
                 Step::Unwritten { reply, record } => {
                     self.recent
-                        .note_unwritten(partition, record, self.clock.now_ms());
+                        .remember(partition, [record], self.clock.now_ms());
                     return Ok(reply);
                 }
                 Step::Write {

@@ -71,16 +71,18 @@ pub struct ChainLog {
     /// Snapshots, once [`ChainLog::snapshot_every`] set a threshold.
     compactor: Option<Compactor>,
     /// The requests of every row the replay after the snapshot folded (not only each key's last),
-    /// per partition, until [`ChainLog::take_replayed_requests`] (decision 0050).
+    /// still live at open, per partition, until [`ChainLog::take_replayed_requests`] (decision 0050).
     replayed_requests: BTreeMap<u32, Vec<RequestRecord>>,
 }
 
 impl ChainLog {
     /// Opens (creating if needed) `<data-dir>/chains/` and folds every record into its
-    /// partition's [`Restored`].
+    /// partition's [`Restored`]; of the requests of the rows it folds, keeps those a retry may
+    /// still come for at `now_ms` (the node's clock).
     pub fn open(
         data_dir: &Path,
         options: WalOptions,
+        now_ms: u64,
     ) -> Result<(ChainLog, BTreeMap<u32, Restored>), LogError> {
         let path = data_dir.join(CHAINS_DIR);
         let (wal, recovered) = Wal::open(&path, options).map_err(|source| LogError::Open {
@@ -112,7 +114,8 @@ impl ChainLog {
             for record in &batch.records {
                 match record {
                     Record::Row { row, .. } => {
-                        requests.extend(row.value.as_deref().and_then(crate::recent::request_of));
+                        let request = row.value.as_deref().and_then(crate::recent::request_of);
+                        requests.extend(request.filter(|r| crate::recent::is_live(r, now_ms)));
                     }
                     // The re-entry voided the rows before it, and their requests with them.
                     Record::Clear { .. } => requests.clear(),
@@ -237,7 +240,8 @@ mod tests {
             locked: false,
         };
         {
-            let (mut log, restored) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
+            let (mut log, restored) =
+                ChainLog::open(dir.path(), WalOptions::default(), 1_000).unwrap();
             assert!(restored.is_empty());
             let key = b"k".to_vec();
             let a = log
@@ -272,7 +276,7 @@ mod tests {
             }
             log.shutdown().await;
         }
-        let (log, restored) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
+        let (log, restored) = ChainLog::open(dir.path(), WalOptions::default(), 1_000).unwrap();
         assert_eq!(restored.len(), 2);
         assert_eq!(restored[&3].rows[b"k".as_slice()], row(5));
         assert_eq!(restored[&7].rows[b"k".as_slice()], row(2));
@@ -282,8 +286,8 @@ mod tests {
 
     /// Cluster simulation seed 56: a head restarted from its log ran a retry a second time, since
     /// it remembered only the requests of each key's last row; the first run's row had been
-    /// replaced before the restart. Every row the replay folds gives its request now, and a
-    /// re-entry voids those before it.
+    /// replaced before the restart. Every row the replay folds gives its request now, unless it
+    /// expired, and a re-entry voids those before it.
     #[tokio::test]
     async fn the_replay_gives_the_requests_of_every_row_since_the_last_re_entry() {
         use crate::recent::tests::row_of;
@@ -291,9 +295,10 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         {
-            let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
+            let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default(), 1_000).unwrap();
             let batches = [
                 (3, vec![row_of("c", b"1", 10_000)]),
+                (3, vec![row_of("c", b"expired", 4_000)]),
                 (3, vec![row_of("c", b"2", 10_000)]),
                 (7, vec![row_of("c", b"voided", 10_000)]),
                 (
@@ -306,13 +311,15 @@ mod tests {
             }
             log.shutdown().await;
         }
-        let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default()).unwrap();
+        // Past the expired request's expiry and the clocks' margin, not the others'.
+        let now_ms = 4_000 + crate::recent::CLOCK_MARGIN_MS;
+        let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default(), now_ms).unwrap();
         let ids = |requests: &[RequestRecord]| requests.iter().map(|r| r.id).collect::<Vec<_>>();
         let replayed = log.take_replayed_requests();
         assert_eq!(
             ids(&replayed[&3]),
             [RequestId::of("c", b"1"), RequestId::of("c", b"2")],
-            "the replaced row's request too"
+            "the replaced row's request too, not the expired one"
         );
         assert_eq!(ids(&replayed[&7]), [RequestId::of("c", b"3")]);
         assert!(log.take_replayed_requests().is_empty(), "given once");

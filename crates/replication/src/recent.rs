@@ -9,14 +9,15 @@
 //! it a retry is a new request), at most [`KEEP_AT_MOST_MS`].
 //!
 //! A write that ran and changed nothing (a SET NX that found the key, a DEL of no key) makes no
-//! row: its head notes it here itself ([`Recent::note_unwritten`]), so a late copy of the request
+//! row: its head notes it here itself ([`Recent::remember`]), so a late copy of the request
 //! (a front end still trying a head its client had given up on, and resent to) gets the first
 //! reply, not a second run that may then apply (cluster simulation seed 61). Only that head knows
 //! it (and the members a re-entered replica asks): a fail-over between the two copies forgets it.
 //!
 //! Invariant: an entry stands for a row this replica holds durably or is making durable, or for a
-//! reply it gave as head on a committed row, never for a row it voided. A re-entry at the tail ([`Record::Clear`]) voids the partition's rows, so it
-//! forgets the partition's entries too: a write that was never committed must not answer a retry.
+//! reply it gave as head on a committed row, never for a row it voided. A re-entry at the tail
+//! ([`Record::Clear`]) voids the partition's rows, so it forgets the partition's entries too: a
+//! write that was never committed must not answer a retry.
 //! A hit is only a reply once the key's row is committed at the head (the caller reads the key
 //! first, which flushes an interrupted write through the chain).
 //!
@@ -109,17 +110,16 @@ impl Recent {
         }
     }
 
-    /// Notes a request this replica, as head of `partition`, answered without writing a row.
-    pub fn note_unwritten(&self, partition: u32, request: RequestRecord, now_ms: u64) {
-        let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
-        insert_request(&mut partitions, partition, request, now_ms);
-    }
-
-    /// Notes the requests of the rows this replica's log replayed at start
-    /// ([`crate::log::ChainLog::take_replayed_requests`]): a retry of a request whose row was
-    /// replaced before a restart still gets its first reply (cluster simulation seed 56). Those
-    /// replaced before the log's last snapshot are not among them.
-    pub fn note_replayed(&self, partition: u32, requests: Vec<RequestRecord>, now_ms: u64) {
+    /// Notes `requests` of `partition` that no row this replica persists now records: one this
+    /// replica, as head, answered without writing a row; those of the rows its log replayed at
+    /// start ([`crate::log::ChainLog::take_replayed_requests`]), so a retry of a request whose row
+    /// was replaced before a restart still gets its first reply (cluster simulation seed 56).
+    pub fn remember(
+        &self,
+        partition: u32,
+        requests: impl IntoIterator<Item = RequestRecord>,
+        now_ms: u64,
+    ) {
         let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
         for request in requests {
             insert_request(&mut partitions, partition, request, now_ms);
@@ -256,7 +256,7 @@ fn insert_request(
     request: RequestRecord,
     now_ms: u64,
 ) {
-    if request.expires_at_ms.saturating_add(CLOCK_MARGIN_MS) <= now_ms {
+    if !is_live(&request, now_ms) {
         return;
     }
     let until = request
@@ -291,6 +291,12 @@ impl Table {
         self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
         self.requests.retain(|_, (until, _)| *until > now_ms);
     }
+}
+
+/// Whether a retry of `request` may still come at `now_ms` (give or take the clocks' margin), so
+/// that it is worth remembering.
+pub(crate) fn is_live(request: &RequestRecord, now_ms: u64) -> bool {
+    request.expires_at_ms.saturating_add(CLOCK_MARGIN_MS) > now_ms
 }
 
 /// The request record a row's value carries, if it is a store record made by a request (the
@@ -380,7 +386,7 @@ pub(crate) mod tests {
             reply: Bytes::from_static(b":-1\r\n"),
             reply_ts: None,
         };
-        recent.note_unwritten(3, record, 1_000);
+        recent.remember(3, [record], 1_000);
         let reply = first(&recent, 3, &id, 5_000);
         assert_eq!(reply.map(|r| r.reply), Some(Bytes::from_static(b":-1\r\n")));
         // Forgotten like a row's once the request expired (give or take the clocks' margin).

@@ -152,7 +152,7 @@ async fn node(
         ..WalOptions::default()
     };
     // No compaction (`snapshot_every`): its snapshot is encoded and written on blocking threads.
-    let (log, restored) = ChainLog::open(&dir, wal)?;
+    let (log, restored) = ChainLog::open(&dir, wal, clock.now_ms())?;
     let head = HeadConfig {
         store: StoreConfig {
             node_id: "mqstate".into(),
