@@ -1,9 +1,10 @@
 //! The checks of one run's history: linearizability per key, acknowledged writes after recovery,
 //! versions, fencing tokens, notifications, persistent sessions.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use mqstate_wgl::notify;
 use serde::Serialize;
 
 use crate::history::{Change, Cmd, History, Op, Outcome, Version};
@@ -264,116 +265,61 @@ fn fencing_tokens_never_go_back(key: &str, ops: &[&Op], findings: &mut Findings)
     }
 }
 
-/// Each observer sees each key's changes in version order, and, within one registration, every
-/// acknowledged SET between the first and the last change it saw.
+/// The rules of KEYNOTIFY notifications (`mqstate_wgl::notify`, shared with the cluster
+/// simulation): each observer sees each key's changes in version order, and, within one
+/// registration, every acknowledged SET between the first and the last change it saw.
 fn notifications(history: &History, by_key: &BTreeMap<&str, Vec<&Op>>, findings: &mut Findings) {
-    let mut per_observer_key: BTreeMap<(&str, &str), Vec<usize>> = BTreeMap::new();
-    for (i, n) in history.notifications.iter().enumerate() {
-        per_observer_key
-            .entry((n.observer.as_str(), n.key.as_str()))
-            .or_default()
-            .push(i);
-    }
-    for ((observer, key), indices) in &per_observer_key {
-        let ops = by_key.get(key).map(Vec::as_slice).unwrap_or_default();
-        let written: HashMap<&Version, &Op> = ops
-            .iter()
-            .filter_map(|op| match &op.outcome {
-                Outcome::Written(v) => Some((v, *op)),
-                _ => None,
-            })
-            .collect();
-        let mut previous: Option<&crate::history::Notified> = None;
-        let mut received: BTreeMap<&Version, Change> = BTreeMap::new();
-        for &i in indices {
-            let n = &history.notifications[i];
-            let Some(version) = &n.version else {
-                findings.violations.push(notify_violation(
-                    key,
-                    format!("{observer} got a notification without __ts"),
-                ));
-                continue;
-            };
-            // QoS 1 into a persistent session is at least once: after a reconnect or a restart
-            // the unacknowledged ones come again. A repeat is not a step back.
-            if let Some(first) = received.get(version) {
-                if *first != n.change {
-                    findings.violations.push(notify_violation(
-                        key,
-                        format!("{observer} got version {version} twice with different changes"),
-                    ));
-                }
-                continue;
-            }
-            received.insert(version, n.change.clone());
-            if let (Change::Set(value), Some(op)) = (&n.change, written.get(version)) {
-                if let Cmd::Set { value: sent, .. } = &op.cmd {
-                    if sent != value {
-                        findings.violations.push(notify_violation(key, format!(
-                            "{observer} was told version {version} is {value:?}; the SET #{} that got it wrote {sent:?}",
-                            op.id
-                        )));
-                    }
-                }
-            }
-            if let Some(pv) = previous.and_then(|p| p.version.as_ref()) {
-                if version < pv {
-                    findings.violations.push(notify_violation(
-                        key,
-                        format!(
-                            "{observer} got version {version} after version {pv}: out of order"
-                        ),
-                    ));
-                }
-            }
-            previous = Some(n);
-        }
-        // Gaps, per connection (registrations end with it).
-        let mut epochs: BTreeMap<u32, Vec<&Version>> = BTreeMap::new();
-        for &i in indices {
-            let n = &history.notifications[i];
-            if let Some(v) = &n.version {
-                epochs.entry(n.epoch).or_default().push(v);
-            }
-        }
-        for (epoch, versions) in epochs {
-            let Some(registered) = history
-                .registrations
-                .iter()
-                .find(|r| r.observer == *observer && r.key == *key && r.epoch == epoch)
-            else {
-                continue;
-            };
-            let Some(last) = versions.iter().max() else {
-                continue;
-            };
-            for op in ops {
-                let Outcome::Written(v) = &op.outcome else {
-                    continue;
-                };
-                if op.invoked_us > registered.registered_us && v < last && !received.contains_key(v)
-                {
-                    findings.violations.push(Violation {
-                        check: "notification-gap",
-                        key: (*key).to_owned(),
-                        detail: format!(
-                            "{observer} (connection {epoch}, registered before SET #{} was sent) saw version {last} but never {v}, which that SET got",
-                            op.id
-                        ),
-                        ops: vec![op.id],
-                    });
-                }
-            }
-        }
-    }
-}
-
-fn notify_violation(key: &str, detail: String) -> Violation {
-    Violation {
-        check: "notification-order",
-        key: key.to_owned(),
-        detail,
-        ops: Vec::new(),
+    let changes: Vec<notify::Change<String>> = history
+        .notifications
+        .iter()
+        .map(|n| match &n.change {
+            Change::Set(value) => notify::Change::Set(value.clone()),
+            Change::Delete => notify::Change::Delete,
+        })
+        .collect();
+    let notes: Vec<notify::Note<'_, String>> = history
+        .notifications
+        .iter()
+        .zip(&changes)
+        .map(|(n, change)| notify::Note {
+            observer: &n.observer,
+            epoch: n.epoch,
+            key: &n.key,
+            change,
+            version: n.version.as_ref().map(|v| &v.0),
+        })
+        .collect();
+    let registrations: Vec<notify::Registered<'_>> = history
+        .registrations
+        .iter()
+        .map(|r| notify::Registered {
+            observer: &r.observer,
+            epoch: r.epoch,
+            key: &r.key,
+            at: r.registered_us,
+        })
+        .collect();
+    let writes: Vec<notify::Write<'_, String>> = by_key
+        .values()
+        .flatten()
+        .filter_map(|op| match (&op.cmd, &op.outcome) {
+            (Cmd::Set { value, .. }, Outcome::Written(version)) => Some(notify::Write {
+                id: op.id,
+                key: &op.key,
+                invoked: op.invoked_us,
+                version: &version.0,
+                value,
+            }),
+            _ => None,
+        })
+        .collect();
+    for f in notify::check(&notes, &registrations, &writes) {
+        findings.violations.push(Violation {
+            check: f.check,
+            key: f.key,
+            detail: f.detail,
+            ops: f.ops,
+        });
     }
 }
 

@@ -5,10 +5,13 @@
 //! effect at any point after its invocation, or never.
 //!
 //! A dev-dependency of the simulations: the chain's (`crates/chain/tests/simulation.rs`, a
-//! [`register`]), the data plane's (`crates/replication/tests/turmoil_sim.rs`) and the front end's
-//! (`crates/statestore/tests/turmoil_sim.rs`), both with [`kv`], the state-store commands.
+//! [`register`]), the data plane's (`crates/replication/tests/turmoil_sim.rs`), the front end's
+//! (`crates/statestore/tests/turmoil_sim.rs`) and the cluster's (`crates/node/tests/turmoil_sim.rs`),
+//! with [`kv`], the state-store commands. [`notify`], the rules of KEYNOTIFY notifications, is
+//! shared by the cluster simulation and the robustness tool's checker.
 
 pub mod kv;
+pub mod notify;
 
 use std::collections::HashSet;
 use std::hash::Hash;
