@@ -15,7 +15,7 @@
 //! away, and a retry of their requests after a restart must still get its first reply, not run
 //! again (issue #15, decision 0050).
 //!
-//! The state's format: [`MARKER`], the version ([`VERSION`]), then postcard of the images and the
+//! The state's format: `MARKER`, the version ([`VERSION`]), then postcard of the images and the
 //! requests. The first release's state is postcard of the images alone, a map, which begins with
 //! its length as a varint; the marker is not a valid one, so no such state begins with it (it
 //! still loads, with no requests), and that release's decoder refuses a later state instead of
