@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::batch::Peers;
+use crate::compaction::Contents;
 use crate::log::ChainLog;
 use crate::notify::TrailNotes;
 use crate::recent::Recent;
@@ -284,7 +285,10 @@ impl Actor {
         for (&partition, replica) in &self.replicas {
             images.insert(partition, replica.image());
         }
-        self.log.snapshot(images);
+        // Each noted as its rows were appended (or as its head answered it): the images fold
+        // away the rows of all but each key's last.
+        let requests = self.recent.live(self.clock.now_ms());
+        self.log.snapshot(Contents { images, requests });
     }
 
     /// Gives `input` to its replica; returns the partition, whose outputs the caller carries out.

@@ -16,7 +16,7 @@ use mqstate_store::RequestRecord;
 use mqstate_wal::{Lsn, PendingCommit, Wal, WalError, WalOptions, WalWriter};
 use serde::{Deserialize, Serialize};
 
-use crate::compaction::Compactor;
+use crate::compaction::{Compactor, Contents};
 
 /// The directory under the data directory.
 pub const CHAINS_DIR: &str = "chains";
@@ -70,8 +70,9 @@ pub struct ChainLog {
     healthy: Arc<AtomicBool>,
     /// Snapshots, once [`ChainLog::snapshot_every`] set a threshold.
     compactor: Option<Compactor>,
-    /// The requests of every row the replay after the snapshot folded (not only each key's last),
-    /// still live at open, per partition, until [`ChainLog::take_replayed_requests`] (decision 0050).
+    /// The requests the snapshot remembered and those of every row the replay after it folded
+    /// (not only each key's last), still live at open, per partition, until
+    /// [`ChainLog::take_replayed_requests`] (decision 0050).
     replayed_requests: BTreeMap<u32, Vec<RequestRecord>>,
 }
 
@@ -89,17 +90,26 @@ impl ChainLog {
             path: path.clone(),
             source,
         })?;
-        let mut restored: BTreeMap<u32, Restored> = match &recovered.snapshot {
+        let snapshot = match &recovered.snapshot {
             Some(snapshot) => {
                 crate::compaction::decode(&snapshot.state).map_err(|reason| LogError::Snapshot {
                     path: path.clone(),
                     reason,
                 })?
             }
-            None => BTreeMap::new(),
+            None => Contents::default(),
         };
+        let mut restored = snapshot.images;
         let next_lsn = recovered.replay.end;
-        let mut replayed_requests: BTreeMap<u32, Vec<RequestRecord>> = BTreeMap::new();
+        // The snapshot's requests come first: a re-entry in the records after it voids them too.
+        let mut replayed_requests: BTreeMap<u32, Vec<RequestRecord>> = snapshot
+            .requests
+            .into_iter()
+            .map(|(partition, mut requests)| {
+                requests.retain(|r| crate::recent::is_live(r, now_ms));
+                (partition, requests)
+            })
+            .collect();
         for entry in recovered.records {
             let entry = entry.map_err(|source| LogError::Read {
                 path: path.clone(),
@@ -139,7 +149,8 @@ impl ChainLog {
         Ok((log, restored))
     }
 
-    /// The requests of the rows the log replayed at open, per partition in log order (once).
+    /// The requests the log remembered at open (its snapshot's, then its rows'), per partition in
+    /// log order (once).
     pub fn take_replayed_requests(&mut self) -> BTreeMap<u32, Vec<RequestRecord>> {
         std::mem::take(&mut self.replayed_requests)
     }
@@ -186,16 +197,17 @@ impl ChainLog {
             && self.compactor.as_ref().is_some_and(|c| c.due(self.logged))
     }
 
-    /// Begins a snapshot of `images`, which must be what every batch appended so far folds to,
-    /// partition by partition (each replica's [`mqstate_chain::Replica::image`]). It is written
-    /// once those batches are durable, then the log it covers is purged.
-    pub fn snapshot(&mut self, images: BTreeMap<u32, Restored>) {
+    /// Begins a snapshot of `contents`, whose images must be what every batch appended so far
+    /// folds to, partition by partition (each replica's [`mqstate_chain::Replica::image`]), and
+    /// whose requests are those this node remembers. It is written once those batches are
+    /// durable, then the log it covers is purged.
+    pub fn snapshot(&mut self, contents: Contents) {
         let (Some(compactor), Some(last)) = (&mut self.compactor, self.next_lsn.checked_sub(1))
         else {
             return;
         };
         self.logged = 0;
-        compactor.start(Arc::clone(&self.wal), last, images);
+        compactor.start(Arc::clone(&self.wal), last, contents);
     }
 
     /// Returns once no snapshot is under way.

@@ -8,6 +8,10 @@
 //! before it, however many writes followed. Entries live until the request's own deadline (after
 //! it a retry is a new request), at most [`KEEP_AT_MOST_MS`].
 //!
+//! A restarted replica gets them back from its chain log: the requests of every row the replay
+//! folds, and those the log's last snapshot held ([`Recent::live`] when it was taken; the snapshot
+//! keeps each key's last row only).
+//!
 //! A write that ran and changed nothing (a SET NX that found the key, a DEL of no key) makes no
 //! row: its head notes it here itself ([`Recent::remember`]), so a late copy of the request
 //! (a front end still trying a head its client had given up on, and resent to) gets the first
@@ -28,7 +32,7 @@
 //! [`Recent::first_reply`] answers [`Unsynced`]. Once the longest a request is remembered has
 //! passed since the re-entry, nothing it could have missed matters, and it is synced by itself.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use bytes::Bytes;
@@ -158,6 +162,20 @@ impl Recent {
             .map(|(_, record)| record.clone()))
     }
 
+    /// Every partition's live entries, for the chain log's snapshot ([`crate::compaction`]): what
+    /// this replica knows, synced or not (a restart forgets that it was unsynced either way).
+    pub fn live(&self, now_ms: u64) -> BTreeMap<u32, Vec<RequestRecord>> {
+        let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        partitions
+            .iter()
+            .map(|(&partition, table)| {
+                let requests = table.live(now_ms).map(|(_, r)| r.clone()).collect();
+                (partition, requests)
+            })
+            .filter(|(_, requests): &(u32, Vec<RequestRecord>)| !requests.is_empty())
+            .collect()
+    }
+
     /// The partitions waiting for their entries, each with the view it re-entered under.
     pub fn unsynced(&self) -> Vec<(u32, u64)> {
         let partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
@@ -181,21 +199,16 @@ impl Recent {
         if table.is_unsynced(now_ms) {
             return None;
         }
-        let mut entries: Vec<Exported> = table
-            .requests
-            .iter()
-            .filter(|(_, (until, _))| *until > now_ms)
-            .map(|(id, (until, record))| Exported {
-                id: id.0,
-                until_ms: *until,
+        let entries = table
+            .live(now_ms)
+            .map(|(until, record)| Exported {
+                id: record.id.0,
+                until_ms: until,
                 expires_at_ms: record.expires_at_ms,
                 reply: record.reply.to_vec(),
                 reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
             })
             .collect();
-        // In request order, not the map's: the same entries make the same message (deterministic
-        // under simulation).
-        entries.sort_unstable_by_key(|e| e.id);
         Some(entries)
     }
 
@@ -282,6 +295,19 @@ impl Table {
             }
             None => false,
         }
+    }
+
+    /// The entries not expired at `now_ms`, each with when it expires, in request order, not the
+    /// map's: the same entries make the same message or snapshot (deterministic under simulation).
+    fn live(&self, now_ms: u64) -> impl Iterator<Item = (u64, &RequestRecord)> {
+        let mut live: Vec<(u64, &RequestRecord)> = self
+            .requests
+            .values()
+            .filter(|(until, _)| *until > now_ms)
+            .map(|(until, record)| (*until, record))
+            .collect();
+        live.sort_unstable_by_key(|(_, record)| record.id.0);
+        live.into_iter()
     }
 
     fn sweep(&mut self, now_ms: u64) {
@@ -391,6 +417,29 @@ pub(crate) mod tests {
         assert_eq!(reply.map(|r| r.reply), Some(Bytes::from_static(b":-1\r\n")));
         // Forgotten like a row's once the request expired (give or take the clocks' margin).
         assert!(first(&recent, 3, &id, 10_000 + CLOCK_MARGIN_MS).is_none());
+    }
+
+    /// What the chain log's snapshot keeps: every partition's live entries, those of no-ops too,
+    /// in request order.
+    #[test]
+    fn the_live_entries_of_every_partition() {
+        let recent = Recent::default();
+        recent.note(3, &[row_of("c", b"2", 10_000)], 1_000);
+        recent.note(3, &[row_of("c", b"1", 10_000)], 1_000);
+        recent.note(4, &[row_of("c", b"old", 2_000)], 1_000);
+        let unwritten = RequestRecord {
+            id: RequestId::of("c", b"nx"),
+            expires_at_ms: 10_000,
+            reply: Bytes::from_static(b":-1\r\n"),
+            reply_ts: None,
+        };
+        recent.remember(5, [unwritten.clone()], 1_000);
+        let live = recent.live(2_000 + CLOCK_MARGIN_MS);
+        let mut three = vec![RequestId::of("c", b"1"), RequestId::of("c", b"2")];
+        three.sort_unstable_by_key(|id| id.0);
+        assert_eq!(live[&3].iter().map(|r| r.id).collect::<Vec<_>>(), three);
+        assert!(!live.contains_key(&4), "expired");
+        assert_eq!(live[&5], [unwritten]);
     }
 
     #[test]
