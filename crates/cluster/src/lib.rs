@@ -7,12 +7,15 @@
 //!   failure detection (pure, deterministic; time comes in the commands).
 //! * [`log_store`], [`state_machine`] — openraft storage: the Raft log and vote in our
 //!   write-ahead log (`mqstate-wal`), the applied [`control::ControlState`] with snapshots.
+//! * [`identity`] — the cluster id every node-to-node request carries, kept in the cluster
+//!   directory (decision 0075).
 //! * [`transport`] — node-to-node frames (length-prefixed, postcard) over TCP, or in memory for tests.
 //! * [`node`] — a running member: Raft, bootstrap, lease renewal, the leader's ticks, admin
 //!   operations and [`status::Status`].
 
 pub mod admin;
 pub mod control;
+pub mod identity;
 pub mod log_store;
 pub mod network;
 pub mod node;

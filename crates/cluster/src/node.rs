@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::control::{Command, MapConfig, Outcome, Partition};
+use crate::identity::{ClusterId, Identity};
 use crate::log_store::LogStore;
 use crate::network::Network;
 use crate::partition::{partition_of, PartitionId};
@@ -30,6 +31,8 @@ use crate::NodeId;
 
 /// How long a forwarded proposal or admin request may take.
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+/// A refused request (of another cluster) is logged at most this often.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// How long a `Hello` during bootstrap may take.
 const HELLO_TIMEOUT: Duration = Duration::from_millis(500);
 /// Bootstrap retries this often until a majority of the listed peers answered.
@@ -119,7 +122,11 @@ struct Inner {
     config: NodeConfig,
     raft: Raft,
     state: SharedState,
+    /// Stamps every request with this node's cluster id once known ([`Stamping`]).
     transport: Arc<dyn Transport>,
+    identity: Arc<Identity>,
+    /// When a refused request was last logged.
+    refusal_logged: Mutex<Option<Instant>>,
     lease: Mutex<LocalLease>,
     data: OnceLock<Arc<dyn DataHandler>>,
     mesh: OnceLock<Arc<dyn MeshHandler>>,
@@ -157,6 +164,11 @@ impl ClusterNode {
             )));
         }
         let log = LogStore::open(&config.dir).map_err(|e| ClusterError::Storage(e.to_string()))?;
+        let identity = Arc::new(Identity::open(&config.dir).map_err(ClusterError::Storage)?);
+        let transport: Arc<dyn Transport> = Arc::new(Stamping {
+            inner: transport,
+            identity: Arc::clone(&identity),
+        });
         let machine = StateMachineStore::open(&config.dir)
             .map_err(|e| ClusterError::Storage(e.to_string()))?;
         let log = log.purging_within(machine.snapshot_covers());
@@ -192,6 +204,8 @@ impl ClusterNode {
             raft,
             state,
             transport,
+            identity,
+            refusal_logged: Mutex::new(None),
             lease: Mutex::new(LocalLease::default()),
             data: OnceLock::new(),
             mesh: OnceLock::new(),
@@ -595,8 +609,64 @@ impl Inner {
     }
 }
 
+/// Sends every request as [`Request::OfCluster`] once this node knows its cluster.
+struct Stamping {
+    inner: Arc<dyn Transport>,
+    identity: Arc<Identity>,
+}
+
+impl Transport for Stamping {
+    fn call<'a>(
+        &'a self,
+        addr: &'a str,
+        request: Request,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Response, crate::transport::TransportError>> {
+        let request = match self.identity.get() {
+            Some(cluster) => Request::OfCluster {
+                cluster,
+                request: Box::new(request),
+            },
+            None => request,
+        };
+        self.inner.call(addr, request, timeout)
+    }
+}
+
 impl Handler for Inner {
     fn handle(&self, request: Request) -> BoxFuture<'_, Response> {
+        let (stamp, request) = match request {
+            Request::OfCluster { cluster, request } => (Some(cluster), *request),
+            request => (None, request),
+        };
+        // A Hello is answered to anyone (it names the cluster); the operator's tools send Admin
+        // requests unstamped.
+        if !matches!(request, Request::Hello | Request::Admin(_)) {
+            if let Err(refusal) = self.identity.admit(stamp, request.is_raft()) {
+                self.log_refusal(&refusal);
+                return Box::pin(async move { Response::Failed(refusal.to_string()) });
+            }
+        }
+        self.serve(request)
+    }
+}
+
+impl Inner {
+    /// A refused request is logged at most every [`REFUSAL_LOG_EVERY`] (a stranger's Raft
+    /// heartbeats come many times a second).
+    fn log_refusal(&self, refusal: &crate::identity::Refusal) {
+        let now = self.config.clock.now();
+        let mut last = self
+            .refusal_logged
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|at| now.saturating_duration_since(at) >= REFUSAL_LOG_EVERY) {
+            *last = Some(now);
+            tracing::warn!("a node-to-node request refused: {refusal}");
+        }
+    }
+
+    fn serve(&self, request: Request) -> BoxFuture<'_, Response> {
         Box::pin(async move {
             let failed = |e: &dyn std::fmt::Display| Response::Failed(e.to_string());
             match request {
@@ -634,6 +704,7 @@ impl Handler for Inner {
                 Request::Hello => Response::Hello {
                     node_id: self.id(),
                     initialized: self.raft.is_initialized().await.unwrap_or(false),
+                    cluster: self.identity.get(),
                 },
                 Request::Data(request) => match self.data.get() {
                     Some(data) => Response::Data(data.handle(request).await),
@@ -643,6 +714,9 @@ impl Handler for Inner {
                     Some(mesh) => Response::Mesh(mesh.handle(request).await),
                     None => Response::Failed("this node has no broker mesh attached".into()),
                 },
+                Request::OfCluster { .. } => {
+                    Response::Failed("a request stamped twice with a cluster id".into())
+                }
             }
         })
     }
@@ -667,6 +741,7 @@ async fn bootstrap(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
     if inner.config.join || peers.is_empty() {
         return;
     }
+    let ours = ClusterId::of_founders(&peers);
     loop {
         if inner.raft.is_initialized().await.unwrap_or(true) {
             return;
@@ -682,6 +757,16 @@ async fn bootstrap(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 .call(addr, Request::Hello, HELLO_TIMEOUT)
                 .await
             {
+                // A node of another cluster at a founder's address: neither a member nor empty.
+                Ok(Response::Hello {
+                    initialized: true,
+                    cluster: Some(theirs),
+                    ..
+                }) if theirs != ours => tracing::warn!(
+                    peer = id,
+                    %addr,
+                    "the node at founder {id}'s address belongs to another cluster ({theirs}, this founding list makes {ours})"
+                ),
                 Ok(Response::Hello {
                     initialized: true, ..
                 }) => member_of_cluster = Some(id),
@@ -705,6 +790,14 @@ async fn bootstrap(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 .iter()
                 .map(|(&id, addr)| (id, BasicNode::new(addr.clone())))
                 .collect();
+            // Kept before Raft holds anything: a founder never runs Raft without it.
+            if let Err(e) = inner.identity.settle(ours) {
+                tracing::error!("not forming the cluster: {e}");
+                if !pause(&mut stopped, BOOTSTRAP_RETRY).await {
+                    return;
+                }
+                continue;
+            }
             match inner.raft.initialize(nodes).await {
                 Ok(()) => tracing::info!(peers = ?peers, "cluster formed from the peer list"),
                 Err(e) => tracing::debug!("not initializing: {e}"),

@@ -226,3 +226,74 @@ async fn a_follower_brought_back_by_a_snapshot_survives_a_restart() {
     })
     .await;
 }
+
+/// A node of another cluster that takes a dead member's address (a reused IP, a parallel test
+/// cluster's port) is refused by the cluster, and refuses it: each keeps its own members and log
+/// (decision 0075). Without a cluster id on the wire the leader's AppendEntries made the stranger
+/// its follower, or tripped openraft's "follower log reversion is not allowed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_at_a_dead_members_address_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new();
+    // The stranger: node 3 of a cluster of its own (it alone), formed and stopped.
+    let elsewhere = dir.path().join("elsewhere");
+    let stranger = start(&net, &elsewhere, 3, &[3]).await;
+    eventually(&[&stranger], "the stranger leads its own cluster", |s| {
+        s.leader == Some(3) && settled(s)
+    })
+    .await;
+    crash(&net, stranger).await;
+
+    let founders = [1, 2, 3];
+    let mut nodes = Vec::new();
+    for id in founders {
+        nodes.push(start(&net, dir.path(), id, &founders).await);
+    }
+    let all: Vec<&ClusterNode> = nodes.iter().collect();
+    eventually(&all, "one leader, three members up", |s| {
+        s.leader.is_some() && s.members.iter().all(|m| m.state == "up") && settled(s)
+    })
+    .await;
+    // A new term (above the stranger's): its leader crashes and comes back.
+    let leader = nodes[0].status().leader.unwrap();
+    let index = nodes.iter().position(|n| n.id() == leader).unwrap();
+    crash(&net, nodes.remove(index)).await;
+    let rest: Vec<&ClusterNode> = nodes.iter().collect();
+    eventually(&rest, "another leader", |s| {
+        s.leader.is_some_and(|l| l != leader)
+    })
+    .await;
+    nodes.push(start(&net, dir.path(), leader, &founders).await);
+    let all: Vec<&ClusterNode> = nodes.iter().collect();
+    eventually(&all, "a leader again, every member up", |s| {
+        s.leader.is_some() && s.members.iter().all(|m| m.state == "up") && settled(s)
+    })
+    .await;
+    let index = nodes.iter().position(|n| n.id() == 3).unwrap();
+    crash(&net, nodes.remove(index)).await;
+    let rest: Vec<&ClusterNode> = nodes.iter().collect();
+    eventually(&rest, "node 3 down", |s| {
+        s.leader.is_some() && state_of(s, 3) == Some("down")
+    })
+    .await;
+
+    // The stranger comes up at node 3's address with its own data.
+    let stranger = start(&net, &elsewhere, 3, &[3]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let own = stranger.status();
+    assert_eq!(
+        own.members.iter().map(|m| m.id).collect::<Vec<_>>(),
+        [3],
+        "the stranger kept its own cluster: {own:#?}"
+    );
+    assert_eq!(own.leader, Some(3));
+    for node in &nodes {
+        let s = node.status();
+        assert!(s.leader.is_some_and(|l| l != 3), "{s:#?}");
+        assert_eq!(state_of(&s, 3), Some("down"), "the stranger is not node 3");
+    }
+    stranger.shutdown().await;
+    for node in nodes {
+        node.shutdown().await;
+    }
+}

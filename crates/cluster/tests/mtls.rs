@@ -172,7 +172,8 @@ async fn a_node_with_a_certificate_from_another_ca_cannot_join_or_talk() {
             answer,
             Response::Hello {
                 node_id: 1,
-                initialized: true
+                initialized: true,
+                cluster: Some(_),
             }
         ),
         "{answer:?}"

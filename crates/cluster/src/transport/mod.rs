@@ -21,6 +21,7 @@ use openraft::raft::{
 use serde::{Deserialize, Serialize};
 
 use crate::control::{Command, Outcome};
+use crate::identity::ClusterId;
 use crate::types::TypeConfig;
 use crate::NodeId;
 
@@ -44,6 +45,22 @@ pub enum Request {
     /// Broker-to-broker traffic (routes, publishes, client-id claims), opaque here: handed to the
     /// node's [`crate::node::MeshHandler`].
     Mesh(Vec<u8>),
+    /// `request`, from a node of cluster `cluster` (decision 0075): a node that knows its cluster
+    /// sends every request so, and serves only these of its own cluster (and `Hello`s).
+    OfCluster {
+        cluster: ClusterId,
+        request: Box<Request>,
+    },
+}
+
+impl Request {
+    /// Whether this is one of Raft's own messages (a node with no cluster id adopts theirs).
+    pub fn is_raft(&self) -> bool {
+        matches!(
+            self,
+            Request::AppendEntries(_) | Request::Vote(_) | Request::InstallSnapshot(_)
+        )
+    }
 }
 
 /// Membership changes (joint consensus inside openraft).
@@ -64,6 +81,8 @@ pub enum Response {
     Hello {
         node_id: NodeId,
         initialized: bool,
+        /// The cluster it belongs to, if it knows.
+        cluster: Option<ClusterId>,
     },
     /// Not the leader; here is who is, if known.
     NotLeader {

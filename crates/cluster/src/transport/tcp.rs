@@ -322,6 +322,7 @@ mod tests {
                     Request::Hello => Response::Hello {
                         node_id: 7,
                         initialized: true,
+                        cluster: None,
                     },
                     _ => Response::Failed("unexpected".into()),
                 }
@@ -344,7 +345,8 @@ mod tests {
                 response,
                 Response::Hello {
                     node_id: 7,
-                    initialized: true
+                    initialized: true,
+                    ..
                 }
             ));
         }
