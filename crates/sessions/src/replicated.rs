@@ -697,6 +697,14 @@ async fn locate(
     held_here: bool,
 ) -> Result<Located, String> {
     let rows = shared.rows()?;
+    // A node without its lease holds no session (`let_go_of_sessions`): it takes none either, or
+    // a CONNECT here would own a session the next look drops again, or one the heads adopt.
+    if !rows.lease_held() {
+        return Err(
+            "this node's control-plane lease has lapsed: it takes no session until it is renewed"
+                .into(),
+        );
+    }
     if !held_here {
         own_writes_landed(shared, &client_id).await?;
     }
@@ -1608,6 +1616,10 @@ mod tests {
         assert!(
             a.adopt_orphans().await.is_empty(),
             "nothing adopted without a lease"
+        );
+        assert!(
+            a.locate("c", false, true, false).await.is_err(),
+            "no session taken without a lease"
         );
         assert!(
             a.record(vec![subscribed("stale/#")]).await.is_err(),
