@@ -38,6 +38,7 @@ pub(crate) mod reason {
     pub const PACKET_TOO_LARGE: u8 = 0x95;
     pub const QUOTA_EXCEEDED: u8 = 0x97;
     pub const PAYLOAD_FORMAT_INVALID: u8 = 0x99;
+    pub const USE_ANOTHER_SERVER: u8 = 0x9C;
     pub const SHARED_SUBSCRIPTIONS_NOT_SUPPORTED: u8 = 0x9E;
 }
 

@@ -390,6 +390,22 @@ impl Broker {
         self.inner.registry.send_control(client_id, control)
     }
 
+    /// Disconnects `client_id`'s connection with 0x9C Use another server, its session and will
+    /// left as they are: a cluster node whose control-plane lease lapsed serves no session until
+    /// it is renewed, and another node may adopt the session meanwhile, which then publishes the
+    /// will when due. Returns whether a connection was told.
+    pub fn send_away(&self, client_id: &str) -> bool {
+        let control = Control::Disconnect {
+            reason_code: crate::codec::reason::USE_ANOTHER_SERVER,
+            reason_string: Some(
+                "this node lost touch with its cluster for now; reconnect, to another node if you can"
+                    .into(),
+            ),
+            publish_will: false,
+        };
+        self.inner.registry.send_control(client_id, control)
+    }
+
     /// Subscribes to connection and session lifecycle events.
     pub fn events(&self) -> broadcast::Receiver<ClientEvent> {
         self.inner.events.subscribe()

@@ -234,32 +234,33 @@ async fn full_inbox_back_pressures_instead_of_dropping() {
     }
 }
 
-/// A cluster node drops its copy of a session another node holds now (`forget_session`): the
-/// connected client is told the session moved (0x8E), and its will is left to the new holder,
-/// while a service's kick (`disconnect`) publishes it as any abnormal end does.
+/// A cluster node drops its copy of a session another node holds now (`forget_session`), or
+/// sends a client away while its lease has lapsed (`send_away`): the client is told the session
+/// moved (0x8E) or to use another server (0x9C), and its will is left to whoever holds the
+/// session next, while a service's kick (`disconnect`) publishes it as any abnormal end does.
 #[tokio::test]
-async fn a_session_forgotten_while_connected_leaves_its_will_to_the_new_holder() {
+async fn a_client_sent_to_another_node_leaves_its_will_to_the_sessions_holder() {
     let s = Server::default().await;
     let (mut watcher, _) = Raw::connect(s.addr, "watcher", true, 0).await;
     watcher.subscribe("will/#", 0).await;
-    for (id, forget) in [("moved", true), ("kicked", false)] {
+    for (id, expected) in [("moved", 0x8E), ("away", 0x9C), ("kicked", 0x98)] {
         let mut connect = connect_packet(id, false, 60);
         connect.last_will = Some(will(&format!("will/{id}"), b"bye", 0, false, None));
         let (mut c, _) = Raw::connect_with(s.addr, connect).await;
-        if forget {
-            assert!(!s.broker.forget_session(id), "connected: not dropped yet");
-        } else {
-            assert!(s.broker.disconnect(id, 0x98, None));
+        match id {
+            "moved" => assert!(!s.broker.forget_session(id), "connected: not dropped yet"),
+            "away" => assert!(s.broker.send_away(id)),
+            _ => assert!(s.broker.disconnect(id, 0x98, None)),
         }
         match c.recv().await {
-            Some(Packet::Disconnect(d)) => {
-                let expected = if forget { 0x8E } else { 0x98 };
-                assert_eq!(u8::from(d.reason_code), expected);
-            }
+            Some(Packet::Disconnect(d)) => assert_eq!(u8::from(d.reason_code), expected),
             other => panic!("expected DISCONNECT, got {other:?}"),
         }
     }
-    // Only the kicked client's will arrives (the moved one's would have come first).
+    // Only the kicked client's will arrives (the others' would have come first).
     let publish = watcher.expect_publish().await;
     assert_eq!(publish.topic, "will/kicked");
+    // The client sent away resumes its session.
+    let (_, ack) = Raw::connect(s.addr, "away", false, 60).await;
+    assert!(ack.session_present);
 }

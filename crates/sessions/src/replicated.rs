@@ -444,7 +444,7 @@ async fn flush(shared: Arc<Shared>, client_id: Arc<str>, epoch: u64) {
                         written(&shared, &client_id, epoch, version, generation)
                     }
                     Refused::Lost => {
-                        lose(&shared, &client_id, epoch, Lost::TakenOver);
+                        lose(&shared, &client_id, epoch);
                         return;
                     }
                 }
@@ -528,10 +528,10 @@ async fn refused(
     }
 }
 
-/// Another node owns the session now (or may adopt it: this node's lease lapsed): stop writing
-/// it, fail what waits, drop the copy here (if the entry of `epoch` is still the one held), and
-/// disconnect its client, whose will is the next holder's to publish.
-fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64, why: Lost) {
+/// Another node owns the session now: stop writing it, fail what waits, drop the copy here (if
+/// the entry of `epoch` is still the one held), and disconnect its client, whose will is the new
+/// holder's to publish.
+fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64) {
     {
         let mut state = shared.lock();
         let State { mirror, entries } = &mut *state;
@@ -543,15 +543,7 @@ fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64, why: Lost) {
         entry.status.send_modify(|s| s.lost = true);
         mirror.sessions.remove(client_id);
     }
-    match why {
-        Lost::TakenOver => {
-            tracing::info!(%client_id, "session taken over by another node; the copy here is dropped")
-        }
-        Lost::LeaseLapsed => tracing::info!(
-            %client_id,
-            "this node's lease lapsed: the session is dropped here (another node may adopt it)"
-        ),
-    }
+    tracing::info!(%client_id, "session taken over by another node; the copy here is dropped");
     if let Some(broker) = shared.broker.get() {
         broker.forget_session(client_id);
     }
@@ -697,8 +689,8 @@ async fn locate(
     held_here: bool,
 ) -> Result<Located, String> {
     let rows = shared.rows()?;
-    // A node without its lease holds no session (`let_go_of_sessions`): it takes none either, or
-    // a CONNECT here would own a session the next look drops again, or one the heads adopt.
+    // A node without its lease serves no session (`send_clients_away`): it takes none either, or
+    // a CONNECT here would serve one the heads may be adopting.
     if !rows.lease_held() {
         return Err(
             "this node's control-plane lease has lapsed: it takes no session until it is renewed"
@@ -952,8 +944,8 @@ async fn take_over(
 
 /// How often a node looks for orphaned sessions (decision 0054).
 pub const ADOPT_EVERY: Duration = Duration::from_secs(1);
-/// How often a node looks whether its lease still holds (a lapse drops its sessions at once:
-/// the control plane counts it down only a clock factor later).
+/// How often a node looks whether its lease still holds (a lapse sends its sessions' clients
+/// away at once: the control plane counts it down only a clock factor later).
 pub const LEASE_LOOK: Duration = Duration::from_millis(100);
 
 impl ReplicatedSessions {
@@ -975,7 +967,7 @@ impl ReplicatedSessions {
                     continue;
                 };
                 if !rows.lease_held() {
-                    let_go_of_sessions(&shared);
+                    send_clients_away(&shared);
                 } else if tokio::time::Instant::now() >= next_look {
                     next_look = tokio::time::Instant::now() + ADOPT_EVERY;
                     adopt_orphans(&shared).await;
@@ -986,11 +978,10 @@ impl ReplicatedSessions {
 
     /// One look for orphaned sessions (decision 0054): rows that no running node holds — their
     /// owner is down (its lease lapsed; adopted by the head of their partition) or is this node
-    /// under an earlier run (it restarted; adopted by itself), or this node let it go when its
-    /// lease lapsed and nobody took it since (adopted back). Each is taken over as a CONNECT
+    /// under an earlier run (it restarted; adopted by itself). Each is taken over as a CONNECT
     /// would take it, and handed to the broker, which expires it, publishes its will when due
     /// and queues what is routed to it. Returns the client ids adopted. While this node's own
-    /// lease has lapsed it adopts nothing and drops the sessions it owns instead.
+    /// lease has lapsed it adopts nothing and sends the clients of its sessions away instead.
     pub async fn adopt_orphans(&self) -> Vec<Arc<str>> {
         adopt_orphans(&self.shared).await
     }
@@ -1001,7 +992,7 @@ async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
         return Vec::new();
     };
     if !rows.lease_held() {
-        let_go_of_sessions(shared);
+        send_clients_away(shared);
         return Vec::new();
     }
     let here = match rows.here().await {
@@ -1018,13 +1009,8 @@ async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
             continue;
         };
         let orphan = if owner == shared.node {
-            // Nothing this run of the node took over or created (a row of an earlier run), or
-            // a row it let go of when its lease lapsed (still its own: nobody took it since).
-            shared
-                .lock()
-                .entries
-                .get(&client_id)
-                .is_none_or(|e| e.role == Role::Lost)
+            // Nothing this run of the node took over or created: a row of an earlier run.
+            !shared.lock().entries.contains_key(&client_id)
         } else {
             head && !rows.is_up(owner) && !holds(shared, &client_id)
         };
@@ -1040,32 +1026,30 @@ async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
     adopted
 }
 
-/// Why a copy of a session is dropped.
-#[derive(Debug, Clone, Copy)]
-enum Lost {
-    /// Its row was written by another node since.
-    TakenOver,
-    /// This node's control-plane lease lapsed.
-    LeaseLapsed,
-}
-
 /// This node's control-plane lease lapsed: the control plane may count it down and the heads
-/// adopt its sessions (decision 0054), while its clients, cut off with it, stay connected.
-/// Every session owned here is dropped now, before an adoption can happen, so that a stale copy
-/// never queues or delivers beside the adopter's (seed 400378 of the robustness suite: a client
-/// on a node cut off for 5 s got the old copy's notifications after the partition healed, then
-/// the adopter's, which went back in version order). Its client reconnects; the row is where
-/// it was, and this node adopts it back once its lease holds if nobody else took it.
-fn let_go_of_sessions(shared: &Shared) {
-    let owned: Vec<(Arc<str>, u64)> = shared
+/// adopt its sessions (decision 0054), while its clients, cut off with it, stay connected. Every
+/// client of a session owned here is disconnected now (0x9C Use another server), before an
+/// adoption can happen, so that a copy here never delivers beside an adopter's (seed 400378 of
+/// the robustness suite: a client on a node cut off for 5 s got the old copy's notifications after
+/// the partition healed, then the adopter's, which went back in version order). The copy stays,
+/// with what it queued: if nobody adopts it, the client resumes it here once the lease holds;
+/// if someone did, the client's next CONNECT finds the row moved and takes the adopter's (a
+/// CONNECT reads the row at its head), and the copy here is fenced at its next write.
+fn send_clients_away(shared: &Shared) {
+    let Some(broker) = shared.broker.get() else {
+        return;
+    };
+    let owned: Vec<Arc<str>> = shared
         .lock()
         .entries
         .iter()
         .filter(|(_, e)| e.role == Role::Owned)
-        .map(|(client_id, e)| (client_id.clone(), e.epoch))
+        .map(|(client_id, _)| client_id.clone())
         .collect();
-    for (client_id, epoch) in &owned {
-        lose(shared, client_id, *epoch, Lost::LeaseLapsed);
+    for client_id in &owned {
+        if broker.send_away(client_id) {
+            tracing::info!(%client_id, "this node's lease lapsed: its client is sent to another node");
+        }
     }
 }
 
@@ -1598,19 +1582,17 @@ mod tests {
     }
 
     /// Seed 400378 of the robustness suite: a node cut off from the control plane kept serving
-    /// its client's session while the head adopted it, and after the partition healed the client
-    /// got notifications from both copies, out of version order. A node whose lease lapsed lets
-    /// its sessions go at once (its client is disconnected, its will left to the next holder),
-    /// and adopts a row back once its lease holds if nobody else took it.
+    /// its client's session while the head adopted it. While its lease has lapsed a node adopts
+    /// nothing and takes no session (its clients are sent away: `service_port`'s test of
+    /// `Broker::send_away`); its copies stay, and go on once the lease holds again.
     #[tokio::test]
-    async fn a_node_whose_lease_lapsed_lets_its_sessions_go() {
+    async fn a_node_whose_lease_lapsed_takes_and_adopts_no_session() {
         use std::sync::atomic::Ordering;
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
-        let broker = with_broker(&a);
-        create(&a, 60).await;
-        let epoch = row_of(&rows).epoch;
-        a.record(vec![subscribed("a/#")]).await.unwrap();
+        let _broker = with_broker(&a);
+        create(&b, 60).await;
+        rows.1.lock().unwrap().push(2);
 
         rows.3.store(true, Ordering::Relaxed);
         assert!(
@@ -1621,21 +1603,15 @@ mod tests {
             a.locate("c", false, true, false).await.is_err(),
             "no session taken without a lease"
         );
+        assert_eq!(row_of(&rows).owner, 2, "the row stays where it was");
         assert!(
-            a.record(vec![subscribed("stale/#")]).await.is_err(),
-            "the copy of a node without a lease is not written any more"
+            b.record(vec![subscribed("b/#")]).await.is_ok(),
+            "the owner's copy goes on"
         );
-        assert_eq!(row_of(&rows).owner, 1, "the row stays where it was");
 
-        // Nobody adopted it: once the lease holds again, the node adopts its own row back.
         rows.3.store(false, Ordering::Relaxed);
         assert_eq!(a.adopt_orphans().await, [Arc::<str>::from("c")]);
-        let row = row_of(&rows);
-        assert_eq!((row.owner, row.epoch), (1, epoch + 1));
-        assert!(row.session.subscriptions.contains_key("a/#"));
-        assert!(!row.session.subscriptions.contains_key("stale/#"));
-        assert_eq!(broker.session_count(), 1);
-        assert!(b.adopt_orphans().await.is_empty(), "node 1 holds it again");
+        assert_eq!(row_of(&rows).owner, 1);
     }
 
     /// A state store whose first `restore` is held until the test opens it.
