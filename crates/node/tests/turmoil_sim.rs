@@ -435,6 +435,8 @@ async fn final_reads(
 
 /// The KEYNOTIFY observers' session expiry: longer than any run, so a reconnect always finds it.
 const OBSERVER_SESSION_EXPIRY_SECS: u32 = 3_600;
+/// How long an observer stays on a connection before it leaves it on its own (ms).
+const OBSERVER_STAYS_MS: std::ops::Range<u64> = 1_000..6_000;
 /// Observer `i`'s generator is [`client_rng`]`(seed, OBSERVER_RNG + i)`, apart from the clients'.
 const OBSERVER_RNG: u64 = 1_000;
 
@@ -471,18 +473,12 @@ fn observer_name(id: u64) -> String {
     format!("o{id}")
 }
 
-/// Why [`observe`] stopped.
-enum ObserveEnd {
-    /// The time to observe is over.
-    Done,
-    /// The connection failed, the node refused or did not answer in time: connect again.
-    Lost,
-}
-
 /// A KEYNOTIFY observer with a persistent session, as the robustness tool's: connects to a node
 /// drawn by the seed, registers every key, records what arrives until `until`; when the
 /// connection fails, connects to a node drawn anew and registers again (a KEYNOTIFY of a key the
-/// session observes already is answered `+OK`).
+/// session observes already is answered `+OK`). It also leaves a connection on its own after a
+/// while (dropping it, as a lost connection), so its session moves between live nodes too: the
+/// node it comes to catches up from the session's cursors (decision 0065).
 async fn observer(
     id: u64,
     seed: u64,
@@ -498,27 +494,28 @@ async fn observer(
     tokio::time::sleep(Duration::from_millis(rng.gen_range(200..1_000))).await;
     while turmoil::sim_elapsed().unwrap_or_default() < until {
         let node = NODES[rng.gen_range(0..NODES.len())];
+        let leave = until.min(
+            turmoil::sim_elapsed().unwrap_or_default()
+                + Duration::from_millis(rng.gen_range(OBSERVER_STAYS_MS)),
+        );
         epoch += 1;
-        let end = observe(
+        observe(
             id,
             node,
             epoch,
             &mut seq,
             &mut accepted,
-            until,
+            leave,
             &history,
             &watched,
         )
         .await;
-        if let ObserveEnd::Done = end {
-            break;
-        }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(50..300))).await;
     }
     Ok(())
 }
 
-/// One connection of observer `id` to `node`.
+/// One connection of observer `id` to `node`, until it fails or the simulated time is `leave`.
 #[allow(clippy::too_many_arguments)]
 async fn observe(
     id: u64,
@@ -526,10 +523,10 @@ async fn observe(
     epoch: u32,
     seq: &mut u64,
     accepted: &mut bool,
-    until: Duration,
+    leave: Duration,
     history: &Shared,
     watched: &Watched,
-) -> ObserveEnd {
+) {
     let name = observer_name(id);
     let handshake = async {
         let stream = turmoil::net::TcpStream::connect((host(node), MQTT_PORT))
@@ -558,7 +555,7 @@ async fn observe(
         Ok::<_, String>(conn)
     };
     let Ok(Ok(mut conn)) = tokio::time::timeout(CALL_TIMEOUT, handshake).await else {
-        return ObserveEnd::Lost;
+        return;
     };
     let record = |p: &Publish| record_notification(id, epoch, node, p, watched);
     for key in KEYS {
@@ -610,18 +607,17 @@ async fn observe(
                     "KEYNOTIFY: {}",
                     String::from_utf8_lossy(&reply.payload).trim_end()
                 ));
-                return ObserveEnd::Lost;
+                return;
             }
-            Ok(Err(_)) | Err(_) => return ObserveEnd::Lost,
+            Ok(Err(_)) | Err(_) => return,
         }
     }
-    while turmoil::sim_elapsed().unwrap_or_default() < until {
+    while turmoil::sim_elapsed().unwrap_or_default() < leave {
         if pump(&mut conn, &record, None).await.is_err() {
-            return ObserveEnd::Lost;
+            return;
         }
     }
     // The session stays on the server (the connection is dropped without a DISCONNECT).
-    ObserveEnd::Done
 }
 
 /// One turn of an observer's connection: every PUBLISH that came is acknowledged, notifications are
