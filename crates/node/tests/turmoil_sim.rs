@@ -914,6 +914,7 @@ fn run_seed(
 }
 
 const TEST: &str = "the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults";
+const OBSERVERS_VAR: &str = "MQSTATE_CLUSTER_FRONT_SIM_OBSERVERS";
 /// Set in the process that runs one seed for a sweep (see [`run_apart`]).
 const ONE_SEED: &str = "MQSTATE_CLUSTER_FRONT_SIM_ONE";
 /// The fault kinds a seed reports, as [`Figures::faults`] names them.
@@ -926,6 +927,7 @@ const FAULT_KINDS: [&str; 5] = ["crash", "isolate", "hold", "client cut off", "c
 fn run_apart(
     seed: u64,
     chaos: Duration,
+    observers: u64,
     figures: &mut Figures,
     notified: &mut u64,
 ) -> Result<(), String> {
@@ -937,6 +939,7 @@ fn run_apart(
             "MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS",
             chaos.as_secs().to_string(),
         )
+        .env(OBSERVERS_VAR, observers.to_string())
         .stderr(std::process::Stdio::inherit())
         .output()
         .map_err(|e| format!("seed {seed}: cannot run it: {e}"))?;
@@ -998,8 +1001,7 @@ fn run_one(seed: u64) {
     let chaos = Duration::from_secs(
         mqstate_cluster::sim::env_u64("MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS").unwrap_or(8),
     );
-    let observers =
-        mqstate_cluster::sim::env_u64("MQSTATE_CLUSTER_FRONT_SIM_OBSERVERS").unwrap_or(OBSERVERS);
+    let observers = mqstate_cluster::sim::env_u64(OBSERVERS_VAR).unwrap_or(OBSERVERS);
     let mut figures = Figures::default();
     let outcome = run_seed(seed, chaos, observers, &mut figures);
     // The test harness's "test … " has no line end of its own yet.
@@ -1037,8 +1039,9 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
         return;
     }
     let mut notified = 0;
+    let observers = mqstate_cluster::sim::env_u64(OBSERVERS_VAR).unwrap_or(OBSERVERS);
     let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, |seed, chaos, figures| {
-        run_apart(seed, chaos, figures, &mut notified)
+        run_apart(seed, chaos, observers, figures, &mut notified)
     });
     println!(
         "{}; {notified} notifications observed",
@@ -1053,4 +1056,24 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
         println!("  {n} × {error} (taken as unknown)");
     }
     assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
+}
+
+/// Seeds 24 and 133 with two observers: an observer's session moved to another node with a change
+/// in flight (sent, not acknowledged), the new node sent the changes queued after it with packet
+/// ids from 1 up, the connection was lost, and the next one got the messages in flight again by
+/// packet id: the newer changes first, then the older one (`notification-order`, the 3-node
+/// soak's shape). Both failed before `resend_inflight` (`crates/broker/src/connection.rs`) resent
+/// in the order of first sending.
+#[test]
+fn an_observer_gets_its_changes_in_order_when_its_session_moves_with_one_in_flight() {
+    let mut figures = Figures::default();
+    let mut notified = 0;
+    let failures: Vec<String> = [24, 133]
+        .into_iter()
+        .filter_map(|seed| {
+            run_apart(seed, Duration::from_secs(8), 2, &mut figures, &mut notified).err()
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(notified > 0, "the observers received nothing");
 }
