@@ -835,13 +835,19 @@ impl Connection {
         true
     }
 
-    /// On a resumed session, everything in flight goes again: PUBLISH with DUP, or PUBREL.
+    /// On a resumed session, everything in flight goes again: PUBLISH with DUP, or PUBREL — in the
+    /// order the messages were first sent (MQTT 5 §4.6), which is their `seq`, not their packet
+    /// ids: those start again at 1 in a session put back on another node while the ones it
+    /// brought stay in flight, and wrap. By packet id, an observer got a change queued after the
+    /// move before an older one that was in flight across it (cluster simulation seeds 24, 133).
     fn resend_inflight(&mut self) {
         let session = self.session().clone();
         let mut state = session.lock();
         let now = self.inner.clock.now();
         let mut too_large = Vec::new();
-        for (&packet_id, inflight) in &state.inflight {
+        let mut in_order: Vec<_> = state.inflight.iter().collect();
+        in_order.sort_by_key(|(_, inflight)| inflight.delivery.seq);
+        for (&packet_id, inflight) in in_order {
             match inflight.phase {
                 Phase::AwaitPubComp => {
                     self.codec

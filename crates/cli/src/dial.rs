@@ -92,6 +92,7 @@ impl Dialer {
             keep_alive: KEEP_ALIVE,
             login: self.login.clone(),
             max_inflight,
+            resume: None,
         };
         let opening = async {
             let transport = self.transport().await?;

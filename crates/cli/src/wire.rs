@@ -17,8 +17,9 @@
 //! server still sees its deadlines, and sends PINGREQ once the connection has been quiet for most of the
 //! keep-alive.
 //!
-//! Only what the tools need: clean start with session expiry 0 (nothing is left on the server after
-//! DISCONNECT or a lost connection), QoS 0 and 1, one SUBSCRIBE right after the CONNACK.
+//! Only what the tools need: QoS 0 and 1, one SUBSCRIBE right after the CONNACK; a clean start with
+//! session expiry 0 (nothing is left on the server after DISCONNECT or a lost connection) for the
+//! CLI and the load generator, a persistent session for the simulations' KEYNOTIFY observers.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -53,6 +54,9 @@ pub struct Options {
     pub login: Option<Login>,
     /// Our own cap on outgoing QoS 1 publishes awaiting PUBACK; the server's Receive Maximum may lower it.
     pub max_inflight: u16,
+    /// `None`: a clean start with session expiry 0. `Some(expiry)`: a session that outlives the
+    /// connection by `expiry` seconds, resumed if the server has it ([`Conn::session_present`]).
+    pub resume: Option<u32>,
 }
 
 /// Why [`Conn::start`] failed: the server refused the CONNECT, or anything else went wrong.
@@ -165,6 +169,8 @@ pub struct Conn<S> {
     assigned_client_id: Option<String>,
     /// The largest packet the server accepts (CONNACK Maximum Packet Size), if it set one.
     server_max_packet: Option<u32>,
+    /// CONNACK's Session Present.
+    session_present: bool,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
@@ -194,6 +200,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             server_max_packet: properties.and_then(|p| p.max_packet_size),
             early: VecDeque::new(),
             refused: None,
+            session_present: connack.session_present,
         })
     }
 
@@ -214,6 +221,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     /// The client id the server assigned or imposed, when it is not the one we asked for.
     pub fn assigned_client_id(&self) -> Option<&str> {
         self.assigned_client_id.as_deref()
+    }
+
+    /// Whether the server resumed a session it kept (CONNACK's Session Present).
+    pub fn session_present(&self) -> bool {
+        self.session_present
     }
 
     /// The server's Maximum Packet Size, if it announced one.
@@ -438,8 +450,9 @@ where
     let connect = Connect {
         keep_alive: u16::try_from(options.keep_alive.as_secs()).unwrap_or(u16::MAX),
         client_id: options.client_id.clone(),
-        clean_start: true,
+        clean_start: options.resume.is_none(),
         properties: Some(ConnectProperties {
+            session_expiry_interval: options.resume,
             max_packet_size: Some(MAX_PACKET_BYTES),
             ..ConnectProperties::new()
         }),
@@ -568,6 +581,7 @@ mod tests {
             keep_alive: Duration::from_secs(60),
             login: None,
             max_inflight,
+            resume: None,
         };
         (options, filters)
     }
@@ -814,6 +828,39 @@ mod tests {
             .await;
         let err = next_publish(&mut conn).await.unwrap_err();
         assert!(err.contains("packet id 42"), "{err}");
+    }
+
+    /// A resumed session: no clean start, the session expiry asked for, and the CONNACK's Session
+    /// Present reported; without `resume`, a clean start with no expiry (the CLI's).
+    #[tokio::test]
+    async fn resume_asks_for_the_session_and_reports_whether_it_was_there() {
+        for (resume, present) in [(Some(3_600), true), (None, false)] {
+            let (client_end, broker_end) = tokio::io::duplex(1 << 16);
+            let (r, w) = tokio::io::split(broker_end);
+            let mut broker = FakeBroker {
+                reader: r,
+                writer: w,
+                buf: BytesMut::new(),
+            };
+            let (opts, _) = options(8, Vec::new());
+            let client = tokio::spawn(Conn::start(client_end, Options { resume, ..opts }));
+            let Packet::Connect(connect, ..) = broker.next().await else {
+                panic!("expected CONNECT")
+            };
+            assert_eq!(connect.clean_start, resume.is_none());
+            assert_eq!(
+                connect.properties.and_then(|p| p.session_expiry_interval),
+                resume
+            );
+            let ack = Packet::ConnAck(ConnAck {
+                session_present: present,
+                code: ConnectReturnCode::Success,
+                properties: None,
+            });
+            broker.send(&bytes_of(&ack)).await;
+            let conn = client.await.unwrap().unwrap();
+            assert_eq!(conn.session_present(), present);
+        }
     }
 
     #[tokio::test]

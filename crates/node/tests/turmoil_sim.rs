@@ -12,10 +12,15 @@
 //! client reads every key. Each key's history is checked as the other simulations check it
 //! (`mqstate_wgl::kv`): linearizable, versions never backwards, the newest acknowledged write not
 //! lost; a request without an answer may take effect at any time until the end of the run.
+//! KEYNOTIFY observers with persistent sessions (as the robustness tool's) register every key on a
+//! node and again on another when their connection fails; what they receive is checked with the
+//! robustness tool's rules (`mqstate_wgl::notify`: per observer and key in version order, none
+//! missing within a registration) and their sessions must survive the moves.
 //!
 //! `MQSTATE_CLUSTER_FRONT_SIM_SEED=N` runs seed N alone; `MQSTATE_CLUSTER_FRONT_SIM_SEEDS=K` runs K seeds from
 //! `MQSTATE_CLUSTER_FRONT_SIM_FIRST` (default 1; K default 2); `MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS` sets the
-//! simulated seconds of clients and faults (default 8). Each seed runs in a process of its own
+//! simulated seconds of clients and faults (default 8), `MQSTATE_CLUSTER_FRONT_SIM_OBSERVERS` the
+//! number of observers (default 2; with 0 a seed runs as before they existed). Each seed runs in a process of its own
 //! (the test binary again), so a seed of a sweep replays alone. Two runs of a seed print the same
 //! `trace`; `MQSTATE_CLUSTER_FRONT_SIM_DUMP=FILE` writes each seed's history to `FILE.<seed>`, and
 //! `SIM=cluster REPLAY=1 scripts/sim-seeds.sh COUNT` runs each seed twice and compares the
@@ -40,17 +45,18 @@ use mqstate_cluster::sim::{
 };
 use mqstate_cluster::{MapConfig, NodeId};
 use mqstate_node::{DataPlane, Network};
-use mqstate_protocol::topic::INVOKE_TOPIC;
-use mqstate_protocol::{Hlc, RequestLimits};
+use mqstate_protocol::topic::{notified_key, INVOKE_TOPIC, NOTIFY_TOPIC_PREFIX};
+use mqstate_protocol::{Hlc, NotifyPayload, RequestLimits};
 use mqstate_replication::head::HeadConfig;
 use mqstate_sessions::replicated::ReplicatedSessions;
 use mqstate_statestore::service::{self, ServiceConfig};
 use mqstate_store::{Limits, StoreConfig};
 use mqstate_wal::{Committer, WalOptions};
 use mqstate_wgl::kv::{self, Cmd, Figures, NodeOp, Outcome};
+use mqstate_wgl::notify;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rumqttc::v5::mqttbytes::v5::Filter;
+use rumqttc::v5::mqttbytes::v5::{Filter, Publish};
 use rumqttc::v5::mqttbytes::QoS;
 
 const NODES: [NodeId; 3] = [1, 2, 3];
@@ -62,6 +68,10 @@ const KEYS: [&str; 3] = ["k0", "k1", "k2"];
 const CLIENTS: u64 = 4;
 /// The client id of the reads after the faults.
 const FINAL_CLIENT: u64 = 99;
+/// How long the observers keep observing after the clients' last request could have been sent.
+const OBSERVE_AFTER: Duration = Duration::from_secs(5);
+/// KEYNOTIFY observers unless `MQSTATE_CLUSTER_FRONT_SIM_OBSERVERS` says how many (0: none).
+const OBSERVERS: u64 = 2;
 /// A request's message expiry: the head remembers its first reply this long.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long one attempt waits for the reply before the client connects again and resends it.
@@ -198,6 +208,7 @@ async fn connect(client: u64, rng: &mut StdRng) -> Result<Session, String> {
             keep_alive: Duration::from_secs(10),
             login: None,
             max_inflight: 1,
+            resume: None,
         };
         let mut conn = Conn::start(stream, options)
             .await
@@ -422,6 +433,326 @@ async fn final_reads(
     Ok(())
 }
 
+/// The KEYNOTIFY observers' session expiry: longer than any run, so a reconnect always finds it.
+const OBSERVER_SESSION_EXPIRY_SECS: u32 = 3_600;
+/// How long an observer stays on a connection before it leaves it on its own (ms).
+const OBSERVER_STAYS_MS: std::ops::Range<u64> = 1_000..6_000;
+/// Observer `i`'s generator is [`client_rng`]`(seed, OBSERVER_RNG + i)`, apart from the clients'.
+const OBSERVER_RNG: u64 = 1_000;
+
+/// What the observers recorded, in the order it happened.
+#[derive(Debug, Clone, Hash)]
+enum Observed {
+    /// `KEYNOTIFY key` on connection `epoch` answered `+OK` at `at` (a place of the history's
+    /// clock, which orders it against the operations' invocations).
+    Registered {
+        observer: u64,
+        epoch: u32,
+        key: &'static str,
+        at: u64,
+    },
+    /// A notification received on connection `epoch`, from `node`, at simulated millisecond `ms`.
+    Notified {
+        observer: u64,
+        epoch: u32,
+        node: NodeId,
+        key: String,
+        change: notify::Change<u64>,
+        version: Option<Hlc>,
+        ms: u64,
+    },
+    /// A reconnect of the observer's persistent session answered Session Present 0.
+    SessionLost { observer: u64, epoch: u32 },
+    /// A notification no state store sends (its topic, payload or value does not parse).
+    Garbled { observer: u64, what: String },
+}
+
+type Watched = Rc<RefCell<Vec<Observed>>>;
+
+fn observer_name(id: u64) -> String {
+    format!("o{id}")
+}
+
+/// A KEYNOTIFY observer with a persistent session, as the robustness tool's: connects to a node
+/// drawn by the seed, registers every key, records what arrives until `until`; when the
+/// connection fails, connects to a node drawn anew and registers again (a KEYNOTIFY of a key the
+/// session observes already is answered `+OK`). It also leaves a connection on its own after a
+/// while (dropping it, as a lost connection), so its session moves between live nodes too: the
+/// node it comes to catches up from the session's cursors (decision 0065).
+async fn observer(
+    id: u64,
+    seed: u64,
+    until: Duration,
+    history: Shared,
+    watched: Watched,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut rng = client_rng(seed, OBSERVER_RNG + id);
+    let mut epoch = 0u32;
+    let mut seq = 0u64;
+    // Whether a connection was accepted already: from then on the session must be there.
+    let mut accepted = false;
+    tokio::time::sleep(Duration::from_millis(rng.gen_range(200..1_000))).await;
+    while turmoil::sim_elapsed().unwrap_or_default() < until {
+        let node = NODES[rng.gen_range(0..NODES.len())];
+        let leave = until.min(
+            turmoil::sim_elapsed().unwrap_or_default()
+                + Duration::from_millis(rng.gen_range(OBSERVER_STAYS_MS)),
+        );
+        epoch += 1;
+        observe(
+            id,
+            node,
+            epoch,
+            &mut seq,
+            &mut accepted,
+            leave,
+            &history,
+            &watched,
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(50..300))).await;
+    }
+    Ok(())
+}
+
+/// One connection of observer `id` to `node`, until it fails or the simulated time is `leave`.
+#[allow(clippy::too_many_arguments)]
+async fn observe(
+    id: u64,
+    node: NodeId,
+    epoch: u32,
+    seq: &mut u64,
+    accepted: &mut bool,
+    leave: Duration,
+    history: &Shared,
+    watched: &Watched,
+) {
+    let name = observer_name(id);
+    let handshake = async {
+        let stream = turmoil::net::TcpStream::connect((host(node), MQTT_PORT))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let options = wire::Options {
+            client_id: name.clone(),
+            keep_alive: Duration::from_secs(10),
+            login: None,
+            max_inflight: 8,
+            resume: Some(OBSERVER_SESSION_EXPIRY_SECS),
+        };
+        let mut conn = Conn::start(stream, options)
+            .await
+            .map_err(|e| e.to_string())?;
+        if *accepted && !conn.session_present() {
+            watched.borrow_mut().push(Observed::SessionLost {
+                observer: id,
+                epoch,
+            });
+        }
+        *accepted = true;
+        let topic = rpc::response_topic(&name);
+        conn.subscribe(vec![Filter::new(topic, QoS::AtLeastOnce)])
+            .await?;
+        Ok::<_, String>(conn)
+    };
+    let Ok(Ok(mut conn)) = tokio::time::timeout(CALL_TIMEOUT, handshake).await else {
+        return;
+    };
+    let record = |p: &Publish| record_notification(id, epoch, node, p, watched);
+    for key in KEYS {
+        *seq += 1;
+        let ts = Hlc {
+            wall_ms: EPOCH_MS + sim_ms(),
+            counter: 0,
+            node_id: name.clone().into(),
+        };
+        let correlation = rpc::correlation(*seq);
+        let properties = rpc::request_properties(
+            &name,
+            &rpc::response_topic(&name),
+            correlation.clone(),
+            &ts,
+            None,
+            CALL_TIMEOUT,
+        );
+        let mut publish = wire::publish(
+            &Bytes::from_static(INVOKE_TOPIC.as_bytes()),
+            QoS::AtLeastOnce,
+            mqstate_protocol::encode_request(&["KEYNOTIFY", key]),
+            Some(properties),
+        );
+        let registered = async {
+            while !conn.window_open() {
+                pump(&mut conn, &record, None).await?;
+            }
+            conn.publish(&mut publish)?;
+            conn.flush().await?;
+            loop {
+                if let Some(reply) = pump(&mut conn, &record, Some(&correlation)).await? {
+                    return Ok::<_, String>(reply);
+                }
+            }
+        };
+        match tokio::time::timeout(ATTEMPT_TIMEOUT, registered).await {
+            Ok(Ok(reply)) if reply.payload.as_ref() == b"+OK\r\n" => {
+                let at = history.borrow_mut().tick();
+                watched.borrow_mut().push(Observed::Registered {
+                    observer: id,
+                    epoch,
+                    key,
+                    at,
+                });
+            }
+            Ok(Ok(reply)) => {
+                history.borrow_mut().count_error(format!(
+                    "KEYNOTIFY: {}",
+                    String::from_utf8_lossy(&reply.payload).trim_end()
+                ));
+                return;
+            }
+            Ok(Err(_)) | Err(_) => return,
+        }
+    }
+    while turmoil::sim_elapsed().unwrap_or_default() < leave {
+        if pump(&mut conn, &record, None).await.is_err() {
+            return;
+        }
+    }
+    // The session stays on the server (the connection is dropped without a DISCONNECT).
+}
+
+/// One turn of an observer's connection: every PUBLISH that came is acknowledged, notifications are
+/// recorded, and the reply with correlation data `wanted` is handed back if it came.
+async fn pump(
+    conn: &mut Conn<turmoil::net::TcpStream>,
+    record: &impl Fn(&Publish),
+    wanted: Option<&Bytes>,
+) -> Result<Option<Publish>, String> {
+    let mut reply = None;
+    if let wire::Turn::Input = conn.read().await? {
+        while let Some(p) = conn.next()? {
+            conn.acknowledge(&p)?;
+            if p.topic.starts_with(NOTIFY_TOPIC_PREFIX.as_bytes()) {
+                record(&p);
+            } else if wanted.is_some()
+                && p.properties
+                    .as_ref()
+                    .and_then(|p| p.correlation_data.as_ref())
+                    == wanted
+            {
+                reply = Some(p);
+            }
+            // Else a late reply to an earlier KEYNOTIFY of this observer.
+        }
+    }
+    conn.flush().await?;
+    Ok(reply)
+}
+
+/// Records a notification observer `id` received on connection `epoch` from `node`.
+fn record_notification(id: u64, epoch: u32, node: NodeId, p: &Publish, watched: &Watched) {
+    let topic = String::from_utf8_lossy(&p.topic);
+    let key = notified_key(&topic).and_then(|k| String::from_utf8(k).ok());
+    let change = match NotifyPayload::parse(&p.payload) {
+        Ok(NotifyPayload::Set(value)) => std::str::from_utf8(&value)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(notify::Change::Set),
+        Ok(NotifyPayload::Delete) => Some(notify::Change::Delete),
+        Err(_) => None,
+    };
+    let (Some(key), Some(change)) = (key, change) else {
+        watched.borrow_mut().push(Observed::Garbled {
+            observer: id,
+            what: format!("{topic} {:?}", p.payload),
+        });
+        return;
+    };
+    let version =
+        rpc::user_property(p.properties.as_ref(), TIMESTAMP).and_then(|ts| Hlc::parse(ts).ok());
+    watched.borrow_mut().push(Observed::Notified {
+        observer: id,
+        epoch,
+        node,
+        key,
+        change,
+        version,
+        ms: sim_ms(),
+    });
+}
+
+/// The findings of the observers' records: the rules of `mqstate_wgl::notify` against the
+/// acknowledged SETs of `history`, a lost persistent session, a notification that does not parse.
+fn observer_findings(history: &kv::History<NodeOp>, watched: &[Observed]) -> Vec<String> {
+    let mut findings = Vec::new();
+    let names: BTreeMap<u64, String> = watched
+        .iter()
+        .map(|o| match o {
+            Observed::Registered { observer, .. }
+            | Observed::Notified { observer, .. }
+            | Observed::SessionLost { observer, .. }
+            | Observed::Garbled { observer, .. } => (*observer, observer_name(*observer)),
+        })
+        .collect();
+    let mut notes = Vec::new();
+    let mut registrations = Vec::new();
+    for o in watched {
+        match o {
+            Observed::Registered {
+                observer,
+                epoch,
+                key,
+                at,
+            } => registrations.push(notify::Registered {
+                observer: &names[observer],
+                epoch: *epoch,
+                key,
+                at: *at,
+            }),
+            Observed::Notified {
+                observer,
+                epoch,
+                key,
+                change,
+                version,
+                ..
+            } => notes.push(notify::Note {
+                observer: &names[observer],
+                epoch: *epoch,
+                key,
+                change,
+                version: version.as_ref(),
+            }),
+            Observed::SessionLost { observer, epoch } => findings.push(format!(
+                "session-present: {} lost its persistent session at connection {epoch}",
+                names[observer]
+            )),
+            Observed::Garbled { observer, what } => findings.push(format!(
+                "protocol: {} got a notification that does not parse: {what}",
+                names[observer]
+            )),
+        }
+    }
+    let writes: Vec<notify::Write<'_, u64>> = history
+        .ops
+        .iter()
+        .enumerate()
+        .filter_map(|(id, op)| match (&op.kv.cmd, &op.kv.outcome) {
+            (Cmd::Set { value, .. }, Outcome::Written(version)) => Some(notify::Write {
+                id,
+                key: op.key,
+                invoked: op.kv.invoked,
+                version,
+                value,
+            }),
+            _ => None,
+        })
+        .collect();
+    for f in notify::check(&notes, &registrations, &writes) {
+        findings.push(format!("{} {}: {}", f.check, f.key, f.detail));
+    }
+    findings
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Fault {
     Node(NodeFault),
@@ -445,8 +776,14 @@ fn client_host(id: u64) -> String {
     format!("c{id}")
 }
 
-/// Runs one seed; its violations, if any, with how to reproduce them.
-fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+/// Runs one seed with `observers` KEYNOTIFY observers; its violations, if any, with how to
+/// reproduce them. Gives the number of notifications the observers received.
+fn run_seed(
+    seed: u64,
+    chaos: Duration,
+    observers: u64,
+    figures: &mut Figures,
+) -> Result<u64, String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = data_root();
     let mut sim = simulation(
@@ -481,6 +818,20 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
             history.clone(),
         ),
     );
+    // Drawn from generators of their own: without observers, a seed runs as it did before them.
+    let watched: Watched = Rc::default();
+    for id in 1..=observers {
+        sim.client(
+            observer_name(id),
+            observer(
+                id,
+                seed,
+                chaos + CALL_TIMEOUT + OBSERVE_AFTER,
+                history.clone(),
+                watched.clone(),
+            ),
+        );
+    }
 
     let mut schedule: Vec<(Duration, Fault)> = Vec::new();
     let mut at = Duration::from_millis(rng.gen_range(1_500..2_500));
@@ -527,11 +878,33 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
     drop(sim);
 
     let history = history.borrow();
+    let watched = watched.borrow();
     figures.add(simulated, &history);
     history.dump("MQSTATE_CLUSTER_FRONT_SIM_DUMP", seed);
-    let findings = history.findings(outcome, &KEYS, FINAL_CLIENT, SEARCH_BUDGET);
+    if observers > 0 {
+        // The observers' records are part of the run: in its trace and after its operations in
+        // the dump.
+        let mut hasher = DefaultHasher::new();
+        (figures.trace, &*watched).hash(&mut hasher);
+        figures.trace = std::hash::Hasher::finish(&hasher);
+        if let Ok(path) = std::env::var("MQSTATE_CLUSTER_FRONT_SIM_DUMP") {
+            let text: String = watched.iter().map(|o| format!("{o:?}\n")).collect();
+            let appended = std::fs::OpenOptions::new()
+                .append(true)
+                .open(format!("{path}.{seed}"))
+                .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()));
+            // Only a tool for comparing runs: a failed write shows as a difference.
+            let _ = appended;
+        }
+    }
+    let mut findings = history.findings(outcome, &KEYS, FINAL_CLIENT, SEARCH_BUDGET);
+    findings.extend(observer_findings(&history, &watched));
+    let notified = watched
+        .iter()
+        .filter(|o| matches!(o, Observed::Notified { .. }))
+        .count() as u64;
     if findings.is_empty() {
-        Ok(())
+        Ok(notified)
     } else {
         Err(format!(
             "seed {seed} (reproduce: MQSTATE_CLUSTER_FRONT_SIM_SEED={seed} cargo test -p mqstate-node --test turmoil_sim -- --nocapture):\n  {}",
@@ -541,6 +914,7 @@ fn run_seed(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), Str
 }
 
 const TEST: &str = "the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults";
+const OBSERVERS_VAR: &str = "MQSTATE_CLUSTER_FRONT_SIM_OBSERVERS";
 /// Set in the process that runs one seed for a sweep (see [`run_apart`]).
 const ONE_SEED: &str = "MQSTATE_CLUSTER_FRONT_SIM_ONE";
 /// The fault kinds a seed reports, as [`Figures::faults`] names them.
@@ -550,7 +924,13 @@ const FAULT_KINDS: [&str; 5] = ["crash", "isolate", "hold", "client cut off", "c
 /// what it reports to `figures`. A seed's history depends on what ran before it in the same
 /// process (decision 0071), so each seed starts from a new process: a seed of a sweep is then
 /// reproduced by running it alone.
-fn run_apart(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), String> {
+fn run_apart(
+    seed: u64,
+    chaos: Duration,
+    observers: u64,
+    figures: &mut Figures,
+    notified: &mut u64,
+) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("seed {seed}: no test binary: {e}"))?;
     let output = std::process::Command::new(exe)
         .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
@@ -559,6 +939,7 @@ fn run_apart(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), St
             "MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS",
             chaos.as_secs().to_string(),
         )
+        .env(OBSERVERS_VAR, observers.to_string())
         .stderr(std::process::Stdio::inherit())
         .output()
         .map_err(|e| format!("seed {seed}: cannot run it: {e}"))?;
@@ -600,6 +981,7 @@ fn run_apart(seed: u64, chaos: Duration, figures: &mut Figures) -> Result<(), St
                     n.parse::<u64>().unwrap_or(0);
             }
             (Some("sim-failure"), Some(rest)) => failure = Some(rest.replace('\u{1f}', "\n")),
+            (Some("sim-notified"), Some(n)) => *notified += n.parse::<u64>().unwrap_or(0),
             (Some("running" | "test"), _) | (Some("" | "ok"), None) => {}
             _ => println!("{line}"),
         }
@@ -619,8 +1001,9 @@ fn run_one(seed: u64) {
     let chaos = Duration::from_secs(
         mqstate_cluster::sim::env_u64("MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS").unwrap_or(8),
     );
+    let observers = mqstate_cluster::sim::env_u64(OBSERVERS_VAR).unwrap_or(OBSERVERS);
     let mut figures = Figures::default();
-    let outcome = run_seed(seed, chaos, &mut figures);
+    let outcome = run_seed(seed, chaos, observers, &mut figures);
     // The test harness's "test … " has no line end of its own yet.
     println!();
     for (kind, n) in &figures.faults {
@@ -629,8 +1012,9 @@ fn run_one(seed: u64) {
     for (error, n) in &figures.errors {
         println!("sim-error {n} {}", error.replace('\n', " "));
     }
-    if let Err(findings) = outcome {
-        println!("sim-failure {}", findings.replace('\n', "\u{1f}"));
+    match outcome {
+        Ok(notified) => println!("sim-notified {notified}"),
+        Err(findings) => println!("sim-failure {}", findings.replace('\n', "\u{1f}")),
     }
     println!(
         "sim-seed {:x} {:x} {:x} {:x} {:x}",
@@ -654,9 +1038,13 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
         run_one(seed);
         return;
     }
-    let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, run_apart);
+    let mut notified = 0;
+    let observers = mqstate_cluster::sim::env_u64(OBSERVERS_VAR).unwrap_or(OBSERVERS);
+    let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, |seed, chaos, figures| {
+        run_apart(seed, chaos, observers, figures, &mut notified)
+    });
     println!(
-        "{}",
+        "{}; {notified} notifications observed",
         sweep.figures.summary(
             "cluster",
             "-ERR or refused",
@@ -668,4 +1056,24 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
         println!("  {n} × {error} (taken as unknown)");
     }
     assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
+}
+
+/// Seeds 24 and 133 with two observers: an observer's session moved to another node with a change
+/// in flight (sent, not acknowledged), the new node sent the changes queued after it with packet
+/// ids from 1 up, the connection was lost, and the next one got the messages in flight again by
+/// packet id: the newer changes first, then the older one (`notification-order`, the 3-node
+/// soak's shape). Both failed before `resend_inflight` (`crates/broker/src/connection.rs`) resent
+/// in the order of first sending.
+#[test]
+fn an_observer_gets_its_changes_in_order_when_its_session_moves_with_one_in_flight() {
+    let mut figures = Figures::default();
+    let mut notified = 0;
+    let failures: Vec<String> = [24, 133]
+        .into_iter()
+        .filter_map(|seed| {
+            run_apart(seed, Duration::from_secs(8), 2, &mut figures, &mut notified).err()
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(notified > 0, "the observers received nothing");
 }

@@ -191,6 +191,7 @@ async fn client(broker: &Broker, id: &str) -> Conn<tokio::net::TcpStream> {
         keep_alive: Duration::from_secs(30),
         login: None,
         max_inflight: 8,
+        resume: None,
     };
     let mut conn = Conn::start(stream, options).await.unwrap();
     let topic = rpc::response_topic(id);

@@ -114,6 +114,7 @@ async fn connect(client: u64) -> Result<Session, String> {
             keep_alive: Duration::from_secs(10),
             login: None,
             max_inflight: 1,
+            resume: None,
         };
         let mut conn = Conn::start(stream, options)
             .await
