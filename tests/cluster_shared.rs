@@ -11,7 +11,8 @@
 //! matched nothing: lost.)
 //!
 //! And a held publish whose redelivery misses a node (it hangs just then) is held again: the
-//! sessions that node adopted get it once it answers again.
+//! sessions that node adopted get it once it answers again. At QoS 2 a held publish reaches a
+//! session, and a shared group, once (decision 0066).
 
 mod common;
 
@@ -24,8 +25,8 @@ use rumqttc::v5::mqttbytes::v5::{Packet, PubAck, PubComp, PubRec};
 use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::{
-    accepted, adopted, nothing_lost, publish_for_a_while, three_nodes, will_watcher, Node,
-    FAILOVER_WAIT,
+    accepted, adopted, agreed, eventually, nothing_lost, publish_for_a_while, start_founders_with,
+    three_nodes, will_watcher, Node, FAILOVER_WAIT,
 };
 use common::mqtt::{will_of, Raw};
 
@@ -315,4 +316,67 @@ async fn a_held_qos2_message_reaches_a_session_that_moved_exactly_once() {
     moving.disconnect().await;
     tokio::task::block_in_place(|| nodes[0].server.kill9());
     drop((away, publisher));
+}
+
+/// Decision 0066 case 2 for a shared group (its open limit, closed by the amendment of 0066):
+/// the group has a member on node 1 and one on node 3. Node 1 hangs just before a QoS 2 publish
+/// on node 2, whose group node 2 assigns to node 1; it hangs past the mesh's call timeout (8 s)
+/// but within its lease (20 s here), so node 2 counts the copy missed and holds it, and node 1,
+/// answering again, takes the copy in: its member gets the message. After the adoption window
+/// the held message goes again to the group. The group gets it once. (Before: the re-plan gave
+/// the group, in turn, to node 3's member: the group got the message twice, once per member.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_groups_qos2_message_whose_copy_was_answered_too_late_reaches_the_group_once() {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let addrs: Vec<SocketAddr> = (0..3).map(|_| common::free_addr()).collect();
+    let nodes = tokio::task::block_in_place(|| {
+        let nodes = start_founders_with(root.path(), &addrs, &["--cluster-lease", "20"], |_| {
+            Vec::new()
+        });
+        let refs: Vec<&Node> = nodes.iter().collect();
+        eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
+        nodes
+    });
+    let [n1, n2, n3] = [0, 1, 2].map(|i| nodes[i].server.addr);
+    // Each SUBACK waits for the other nodes: node 2 knows both members' routes.
+    let on_1 = member(n1, "late-1", "late/t", QoS::ExactlyOnce).await;
+    let on_3 = member(n3, "late-3", "late/t", QoS::ExactlyOnce).await;
+    let readers = [
+        tokio::spawn(read_to_end(on_1, "late-1".to_owned())),
+        tokio::spawn(read_to_end(on_3, "late-3".to_owned())),
+    ];
+    let (mut publisher, _) = accepted(n2, "late-pub", true, 0, None).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    // The group's first message: node 2 gives it to the first holder, node 1.
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish("late/t", QoS::ExactlyOnce, "late").await;
+        (code, publisher)
+    });
+    tokio::time::sleep(Duration::from_millis(9_500)).await;
+    resume(&nodes[0]);
+    let (code, mut publisher) = publishing.await.expect("publisher");
+    assert_eq!(code, 0x00);
+    eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
+
+    let mut received = Vec::new();
+    for (id, reader) in ["late-1", "late-3"].into_iter().zip(readers) {
+        assert_eq!(
+            publisher
+                .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
+                .await,
+            0x00
+        );
+        let (client, got) = reader.await.expect("reader");
+        eprintln!("{id} received {got:?}");
+        received.extend(got);
+        client.disconnect().await;
+    }
+    assert_eq!(
+        received,
+        ["late"],
+        "the group got the QoS 2 message once per member"
+    );
+    drop((publisher, nodes));
 }

@@ -22,7 +22,8 @@
 //!   its target) is held: its acknowledgement waits until that node's sessions were adopted, then
 //!   it goes again to the sessions put back since it arrived, here and on every live node with a
 //!   matching route ([`wire::Item::Redeliver`], decision 0057 "Held publishes"), and each shared
-//!   group that node was to serve goes to one live member (a group held only by nodes down
+//!   group that node was to serve goes to that node again if it answers again (it may have taken
+//!   the copy in: decision 0066), else to one live member (a group held only by nodes down
 //!   lately is planned for them, so held too); a node missed again holds it again (decision 0062).
 
 pub mod table;
@@ -246,11 +247,8 @@ impl Held {
                 if let Some(until) = until {
                     tokio::time::sleep_until(until).await;
                 }
-                let mut groups: Vec<GroupKey> =
-                    missed.drain(..).flat_map(|(_, groups)| groups).collect();
-                groups.sort();
-                groups.dedup();
-                (waits, missed) = self.redeliver(&groups).await;
+                let again = std::mem::take(&mut missed);
+                (waits, missed) = self.redeliver(&again).await;
             }
         };
         let bound = settle_bound(window);
@@ -260,10 +258,11 @@ impl Held {
     }
 
     /// Gives the message again, here and to every node with a matching non-shared route, to the
-    /// sessions put back since (a little before) it arrived — the adopted ones — and each of
-    /// `groups` to one holder, live ones first. What it could not hand over, and what to wait
-    /// for, go back to [`Held::settle`].
-    async fn redeliver(&self, groups: &[GroupKey]) -> (Waits, Missed) {
+    /// sessions put back since (a little before) it arrived — the adopted ones — and each group
+    /// a node `missed_before` was to serve to one holder: that node if it answers again, else
+    /// another, live ones first. What it could not hand over, and what to wait for, go back to
+    /// [`Held::settle`].
+    async fn redeliver(&self, missed_before: &Missed) -> (Waits, Missed) {
         let age = self.received.elapsed();
         let within = age + REDELIVERY_MARGIN;
         let within_ms = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
@@ -273,7 +272,7 @@ impl Held {
             let mut state = self.shared.lock();
             let state = &mut *state;
             let (live, down) = state.live_and_down(self.shared.adoption_window);
-            let replan = state.tables.replan(topic, groups, &live, &down);
+            let replan = state.tables.replan(topic, missed_before, &live, &down);
             if !replan.unserved.is_empty() {
                 tracing::warn!(
                     %topic,
