@@ -205,8 +205,9 @@ type Waits = Vec<(NodeId, Vec<GroupKey>, oneshot::Receiver<()>)>;
 /// A QoS 1/2 publish this node forwarded: its publisher's PUBACK/PUBREC waits until every
 /// target took it in or, for a target that did not (it died, or was down lately), until that
 /// node's sessions were adopted elsewhere and the publish was given again — to the sessions put
-/// back since it arrived, and each shared group the target was to serve to another holder
-/// (decisions 0057, 0062). A target that fails then holds it again, [`MAX_HOLDS`] times at most.
+/// back since it arrived, and each shared group the target was to serve to that target again if
+/// it answers again, else to another holder (decisions 0057, 0062, 0066). A target that fails
+/// then holds it again, [`MAX_HOLDS`] times at most.
 struct Held {
     shared: Arc<Shared>,
     message: Arc<mqstate_broker::Message>,
