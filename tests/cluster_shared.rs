@@ -12,7 +12,8 @@
 //!
 //! And a held publish whose redelivery misses a node (it hangs just then) is held again: the
 //! sessions that node adopted get it once it answers again. At QoS 2 a held publish reaches a
-//! session, and a shared group, once (decision 0066).
+//! session, and a shared group, once (decision 0066) — also when the node it missed took the
+//! copy in after all (it hung past the call timeout, within a 20 s lease here).
 
 mod common;
 
@@ -327,17 +328,7 @@ async fn a_held_qos2_message_reaches_a_session_that_moved_exactly_once() {
 /// the group, in turn, to node 3's member: the group got the message twice, once per member.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_groups_qos2_message_whose_copy_was_answered_too_late_reaches_the_group_once() {
-    let root = tempfile::tempdir().expect("a temporary directory");
-    let addrs: Vec<SocketAddr> = (0..3).map(|_| common::free_addr()).collect();
-    let nodes = tokio::task::block_in_place(|| {
-        let nodes = start_founders_with(root.path(), &addrs, &["--cluster-lease", "20"], |_| {
-            Vec::new()
-        });
-        let refs: Vec<&Node> = nodes.iter().collect();
-        eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
-        nodes
-    });
-    let [n1, n2, n3] = [0, 1, 2].map(|i| nodes[i].server.addr);
+    let (_root, nodes, [n1, n2, n3]) = three_nodes_with_a_long_lease();
     // Each SUBACK waits for the other nodes: node 2 knows both members' routes.
     let on_1 = member(n1, "late-1", "late/t", QoS::ExactlyOnce).await;
     let on_3 = member(n3, "late-3", "late/t", QoS::ExactlyOnce).await;
@@ -379,4 +370,76 @@ async fn a_shared_groups_qos2_message_whose_copy_was_answered_too_late_reaches_t
         "the group got the QoS 2 message once per member"
     );
     drop((publisher, nodes));
+}
+
+/// Three nodes whose control-plane lease is 20 s: a node may hang past the mesh's call timeout
+/// (8 s) without being counted down.
+fn three_nodes_with_a_long_lease() -> (tempfile::TempDir, Vec<Node>, [SocketAddr; 3]) {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let addrs: Vec<SocketAddr> = (0..3).map(|_| common::free_addr()).collect();
+    let nodes = tokio::task::block_in_place(|| {
+        let nodes = start_founders_with(root.path(), &addrs, &["--cluster-lease", "20"], |_| {
+            Vec::new()
+        });
+        let refs: Vec<&Node> = nodes.iter().collect();
+        eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
+        nodes
+    });
+    let addrs = [0, 1, 2].map(|i| nodes[i].server.addr);
+    (root, nodes, addrs)
+}
+
+/// Decision 0066 case 2 at QoS 2 for a session: node 1 hangs just before a QoS 2 publish on
+/// node 2 reaches its persistent session `c2-away` (away), past the call timeout but within its
+/// lease: node 2 holds the message; node 1, answering again, takes the copy in (queued in the
+/// session's row, with its number), then dies. The session is adopted with the message queued,
+/// and the held message goes again to the sessions put back since — this one. It gets the
+/// message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_qos2_message_its_dead_node_took_in_too_late_reaches_the_adopted_session_once() {
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes_with_a_long_lease();
+    let (mut away, present) = accepted(n1, "c2-away", true, 3600, None).await;
+    assert!(!present);
+    away.subscribe("c2/t", QoS::ExactlyOnce).await;
+    away.subscribe("end/c2-away", QoS::AtLeastOnce).await;
+    away.disconnect().await;
+    // Hears, on node 1, when node 1 took the copy in.
+    let (mut probe, _) = accepted(n1, "c2-probe", true, 0, None).await;
+    probe.subscribe("c2/t", QoS::AtMostOnce).await;
+    let (mut publisher, _) = accepted(n2, "c2-pub", true, 0, None).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish("c2/t", QoS::ExactlyOnce, "m").await;
+        (code, publisher)
+    });
+    tokio::time::sleep(Duration::from_millis(9_500)).await;
+    resume(&nodes[0]);
+    match probe.recv().await {
+        Packet::Publish(p) => assert_eq!(&p.payload[..], b"m"),
+        other => panic!("c2-probe: unexpected {other:?}"),
+    }
+    eprintln!(
+        "node 1 took the copy in {:?} after it hung",
+        frozen.elapsed()
+    );
+    // The batch is answered once the copy is durable in the session's row; the answer is lost.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    let (code, mut publisher) = publishing.await.expect("publisher");
+    assert_eq!(code, 0x00);
+    eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
+
+    let away = adopted(n3, "c2-away", frozen).await;
+    assert_eq!(
+        publisher
+            .publish("end/c2-away", QoS::AtLeastOnce, "end")
+            .await,
+        0x00
+    );
+    let (away, received) = read_to_end(away, "c2-away".to_owned()).await;
+    assert_eq!(received, ["m"], "a QoS 2 message delivered twice, or lost");
+    away.disconnect().await;
+    drop((publisher, probe));
 }
