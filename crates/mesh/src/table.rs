@@ -139,10 +139,12 @@ impl Tables {
         live: &[NodeId],
         down: &[NodeId],
     ) -> Replan {
-        let groups: Vec<GroupKey> = missed
+        let mut groups: Vec<GroupKey> = missed
             .iter()
             .flat_map(|(_, groups)| groups.iter().cloned())
             .collect();
+        groups.sort();
+        groups.dedup();
         let mut targets: BTreeMap<NodeId, Vec<GroupKey>> = BTreeMap::new();
         for node in self.plain_matches(topic, live) {
             targets.entry(node).or_default();
