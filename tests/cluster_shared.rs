@@ -372,6 +372,63 @@ async fn a_shared_groups_qos2_message_whose_copy_was_answered_too_late_reaches_t
     drop((publisher, nodes));
 }
 
+/// Decision 0066, a shared group's member that took a held QoS 2 message in and then moved: as
+/// above, node 1 takes in, too late, the copy of a group whose members are `mv-1` on node 1 and
+/// `mv-3` on node 3; `mv-1`'s client takes the message (PUBCOMP) and resumes its session on
+/// node 2 — the publisher's — before the held message goes again. Node 1 holds no member any
+/// more; node 2 does, one that took the message in. The group gets it once. (Before: the group
+/// went, in turn, to node 3: `mv-3` got it too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_groups_qos2_message_reaches_the_group_once_when_its_member_moved_to_the_origin() {
+    let (_root, nodes, [n1, n2, n3]) = three_nodes_with_a_long_lease();
+    let mut moving = member(n1, "mv-1", "mv/t", QoS::ExactlyOnce).await;
+    let on_3 = member(n3, "mv-3", "mv/t", QoS::ExactlyOnce).await;
+    let reader = tokio::spawn(read_to_end(on_3, "mv-3".to_owned()));
+    let (mut publisher, _) = accepted(n2, "mv-pub", true, 0, None).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish("mv/t", QoS::ExactlyOnce, "mv").await;
+        (code, publisher)
+    });
+    tokio::time::sleep(Duration::from_millis(9_500)).await;
+    resume(&nodes[0]);
+    let mut received = vec![take_qos2(&mut moving).await];
+    moving.disconnect().await;
+    let moving = adopted(n2, "mv-1", frozen).await;
+    eprintln!(
+        "mv-1 resumed on node 2 {:?} after node 1 hung",
+        frozen.elapsed()
+    );
+    let (code, mut publisher) = publishing.await.expect("publisher");
+    assert_eq!(code, 0x00);
+    eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
+
+    let readers = [
+        ("mv-1", tokio::spawn(read_to_end(moving, "mv-1".to_owned()))),
+        ("mv-3", reader),
+    ];
+    for (id, reader) in readers {
+        assert_eq!(
+            publisher
+                .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
+                .await,
+            0x00
+        );
+        let (client, got) = reader.await.expect("reader");
+        eprintln!("{id} received {got:?} more");
+        received.extend(got);
+        client.disconnect().await;
+    }
+    assert_eq!(
+        received,
+        ["mv"],
+        "the group got the QoS 2 message once per member"
+    );
+    drop((publisher, nodes));
+}
+
 /// Three nodes whose control-plane lease is 20 s: a node may hang past the mesh's call timeout
 /// (8 s) without being counted down.
 fn three_nodes_with_a_long_lease() -> (tempfile::TempDir, Vec<Node>, [SocketAddr; 3]) {

@@ -148,6 +148,29 @@ impl Router {
         )
     }
 
+    /// Those of `groups` a member of which took the publish numbered `id` in.
+    pub(crate) fn groups_that_took(&self, groups: &[GroupKey], id: PublishId) -> Vec<GroupKey> {
+        // The sessions are locked after the trie's lock is let go, as a fan-out does.
+        let members: Vec<(&GroupKey, Vec<Arc<SessionHandle>>)> = {
+            let trie = self.trie.read().unwrap_or_else(|p| p.into_inner());
+            groups
+                .iter()
+                .map(|key| {
+                    let members = trie.group_members(&key.filter, &key.group);
+                    (
+                        key,
+                        members.iter().map(|(_, m)| m.session.clone()).collect(),
+                    )
+                })
+                .collect()
+        };
+        members
+            .into_iter()
+            .filter(|(_, members)| members.iter().any(|m| m.has_taken(&id)))
+            .map(|(key, _)| key.clone())
+            .collect()
+    }
+
     /// Attaches the other nodes of a cluster and tells them, one call per subscription, what this
     /// node holds already: under the trie's lock, so that no subscription is told twice or
     /// missed. Only the first call counts.
@@ -850,5 +873,9 @@ mod tests {
             );
             assert_eq!(appended(), Vec::<String>::new(), "the group had it");
         }
+        let took = router.groups_that_took(std::slice::from_ref(&group), id);
+        assert_eq!(took, std::slice::from_ref(&group));
+        let other = PublishId { seq: 8, ..id };
+        assert!(router.groups_that_took(&[group], other).is_empty());
     }
 }

@@ -269,11 +269,23 @@ impl Held {
         let within_ms = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
         let topic = &*self.message.topic;
         let (mut waits, mut missed) = (Vec::new(), Vec::new());
+        let took_here = match self.id {
+            Some(id) => {
+                let groups: Vec<GroupKey> = missed_before
+                    .iter()
+                    .flat_map(|(_, groups)| groups.iter().cloned())
+                    .collect();
+                self.shared.broker.groups_that_took(&groups, id)
+            }
+            None => Vec::new(),
+        };
         let here = {
             let mut state = self.shared.lock();
             let state = &mut *state;
             let (live, down) = state.live_and_down(self.shared.adoption_window);
-            let replan = state.tables.replan(topic, missed_before, &live, &down);
+            let replan = state
+                .tables
+                .replan(topic, missed_before, &took_here, &live, &down);
             if !replan.unserved.is_empty() {
                 tracing::warn!(
                     %topic,
