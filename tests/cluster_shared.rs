@@ -11,7 +11,9 @@
 //! matched nothing: lost.)
 //!
 //! And a held publish whose redelivery misses a node (it hangs just then) is held again: the
-//! sessions that node adopted get it once it answers again.
+//! sessions that node adopted get it once it answers again. At QoS 2 a held publish reaches a
+//! session, and a shared group, once (decision 0066) — also when the node it missed took the
+//! copy in after all (it hung past the call timeout, within a 20 s lease here).
 
 mod common;
 
@@ -24,8 +26,8 @@ use rumqttc::v5::mqttbytes::v5::{Packet, PubAck, PubComp, PubRec};
 use rumqttc::v5::mqttbytes::QoS;
 
 use common::cluster::{
-    accepted, adopted, nothing_lost, publish_for_a_while, three_nodes, will_watcher, Node,
-    FAILOVER_WAIT,
+    accepted, adopted, agreed, eventually, nothing_lost, publish_for_a_while, start_founders_with,
+    three_nodes, will_watcher, Node, FAILOVER_WAIT,
 };
 use common::mqtt::{will_of, Raw};
 
@@ -315,4 +317,186 @@ async fn a_held_qos2_message_reaches_a_session_that_moved_exactly_once() {
     moving.disconnect().await;
     tokio::task::block_in_place(|| nodes[0].server.kill9());
     drop((away, publisher));
+}
+
+/// Decision 0066 case 2 for a shared group (its open limit, closed by the amendment of 0066):
+/// the group has a member on node 1 and one on node 3. Node 1 hangs just before a QoS 2 publish
+/// on node 2, whose group node 2 assigns to node 1; it hangs past the mesh's call timeout (8 s)
+/// but within its lease (20 s here), so node 2 counts the copy missed and holds it, and node 1,
+/// answering again, takes the copy in: its member gets the message. After the adoption window
+/// the held message goes again to the group. The group gets it once. (Before: the re-plan gave
+/// the group, in turn, to node 3's member: the group got the message twice, once per member.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_groups_qos2_message_whose_copy_was_answered_too_late_reaches_the_group_once() {
+    let (_root, nodes, [n1, n2, n3]) = three_nodes_with_a_long_lease();
+    // Each SUBACK waits for the other nodes: node 2 knows both members' routes.
+    let on_1 = member(n1, "late-1", "late/t", QoS::ExactlyOnce).await;
+    let on_3 = member(n3, "late-3", "late/t", QoS::ExactlyOnce).await;
+    let readers = [
+        tokio::spawn(read_to_end(on_1, "late-1".to_owned())),
+        tokio::spawn(read_to_end(on_3, "late-3".to_owned())),
+    ];
+    let (mut publisher, _) = accepted(n2, "late-pub", true, 0, None).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    // The group's first message: node 2 gives it to the first holder, node 1.
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish("late/t", QoS::ExactlyOnce, "late").await;
+        (code, publisher)
+    });
+    tokio::time::sleep(Duration::from_millis(9_500)).await;
+    resume(&nodes[0]);
+    let (code, mut publisher) = publishing.await.expect("publisher");
+    assert_eq!(code, 0x00);
+    eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
+
+    let mut received = Vec::new();
+    for (id, reader) in ["late-1", "late-3"].into_iter().zip(readers) {
+        assert_eq!(
+            publisher
+                .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
+                .await,
+            0x00
+        );
+        let (client, got) = reader.await.expect("reader");
+        eprintln!("{id} received {got:?}");
+        received.extend(got);
+        client.disconnect().await;
+    }
+    assert_eq!(
+        received,
+        ["late"],
+        "the group got the QoS 2 message once per member"
+    );
+    drop((publisher, nodes));
+}
+
+/// Decision 0066, a shared group's member that took a held QoS 2 message in and then moved: as
+/// above, node 1 takes in, too late, the copy of a group whose members are `mv-1` on node 1 and
+/// `mv-3` on node 3; `mv-1`'s client takes the message (PUBCOMP) and resumes its session on
+/// node 2 — the publisher's — before the held message goes again. Node 1 holds no member any
+/// more; node 2 does, one that took the message in. The group gets it once. (Before: the group
+/// went, in turn, to node 3: `mv-3` got it too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_groups_qos2_message_reaches_the_group_once_when_its_member_moved_to_the_origin() {
+    let (_root, nodes, [n1, n2, n3]) = three_nodes_with_a_long_lease();
+    let mut moving = member(n1, "mv-1", "mv/t", QoS::ExactlyOnce).await;
+    let on_3 = member(n3, "mv-3", "mv/t", QoS::ExactlyOnce).await;
+    let reader = tokio::spawn(read_to_end(on_3, "mv-3".to_owned()));
+    let (mut publisher, _) = accepted(n2, "mv-pub", true, 0, None).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish("mv/t", QoS::ExactlyOnce, "mv").await;
+        (code, publisher)
+    });
+    tokio::time::sleep(Duration::from_millis(9_500)).await;
+    resume(&nodes[0]);
+    let mut received = vec![take_qos2(&mut moving).await];
+    moving.disconnect().await;
+    let moving = adopted(n2, "mv-1", frozen).await;
+    eprintln!(
+        "mv-1 resumed on node 2 {:?} after node 1 hung",
+        frozen.elapsed()
+    );
+    let (code, mut publisher) = publishing.await.expect("publisher");
+    assert_eq!(code, 0x00);
+    eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
+
+    let readers = [
+        ("mv-1", tokio::spawn(read_to_end(moving, "mv-1".to_owned()))),
+        ("mv-3", reader),
+    ];
+    for (id, reader) in readers {
+        assert_eq!(
+            publisher
+                .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
+                .await,
+            0x00
+        );
+        let (client, got) = reader.await.expect("reader");
+        eprintln!("{id} received {got:?} more");
+        received.extend(got);
+        client.disconnect().await;
+    }
+    assert_eq!(
+        received,
+        ["mv"],
+        "the group got the QoS 2 message once per member"
+    );
+    drop((publisher, nodes));
+}
+
+/// Three nodes whose control-plane lease is 20 s: a node may hang past the mesh's call timeout
+/// (8 s) without being counted down.
+fn three_nodes_with_a_long_lease() -> (tempfile::TempDir, Vec<Node>, [SocketAddr; 3]) {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let addrs: Vec<SocketAddr> = (0..3).map(|_| common::free_addr()).collect();
+    let nodes = tokio::task::block_in_place(|| {
+        let nodes = start_founders_with(root.path(), &addrs, &["--cluster-lease", "20"], |_| {
+            Vec::new()
+        });
+        let refs: Vec<&Node> = nodes.iter().collect();
+        eventually("three nodes agree", || agreed(&refs, &[1, 2, 3]));
+        nodes
+    });
+    let addrs = [0, 1, 2].map(|i| nodes[i].server.addr);
+    (root, nodes, addrs)
+}
+
+/// Decision 0066 case 2 at QoS 2 for a session: node 1 hangs just before a QoS 2 publish on
+/// node 2 reaches its persistent session `c2-away` (away), past the call timeout but within its
+/// lease: node 2 holds the message; node 1, answering again, takes the copy in (queued in the
+/// session's row, with its number), then dies. The session is adopted with the message queued,
+/// and the held message goes again to the sessions put back since — this one. It gets the
+/// message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_qos2_message_its_dead_node_took_in_too_late_reaches_the_adopted_session_once() {
+    let (_root, mut nodes, [n1, n2, n3]) = three_nodes_with_a_long_lease();
+    let (mut away, present) = accepted(n1, "c2-away", true, 3600, None).await;
+    assert!(!present);
+    away.subscribe("c2/t", QoS::ExactlyOnce).await;
+    away.subscribe("end/c2-away", QoS::AtLeastOnce).await;
+    away.disconnect().await;
+    // Hears, on node 1, when node 1 took the copy in.
+    let (mut probe, _) = accepted(n1, "c2-probe", true, 0, None).await;
+    probe.subscribe("c2/t", QoS::AtMostOnce).await;
+    let (mut publisher, _) = accepted(n2, "c2-pub", true, 0, None).await;
+
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish("c2/t", QoS::ExactlyOnce, "m").await;
+        (code, publisher)
+    });
+    tokio::time::sleep(Duration::from_millis(9_500)).await;
+    resume(&nodes[0]);
+    match probe.recv().await {
+        Packet::Publish(p) => assert_eq!(&p.payload[..], b"m"),
+        other => panic!("c2-probe: unexpected {other:?}"),
+    }
+    eprintln!(
+        "node 1 took the copy in {:?} after it hung",
+        frozen.elapsed()
+    );
+    // The batch is answered once the copy is durable in the session's row; the answer is lost.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::block_in_place(|| nodes[0].server.kill9());
+    let (code, mut publisher) = publishing.await.expect("publisher");
+    assert_eq!(code, 0x00);
+    eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
+
+    let away = adopted(n3, "c2-away", frozen).await;
+    assert_eq!(
+        publisher
+            .publish("end/c2-away", QoS::AtLeastOnce, "end")
+            .await,
+        0x00
+    );
+    let (away, received) = read_to_end(away, "c2-away".to_owned()).await;
+    assert_eq!(received, ["m"], "a QoS 2 message delivered twice, or lost");
+    away.disconnect().await;
+    drop((publisher, probe));
 }

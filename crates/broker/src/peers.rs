@@ -160,6 +160,12 @@ impl crate::Broker {
             .durable
     }
 
+    /// Those of `groups` (shared groups) a member of which here took the publish numbered `id`
+    /// in (decision 0066): a held publish's group that goes again to this node is skipped here.
+    pub fn groups_that_took(&self, groups: &[GroupKey], id: PublishId) -> Vec<GroupKey> {
+        self.inner.router.groups_that_took(groups, id)
+    }
+
     /// Takes in a retained message another node holds — or, with an empty payload, a clear it
     /// remembers — if it is newer than what this node holds or cleared on its topic (the later
     /// one wins, decision 0057). `age`: how long ago that node received it.

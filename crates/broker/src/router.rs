@@ -31,6 +31,9 @@ struct Target {
     qos: QoS,
     retain_as_published: bool,
     subscription_ids: Vec<u32>,
+    /// A redelivered QoS 2 publish's shared group: every member of it here. The group is
+    /// skipped if any of them took the publish in (the trie's turn may pick another one).
+    members: Vec<Arc<SessionHandle>>,
 }
 
 pub(crate) struct Router {
@@ -124,8 +127,9 @@ impl Router {
     }
 
     /// Fans out a publish again, to the non-shared subscriptions of sessions put back on this
-    /// node at or after `since` only, and to one member of each of `groups`: a publish held
-    /// while the node that had its subscriber died (decisions 0057, 0062). Never forwarded.
+    /// node at or after `since` only, and to one member of each of `groups` — at QoS 2, to none
+    /// if a member here took it in already (decision 0066): a publish held while the node that
+    /// had its subscriber died (decisions 0057, 0062). Never forwarded.
     pub(crate) fn route_redelivered(
         &self,
         message: Message,
@@ -142,6 +146,29 @@ impl Router {
             Scope::Redelivered(since, groups),
             id,
         )
+    }
+
+    /// Those of `groups` a member of which took the publish numbered `id` in.
+    pub(crate) fn groups_that_took(&self, groups: &[GroupKey], id: PublishId) -> Vec<GroupKey> {
+        // The sessions are locked after the trie's lock is let go, as a fan-out does.
+        let members: Vec<(&GroupKey, Vec<Arc<SessionHandle>>)> = {
+            let trie = self.trie.read().unwrap_or_else(|p| p.into_inner());
+            groups
+                .iter()
+                .map(|key| {
+                    let members = trie.group_members(&key.filter, &key.group);
+                    (
+                        key,
+                        members.iter().map(|(_, m)| m.session.clone()).collect(),
+                    )
+                })
+                .collect()
+        };
+        members
+            .into_iter()
+            .filter(|(_, members)| members.iter().any(|m| m.has_taken(&id)))
+            .map(|(key, _)| key.clone())
+            .collect()
     }
 
     /// Attaches the other nodes of a cluster and tells them, one call per subscription, what this
@@ -408,12 +435,21 @@ impl Router {
                         return;
                     }
                 }
+                let members = match (scope, group, numbered) {
+                    (Scope::Redelivered(..), Some((filter, name)), Some(_)) => trie
+                        .group_members(filter, name)
+                        .iter()
+                        .map(|(_, member)| member.session.clone())
+                        .collect(),
+                    _ => Vec::new(),
+                };
                 targets.push(Target {
                     session: sub.session.clone(),
                     shared,
                     qos: message.qos.min(sub.options.qos),
                     retain_as_published: sub.options.retain_as_published,
                     subscription_ids: sub.options.subscription_id.into_iter().collect(),
+                    members,
                 });
             });
         }
@@ -448,6 +484,11 @@ impl Router {
                 received_at: now,
                 seq: 0,
             };
+            if let Some((id, _)) = numbered {
+                if t.members.iter().any(|member| member.has_taken(&id)) {
+                    continue;
+                }
+            }
             let numbered = numbered.filter(|_| t.qos == QoS::ExactlyOnce);
             durable.extend(t.session.deliver(delivery, limit, numbered).1);
             offered += 1;
@@ -761,5 +802,80 @@ mod tests {
             })
             .collect();
         assert_eq!(got, ["q"]);
+    }
+
+    /// Decision 0066: a redelivered QoS 2 publish of a shared group is skipped by the group when
+    /// any member here took it in, not only the one the group's turn picks.
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivered_qos2_group_message_is_skipped_if_any_member_took_it() {
+        let test = router_for_test();
+        let (router, clock) = (&test.router, &test.clock);
+        assert!(router.attach_peers(Arc::new(Alone)));
+        for id in ["q1", "q2"] {
+            let session = Arc::new(SessionHandle::new(
+                id.into(),
+                60,
+                Some(test.journal.clone()),
+                clock.clone(),
+            ));
+            drop(session.lock());
+            router.subscribe(
+                &session,
+                parse_filter("$share/g/t/#").unwrap(),
+                options(QoS::ExactlyOnce),
+            );
+        }
+        let group = GroupKey {
+            filter: "t/#".into(),
+            group: "g".into(),
+        };
+        let id = PublishId {
+            node: 2,
+            incarnation: 1,
+            seq: 7,
+        };
+        let qos2 = || Message {
+            qos: QoS::ExactlyOnce,
+            ..message()
+        };
+        let appended = || -> Vec<String> {
+            test.recorder
+                .0
+                .lock()
+                .unwrap()
+                .drain(..)
+                .filter_map(|c| match c {
+                    SessionChange::Appended { client_id, .. } => Some(client_id.to_string()),
+                    _ => None,
+                })
+                .collect()
+        };
+        appended();
+        let first = router.route_redelivered(
+            qos2(),
+            None,
+            (clock.now(), 1_000),
+            clock.now(),
+            std::slice::from_ref(&group),
+            Some(id),
+        );
+        assert_eq!(first.offered, 1);
+        assert_eq!(appended().len(), 1, "one member took it in");
+        // Given again: the group's turn picks the other member, which did not take it.
+        for _ in 0..2 {
+            router.route_redelivered(
+                qos2(),
+                None,
+                (clock.now(), 1_000),
+                clock.now(),
+                std::slice::from_ref(&group),
+                Some(id),
+            );
+            assert_eq!(appended(), Vec::<String>::new(), "the group had it");
+        }
+        let took = router.groups_that_took(std::slice::from_ref(&group), id);
+        assert_eq!(took, std::slice::from_ref(&group));
+        let other = PublishId { seq: 8, ..id };
+        assert!(router.groups_that_took(&[group], other).is_empty());
     }
 }

@@ -781,6 +781,11 @@ impl SessionHandle {
         }
     }
 
+    /// Whether the session took the publish numbered `id` in (decision 0066).
+    pub(crate) fn has_taken(&self, id: &PublishId) -> bool {
+        self.lock().has_taken(id)
+    }
+
     pub(crate) fn set_online(&self, online: bool) {
         self.online.store(online, Ordering::Release);
     }

@@ -185,6 +185,20 @@ impl<T> Trie<T> {
         Self::walk(&self.root, topic.split('/'), true, &mut visit);
     }
 
+    /// The members of shared group `group` on `filter` (the filter it was inserted with).
+    pub(crate) fn group_members(&self, filter: &str, group: &str) -> &[(Arc<str>, T)] {
+        let mut node = &self.root;
+        for level in filter.split('/') {
+            match node.children.get(level) {
+                Some(child) => node = child,
+                None => return &[],
+            }
+        }
+        node.shared
+            .get(group)
+            .map_or(&[], |group| group.members.as_slice())
+    }
+
     /// Calls `visit(filter, group)` once per subscription (with the filter it was inserted with).
     pub(crate) fn for_each_subscription(&self, mut visit: impl FnMut(&str, Option<&str>)) {
         let mut path = String::new();
@@ -385,5 +399,18 @@ mod tests {
             expected.sort();
             prop_assert_eq!(matched(&trie, &topic), expected);
         }
+    }
+
+    #[test]
+    fn a_groups_members_are_found_by_its_filter() {
+        let mut trie = Trie::default();
+        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        trie.insert("s/+", Some("g"), &a, 1);
+        trie.insert("s/+", Some("g"), &b, 2);
+        trie.insert("s/+", Some("h"), &a, 3);
+        let members: Vec<u32> = trie.group_members("s/+", "g").iter().map(|m| m.1).collect();
+        assert_eq!(members, [1, 2]);
+        assert!(trie.group_members("s/1", "g").is_empty());
+        assert!(trie.group_members("s/+", "x").is_empty());
     }
 }

@@ -22,7 +22,8 @@
 //!   its target) is held: its acknowledgement waits until that node's sessions were adopted, then
 //!   it goes again to the sessions put back since it arrived, here and on every live node with a
 //!   matching route ([`wire::Item::Redeliver`], decision 0057 "Held publishes"), and each shared
-//!   group that node was to serve goes to one live member (a group held only by nodes down
+//!   group that node was to serve goes to that node again if it answers again (it may have taken
+//!   the copy in: decision 0066), else to one live member (a group held only by nodes down
 //!   lately is planned for them, so held too); a node missed again holds it again (decision 0062).
 
 pub mod table;
@@ -204,8 +205,9 @@ type Waits = Vec<(NodeId, Vec<GroupKey>, oneshot::Receiver<()>)>;
 /// A QoS 1/2 publish this node forwarded: its publisher's PUBACK/PUBREC waits until every
 /// target took it in or, for a target that did not (it died, or was down lately), until that
 /// node's sessions were adopted elsewhere and the publish was given again — to the sessions put
-/// back since it arrived, and each shared group the target was to serve to another holder
-/// (decisions 0057, 0062). A target that fails then holds it again, [`MAX_HOLDS`] times at most.
+/// back since it arrived, and each shared group the target was to serve to that target again if
+/// it answers again, else to another holder (decisions 0057, 0062, 0066). A target that fails
+/// then holds it again, [`MAX_HOLDS`] times at most.
 struct Held {
     shared: Arc<Shared>,
     message: Arc<mqstate_broker::Message>,
@@ -246,11 +248,8 @@ impl Held {
                 if let Some(until) = until {
                     tokio::time::sleep_until(until).await;
                 }
-                let mut groups: Vec<GroupKey> =
-                    missed.drain(..).flat_map(|(_, groups)| groups).collect();
-                groups.sort();
-                groups.dedup();
-                (waits, missed) = self.redeliver(&groups).await;
+                let again = std::mem::take(&mut missed);
+                (waits, missed) = self.redeliver(&again).await;
             }
         };
         let bound = settle_bound(window);
@@ -260,20 +259,33 @@ impl Held {
     }
 
     /// Gives the message again, here and to every node with a matching non-shared route, to the
-    /// sessions put back since (a little before) it arrived — the adopted ones — and each of
-    /// `groups` to one holder, live ones first. What it could not hand over, and what to wait
-    /// for, go back to [`Held::settle`].
-    async fn redeliver(&self, groups: &[GroupKey]) -> (Waits, Missed) {
+    /// sessions put back since (a little before) it arrived — the adopted ones — and each group
+    /// a node `missed_before` was to serve to one holder: that node if it answers again, else
+    /// another, live ones first. What it could not hand over, and what to wait for, go back to
+    /// [`Held::settle`].
+    async fn redeliver(&self, missed_before: &Missed) -> (Waits, Missed) {
         let age = self.received.elapsed();
         let within = age + REDELIVERY_MARGIN;
         let within_ms = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
         let topic = &*self.message.topic;
         let (mut waits, mut missed) = (Vec::new(), Vec::new());
+        let took_here = match self.id {
+            Some(id) => {
+                let groups: Vec<GroupKey> = missed_before
+                    .iter()
+                    .flat_map(|(_, groups)| groups.iter().cloned())
+                    .collect();
+                self.shared.broker.groups_that_took(&groups, id)
+            }
+            None => Vec::new(),
+        };
         let here = {
             let mut state = self.shared.lock();
             let state = &mut *state;
             let (live, down) = state.live_and_down(self.shared.adoption_window);
-            let replan = state.tables.replan(topic, groups, &live, &down);
+            let replan = state
+                .tables
+                .replan(topic, missed_before, &took_here, &live, &down);
             if !replan.unserved.is_empty() {
                 tracing::warn!(
                     %topic,

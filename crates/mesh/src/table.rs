@@ -129,15 +129,25 @@ impl Tables {
 
     /// Where a held publish on `topic` goes again: every node of `live` and `down` with a
     /// matching non-shared route (the receiver gives it only to the sessions it put back
-    /// since), and each of `groups` — which a node that failed was to serve — to one holder as
-    /// [`Tables::plan`] picks it, live ones first. `here`: the groups this node serves.
+    /// since), and each group of `missed` — the nodes a copy missed, each with the groups it was
+    /// to serve — to one holder: where a member may have it, which skips it there (decision
+    /// 0066) — this node if it is of `took_here` (a member here took it in), else the node it
+    /// missed if that one is live again and still holds members — else one as [`Tables::plan`]
+    /// picks it, live ones first.
     pub fn replan(
         &mut self,
         topic: &str,
-        groups: &[GroupKey],
+        missed: &[(NodeId, Vec<GroupKey>)],
+        took_here: &[GroupKey],
         live: &[NodeId],
         down: &[NodeId],
     ) -> Replan {
+        let mut groups: Vec<GroupKey> = missed
+            .iter()
+            .flat_map(|(_, groups)| groups.iter().cloned())
+            .collect();
+        groups.sort();
+        groups.dedup();
         let mut targets: BTreeMap<NodeId, Vec<GroupKey>> = BTreeMap::new();
         for node in self.plain_matches(topic, live) {
             targets.entry(node).or_default();
@@ -146,17 +156,28 @@ impl Tables {
             targets.entry(node).or_default();
         }
         let mut replan = Replan::default();
-        for (key, holders) in self.group_holders(topic, Some(groups), live, down) {
-            match self.pick(&key, &holders) {
+        for (key, holders) in self.group_holders(topic, Some(&groups), live, down) {
+            // Another member than the one that took the copy in would get the message a second
+            // time. A member here did (the node it missed died, and this one adopted it), or
+            // the node it missed answered too late and may have: the member that took it is
+            // there (unless its client moved it since).
+            let here = (took_here.contains(&key) && holders.live.contains(&Holder::Here))
+                .then_some(Holder::Here);
+            let missed_by = missed
+                .iter()
+                .map(|&(node, ref groups)| (Holder::Peer(node), groups))
+                .find(|(node, groups)| groups.contains(&key) && holders.live.contains(node))
+                .map(|(node, _)| node);
+            match here.or(missed_by).or_else(|| self.pick(&key, &holders)) {
                 Some(Holder::Here) => replan.here.push(key),
                 Some(Holder::Peer(node)) => targets.entry(node).or_default().push(key),
                 None => {}
             }
         }
         for key in groups {
-            let served = replan.here.contains(key) || targets.values().any(|g| g.contains(key));
+            let served = replan.here.contains(&key) || targets.values().any(|g| g.contains(&key));
             if !served {
-                replan.unserved.push(key.clone());
+                replan.unserved.push(key);
             }
         }
         replan.targets = targets.into_iter().collect();
@@ -331,21 +352,62 @@ mod tests {
 
         // Given again: the group to a live holder (here, or node 3), never to one of its
         // non-shared routes' nodes only.
-        let again = t.replan("s/1", std::slice::from_ref(&key), &[3], &[]);
+        let again = t.replan("s/1", &[(2, vec![key.clone()])], &[], &[3], &[]);
         assert_eq!(again.targets, vec![(3, vec![key.clone()])]);
         assert!(again.here.is_empty() && again.unserved.is_empty());
         t.local_added(r("s/+", Some("g")));
         let mut here = 0;
         for _ in 0..4 {
-            let again = t.replan("s/1", std::slice::from_ref(&key), &[3], &[]);
+            let again = t.replan("s/1", &[(2, vec![key.clone()])], &[], &[3], &[]);
             here += again.here.len();
         }
         assert_eq!(here, 2, "in turn with node 3");
         // No holder left anywhere: unserved.
         t.local_removed(&r("s/+", Some("g")));
-        let again = t.replan("s/1", std::slice::from_ref(&key), &[], &[]);
+        let again = t.replan("s/1", &[(2, vec![key.clone()])], &[], &[], &[]);
         assert_eq!(again.unserved, vec![key.clone()]);
         // Non-shared routes of live nodes get it again (for sessions put back since).
-        assert_eq!(t.replan("p", &[], &[2], &[]).targets, vec![(2, vec![])]);
+        assert_eq!(
+            t.replan("p", &[], &[], &[2], &[]).targets,
+            vec![(2, vec![])]
+        );
+    }
+
+    #[test]
+    fn a_group_goes_again_to_the_node_it_missed_when_that_one_answers_again() {
+        let mut t = Tables::default();
+        let key = GroupKey {
+            filter: "s/+".into(),
+            group: "g".into(),
+        };
+        t.replace_remote(2, vec![r("s/+", Some("g"))]);
+        t.replace_remote(3, vec![r("s/+", Some("g"))]);
+        t.local_added(r("s/+", Some("g")));
+        // Node 2 answered too late, and answers again: it may have taken its copy in, and its
+        // member remembers it. Every time, whatever the turn.
+        for _ in 0..3 {
+            let again = t.replan("s/1", &[(2, vec![key.clone()])], &[], &[2, 3], &[]);
+            assert_eq!(again.targets, vec![(2, vec![key.clone()])]);
+            assert!(again.here.is_empty());
+        }
+        // Node 2 is down: the holders in turn.
+        let mut served = BTreeSet::new();
+        for _ in 0..4 {
+            let again = t.replan("s/1", &[(2, vec![key.clone()])], &[], &[3], &[2]);
+            served.extend(again.targets.into_iter().map(|(node, _)| Some(node)));
+            served.extend(again.here.into_iter().map(|_| None));
+        }
+        assert_eq!(served, BTreeSet::from([None, Some(3)]));
+        // A member here took it in (it adopted node 2's): here, whatever the turn.
+        for _ in 0..3 {
+            let took_here = std::slice::from_ref(&key);
+            let again = t.replan("s/1", &[(2, vec![key.clone()])], took_here, &[3], &[2]);
+            assert!(again.targets.is_empty());
+            assert_eq!(again.here, vec![key.clone()]);
+        }
+        // Node 2 answers again but holds no member any more: the others.
+        t.replace_remote(2, vec![]);
+        let again = t.replan("s/1", &[(2, vec![key.clone()])], &[], &[2, 3], &[]);
+        assert!(!again.targets.iter().any(|(node, _)| *node == 2));
     }
 }
