@@ -141,7 +141,7 @@ pub const CLI_INFLIGHT: u16 = 16;
 
 /// One state-store request of `client_id` on an open [`wire::Conn`] subscribed to its response
 /// topic, as the simulations' clients send it: correlation data [`correlation`]`(seq)`, `ts` as
-/// its `__ts`, `expiry` as its message expiry. Waits for the reply with that correlation data,
+/// its `__ts`, `fencing` as its `__ft`, `expiry` as its message expiry. Waits for the reply with that correlation data,
 /// acknowledging every PUBLISH on the way (late replies to earlier requests are skipped).
 /// `Ok(Err(code))`: the broker refused the PUBLISH (its PUBACK's reason code); `Err`: the
 /// connection failed. Not bounded in time: the caller bounds it.
@@ -151,6 +151,7 @@ pub async fn exchange<S>(
     seq: u64,
     payload: Bytes,
     ts: &Hlc,
+    fencing: Option<&Hlc>,
     expiry: Duration,
 ) -> Result<Result<Publish, u8>, String>
 where
@@ -162,7 +163,7 @@ where
         &response_topic(client_id),
         correlation.clone(),
         ts,
-        None,
+        fencing,
         expiry,
     );
     let mut publish = wire::publish(

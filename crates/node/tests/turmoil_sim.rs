@@ -15,12 +15,15 @@
 //! KEYNOTIFY observers with persistent sessions (as the robustness tool's) register every key on a
 //! node and again on another when their connection fails; what they receive is checked with the
 //! robustness tool's rules (`mqstate_wgl::notify`: per observer and key in version order, none
-//! missing within a registration) and their sessions must survive the moves.
+//! missing within a registration) and their sessions must survive the moves. Lock holders take a
+//! lock with `SET NX` and write a fenced key with its version as their fencing token (`__ft`), now
+//! and then with a stale one; the key model knows the fencing rule.
 //!
 //! `MQSTATE_CLUSTER_FRONT_SIM_SEED=N` runs seed N alone; `MQSTATE_CLUSTER_FRONT_SIM_SEEDS=K` runs K seeds from
 //! `MQSTATE_CLUSTER_FRONT_SIM_FIRST` (default 1; K default 2); `MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS` sets the
 //! simulated seconds of clients and faults (default 8), `MQSTATE_CLUSTER_FRONT_SIM_OBSERVERS` the
-//! number of observers (default 2; with 0 a seed runs as before they existed). Each seed runs in a process of its own
+//! number of observers (default 2), `MQSTATE_CLUSTER_FRONT_SIM_LOCKS` of lock holders (default 2;
+//! with both 0 a seed runs as before either existed). Each seed runs in a process of its own
 //! (the test binary again), so a seed of a sweep replays alone. Two runs of a seed print the same
 //! `trace`; `MQSTATE_CLUSTER_FRONT_SIM_DUMP=FILE` writes each seed's history to `FILE.<seed>`, and
 //! `SIM=cluster REPLAY=1 scripts/sim-seeds.sh COUNT` runs each seed twice and compares the
@@ -65,6 +68,14 @@ const LEASE_MS: u64 = 1_000;
 const CLOCK_FACTOR_MS: u64 = 300;
 const MQTT_PORT: u16 = 1883;
 const KEYS: [&str; 3] = ["k0", "k1", "k2"];
+/// The lock the lock holders take (SET NX; its version is the holder's fencing token) and the key
+/// they write with their token.
+const LOCK_KEY: &str = "lock/0";
+const FENCED_KEY: &str = "fenced/0";
+/// Lock holders unless `MQSTATE_CLUSTER_FRONT_SIM_LOCKS` says how many (0: none); holder `i` is
+/// client `LOCK_CLIENT + i`, apart from the clients the faults pick.
+const LOCKS: u64 = 2;
+const LOCK_CLIENT: u64 = 10;
 const CLIENTS: u64 = 4;
 /// The client id of the reads after the faults.
 const FINAL_CLIENT: u64 = 99;
@@ -252,6 +263,7 @@ async fn exchange(
             seq,
             Bytes::from(kv::resp(cmd, key)),
             ts,
+            kv::fencing_token(cmd),
             CALL_TIMEOUT,
         )
         .await?;
@@ -392,10 +404,89 @@ async fn client(
     Ok(())
 }
 
-/// After the faults: reads every key until it answers.
+/// A lock holder, as the robustness tool's (without the lease's expiry): takes the lock with
+/// `SET NX` (its version is the fencing token), then writes the fenced key with its token, reads
+/// it, or releases the lock (`VDEL` of its value); now and then it writes once more with a token
+/// it held before, as a holder that stalled past its hold would: refused if a newer holder wrote
+/// since. Neither DEL nor an unfenced SET touches the fenced key (either would be refused).
+async fn lock_holder(
+    id: u64,
+    seed: u64,
+    until: Duration,
+    history: Shared,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut rng = client_rng(seed, id);
+    let mut session: Option<Session> = None;
+    let mut seq = 0u64;
+    // The lock's value while this client holds it, with its version: the fencing token.
+    let mut holding: Option<(u64, Hlc)> = None;
+    // The token of an earlier hold.
+    let mut stale: Option<Hlc> = None;
+    tokio::time::sleep(Duration::from_millis(rng.gen_range(500..1_500))).await;
+    while turmoil::sim_elapsed().unwrap_or_default() < until {
+        seq += 1;
+        let value = id << 32 | seq;
+        let (key, cmd) = match &holding {
+            None => (LOCK_KEY, Cmd::Set { value, nx: true }),
+            Some((held, token)) => match rng.gen_range(0..100) {
+                0..60 => (
+                    FENCED_KEY,
+                    Cmd::FencedSet {
+                        value,
+                        token: token.clone(),
+                    },
+                ),
+                60..75 => (FENCED_KEY, Cmd::Get),
+                75..90 => (LOCK_KEY, Cmd::Vdel { value: *held }),
+                _ => match &stale {
+                    Some(old) => (
+                        FENCED_KEY,
+                        Cmd::FencedSet {
+                            value,
+                            token: old.clone(),
+                        },
+                    ),
+                    None => (LOCK_KEY, Cmd::Get),
+                },
+            },
+        };
+        let outcome = match call(&mut session, &mut rng, &history, id, seq, key, cmd.clone()).await
+        {
+            Ok(outcome) => outcome,
+            Err(CallError::Wrong(e)) => return Err(e.into()),
+            Err(CallError::NotConnected) => {
+                tokio::time::sleep(Duration::from_millis(rng.gen_range(100..300))).await;
+                continue;
+            }
+        };
+        match (&cmd, outcome) {
+            (Cmd::Set { .. }, Outcome::Written(token)) => holding = Some((value, token)),
+            // Taken, perhaps by this client's own request whose answer never came: a read tells.
+            (Cmd::Set { .. }, Outcome::NotApplied | Outcome::Unknown) => {
+                seq += 1;
+                let read = call(&mut session, &mut rng, &history, id, seq, key, Cmd::Get).await;
+                if let Ok(Outcome::Hit(held, token)) = read {
+                    if held >> 32 == id {
+                        holding = Some((held, token));
+                    }
+                }
+            }
+            // Released, or no longer this client's; an unknown release is tried again later.
+            (Cmd::Vdel { .. }, Outcome::Deleted(_)) => {
+                stale = holding.take().map(|(_, token)| token);
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(1..40))).await;
+    }
+    Ok(())
+}
+
+/// After the faults: reads every key of `keys` until it answers.
 async fn final_reads(
     seed: u64,
     from: Duration,
+    keys: Vec<&'static str>,
     history: Shared,
 ) -> Result<(), Box<dyn std::error::Error>> {
     tokio::time::sleep(from).await;
@@ -403,7 +494,7 @@ async fn final_reads(
     let started = tokio::time::Instant::now();
     let mut session: Option<Session> = None;
     let mut seq = 0;
-    for key in KEYS {
+    for key in keys {
         loop {
             seq += 1;
             match call(
@@ -776,12 +867,13 @@ fn client_host(id: u64) -> String {
     format!("c{id}")
 }
 
-/// Runs one seed with `observers` KEYNOTIFY observers; its violations, if any, with how to
-/// reproduce them. Gives the number of notifications the observers received.
+/// Runs one seed with `observers` KEYNOTIFY observers and `locks` lock holders; its violations, if
+/// any, with how to reproduce them. Gives the number of notifications the observers received.
 fn run_seed(
     seed: u64,
     chaos: Duration,
     observers: u64,
+    locks: u64,
     figures: &mut Figures,
 ) -> Result<u64, String> {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -810,14 +902,26 @@ fn run_seed(
     for id in 1..=CLIENTS {
         sim.client(client_host(id), client(id, seed, chaos, history.clone()));
     }
+    let mut keys = KEYS.to_vec();
+    if locks > 0 {
+        keys.extend([LOCK_KEY, FENCED_KEY]);
+    }
     sim.client(
         client_host(FINAL_CLIENT),
         final_reads(
             seed,
             chaos + CALL_TIMEOUT + Duration::from_secs(2),
+            keys.clone(),
             history.clone(),
         ),
     );
+    // Drawn from generators of their own, as the observers are.
+    for id in LOCK_CLIENT + 1..=LOCK_CLIENT + locks {
+        sim.client(
+            client_host(id),
+            lock_holder(id, seed, chaos, history.clone()),
+        );
+    }
     // Drawn from generators of their own: without observers, a seed runs as it did before them.
     let watched: Watched = Rc::default();
     for id in 1..=observers {
@@ -897,7 +1001,7 @@ fn run_seed(
             let _ = appended;
         }
     }
-    let mut findings = history.findings(outcome, &KEYS, FINAL_CLIENT, SEARCH_BUDGET);
+    let mut findings = history.findings(outcome, &keys, FINAL_CLIENT, SEARCH_BUDGET);
     findings.extend(observer_findings(&history, &watched));
     let notified = watched
         .iter()
@@ -915,6 +1019,24 @@ fn run_seed(
 
 const TEST: &str = "the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults";
 const OBSERVERS_VAR: &str = "MQSTATE_CLUSTER_FRONT_SIM_OBSERVERS";
+const LOCKS_VAR: &str = "MQSTATE_CLUSTER_FRONT_SIM_LOCKS";
+
+/// The clients beside the four of every run: KEYNOTIFY observers and lock holders.
+#[derive(Debug, Clone, Copy)]
+struct Extra {
+    observers: u64,
+    locks: u64,
+}
+
+impl Extra {
+    /// [`OBSERVERS`] and [`LOCKS`] unless the environment says otherwise.
+    fn from_env() -> Extra {
+        Extra {
+            observers: mqstate_cluster::sim::env_u64(OBSERVERS_VAR).unwrap_or(OBSERVERS),
+            locks: mqstate_cluster::sim::env_u64(LOCKS_VAR).unwrap_or(LOCKS),
+        }
+    }
+}
 /// Set in the process that runs one seed for a sweep (see [`run_apart`]).
 const ONE_SEED: &str = "MQSTATE_CLUSTER_FRONT_SIM_ONE";
 /// The fault kinds a seed reports, as [`Figures::faults`] names them.
@@ -927,7 +1049,7 @@ const FAULT_KINDS: [&str; 5] = ["crash", "isolate", "hold", "client cut off", "c
 fn run_apart(
     seed: u64,
     chaos: Duration,
-    observers: u64,
+    extra: Extra,
     figures: &mut Figures,
     notified: &mut u64,
 ) -> Result<(), String> {
@@ -939,7 +1061,8 @@ fn run_apart(
             "MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS",
             chaos.as_secs().to_string(),
         )
-        .env(OBSERVERS_VAR, observers.to_string())
+        .env(OBSERVERS_VAR, extra.observers.to_string())
+        .env(LOCKS_VAR, extra.locks.to_string())
         .stderr(std::process::Stdio::inherit())
         .output()
         .map_err(|e| format!("seed {seed}: cannot run it: {e}"))?;
@@ -1001,9 +1124,9 @@ fn run_one(seed: u64) {
     let chaos = Duration::from_secs(
         mqstate_cluster::sim::env_u64("MQSTATE_CLUSTER_FRONT_SIM_CHAOS_SECS").unwrap_or(8),
     );
-    let observers = mqstate_cluster::sim::env_u64(OBSERVERS_VAR).unwrap_or(OBSERVERS);
+    let extra = Extra::from_env();
     let mut figures = Figures::default();
-    let outcome = run_seed(seed, chaos, observers, &mut figures);
+    let outcome = run_seed(seed, chaos, extra.observers, extra.locks, &mut figures);
     // The test harness's "test … " has no line end of its own yet.
     println!();
     for (kind, n) in &figures.faults {
@@ -1039,9 +1162,9 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
         return;
     }
     let mut notified = 0;
-    let observers = mqstate_cluster::sim::env_u64(OBSERVERS_VAR).unwrap_or(OBSERVERS);
+    let extra = Extra::from_env();
     let sweep = sweep("MQSTATE_CLUSTER_FRONT_SIM", 2, 8, |seed, chaos, figures| {
-        run_apart(seed, chaos, observers, figures, &mut notified)
+        run_apart(seed, chaos, extra, figures, &mut notified)
     });
     println!(
         "{}; {notified} notifications observed",
@@ -1058,20 +1181,31 @@ fn the_cluster_is_linearizable_and_loses_no_acknowledged_write_under_faults() {
     assert!(sweep.failures.is_empty(), "{}", sweep.failures.join("\n"));
 }
 
-/// Seeds 24 and 133 with two observers: an observer's session moved to another node with a change
-/// in flight (sent, not acknowledged), the new node sent the changes queued after it with packet
-/// ids from 1 up, the connection was lost, and the next one got the messages in flight again by
-/// packet id: the newer changes first, then the older one (`notification-order`, the 3-node
-/// soak's shape). Both failed before `resend_inflight` (`crates/broker/src/connection.rs`) resent
-/// in the order of first sending.
+/// Seeds 24 and 133 with two observers and no lock holders: an observer's session moved to
+/// another node with a change in flight (sent, not acknowledged), the new node sent the changes
+/// queued after it with packet ids from 1 up, the connection was lost, and the next one got the
+/// messages in flight again by packet id: the newer changes first, then the older one
+/// (`notification-order`, the 3-node soak's shape). Both failed before `resend_inflight`
+/// (`crates/broker/src/connection.rs`) resent in the order of first sending.
 #[test]
 fn an_observer_gets_its_changes_in_order_when_its_session_moves_with_one_in_flight() {
+    let extra = Extra {
+        observers: 2,
+        locks: 0,
+    };
     let mut figures = Figures::default();
     let mut notified = 0;
     let failures: Vec<String> = [24, 133]
         .into_iter()
         .filter_map(|seed| {
-            run_apart(seed, Duration::from_secs(8), 2, &mut figures, &mut notified).err()
+            run_apart(
+                seed,
+                Duration::from_secs(8),
+                extra,
+                &mut figures,
+                &mut notified,
+            )
+            .err()
         })
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));

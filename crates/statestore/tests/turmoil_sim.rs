@@ -157,6 +157,7 @@ async fn exchange(
             seq,
             Bytes::from(kv::resp(cmd, key)),
             ts,
+            kv::fencing_token(cmd),
             CALL_TIMEOUT,
         )
         .await?;

@@ -1,28 +1,41 @@
 //! The state-store commands the simulations issue (SET, SET NX, GET, DEL, VDEL on small integer
-//! values), the clients' mix of them, their RESP form, what an answer says, one key's sequential
-//! model with versions, and the checks of one key's history: linearizable, versions never
-//! backwards in real time, the newest acknowledged write not lost; a run's [`History`] and a
-//! sweep's [`Figures`]. Shared by the data plane's simulation
-//! (`crates/replication/tests/turmoil_sim.rs`) and the front end's
-//! (`crates/statestore/tests/turmoil_sim.rs`; decision 0067), which keep only what differs: the
-//! nodes, how a request travels, the faults.
+//! values, and SET with a fencing token), the clients' mix of them, their RESP form, what an
+//! answer says, one key's sequential model with versions and fencing tokens, and the checks of one
+//! key's history: linearizable, versions never backwards in real time, accepted fencing tokens
+//! never backwards in version order, the newest acknowledged write not lost; a run's [`History`]
+//! and a sweep's [`Figures`]. Shared by the data plane's simulation
+//! (`crates/replication/tests/turmoil_sim.rs`), the front end's
+//! (`crates/statestore/tests/turmoil_sim.rs`; decision 0067) and the cluster's
+//! (`crates/node/tests/turmoil_sim.rs`), which keep only what differs: the nodes, how a request
+//! travels, the faults.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
-use mqstate_protocol::Hlc;
+use mqstate_protocol::{ErrorKind, Hlc};
 use rand::Rng;
 
 use crate::{Model, Timed, UNKNOWN};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Cmd {
-    Set { value: u64, nx: bool },
+    Set {
+        value: u64,
+        nx: bool,
+    },
     Get,
     Del,
-    Vdel { value: u64 },
+    Vdel {
+        value: u64,
+    },
+    /// A SET with a fencing token (`__ft`): refused if the key holds a newer token; stores the
+    /// newer of the two. Only on keys no DEL or unfenced SET touches (a lock holder's).
+    FencedSet {
+        value: u64,
+        token: Hlc,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -35,6 +48,8 @@ pub enum Outcome {
     Deleted(i64),
     /// No answer, or an answer that does not say whether it ran.
     Unknown,
+    /// A fenced SET refused: the key's fencing token is newer than the request's.
+    Fenced,
 }
 
 /// One operation of a history: who issued it, what it was, when (places in the run's one order
@@ -76,10 +91,20 @@ fn bulk(text: &str) -> String {
     format!("${}\r\n{text}\r\n", text.len())
 }
 
+/// The fencing token `cmd` sends (as the `__ft` property), if any.
+pub fn fencing_token(cmd: &Cmd) -> Option<&Hlc> {
+    match cmd {
+        Cmd::FencedSet { token, .. } => Some(token),
+        _ => None,
+    }
+}
+
 /// The RESP request of `cmd` on `key`.
 pub fn resp(cmd: &Cmd, key: &str) -> Vec<u8> {
     let args: Vec<String> = match cmd {
-        Cmd::Set { value, nx: false } => vec!["SET".into(), key.into(), value.to_string()],
+        Cmd::Set { value, nx: false } | Cmd::FencedSet { value, .. } => {
+            vec!["SET".into(), key.into(), value.to_string()]
+        }
         Cmd::Set { value, nx: true } => {
             vec!["SET".into(), key.into(), value.to_string(), "NX".into()]
         }
@@ -103,10 +128,16 @@ pub fn outcome(cmd: &Cmd, payload: &[u8], ts: Option<&str>) -> Result<Outcome, S
             .ok_or_else(|| format!("{text:?} without a version"))
     };
     if let Some(error) = text.strip_prefix("-ERR ") {
-        return Err(error.trim_end().to_owned());
+        let error = error.trim_end();
+        if matches!(cmd, Cmd::FencedSet { .. })
+            && error == ErrorKind::FencingTokenLowerVersion.as_str()
+        {
+            return Ok(Outcome::Fenced);
+        }
+        return Err(error.to_owned());
     }
     match (cmd, text.as_str()) {
-        (Cmd::Set { .. }, "+OK\r\n") => Ok(Outcome::Written(version()?)),
+        (Cmd::Set { .. } | Cmd::FencedSet { .. }, "+OK\r\n") => Ok(Outcome::Written(version()?)),
         (Cmd::Set { nx: true, .. }, ":-1\r\n") => Ok(Outcome::NotApplied),
         (Cmd::Get, "$-1\r\n") => Ok(Outcome::Miss),
         (Cmd::Get, hit) if hit.starts_with('$') => {
@@ -133,6 +164,8 @@ pub struct KeyState {
     entry: Option<(u64, Option<Hlc>)>,
     /// The highest version the key is known to have had: every later write's is above it.
     floor: Option<Hlc>,
+    /// The fencing token the key holds (it goes with the key).
+    token: Option<Hlc>,
 }
 
 impl KeyState {
@@ -141,6 +174,7 @@ impl KeyState {
         KeyState {
             entry: None,
             floor: None,
+            token: None,
         }
     }
 }
@@ -154,10 +188,20 @@ impl Model for KeyModel {
         let written = |value: u64, version: Option<&Hlc>| KeyState {
             entry: Some((value, version.cloned())),
             floor: version.cloned().or_else(|| state.floor.clone()),
+            token: state.token.clone(),
         };
         let deleted = || KeyState {
             entry: None,
             floor: state.floor.clone(),
+            token: None,
+        };
+        // A fenced SET passes unless the key holds a newer token, and leaves the newer of the two.
+        let fenced = |value: u64, token: &Hlc, version: Option<&Hlc>| {
+            let passes = state.token.as_ref().is_none_or(|held| token >= held);
+            passes.then(|| KeyState {
+                token: state.token.clone().max(Some(token.clone())),
+                ..written(value, version)
+            })
         };
         let present = state.entry.is_some();
         let holds = |v: u64| state.entry.as_ref().is_some_and(|(value, _)| *value == v);
@@ -195,6 +239,16 @@ impl Model for KeyModel {
             } else {
                 state.clone()
             }),
+            (Cmd::FencedSet { value, token }, Outcome::Written(v)) => {
+                fenced(*value, token, Some(v)).filter(|_| above_floor(v))
+            }
+            (Cmd::FencedSet { value, token }, Outcome::Fenced) => {
+                fenced(*value, token, None).is_none().then(|| state.clone())
+            }
+            // Placed means it ran: refused, or written.
+            (Cmd::FencedSet { value, token }, Outcome::Unknown) => {
+                Some(fenced(*value, token, None).unwrap_or_else(|| state.clone()))
+            }
             _ => None,
         }
     }
@@ -245,6 +299,27 @@ pub fn check_key(key: &str, ops: &[&Op], final_client: u64, max_states: usize) -
         findings.push(format!(
             "{key}: and {more} more versions that went backwards"
         ));
+    }
+    // Fenced writes accepted, in the order of their versions, carry tokens that never go down.
+    let mut accepted: Vec<(&Hlc, &Hlc, &Op)> = ops
+        .iter()
+        .filter_map(|op| match (&op.cmd, &op.outcome) {
+            (Cmd::FencedSet { token, .. }, Outcome::Written(v)) => Some((v, token, *op)),
+            _ => None,
+        })
+        .collect();
+    accepted.sort_by(|a, b| a.0.cmp(b.0));
+    let mut highest: Option<(&Hlc, &Op)> = None;
+    for (version, token, op) in accepted {
+        if let Some((max, by)) = highest.filter(|(max, _)| token < *max) {
+            findings.push(format!(
+                "{key}: {:?} by c{} was accepted at version {version} after {:?} by c{} had been accepted with the newer token {max}",
+                op.cmd, op.client, by.cmd, by.client
+            ));
+        }
+        if highest.is_none_or(|(max, _)| token > max) {
+            highest = Some((token, op));
+        }
     }
     // Acknowledged writes survive: the last read shows the newest acknowledged SET unless a delete
     // may have come after it.
@@ -569,6 +644,37 @@ mod tests {
         );
     }
 
+    /// A fenced SET with an older token than the key holds must be refused: accepted, it is
+    /// reported (no linearization, and the tokens went down); refused, the history is fine, and a
+    /// refusal with no newer token held is not.
+    #[test]
+    fn an_older_fencing_token_must_be_refused() {
+        let fenced = |value, token| Cmd::FencedSet {
+            value,
+            token: hlc(token),
+        };
+        let check = |ops: Vec<Op>| check_key("f", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000);
+        let history = |late: Outcome| {
+            vec![
+                op(1, fenced(1, 5), Outcome::Written(hlc(10)), 1, 2),
+                op(2, fenced(2, 8), Outcome::Written(hlc(11)), 3, 4),
+                op(1, fenced(3, 5), late, 5, 6),
+            ]
+        };
+        assert_eq!(check(history(Outcome::Fenced)), Vec::<String>::new());
+        let findings = check(history(Outcome::Written(hlc(12))));
+        assert!(
+            findings.iter().any(|f| f.contains("not linearizable")),
+            "{findings:?}"
+        );
+        assert!(
+            findings.iter().any(|f| f.contains("newer token")),
+            "{findings:?}"
+        );
+        let refused_alone = vec![op(1, fenced(1, 5), Outcome::Fenced, 1, 2)];
+        assert!(!check(refused_alone).is_empty());
+    }
+
     #[test]
     fn answers_read_as_outcomes() {
         let set = Cmd::Set { value: 7, nx: true };
@@ -590,6 +696,16 @@ mod tests {
             outcome(&Cmd::Del, b"-ERR the quota has been exceeded\r\n", None),
             Err("the quota has been exceeded".to_owned())
         );
+        let fenced = Cmd::FencedSet {
+            value: 7,
+            token: hlc(3),
+        };
+        let refusal = format!("-ERR {}\r\n", ErrorKind::FencingTokenLowerVersion.as_str());
+        assert_eq!(
+            outcome(&fenced, refusal.as_bytes(), None),
+            Ok(Outcome::Fenced)
+        );
+        assert_eq!(fencing_token(&fenced), Some(&hlc(3)));
         assert_eq!(
             resp(&set, "k"),
             b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n7\r\n$2\r\nNX\r\n".to_vec()
