@@ -640,8 +640,13 @@ impl Handler for Inner {
             request => (None, request),
         };
         // A Hello is answered to anyone (it names the cluster); the operator's tools send Admin
-        // requests unstamped.
-        if !matches!(request, Request::Hello | Request::Admin(_)) {
+        // requests unstamped (a node of another cluster stamps its own, which is refused).
+        let exempt = match request {
+            Request::Hello => true,
+            Request::Admin(_) => stamp.is_none(),
+            _ => false,
+        };
+        if !exempt {
             if let Err(refusal) = self.identity.admit(stamp, request.is_raft()) {
                 self.log_refusal(&refusal);
                 return Box::pin(async move { Response::Failed(refusal.to_string()) });

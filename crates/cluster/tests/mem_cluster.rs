@@ -5,8 +5,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use mqstate_cluster::identity::ClusterId;
 use mqstate_cluster::sim::{mem_addr as addr, mem_node, quick_config, state_of};
 use mqstate_cluster::transport::mem::MemNetwork;
+use mqstate_cluster::transport::{AdminRequest, Request, Response};
 use mqstate_cluster::{ClusterNode, NodeId, Status};
 
 const PARTITIONS: u32 = 6;
@@ -292,8 +294,45 @@ async fn a_stranger_at_a_dead_members_address_is_refused() {
         assert!(s.leader.is_some_and(|l| l != 3), "{s:#?}");
         assert_eq!(state_of(&s, 3), Some("down"), "the stranger is not node 3");
     }
+    // Another cluster's membership change, or a request naming no cluster, is refused too; a Hello
+    // is answered with the cluster's id.
+    let handler = nodes[0].handler();
+    let theirs = own_id(&stranger).await;
+    let stamped = |request| Request::OfCluster {
+        cluster: theirs,
+        request: Box::new(request),
+    };
+    for request in [
+        stamped(Request::Admin(AdminRequest::RemoveNode { id: 2 })),
+        Request::Propose(mqstate_cluster::control::Command::Renew {
+            node: 3,
+            seen_epoch: 0,
+            now_ms: 0,
+        }),
+    ] {
+        match handler.handle(request).await {
+            Response::Failed(why) => assert!(why.contains("this node belongs to cluster"), "{why}"),
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+    match handler.handle(stamped(Request::Hello)).await {
+        Response::Hello { cluster, .. } => {
+            assert!(cluster.is_some() && cluster != Some(theirs))
+        }
+        other => panic!("{other:?}"),
+    }
     stranger.shutdown().await;
     for node in nodes {
         node.shutdown().await;
+    }
+}
+
+/// The cluster id `node` answers a Hello with.
+async fn own_id(node: &ClusterNode) -> ClusterId {
+    match node.handler().handle(Request::Hello).await {
+        Response::Hello {
+            cluster: Some(id), ..
+        } => id,
+        other => panic!("no cluster id: {other:?}"),
     }
 }
