@@ -93,6 +93,11 @@ impl Recent {
         for record in records {
             match record {
                 Record::Row { row, .. } => insert(&mut partitions, partition, row, now_ms),
+                Record::Note { note } => {
+                    if let Some(request) = record_of_note(note) {
+                        insert_request(&mut partitions, partition, request, now_ms);
+                    }
+                }
                 Record::Clear { view } => {
                     // The sessions' space holds no store records: nothing to sync there.
                     let unsynced_since =
@@ -201,13 +206,7 @@ impl Recent {
         }
         let entries = table
             .live(now_ms)
-            .map(|(until, record)| Exported {
-                id: record.id.0,
-                until_ms: until,
-                expires_at_ms: record.expires_at_ms,
-                reply: record.reply.to_vec(),
-                reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
-            })
+            .map(|(until, record)| Exported::of(until, record))
             .collect();
         Some(entries)
     }
@@ -224,23 +223,14 @@ impl Recent {
             return false;
         }
         for entry in entries {
-            let reply_ts = match entry.reply_ts.as_deref().map(Hlc::parse).transpose() {
-                Ok(ts) => ts,
-                Err(e) => {
-                    tracing::warn!(partition, "a remembered request's __ts does not parse: {e}");
-                    continue;
-                }
+            let until_ms = entry.until_ms;
+            let Some(record) = entry.into_record(partition) else {
+                continue;
             };
-            let id = RequestId(entry.id);
-            table.requests.entry(id).or_insert((
-                entry.until_ms,
-                RequestRecord {
-                    id,
-                    expires_at_ms: entry.expires_at_ms,
-                    reply: Bytes::from(entry.reply),
-                    reply_ts,
-                },
-            ));
+            table
+                .requests
+                .entry(record.id)
+                .or_insert((until_ms, record));
         }
         table.unsynced_since = None;
         true
@@ -254,6 +244,96 @@ impl Recent {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+impl Exported {
+    fn of(until_ms: u64, record: &RequestRecord) -> Exported {
+        Exported {
+            id: record.id.0,
+            until_ms,
+            expires_at_ms: record.expires_at_ms,
+            reply: record.reply.to_vec(),
+            reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
+        }
+    }
+
+    /// The request record back; `None` (with a log line) if its `__ts` does not parse.
+    fn into_record(self, partition: u32) -> Option<RequestRecord> {
+        let reply_ts = match self.reply_ts.as_deref().map(Hlc::parse).transpose() {
+            Ok(ts) => ts,
+            Err(e) => {
+                tracing::warn!(partition, "a remembered request's __ts does not parse: {e}");
+                return None;
+            }
+        };
+        Some(RequestRecord {
+            id: RequestId(self.id),
+            expires_at_ms: self.expires_at_ms,
+            reply: Bytes::from(self.reply),
+            reply_ts,
+        })
+    }
+}
+
+/// A remembered request as the chain log keeps it: a note's bytes ([`Record::Note`], postcard)
+/// and each entry of a snapshot's state (`docs/storage-format.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Remembered {
+    pub(crate) id: [u8; 16],
+    pub(crate) expires_at_ms: u64,
+    pub(crate) reply: Vec<u8>,
+    pub(crate) reply_ts: Option<String>,
+}
+
+impl From<&RequestRecord> for Remembered {
+    fn from(record: &RequestRecord) -> Remembered {
+        Remembered {
+            id: record.id.0,
+            expires_at_ms: record.expires_at_ms,
+            reply: record.reply.to_vec(),
+            reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
+        }
+    }
+}
+
+impl TryFrom<Remembered> for RequestRecord {
+    /// The `__ts` that does not parse.
+    type Error = String;
+
+    fn try_from(r: Remembered) -> Result<RequestRecord, String> {
+        let reply_ts = r.reply_ts.as_deref().map(Hlc::parse).transpose();
+        Ok(RequestRecord {
+            id: RequestId(r.id),
+            expires_at_ms: r.expires_at_ms,
+            reply: Bytes::from(r.reply),
+            reply_ts: reply_ts.map_err(|e| format!("a remembered request's __ts: {e}"))?,
+        })
+    }
+}
+
+/// The chain note ([`Record::Note`]) of a request a head answered without writing a row, so that
+/// every replica remembers it.
+pub fn note_of(record: &RequestRecord) -> Vec<u8> {
+    crate::wire::encode(&Remembered::from(record))
+}
+
+/// The request record of a chain note ([`note_of`]); an error says what does not decode.
+pub fn decode_note(note: &[u8]) -> Result<RequestRecord, String> {
+    crate::wire::decode::<Remembered>(note)
+        .map_err(|e| format!("a chain note: {e}"))
+        .and_then(RequestRecord::try_from)
+}
+
+/// The request record of a chain note; `None` (with a log line) if it does not decode: the notes
+/// are this crate's own, so that is damage, which must not stop a replay.
+pub(crate) fn record_of_note(note: &[u8]) -> Option<RequestRecord> {
+    match decode_note(note) {
+        Ok(record) => Some(record),
+        Err(e) => {
+            tracing::warn!("a chain note does not decode: {e}");
+            None
+        }
     }
 }
 
