@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use mqstate_broker::{
     Broker, Durable, Ending, JournalError, Located, Locating, Message, Restored, SessionChange,
-    SessionJournal, SessionSource, StoredSession,
+    SessionJournal, SessionSource, StoredSession, Unlocated,
 };
 pub use mqstate_chain::Version;
 use tokio::sync::watch;
@@ -574,7 +574,7 @@ impl SessionSource for ReplicatedSessions {
         Box::pin(async move {
             locate(&shared, client_id, clean_start, held_here)
                 .await
-                .map_err(JournalError)
+                .map_err(Unlocated)
         })
     }
 
@@ -963,15 +963,11 @@ impl ReplicatedSessions {
                 let Some(shared) = shared.upgrade() else {
                     return;
                 };
-                let Ok(rows) = shared.rows() else {
-                    continue;
-                };
-                if !rows.lease_held() {
-                    send_clients_away(&shared);
-                } else if tokio::time::Instant::now() >= next_look {
+                let look = tokio::time::Instant::now() >= next_look;
+                if look {
                     next_look = tokio::time::Instant::now() + ADOPT_EVERY;
-                    adopt_orphans(&shared).await;
                 }
+                tend(&shared, look).await;
             }
         })
     }
@@ -983,16 +979,21 @@ impl ReplicatedSessions {
     /// and queues what is routed to it. Returns the client ids adopted. While this node's own
     /// lease has lapsed it adopts nothing and sends the clients of its sessions away instead.
     pub async fn adopt_orphans(&self) -> Vec<Arc<str>> {
-        adopt_orphans(&self.shared).await
+        tend(&self.shared, true).await
     }
 }
 
-async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
+/// One step of this node's care of its sessions: while its own lease has lapsed, it sends their
+/// clients away and adopts nothing; otherwise, if `look`, it adopts the orphans it finds (returned).
+async fn tend(shared: &Shared, look: bool) -> Vec<Arc<str>> {
     let Ok(rows) = shared.rows() else {
         return Vec::new();
     };
     if !rows.lease_held() {
         send_clients_away(shared);
+        return Vec::new();
+    }
+    if !look {
         return Vec::new();
     }
     let here = match rows.here().await {

@@ -40,7 +40,7 @@ impl Connection {
                 tracing::warn!(client_id = %self.client_id, %error, "CONNECT refused: the session could not be located in the cluster");
                 self.codec.refuse_connack(
                     reason::SERVER_UNAVAILABLE,
-                    Some("the session's replicas are not reachable now; retry"),
+                    Some("the session cannot be located in the cluster now; retry"),
                     &mut self.out,
                 );
                 return false;
