@@ -594,6 +594,18 @@ mod tests {
     }
 
     impl FakeBroker {
+        /// The client's end of an in-memory connection, and the fake broker at the other.
+        fn pair() -> (DuplexStream, FakeBroker) {
+            let (client_end, broker_end) = tokio::io::duplex(1 << 16);
+            let (reader, writer) = tokio::io::split(broker_end);
+            let broker = FakeBroker {
+                reader,
+                writer,
+                buf: BytesMut::new(),
+            };
+            (client_end, broker)
+        }
+
         async fn next(&mut self) -> Packet {
             read_packet(&mut self.reader, &mut self.buf).await.unwrap()
         }
@@ -609,13 +621,7 @@ mod tests {
         ack: Packet,
         (opts, filters): (Options, Vec<Filter>),
     ) -> (Conn<DuplexStream>, FakeBroker) {
-        let (client_end, broker_end) = tokio::io::duplex(1 << 16);
-        let (r, w) = tokio::io::split(broker_end);
-        let mut broker = FakeBroker {
-            reader: r,
-            writer: w,
-            buf: BytesMut::new(),
-        };
+        let (client_end, mut broker) = FakeBroker::pair();
         let has_filters = !filters.is_empty();
         let client = tokio::spawn(async move {
             let mut conn = Conn::start(client_end, opts).await?;
@@ -835,13 +841,7 @@ mod tests {
     #[tokio::test]
     async fn resume_asks_for_the_session_and_reports_whether_it_was_there() {
         for (resume, present) in [(Some(3_600), true), (None, false)] {
-            let (client_end, broker_end) = tokio::io::duplex(1 << 16);
-            let (r, w) = tokio::io::split(broker_end);
-            let mut broker = FakeBroker {
-                reader: r,
-                writer: w,
-                buf: BytesMut::new(),
-            };
+            let (client_end, mut broker) = FakeBroker::pair();
             let (opts, _) = options(8, Vec::new());
             let client = tokio::spawn(Conn::start(client_end, Options { resume, ..opts }));
             let Packet::Connect(connect, ..) = broker.next().await else {
