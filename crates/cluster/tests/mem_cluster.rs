@@ -26,6 +26,15 @@ async fn start(net: &MemNetwork, root: &Path, id: NodeId, founders: &[NodeId]) -
     .await
 }
 
+/// Every one of `founders`, in order.
+async fn start_all(net: &MemNetwork, root: &Path, founders: &[NodeId]) -> Vec<ClusterNode> {
+    let mut nodes = Vec::new();
+    for &id in founders {
+        nodes.push(start(net, root, id, founders).await);
+    }
+    nodes
+}
+
 async fn crash(net: &MemNetwork, node: ClusterNode) {
     net.unregister(&addr(node.id()));
     node.shutdown().await;
@@ -59,10 +68,7 @@ async fn three_nodes_form_survive_the_leader_and_change_membership() {
     let dir = tempfile::tempdir().unwrap();
     let net = MemNetwork::new();
     let founders = [1, 2, 3];
-    let mut nodes = Vec::new();
-    for id in founders {
-        nodes.push(start(&net, dir.path(), id, &founders).await);
-    }
+    let mut nodes = start_all(&net, dir.path(), &founders).await;
     let all: Vec<&ClusterNode> = nodes.iter().collect();
     eventually(&all, "one leader, three members up, the map created", |s| {
         s.leader.is_some()
@@ -288,10 +294,7 @@ async fn a_stranger_at_a_dead_members_address_is_refused() {
     crash(&net, stranger).await;
 
     let founders = [1, 2, 3];
-    let mut nodes = Vec::new();
-    for id in founders {
-        nodes.push(start(&net, dir.path(), id, &founders).await);
-    }
+    let mut nodes = start_all(&net, dir.path(), &founders).await;
     let all: Vec<&ClusterNode> = nodes.iter().collect();
     eventually(&all, "one leader, three members up", |s| {
         s.leader.is_some() && s.members.iter().all(|m| m.state == "up") && settled(s)
