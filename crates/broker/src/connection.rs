@@ -31,7 +31,8 @@ use crate::mailbox;
 use crate::message::{Message, PublishProperties, QoS};
 use crate::metrics;
 use crate::persist::{Durable, JournalError};
-use crate::registry::{Attach, Control, Owner};
+use crate::registry::{Attach, Control, Owner, WillOnEnd};
+use crate::service::publish_once_landed;
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
 use crate::topic::{self, TopicNameProblem};
@@ -50,7 +51,7 @@ enum End {
     Closed,
     /// The client sent DISCONNECT; 0x04 asks for the will.
     ClientDisconnect {
-        publish_will: bool,
+        will: WillOnEnd,
     },
     Violation(Violation),
     KeepAliveTimeout,
@@ -61,7 +62,7 @@ enum End {
     Kicked {
         reason_code: u8,
         reason_string: Option<String>,
-        publish_will: bool,
+        will: WillOnEnd,
     },
     Shutdown,
     /// CONNACK refused the session after attaching it (its state could not be made durable).
@@ -984,8 +985,8 @@ impl Connection {
                     _ = link.shutdown.cancelled() => return End::Shutdown,
                     ctl = poll_fn(|cx| link.control.poll_recv(cx)) => match ctl {
                         Some(Control::TakeOver { done }) => return End::TakenOver(Some(done)),
-                        Some(Control::Disconnect { reason_code, reason_string, publish_will }) => {
-                            return End::Kicked { reason_code, reason_string, publish_will }
+                        Some(Control::Disconnect { reason_code, reason_string, will }) => {
+                            return End::Kicked { reason_code, reason_string, will }
                         }
                         // The registry dropped our channel: the session was taken by force.
                         None => return End::TakenOver(None),
@@ -1117,7 +1118,11 @@ impl Connection {
                         .set_expiry(self.session_expiry_secs, &*self.inner.clock);
                 }
                 return Err(End::ClientDisconnect {
-                    publish_will: code == reason::DISCONNECT_WITH_WILL,
+                    will: if code == reason::DISCONNECT_WITH_WILL {
+                        WillOnEnd::Publish
+                    } else {
+                        WillOnEnd::Skip
+                    },
                 });
             }
             Inbound::Connect(_) => {
@@ -1577,25 +1582,23 @@ impl Connection {
     /// Sends DISCONNECT if the end calls for one, closes, detaches from the session and publishes
     /// or arms the will.
     async fn finish(mut self, end: End, wr: &mut Stream) {
-        let (disconnect, publish_will, takeover_done, why): (
+        let (disconnect, will_on_end, takeover_done, why): (
             Option<(u8, Option<String>)>,
-            bool,
+            WillOnEnd,
             _,
             &str,
         ) = match end {
-            End::Closed => (None, true, None, "connection lost"),
-            End::ClientDisconnect { publish_will } => {
-                (None, publish_will, None, "client disconnected")
-            }
+            End::Closed => (None, WillOnEnd::Publish, None, "connection lost"),
+            End::ClientDisconnect { will } => (None, will, None, "client disconnected"),
             End::Violation(v) => (
                 Some((v.code, Some(v.reason.to_owned()))),
-                true,
+                WillOnEnd::Publish,
                 None,
                 v.reason,
             ),
             End::KeepAliveTimeout => (
                 Some((reason::KEEP_ALIVE_TIMEOUT, None)),
-                true,
+                WillOnEnd::Publish,
                 None,
                 "keep-alive timeout",
             ),
@@ -1603,34 +1606,39 @@ impl Connection {
                 self.out.clear();
                 (
                     None,
-                    true,
+                    WillOnEnd::Publish,
                     None,
                     "slow consumer: the socket took no write within the slow-consumer timeout",
                 )
             }
             End::TakenOver(done) => (
                 Some((reason::SESSION_TAKEN_OVER, None)),
-                true,
+                WillOnEnd::Publish,
                 done,
                 "session taken over",
             ),
             End::Kicked {
                 reason_code,
                 reason_string,
-                publish_will,
+                will,
             } => (
                 Some((reason_code, reason_string)),
-                publish_will,
+                will,
                 None,
                 "disconnected by a service",
             ),
             End::Shutdown => (
                 Some((reason::SERVER_SHUTTING_DOWN, None)),
-                true,
+                WillOnEnd::Publish,
                 None,
                 "server shutting down",
             ),
-            End::Refused => (None, false, None, "session state could not be stored"),
+            End::Refused => (
+                None,
+                WillOnEnd::Skip,
+                None,
+                "session state could not be stored",
+            ),
         };
         if let Some((code, reason_string)) = disconnect {
             self.codec
@@ -1644,18 +1652,25 @@ impl Connection {
             wr.shutdown().await
         })
         .await;
-        let will = if publish_will {
-            self.will.take().map(|w| *w)
-        } else {
-            None
+        let will = match will_on_end {
+            WillOnEnd::Skip => None,
+            WillOnEnd::Publish | WillOnEnd::OnceLanded => self.will.take().map(|w| *w),
         };
-        let effects = self
+        let mut effects = self
             .inner
             .registry
             .detach(&self.client_id, self.conn_id, will);
         self.inner.emit(ClientEvent::Disconnected {
             client_id: self.client_id.clone(),
         });
+        if will_on_end == WillOnEnd::OnceLanded && !effects.wills.is_empty() {
+            let wills = std::mem::take(&mut effects.wills);
+            tokio::spawn(publish_once_landed(
+                self.inner.clone(),
+                self.client_id.clone(),
+                wills,
+            ));
+        }
         self.inner.apply(effects);
         if let Some(done) = takeover_done {
             let _ = done.send(());

@@ -28,14 +28,29 @@ use crate::will::Will;
 pub(crate) enum Control {
     /// Another connection wants this session: disconnect with 0x8E, detach, then reply.
     TakeOver { done: oneshot::Sender<()> },
-    /// Disconnect with this reason (a service asked for it). `publish_will`: false when the
-    /// session lives on elsewhere (it moved to another node, or will be adopted by one): its
-    /// will is then the new holder's to publish, not this connection's.
+    /// Disconnect with this reason (a service asked for it); `will` says what becomes of the
+    /// connection's will.
     Disconnect {
         reason_code: u8,
         reason_string: Option<String>,
-        publish_will: bool,
+        will: WillOnEnd,
     },
+}
+
+/// What becomes of the will of a connection when it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WillOnEnd {
+    /// Published now, or armed if delayed, as at any abnormal end.
+    Publish,
+    /// Not published: the client ended normally, or the session moved to another node, whose
+    /// copy holds the will.
+    Skip,
+    /// As `Publish`, but a will due now waits until what this node recorded of the session (the
+    /// connection's end) landed in its row, and is dropped if another node took the session
+    /// over first: a cluster node whose lease lapsed sends its clients away, and another node
+    /// may be adopting their sessions (decision 0057). (On a cluster node a delayed will always
+    /// waits so: `session_timer`.)
+    OnceLanded,
 }
 
 /// The connection that currently owns a session.
@@ -171,7 +186,7 @@ impl Registry {
                     let _ = displaced.control.try_send(Control::Disconnect {
                         reason_code: crate::codec::reason::SESSION_TAKEN_OVER,
                         reason_string: None,
-                        publish_will: true,
+                        will: WillOnEnd::Publish,
                     });
                 }
                 if clean_start {
@@ -505,7 +520,7 @@ mod tests {
             Control::Disconnect {
                 reason_code: 0,
                 reason_string: None,
-                publish_will: true,
+                will: WillOnEnd::Publish,
             }
         ));
     }

@@ -113,6 +113,9 @@ struct Status {
     /// Changes up to this generation were in a write that failed (unless `written` covers them).
     failed: u64,
     lost: bool,
+    /// With `lost`: the entry was replaced by a take-over of this node's own (a CONNECT here,
+    /// e.g. a clean start), not by another node's.
+    taken_here: bool,
 }
 
 struct Entry {
@@ -604,8 +607,11 @@ impl SessionSource for ReplicatedSessions {
                 .map(|s| *s)
             {
                 // Landed, though the entry may have been replaced since (a CONNECT here that
-                // found the row deleted).
-                Ok(s) => s.written >= generation,
+                // found the row deleted). Or replaced first by a take-over here (a clean start
+                // of the client on this node, whose delete of the row won): no other node holds
+                // the session, so what this node took out of it before (a will that came due,
+                // waiting for this) is still this node's to publish.
+                Ok(s) => s.written >= generation || s.taken_here,
                 // Replaced before it landed: the session was taken over.
                 Err(_) => false,
             }
@@ -906,7 +912,10 @@ async fn take_over(
         let previous = state.entries.remove(&client_id);
         if let Some(previous) = previous {
             // Whoever waits on the copy this replaces is told it is gone.
-            previous.status.send_modify(|s| s.lost = true);
+            previous.status.send_modify(|s| {
+                s.lost = true;
+                s.taken_here = previous.role == Role::Owned;
+            });
         }
         let (status, _) = watch::channel(Status::default());
         state.entries.insert(
@@ -1613,6 +1622,38 @@ mod tests {
         rows.3.store(false, Ordering::Relaxed);
         assert_eq!(a.adopt_orphans().await, [Arc::<str>::from("c")]);
         assert_eq!(row_of(&rows).owner, 1);
+    }
+
+    /// A delayed will that came due on its owner is published once its cancellation landed
+    /// (the broker's `publish_once_landed`). A clean start of the client on the owner itself
+    /// whose delete of the row wins over that write leaves the will this node's: nobody else
+    /// holds it (the clean start settles only other nodes' wills). Before, `ended` answered
+    /// "taken over", and the will was lost.
+    #[tokio::test]
+    async fn a_clean_start_here_that_wins_the_row_leaves_a_due_will_to_this_node() {
+        let rows = Arc::new(MemoryRows::default());
+        let a = node(1, &rows);
+        create(&a, 60).await;
+        rows.hold();
+        let cancelled = a.record(vec![SessionChange::WillCancelled {
+            client_id: "c".into(),
+        }]);
+        let ended = tokio::spawn(a.ended("c"));
+        let clean_start = {
+            let a = a.clone();
+            tokio::spawn(async move { a.locate("c", true, true, true).await })
+        };
+        while rows.held() < 2 {
+            tokio::task::yield_now().await;
+        }
+        rows.land_newest();
+        assert_eq!(clean_start.await.unwrap(), Ok(Located::Gone));
+        rows.stop_holding();
+        assert!(
+            cancelled.await.is_err(),
+            "the cancellation's write lost the row"
+        );
+        assert!(ended.await.unwrap(), "the due will is still this node's");
     }
 
     /// A state store whose first `restore` is held until the test opens it.

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use super::Connection;
 use crate::codec::reason;
 use crate::persist::Located;
-use crate::registry::Untaken;
+use crate::registry::{Untaken, WillOnEnd};
 
 /// How long to wait between tries to drop a stale copy that a connection here still holds.
 const RETAKE_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
@@ -58,7 +58,7 @@ impl Connection {
                         crate::registry::Control::Disconnect {
                             reason_code: reason::SESSION_TAKEN_OVER,
                             reason_string: Some("the session moved to another node".into()),
-                            publish_will: false,
+                            will: WillOnEnd::Skip,
                         },
                     );
                     tokio::time::sleep(RETAKE_EVERY).await;
