@@ -114,7 +114,8 @@ struct Status {
     failed: u64,
     lost: bool,
     /// With `lost`: the entry was replaced by a take-over of this node's own (a CONNECT here,
-    /// e.g. a clean start), not by another node's.
+    /// e.g. a clean start) of a row still as this copy left it — not by another node's, and not
+    /// after another node took the session meanwhile (it may hold the will then).
     taken_here: bool,
 }
 
@@ -845,6 +846,11 @@ async fn take_over(
 ) -> Result<Option<(Located, u64)>, String> {
     let known_epoch = shared.lock().entries.get(&client_id).map_or(0, |e| e.epoch);
     let epoch = known_epoch.max(found.row.as_ref().map_or(0, |r| r.epoch)) + 1;
+    // The row is still as this node's copy left it: no other node took the session meanwhile.
+    let row_was_ours = found
+        .row
+        .as_ref()
+        .is_some_and(|r| r.owner == shared.node && r.epoch == known_epoch);
     // An ended session is not taken: its row goes. Its will is published here only if no
     // running node holds it (a live owner publishes it itself, from its own timers or when the
     // claim ends its connection).
@@ -914,7 +920,7 @@ async fn take_over(
             // Whoever waits on the copy this replaces is told it is gone.
             previous.status.send_modify(|s| {
                 s.lost = true;
-                s.taken_here = previous.role == Role::Owned;
+                s.taken_here = previous.role == Role::Owned && row_was_ours;
             });
         }
         let (status, _) = watch::channel(Status::default());
@@ -1654,6 +1660,37 @@ mod tests {
             "the cancellation's write lost the row"
         );
         assert!(ended.await.unwrap(), "the due will is still this node's");
+    }
+
+    /// As above, but another node adopted the session meanwhile (this node, cut off, never
+    /// heard): a clean start here takes the row from the adopter, whose copy had the will, so
+    /// the will this node took out is not its own any more.
+    #[tokio::test]
+    async fn a_clean_start_here_after_an_adoption_elsewhere_does_not_make_the_will_this_nodes() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let _broker = with_broker(&b);
+        create(&a, 60).await;
+        rows.1.lock().unwrap().push(1);
+        assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
+        rows.1.lock().unwrap().clear();
+        rows.hold();
+        let cancelled = a.record(vec![SessionChange::WillCancelled {
+            client_id: "c".into(),
+        }]);
+        let ended = tokio::spawn(a.ended("c"));
+        let clean_start = {
+            let a = a.clone();
+            tokio::spawn(async move { a.locate("c", true, true, true).await })
+        };
+        while rows.held() < 2 {
+            tokio::task::yield_now().await;
+        }
+        rows.land_newest();
+        assert_eq!(clean_start.await.unwrap(), Ok(Located::Gone));
+        rows.stop_holding();
+        assert!(cancelled.await.is_err());
+        assert!(!ended.await.unwrap(), "the adopter held the will");
     }
 
     /// A state store whose first `restore` is held until the test opens it.
