@@ -113,6 +113,10 @@ struct Status {
     /// Changes up to this generation were in a write that failed (unless `written` covers them).
     failed: u64,
     lost: bool,
+    /// A take-over here deleted the row this entry last wrote (a CONNECT's clean start, or the
+    /// session ended by the row) without publishing the will: the session ended, so a will the
+    /// broker holds for its end goes out ([`SessionSource::ended`]).
+    ended_here: bool,
 }
 
 struct Entry {
@@ -604,8 +608,8 @@ impl SessionSource for ReplicatedSessions {
                 .map(|s| *s)
             {
                 // Landed, though the entry may have been replaced since (a CONNECT here that
-                // found the row deleted).
-                Ok(s) => s.written >= generation,
+                // found the row deleted); or a CONNECT here deleted the row first.
+                Ok(s) => s.written >= generation || s.ended_here,
                 // Replaced before it landed: the session was taken over.
                 Err(_) => false,
             }
@@ -866,6 +870,16 @@ async fn take_over(
     let mut observed = Vec::new();
     let mut cursors = BTreeMap::new();
     let mut will = None;
+    // The row as this node's entry last wrote it: deleting it ends the session this node holds.
+    let ours = found.row.as_ref().is_some_and(|row| {
+        row.owner == shared.node
+            && shared
+                .lock()
+                .entries
+                .get(&client_id)
+                .is_some_and(|e| e.role == Role::Owned && e.epoch == row.epoch)
+    });
+    let mut ended_here = false;
     let (base, located) = match found.row {
         Some(mut row) if !clean_start && !ended => {
             row.owner = shared.node;
@@ -886,6 +900,7 @@ async fn take_over(
                 if settle || dropped(&row) {
                     will = row.session.will_at_end().cloned();
                 }
+                ended_here = ours && will.is_none();
                 (Some(version), Located::Gone)
             }
             Err(_) => return Ok(None),
@@ -905,8 +920,12 @@ async fn take_over(
         state.mirror.sessions.remove(&client_id);
         let previous = state.entries.remove(&client_id);
         if let Some(previous) = previous {
-            // Whoever waits on the copy this replaces is told it is gone.
-            previous.status.send_modify(|s| s.lost = true);
+            // Whoever waits on the copy this replaces is told it is gone, and whether its
+            // session ended here.
+            previous.status.send_modify(|s| {
+                s.lost = true;
+                s.ended_here = ended_here;
+            });
         }
         let (status, _) = watch::channel(Status::default());
         state.entries.insert(
