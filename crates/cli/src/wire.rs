@@ -27,7 +27,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
     check, ConnAck, Connect, ConnectProperties, ConnectReturnCode, Disconnect,
-    DisconnectReasonCode, Filter, Login, Packet, PingReq, PubAck, PubAckReason, Publish,
+    DisconnectReasonCode, Filter, LastWill, Login, Packet, PingReq, PubAck, PubAckReason, Publish,
     PublishProperties, Subscribe, SubscribeReasonCode,
 };
 use rumqttc::v5::mqttbytes::{Error as CodecError, QoS};
@@ -57,6 +57,8 @@ pub struct Options {
     /// `None`: a clean start with session expiry 0. `Some(expiry)`: a session that outlives the
     /// connection by `expiry` seconds, resumed if the server has it ([`Conn::session_present`]).
     pub resume: Option<u32>,
+    /// The will the CONNECT carries (the cluster simulation's will clients; the tools send none).
+    pub will: Option<LastWill>,
 }
 
 /// Why [`Conn::start`] failed: the server refused the CONNECT, or anything else went wrong.
@@ -457,7 +459,7 @@ where
             ..ConnectProperties::new()
         }),
     };
-    let packet = Packet::Connect(connect, None, options.login.clone());
+    let packet = Packet::Connect(connect, options.will.clone(), options.login.clone());
     send(stream, &encode(&packet)?)
         .await
         .map_err(|e| format!("sending CONNECT: {e}"))?;
@@ -582,6 +584,7 @@ mod tests {
             login: None,
             max_inflight,
             resume: None,
+            will: None,
         };
         (options, filters)
     }

@@ -113,9 +113,11 @@ struct Status {
     /// Changes up to this generation were in a write that failed (unless `written` covers them).
     failed: u64,
     lost: bool,
-    /// With `lost`: the entry was replaced by a take-over of this node's own (a CONNECT here,
-    /// e.g. a clean start) of a row still as this copy left it — not by another node's, and not
-    /// after another node took the session meanwhile (it may hold the will then).
+    /// With `lost`: the entry was replaced by a take-over here (a CONNECT of this node's, e.g. a
+    /// clean start, or the session ended by its row) of the row as this entry last wrote it,
+    /// which published no will: no other node took the session meanwhile, so what this node took
+    /// out of it before (a will that came due, or the will of its end) is still this node's to
+    /// publish ([`SessionSource::ended`]).
     taken_here: bool,
 }
 
@@ -608,10 +610,9 @@ impl SessionSource for ReplicatedSessions {
                 .map(|s| *s)
             {
                 // Landed, though the entry may have been replaced since (a CONNECT here that
-                // found the row deleted). Or replaced first by a take-over here (a clean start
-                // of the client on this node, whose delete of the row won): no other node holds
-                // the session, so what this node took out of it before (a will that came due,
-                // waiting for this) is still this node's to publish.
+                // found the row deleted). Or replaced first by a take-over here of the row as
+                // this entry left it (a clean start of the client on this node whose delete of
+                // the row won; an expiry the CONNECT's delete overtook).
                 Ok(s) => s.written >= generation || s.taken_here,
                 // Replaced before it landed: the session was taken over.
                 Err(_) => false,
@@ -846,11 +847,6 @@ async fn take_over(
 ) -> Result<Option<(Located, u64)>, String> {
     let known_epoch = shared.lock().entries.get(&client_id).map_or(0, |e| e.epoch);
     let epoch = known_epoch.max(found.row.as_ref().map_or(0, |r| r.epoch)) + 1;
-    // The row is still as this node's copy left it: no other node took the session meanwhile.
-    let row_was_ours = found
-        .row
-        .as_ref()
-        .is_some_and(|r| r.owner == shared.node && r.epoch == known_epoch);
     // An ended session is not taken: its row goes. Its will is published here only if no
     // running node holds it (a live owner publishes it itself, from its own timers or when the
     // claim ends its connection).
@@ -878,6 +874,15 @@ async fn take_over(
     let mut observed = Vec::new();
     let mut cursors = BTreeMap::new();
     let mut will = None;
+    // The row as this node's entry last wrote it: deleting it ends the session this node holds.
+    let ours = found.row.as_ref().is_some_and(|row| {
+        row.owner == shared.node
+            && shared
+                .lock()
+                .entries
+                .get(&client_id)
+                .is_some_and(|e| e.role == Role::Owned && e.epoch == row.epoch)
+    });
     let (base, located) = match found.row {
         Some(mut row) if !clean_start && !ended => {
             row.owner = shared.node;
@@ -904,6 +909,7 @@ async fn take_over(
         },
         None => (found.version, Located::Gone),
     };
+    let taken_here = ours && will.is_none();
     if let Some(will) = will {
         match shared.broker.get() {
             Some(broker) => broker.publish_will(will),
@@ -917,10 +923,11 @@ async fn take_over(
         state.mirror.sessions.remove(&client_id);
         let previous = state.entries.remove(&client_id);
         if let Some(previous) = previous {
-            // Whoever waits on the copy this replaces is told it is gone.
+            // Whoever waits on the copy this replaces is told it is gone, and whether it was
+            // taken here.
             previous.status.send_modify(|s| {
                 s.lost = true;
-                s.taken_here = previous.role == Role::Owned && row_was_ours;
+                s.taken_here = taken_here;
             });
         }
         let (status, _) = watch::channel(Status::default());
