@@ -748,9 +748,9 @@ impl Connection {
         }
         let deadline = self.inner.clock.tokio_now() + self.inner.config.takeover_timeout;
         // A cluster node: the session may live on another node (decision 0047).
-        if self.inner.elsewhere.is_some() && !self.locate_elsewhere(deadline).await {
+        let Some(must_resume) = self.locate_elsewhere(deadline).await else {
             return false;
-        }
+        };
         let (handle, session_present, effects, durable) = loop {
             let owner = Owner {
                 conn_id: self.conn_id,
@@ -763,6 +763,7 @@ impl Connection {
                 self.session_expiry_secs,
                 owner,
                 force,
+                must_resume,
             ) {
                 Attach::Attached {
                     handle,
@@ -773,6 +774,20 @@ impl Connection {
                 Attach::Wait(done) => {
                     tracing::debug!(client_id = %self.client_id, "taking over session from a live connection");
                     let _ = tokio::time::timeout_at(deadline, done).await;
+                }
+                // The copy located or taken in for this CONNECT was dropped before it attached
+                // (a late drop of a copy another node took meanwhile, or the copy expired). A
+                // fresh session in its place would answer Session Present 0 for a session that
+                // may exist (robustness seed 500764) and overwrite its row: refuse, retryably;
+                // the retry locates it again.
+                Attach::Vanished => {
+                    tracing::warn!(client_id = %self.client_id, "CONNECT refused: the session located for it was dropped before it attached");
+                    self.codec.refuse_connack(
+                        reason::SERVER_BUSY,
+                        Some("the session moved while this connection took it; retry"),
+                        &mut self.out,
+                    );
+                    return false;
                 }
             }
         };

@@ -129,6 +129,8 @@ pub(crate) enum Attach {
     },
     /// Another connection owns the session and was asked to hand it over.
     Wait(oneshot::Receiver<()>),
+    /// `must_resume`, and there is no session: nothing was created.
+    Vanished,
 }
 
 impl Registry {
@@ -156,7 +158,8 @@ impl Registry {
     }
 
     /// Attaches connection `owner` to `client_id`'s session (creating it, or discarding the old one
-    /// when `clean_start`). With `force`, a current owner is displaced without waiting.
+    /// when `clean_start`). With `force`, a current owner is displaced without waiting. With
+    /// `must_resume`, a missing session is not created ([`Attach::Vanished`]).
     pub(crate) fn attach(
         &self,
         client_id: &Arc<str>,
@@ -164,6 +167,7 @@ impl Registry {
         expiry_secs: u32,
         owner: Owner,
         force: bool,
+        must_resume: bool,
     ) -> Attach {
         let mut sessions = self.lock();
         if let Some(entry) = sessions.by_client.get_mut(client_id) {
@@ -201,6 +205,7 @@ impl Registry {
                     (old.handle, true)
                 }
             }
+            None if must_resume => return Attach::Vanished,
             None => (self.new_session(client_id, expiry_secs), false),
         };
         let durable = handle.lock().commit();
@@ -479,7 +484,7 @@ mod tests {
                 effects,
                 ..
             } => (handle, session_present, effects),
-            Attach::Wait(_) => panic!("expected attach"),
+            Attach::Wait(_) | Attach::Vanished => panic!("expected attach"),
         }
     }
 
@@ -488,17 +493,17 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, mut rx1) = owner(1);
-        let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false));
+        let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false, false));
         assert!(!present);
         let (o2, _rx2) = owner(2);
-        let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false) else {
+        let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false, false) else {
             panic!("must wait")
         };
         assert!(matches!(rx1.try_recv(), Some(Control::TakeOver { .. })));
         let fx = reg.detach(&id, 1, None);
         assert!(fx.ended.is_empty());
         let (o2, _rx2) = owner(2);
-        let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false));
+        let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false, false));
         assert!(present);
         assert!(Arc::ptr_eq(&h1, &h2));
     }
@@ -508,9 +513,9 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx1) = owner(1);
-        attached(reg.attach(&id, false, 60, o1, false));
+        attached(reg.attach(&id, false, 60, o1, false, false));
         let (o2, _rx2) = owner(2);
-        let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true));
+        let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true, false));
         assert!(present);
         // The displaced connection's detach changes nothing.
         let fx = reg.detach(&id, 1, Some(will(10)));
@@ -530,7 +535,7 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        attached(reg.attach(&id, true, 0, o1, false));
+        attached(reg.attach(&id, true, 0, o1, false, false));
         let fx = reg.detach(&id, 1, Some(will(30)));
         assert_eq!(fx.ended.len(), 1);
         assert_eq!(
@@ -546,14 +551,14 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        attached(reg.attach(&id, false, 100, o1, false));
+        attached(reg.attach(&id, false, 100, o1, false, false));
         let now = reg.clock.now();
         let fx = reg.detach(&id, 1, Some(will(10)));
         let timer = fx.timer.unwrap();
         assert_eq!(timer.will_at, Some(now + Duration::from_secs(10)));
         assert_eq!(timer.expire_at, Some(now + Duration::from_secs(100)));
         let (o2, _rx2) = owner(2);
-        attached(reg.attach(&id, false, 100, o2, false));
+        attached(reg.attach(&id, false, 100, o2, false, false));
         assert!(reg.take_due_will(&id, timer.epoch).is_none());
         assert!(reg.expire(&id, timer.epoch).ended.is_empty());
 
@@ -568,10 +573,10 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false));
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, false));
         reg.detach(&id, 1, Some(will(50)));
         let (o2, _rx2) = owner(2);
-        let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false));
+        let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false, false));
         assert!(!present);
         assert!(!Arc::ptr_eq(&h1, &h2));
         assert_eq!(fx.ended.len(), 1);
@@ -584,7 +589,7 @@ mod tests {
         let id: Arc<str> = "c".into();
         assert!(matches!(reg.take(&id), Err(Untaken::Missing)));
         let (o1, _rx) = owner(1);
-        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false));
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, false));
         assert!(matches!(reg.take(&id), Err(Untaken::Connected)));
         let timer = reg.detach(&id, 1, Some(will(30))).timer.unwrap();
         let Ok(Taken { handle, will }) = reg.take(&id) else {

@@ -790,3 +790,57 @@ async fn a_delayed_will_due_on_a_cluster_node_waits_for_its_row_and_yields_to_a_
         }
     }
 }
+
+/// A session source whose `locate` finds the copy here, but has that copy dropped before
+/// answering (as a late `forget_session`, for a copy another node took meanwhile, can drop it
+/// between the locate and the attach).
+#[derive(Default)]
+struct DroppingSource(std::sync::OnceLock<Broker>);
+
+impl mqstate_broker::SessionSource for DroppingSource {
+    fn locate(
+        &self,
+        client_id: &str,
+        _: bool,
+        _: bool,
+        held_here: bool,
+    ) -> mqstate_broker::Locating {
+        if held_here {
+            if let Some(broker) = self.0.get() {
+                assert!(broker.forget_session(client_id), "the copy was here");
+            }
+        }
+        Box::pin(async { Ok(mqstate_broker::Located::Here) })
+    }
+
+    fn ended(&self, _: &str) -> mqstate_broker::Ending {
+        Box::pin(async { true })
+    }
+}
+
+/// Robustness seed 500764 (`session-present`): a CONNECT whose session was located here, then
+/// dropped before it attached, got a fresh session — Session Present 0 for a session that
+/// existed, and a `Created` that would overwrite its row. It is refused now (0x89, retryable).
+/// Before, the second CONNECT was accepted with Session Present 0.
+#[tokio::test]
+async fn a_connect_whose_located_session_is_dropped_before_it_attaches_is_refused() {
+    let source = Arc::new(DroppingSource::default());
+    let broker = Broker::builder(BrokerConfig::default())
+        .journal(MemoryJournal::new())
+        .sessions_elsewhere(source.clone())
+        .build();
+    assert!(source.0.set(broker.clone()).is_ok());
+    let s = Server::serve(broker).await;
+    let (c, ack) = Raw::connect(s.addr, "c", true, 60).await;
+    assert!(!ack.session_present);
+    c.disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    let mut again = Raw::open(s.addr).await;
+    again
+        .send(Packet::Connect(Box::new(connect_packet("c", false, 60))))
+        .await;
+    match again.expect().await {
+        Packet::ConnectAck(ack) => assert_eq!(u8::from(ack.reason_code), 0x89, "{ack:?}"),
+        other => panic!("expected CONNACK, got {other:?}"),
+    }
+}
