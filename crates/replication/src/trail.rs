@@ -101,7 +101,7 @@ impl Trail {
                     }
                 }
                 Record::Clear { .. } => self.clear(partition),
-                Record::CaughtUp { .. } | Record::Readable | Record::Note { .. } => {}
+                Record::CaughtUp { .. } | Record::Readable => {}
             }
         }
     }
