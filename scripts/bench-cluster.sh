@@ -2,14 +2,11 @@
 # The chains' figures in docs/benchmarks.md (issue 15), side by side in one run: one mqstate node,
 # three mqstate nodes on loopback (the state store on chains) and a three-member etcd cluster.
 #
-#   scripts/bench-cluster.sh [all|single|cluster|cluster-at-head|lock|pubsub|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
+#   scripts/bench-cluster.sh [all|single|cluster|cluster-at-head|pubsub|etcd|fsyncs] [MQSTATE_BINARY]   (default: all, the release build)
 #
 # Workloads (each after a warm-up):
 #   set-c50  durable SET, 50 clients × 1 request in flight, 64-byte values, 10,000 keys, `--fsync always`
 #   ss-16x8  the 50/50 state-store workload (SET/GET, 16 connections × 8 in flight, 10,000 keys)
-#   lock-c48 a contended lock (`lock`, not in `all`): SET NX of one key that is set, 48 clients × 1
-#            in flight over the three nodes, so every attempt but the first is answered "not
-#            applied" — each a note down the chain (decision 0050)
 #   etcd     put, 50 clients over 50 connections (`benchmark put --clients 50 --conns 50 --val-size 64
 #            --key-space-size 10000` in etcd's tool), by our etcd-bench (tools/etcd-bench, decision 0042)
 # For the cluster the clients are spread over the three nodes (a bench process per node, its share of
@@ -128,7 +125,6 @@ EOF
 
 SET_C50=(--inflight 1 --mix set=100 --keys 10000 --value-size 64)
 SS_16X8=(--inflight 8 --mix set=50,get=50 --keys 10000 --value-size 64)
-LOCK_C48=(--inflight 1 --mix setnx=100 --keys 1 --value-size 16)
 
 single() {
   start_single
@@ -148,12 +144,6 @@ cluster_at_head() {
   start_cluster
   bench cluster-head-set-c50 50 "${SET_C50[@]}" --keys-at-head
   bench cluster-head-ss-16x8 16 "${SS_16X8[@]}" --keys-at-head
-  stop_all
-}
-
-lock() {
-  start_cluster
-  bench cluster-lock-c48 48 "${LOCK_C48[@]}"
   stop_all
 }
 
@@ -262,10 +252,9 @@ case "$WHAT" in
   single) single ;;
   cluster) cluster ;;
   cluster-at-head) cluster_at_head ;;
-  lock) lock ;;
   pubsub) pubsub ;;
   etcd) etcd_bench ;;
   fsyncs) fsyncs ;;
   all) single; cluster; etcd_bench; fsyncs ;;
-  *) echo "unknown group: $WHAT (all|single|cluster|cluster-at-head|lock|pubsub|etcd|fsyncs)" >&2; exit 2 ;;
+  *) echo "unknown group: $WHAT (all|single|cluster|cluster-at-head|pubsub|etcd|fsyncs)" >&2; exit 2 ;;
 esac

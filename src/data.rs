@@ -261,18 +261,12 @@ impl RequestShown {
     /// `None` for a change that carries no request (expiries, older records, undecodable data).
     fn of(change: &Result<Change, StoreError>, max_bytes: usize) -> Option<RequestShown> {
         match change {
-            Ok(Change::Requested { request, .. }) => {
-                Some(RequestShown::of_record(request, max_bytes))
-            }
+            Ok(Change::Requested { request, .. }) => Some(RequestShown {
+                id: request.id.to_string(),
+                expires_at_ms: request.expires_at_ms,
+                reply: Shown::new(request.reply.trim_ascii_end(), max_bytes),
+            }),
             _ => None,
-        }
-    }
-
-    fn of_record(request: &mqstate_store::RequestRecord, max_bytes: usize) -> RequestShown {
-        RequestShown {
-            id: request.id.to_string(),
-            expires_at_ms: request.expires_at_ms,
-            reply: Shown::new(request.reply.trim_ascii_end(), max_bytes),
         }
     }
 

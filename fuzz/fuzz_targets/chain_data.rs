@@ -1,20 +1,18 @@
 //! The data plane's messages between nodes (crates/replication `wire`: chain messages, requests
 //! forwarded to a partition's head, their answers) and the state of its chain log's snapshot
-//! (`compaction`: images and remembered requests, version 1 or 2) and a chain log's note (`recent`:
-//! a request answered without a row): bytes from another node or the disk never panic the
-//! decoders, and what decodes re-encodes to what decodes to the same value.
+//! (`compaction`: images and remembered requests, version 1 or 2): bytes from another node or the
+//! disk never panic the decoders, and what decodes re-encodes to what decodes to the same value.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use mqstate_replication::compaction;
-use mqstate_replication::recent::{decode_note, note_of};
 use mqstate_replication::wire::{decode, encode, DataRequest, DataResponse};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&selector, body)) = data.split_first() else {
         return;
     };
-    match selector % 4 {
+    match selector % 3 {
         0 => {
             if let Ok(request) = decode::<DataRequest>(body) {
                 assert_eq!(decode::<DataRequest>(&encode(&request)).ok(), Some(request));
@@ -22,11 +20,6 @@ fuzz_target!(|data: &[u8]| {
         }
         1 => {
             let _ = decode::<DataResponse>(body);
-        }
-        2 => {
-            if let Ok(request) = decode_note(body) {
-                assert_eq!(decode_note(&note_of(&request)), Ok(request));
-            }
         }
         _ => {
             if let Ok(contents) = compaction::decode(body) {

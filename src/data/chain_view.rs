@@ -1,12 +1,10 @@
 //! The chain log's records (`<data-dir>/chains/`, decision 0035) as `mqstate data` shows them: per
 //! record its partition, then each replica record — a row's key, version, lock bit and view, with
 //! the store change its value holds (the request and key change the head made), or a replica's
-//! re-entry (`clear`), its copy complete (`caught-up`), it being readable again, or a note (a
-//! request its head answered without a row, decision 0050).
+//! re-entry (`clear`), its copy complete (`caught-up`) or it being readable again.
 
 use mqstate_chain::{Record, Row};
 use mqstate_replication::log::decode_batch;
-use mqstate_replication::recent::decode_note;
 use mqstate_store::Change;
 use serde_json::{json, Value};
 
@@ -69,13 +67,6 @@ fn record_text(record: &Record, max_bytes: usize) -> String {
         Record::Clear { view } => format!("clear (re-enters at the tail of view {view})"),
         Record::CaughtUp { view } => format!("caught-up (copy complete in view {view})"),
         Record::Readable => "readable".to_owned(),
-        Record::Note { note } => match decode_note(note) {
-            Ok(request) => format!(
-                "note: answered without a row {}",
-                RequestShown::of_record(&request, max_bytes)
-            ),
-            Err(e) => format!("note UNDECODABLE: {e}"),
-        },
     }
 }
 
@@ -105,13 +96,6 @@ fn record_json(record: &Record, max_bytes: usize) -> Value {
         Record::Clear { view } => json!({"op": "clear", "view": view}),
         Record::CaughtUp { view } => json!({"op": "caught-up", "view": view}),
         Record::Readable => json!({"op": "readable"}),
-        Record::Note { note } => match decode_note(note) {
-            Ok(request) => json!({
-                "op": "note",
-                "request": RequestShown::of_record(&request, max_bytes).to_json(),
-            }),
-            Err(e) => json!({"op": "note", "error": e}),
-        },
     }
 }
 
@@ -161,36 +145,5 @@ mod tests {
         assert_eq!(json["records"][1]["view"], 5);
         assert_eq!(json["records"][1]["key"], "k1");
         assert!(describe(b"\xff\xff\xff\xff\xff\xff", 64, false).starts_with("UNDECODABLE"));
-    }
-
-    #[test]
-    fn a_note_shows_its_request() {
-        let request = mqstate_store::RequestRecord {
-            id: mqstate_store::RequestId::of("c", b"1"),
-            expires_at_ms: 99,
-            reply: bytes::Bytes::from_static(b":-1\r\n"),
-            reply_ts: None,
-        };
-        let note = mqstate_replication::recent::note_of(&request);
-        let data = mqstate_replication::log::encode_batch(
-            2,
-            vec![
-                Record::Note { note },
-                Record::Note {
-                    note: b"\xff".to_vec(),
-                },
-            ],
-        );
-        let text = describe(&data, 64, false);
-        assert!(
-            text.contains("note: answered without a row by request"),
-            "{text}"
-        );
-        assert!(text.contains("until 99 ms gets \":-1\""), "{text}");
-        assert!(text.contains("note UNDECODABLE"), "{text}");
-        let json: Value = serde_json::from_str(&describe(&data, 64, true)).unwrap();
-        assert_eq!(json["records"][0]["op"], "note");
-        assert_eq!(json["records"][0]["request"]["expires_at_ms"], 99);
-        assert!(json["records"][1]["error"].is_string());
     }
 }

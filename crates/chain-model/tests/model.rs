@@ -15,14 +15,6 @@
 //! re-sends the prepare. The network delivers messages in any order, and duplicates are
 //! harmless (a set of messages; a resend of a message in flight is the same message).
 //!
-//! Notes (decision 0050): a note client sends a note (a request its head answers without writing
-//! a row) to the head, which holds it and passes it on like a prepare; each replica holds it, the
-//! tail acknowledges it, and an acknowledgement passes each replica back to the head, which
-//! answers. A replica re-sends the notes not yet acknowledged there on entering a view, as it
-//! re-advances its locked rows. Checked: once a note is answered, every live replica of the current
-//! chain holds it — so any later head knows it, and a late copy of its request is not run again.
-//! The broken variant (the head answers a note at once) must be rejected.
-//!
 //! Not modelled: the recovery copy of a returning replica (no node rejoins), conditional writes
 //! (`Expect`), the driver's batching, loss of an unsynced tail (fsync before each forward is the
 //! rule the simulation in `crates/chain/tests/simulation.rs` checks against power loss).
@@ -52,10 +44,6 @@ enum Item {
     Prepare { key: usize, value: u8, version: u8 },
     /// Phase 2, successor → predecessor.
     Commit { key: usize, version: u8 },
-    /// A note, predecessor → successor.
-    Note { note: u8 },
-    /// Every replica from the sender to the tail holds the note, successor → predecessor.
-    NoteAck { note: u8 },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -75,12 +63,6 @@ struct Replica {
     inbox: BTreeSet<(usize, Op)>,
     /// Writes this replica started as head, waiting for their commit: (client, key, version).
     waiting: BTreeSet<(usize, usize, u8)>,
-    /// Notes this replica holds (durably: it holds before it forwards).
-    notes: BTreeSet<u8>,
-    /// Notes held here and not yet acknowledged by the successor (or answered, at the head).
-    pending: BTreeSet<u8>,
-    /// Notes that reached this replica as head, each waiting for its acknowledgement.
-    noting: BTreeSet<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq, Hash)]
@@ -90,9 +72,6 @@ struct State {
     views: Vec<Vec<usize>>,
     network: BTreeSet<Message>,
     clients: Clients,
-    /// Notes sent by the note client (note `n` is the `n`-th), and those answered.
-    notes_sent: u8,
-    notes_answered: BTreeSet<u8>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -104,12 +83,6 @@ enum Action {
     Deliver(Message),
     /// A replica re-advances a locked row (entering a view, or its resend timer).
     Repair(usize, usize),
-    /// The note client sends its next note to the head of the current view.
-    SendNote,
-    /// A replica acting as head takes a note from its inbox.
-    HandleNote(usize, u8),
-    /// A replica re-sends a note not yet acknowledged (entering a view, or its resend timer).
-    RepairNote(usize, u8),
     /// A replica fails; the control plane publishes the chain without it.
     Fail(usize),
     /// A survivor adopts the newest view.
@@ -122,10 +95,6 @@ struct ChainModel {
     read_without_flush: bool,
     /// How many replicas may fail (each failure is a view change).
     failures: usize,
-    /// How many notes the note client sends, one after another.
-    notes: u8,
-    /// The broken variant: the head answers a note at once, before its acknowledgement.
-    note_without_ack: bool,
 }
 
 impl State {
@@ -184,27 +153,6 @@ impl State {
         }
     }
 
-    /// Every replica from `r` to the tail holds `note`: the head answers, any other acknowledges.
-    fn noted(&mut self, r: usize, note: u8) {
-        self.replicas[r].pending.remove(&note);
-        if self.is_head(r) {
-            if self.replicas[r].noting.remove(&note) {
-                self.notes_answered.insert(note);
-            }
-        } else if let Some(p) = self.predecessor(r) {
-            self.send(r, p, Item::NoteAck { note });
-        }
-    }
-
-    /// `note` is held at `r`: the tail acknowledges it, any other replica passes it on.
-    fn advance_note(&mut self, r: usize, note: u8) {
-        if self.is_tail(r) {
-            self.noted(r, note);
-        } else if let Some(s) = self.successor(r) {
-            self.send(r, s, Item::Note { note });
-        }
-    }
-
     /// Holds (key, value, version) at `r`, then commits it (tail) or passes it on.
     fn advance(&mut self, r: usize, key: usize, value: u8, version: u8) {
         if self.is_tail(r) {
@@ -234,32 +182,17 @@ impl Model for ChainModel {
             rows: [Row::default(); KEYS],
             inbox: BTreeSet::new(),
             waiting: BTreeSet::new(),
-            notes: BTreeSet::new(),
-            pending: BTreeSet::new(),
-            noting: BTreeSet::new(),
         };
         vec![State {
             replicas: [replica.clone(), replica.clone(), replica],
             views: vec![(0..REPLICAS).collect()],
             network: BTreeSet::new(),
             clients: Clients::new(&self.scripts),
-            notes_sent: 0,
-            notes_answered: BTreeSet::new(),
         }]
     }
 
     fn actions(&self, state: &State, actions: &mut Vec<Action>) {
         actions.extend(state.clients.ready(&self.scripts).map(Action::Invoke));
-        // One note at a time: the next once the last was answered (or its head failed).
-        let last_open = state.notes_sent > 0
-            && !state.notes_answered.contains(&(state.notes_sent - 1))
-            && state
-                .replicas
-                .iter()
-                .any(|r| r.alive && r.noting.contains(&(state.notes_sent - 1)));
-        if state.notes_sent < self.notes && !last_open {
-            actions.push(Action::SendNote);
-        }
         for (r, replica) in state.replicas.iter().enumerate() {
             if !replica.alive {
                 continue;
@@ -271,19 +204,6 @@ impl Model for ChainModel {
                     if !row.locked || (self.read_without_flush && matches!(op, Op::Read(_))) {
                         actions.push(Action::Handle(r, c, op));
                     }
-                }
-            }
-            if state.is_head(r) {
-                // A note sent to the head waits in its `noting` set until handled once.
-                for &note in &replica.noting {
-                    if !replica.notes.contains(&note) {
-                        actions.push(Action::HandleNote(r, note));
-                    }
-                }
-            }
-            for &note in &replica.pending {
-                if replica.view > 0 && state.position(r).is_some() {
-                    actions.push(Action::RepairNote(r, note));
                 }
             }
             // Without a failure no message is lost, so only a replica that entered a new view
@@ -322,25 +242,6 @@ impl Model for ChainModel {
                 }
                 // Sent to a replica that has failed: never answered, stays in flight.
             }
-            Action::SendNote => {
-                let note = s.notes_sent;
-                s.notes_sent += 1;
-                let head = *s.views.last()?.first()?;
-                if s.replicas[head].alive {
-                    s.replicas[head].noting.insert(note);
-                }
-            }
-            Action::HandleNote(r, note) => {
-                s.replicas[r].notes.insert(note);
-                if self.note_without_ack {
-                    s.replicas[r].noting.remove(&note);
-                    s.notes_answered.insert(note);
-                } else {
-                    s.replicas[r].pending.insert(note);
-                }
-                s.advance_note(r, note);
-            }
-            Action::RepairNote(r, note) => s.advance_note(r, note),
             Action::Handle(r, c, op) => {
                 s.replicas[r].inbox.remove(&(c, op));
                 match op {
@@ -386,16 +287,6 @@ impl Model for ChainModel {
                         }
                     }
                     Item::Commit { key, version } => s.committed(r, key, version),
-                    Item::Note { note } => {
-                        s.replicas[r].notes.insert(note);
-                        s.replicas[r].pending.insert(note);
-                        s.advance_note(r, note);
-                    }
-                    Item::NoteAck { note } => {
-                        if s.replicas[r].pending.contains(&note) {
-                            s.noted(r, note);
-                        }
-                    }
                 }
             }
             Action::Repair(r, key) => {
@@ -405,7 +296,6 @@ impl Model for ChainModel {
             Action::Fail(r) => {
                 s.replicas[r].alive = false;
                 s.replicas[r].inbox.clear();
-                s.replicas[r].noting.clear();
                 let chain: Vec<usize> = s
                     .views
                     .last()?
@@ -423,7 +313,6 @@ impl Model for ChainModel {
                 // Requests that reached a replica that is no longer head get no answer here.
                 if !s.is_head(r) {
                     s.replicas[r].inbox.clear();
-                    s.replicas[r].noting.clear();
                 }
             }
         }
@@ -434,26 +323,12 @@ impl Model for ChainModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        let mut properties = vec![
+        vec![
             Property::always("linearizable", |_, s: &State| s.clients.linearizable()),
-            Property::always("an answered note is on every member", |_, s: &State| {
-                let chain = s.views.last().map(Vec::as_slice).unwrap_or_default();
-                s.notes_answered.iter().all(|note| {
-                    chain
-                        .iter()
-                        .all(|&m| !s.replicas[m].alive || s.replicas[m].notes.contains(note))
-                })
-            }),
             Property::sometimes("a write is answered", |_, s: &State| {
                 s.clients.answered_and_idle()
             }),
-        ];
-        if self.notes > 0 {
-            properties.push(Property::sometimes("a note is answered", |_, s: &State| {
-                !s.notes_answered.is_empty()
-            }));
-        }
-        properties
+        ]
     }
 }
 
@@ -485,8 +360,6 @@ fn exhaustive(name: &str, scripts: Vec<Vec<Op>>) {
         scripts,
         read_without_flush: false,
         failures: 1,
-        notes: 0,
-        note_without_ack: false,
     });
     eprintln!(
         "chain model, {name}: {} states ({} unique), every one checked",
@@ -513,46 +386,9 @@ fn a_head_answering_a_locked_row_without_flushing_is_caught() {
         scripts: reads_racing_a_write(),
         read_without_flush: true,
         failures: 1,
-        notes: 0,
-        note_without_ack: false,
     });
     let path = checker
         .discovery("linearizable")
         .expect("the checker finds a history that is not linearizable");
-    eprintln!("counterexample: {:?}", path.into_actions());
-}
-
-/// Two notes, one after the other, while key 0 is written and read: through a failure of any
-/// replica, an answered note is on every member of the chain, and writes stay linearizable.
-#[test]
-fn an_answered_note_is_on_every_member_through_a_failure() {
-    let checker = check(ChainModel {
-        scripts: vec![vec![Op::Write(0, 1)], vec![Op::Read(0)]],
-        read_without_flush: false,
-        failures: 1,
-        notes: 2,
-        note_without_ack: false,
-    });
-    eprintln!(
-        "chain model, notes: {} states ({} unique), every one checked",
-        checker.state_count(),
-        checker.unique_state_count()
-    );
-    assert!(checker.is_done());
-    checker.assert_properties();
-}
-
-#[test]
-fn a_head_answering_a_note_before_its_acknowledgement_is_caught() {
-    let checker = check(ChainModel {
-        scripts: vec![vec![Op::Write(0, 1)]],
-        read_without_flush: false,
-        failures: 1,
-        notes: 1,
-        note_without_ack: true,
-    });
-    let path = checker
-        .discovery("an answered note is on every member")
-        .expect("the checker finds a note answered and then lost with its head");
     eprintln!("counterexample: {:?}", path.into_actions());
 }

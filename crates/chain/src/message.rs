@@ -52,11 +52,6 @@ pub enum Item {
     Resync,
     /// Successor → predecessor: every row this replica holds was sent before this.
     Synced,
-    /// Predecessor → successor: keep this note durably ([`crate::Record::Note`]); it changes no
-    /// row. Forwarded like a prepare (before the fsync), acknowledged like a commit.
-    Note { note: Vec<u8> },
-    /// Successor → predecessor: every replica from here to the tail holds the note durably.
-    NoteAck { note: Vec<u8> },
 }
 
 /// A committed row in a recovery copy.
@@ -103,8 +98,6 @@ pub enum Answer {
     StaleVersion { current: Version },
     /// Not executed: the write's condition does not hold; `current` is the row's version.
     ConditionFailed { current: Option<Version> },
-    /// The note ([`crate::Replica::note`]) is durable on every replica of the write view.
-    Noted,
 }
 
 /// A write as the head's driver submits it.

@@ -23,12 +23,6 @@
 //!   advanced again under the new chain; a locked row is also re-advanced on ticks until it commits,
 //!   so lost, duplicated and reordered messages only cost time. Duplicates are harmless because
 //!   every step is keyed by (key, version) and versions of a key only grow.
-//! * A note ([`Replica::note`]) travels like a row and changes none: each replica persists it,
-//!   forwards it before its fsync, and acknowledges it to its predecessor once it is durable here
-//!   and the successor acknowledged it (the tail: once durable); the head answers `Noted` then.
-//!   A note is named by its bytes (the same bytes are the same note). Unacknowledged notes are
-//!   re-sent on ticks and on entering a view, like locked rows; they are not kept across a
-//!   restart (nobody waits for them there: the head answers only after the acknowledgement).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Bound;
@@ -106,18 +100,6 @@ struct Unsynced {
     commit: Option<crate::Version>,
 }
 
-/// A note on its way to the tail, at one replica.
-#[derive(Debug)]
-struct PendingNote {
-    /// The batch that holds its record here.
-    batch: u64,
-    /// The successor (of this view) acknowledged it.
-    acked: bool,
-    /// Head: the requests to answer `Noted` (none for a note inherited from an earlier head).
-    requests: Vec<RequestId>,
-    last_sent: Option<u64>,
-}
-
 /// A send (and perhaps an output) held until a batch is durable.
 struct AfterDurable {
     index: u64,
@@ -162,8 +144,6 @@ pub struct Replica {
     inflight: BTreeMap<Key, Option<RequestId>>,
     repair: VecDeque<Key>,
     copies: BTreeMap<NodeId, Copy>,
-    /// Notes persisted here and not yet acknowledged from the tail, by their bytes.
-    notes: BTreeMap<Vec<u8>, PendingNote>,
 
     now: u64,
     /// When each locked row was last advanced (for resends).
@@ -189,7 +169,6 @@ impl std::fmt::Debug for Replica {
             .field("repair", &self.repair)
             .field("unsynced", &self.unsynced)
             .field("copies", &self.copies)
-            .field("notes", &self.notes.len())
             .finish()
     }
 }
@@ -233,7 +212,6 @@ impl Replica {
             inflight: BTreeMap::new(),
             repair: VecDeque::new(),
             copies: BTreeMap::new(),
-            notes: BTreeMap::new(),
             now: 0,
             last_sent: BTreeMap::new(),
             outbox: BTreeMap::new(),
@@ -296,7 +274,6 @@ impl Replica {
             && self.waiting.is_empty()
             && self.repair.is_empty()
             && self.unsynced.is_empty()
-            && self.notes.is_empty()
             && self.copies.values().all(|c| c.finished)
     }
 
@@ -321,7 +298,6 @@ impl Replica {
             self.release_requests(Answer::NotHead { head: view.head() });
             self.copies.clear();
             self.repair.clear();
-            self.notes.clear();
             self.acting = false;
             self.view = Some(view);
             return;
@@ -344,19 +320,6 @@ impl Replica {
             self.flush(&key);
         } else {
             self.start_write(request, write);
-        }
-    }
-
-    /// A note of the driver's, at the head: persisted on every replica of the chain, changing no
-    /// row, then answered [`Answer::Noted`]. The same bytes noted twice are one note.
-    pub fn note(&mut self, request: RequestId, note: Vec<u8>) {
-        if let Err(answer) = self.serving() {
-            self.reply(request, answer);
-            return;
-        }
-        match self.notes.get_mut(&note) {
-            Some(pending) => pending.requests.push(request),
-            None => self.persist_note(note, vec![request]),
         }
     }
 
@@ -387,9 +350,6 @@ impl Replica {
             });
         }
         self.waiting.retain(|_, queue| !queue.is_empty());
-        for pending in self.notes.values_mut() {
-            pending.requests.retain(|r| *r != request);
-        }
     }
 
     /// A message from a peer.
@@ -435,8 +395,6 @@ impl Replica {
                 } if Some(from) == succ => self.on_ahead(key, value, version),
                 Item::Resync if Some(from) == pred => self.on_resync(from),
                 Item::Synced if Some(from) == succ => self.resync = false,
-                Item::Note { note } if Some(from) == pred => self.on_note(note),
-                Item::NoteAck { note } if Some(from) == succ => self.on_note_ack(note),
                 _ => self.stats.rejected_messages += 1,
             }
         }
@@ -467,16 +425,6 @@ impl Replica {
                 }
             }
         }
-        let tail = self.is_tail();
-        let done: Vec<Vec<u8>> = self
-            .notes
-            .iter()
-            .filter(|(_, p)| p.batch <= index && (p.acked || tail))
-            .map(|(note, _)| note.clone())
-            .collect();
-        for note in done {
-            self.finish_note(note);
-        }
         self.release_after_durable();
     }
 
@@ -505,18 +453,6 @@ impl Replica {
             .collect();
         for key in stale {
             self.advance(&key);
-        }
-        let stale: Vec<Vec<u8>> = self
-            .notes
-            .iter()
-            .filter(|(_, p)| {
-                p.last_sent
-                    .is_some_and(|at| self.now.saturating_sub(at) >= self.config.resend_ticks)
-            })
-            .map(|(note, _)| note.clone())
-            .collect();
-        for note in stale {
-            self.advance_note(note);
         }
         self.drive_copies();
     }
@@ -557,10 +493,6 @@ impl Replica {
 
     fn is_head(&self) -> bool {
         matches!(self.position(), Some((0, _)))
-    }
-
-    fn is_tail(&self) -> bool {
-        matches!(self.position(), Some((p, l)) if p + 1 == l)
     }
 
     fn neighbour(&self, offset: isize) -> Option<NodeId> {
@@ -625,7 +557,6 @@ impl Replica {
             // Start empty; the head's copy (which starts over with every view) and the chain's
             // writes fill it. Under the same view (a restart mid-copy) the copy goes on instead.
             self.records.push(Record::Clear { view: view_id });
-            self.notes.clear();
             self.rows.clear();
             self.locked.clear();
             self.unsynced.clear();
@@ -661,14 +592,6 @@ impl Replica {
         self.resync_sent = None;
         self.drive_resync();
         self.drive_repair();
-        // An acknowledgement from the old chain vouches for replicas that may not be in this one.
-        let notes: Vec<Vec<u8>> = self.notes.keys().cloned().collect();
-        for note in notes {
-            if let Some(pending) = self.notes.get_mut(&note) {
-                pending.acked = false;
-            }
-            self.advance_note(note);
-        }
         self.drive_copies();
     }
 
@@ -683,10 +606,6 @@ impl Replica {
             }
         }
         self.inflight.clear();
-        // Like a started write, a note in flight completes without its answer.
-        for pending in self.notes.values_mut() {
-            pending.requests.clear();
-        }
     }
 
     fn drive_repair(&mut self) {
@@ -1005,76 +924,6 @@ impl Replica {
                 value: None,
                 version: None,
             },
-        }
-    }
-
-    // ---- notes --------------------------------------------------------------------------------
-
-    fn persist_note(&mut self, note: Vec<u8>, requests: Vec<RequestId>) {
-        self.records.push(Record::Note { note: note.clone() });
-        let pending = PendingNote {
-            batch: self.batch,
-            acked: false,
-            requests,
-            last_sent: None,
-        };
-        self.notes.insert(note.clone(), pending);
-        self.advance_note(note);
-    }
-
-    /// Passes the note on: a non-tail forwards it (before its own fsync, as a prepare), the tail
-    /// finishes it once it is durable here.
-    fn advance_note(&mut self, note: Vec<u8>) {
-        let (tail, succ, now, durable) =
-            (self.is_tail(), self.neighbour(1), self.now, self.durable);
-        let Some(pending) = self.notes.get_mut(&note) else {
-            return;
-        };
-        if tail {
-            pending.last_sent = None;
-            if pending.batch <= durable {
-                self.finish_note(note);
-            }
-        } else if let Some(succ) = succ {
-            pending.last_sent = Some(now);
-            self.send(succ, Item::Note { note });
-        }
-    }
-
-    fn on_note(&mut self, note: Vec<u8>) {
-        if self.notes.contains_key(&note) {
-            // A resend: pass it on again (an acknowledgement may have been lost).
-            self.advance_note(note);
-        } else {
-            // Unknown here, or finished already (then persisted once more: a lost acknowledgement
-            // costs a record, not a wrong answer).
-            self.persist_note(note, Vec::new());
-        }
-    }
-
-    fn on_note_ack(&mut self, note: Vec<u8>) {
-        let durable = self.durable;
-        let Some(pending) = self.notes.get_mut(&note) else {
-            return;
-        };
-        pending.acked = true;
-        pending.last_sent = None;
-        if pending.batch <= durable {
-            self.finish_note(note);
-        }
-    }
-
-    /// Every replica from here to the tail holds the note durably: answer (head) or acknowledge.
-    fn finish_note(&mut self, note: Vec<u8>) {
-        let Some(pending) = self.notes.remove(&note) else {
-            return;
-        };
-        if self.is_head() {
-            for request in pending.requests {
-                self.reply(request, Answer::Noted);
-            }
-        } else if let Some(pred) = self.neighbour(-1) {
-            self.send(pred, Item::NoteAck { note });
         }
     }
 

@@ -95,9 +95,6 @@ pub enum Record {
     CaughtUp { view: u64 },
     /// This replica is in the read view again; a later re-entry starts over with [`Record::Clear`].
     Readable,
-    /// A note ([`crate::Item::Note`]): what the driver wants every replica to keep, changing no
-    /// row (a request the head answered without a write, decision 0050). Opaque here.
-    Note { note: Vec<u8> },
 }
 
 /// A replica's durable state, folded from its log's records at restart (or read from a snapshot
@@ -130,8 +127,6 @@ impl Restored {
                 self.joining_since = None;
                 self.caught_up_view = None;
             }
-            // A note changes no row; its driver reads it from the records (the log's replay).
-            Record::Note { .. } => {}
         }
     }
 }

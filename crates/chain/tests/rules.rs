@@ -3,7 +3,7 @@
 mod harness;
 
 use harness::{version, view, Cluster};
-use mqstate_chain::{Answer, Config, Expect, Item, Message, NodeId, Record, Version, Write};
+use mqstate_chain::{Answer, Config, Expect, Item, Message, NodeId, Version, Write};
 
 fn put(key: &str, value: &str, at: u64) -> Write {
     Write {
@@ -661,99 +661,4 @@ fn a_write_below_a_row_the_head_lost_is_refused_as_stale_and_the_row_rolls_forwa
         c.replica(3).row(b"k").unwrap().value,
         Some(b"after".to_vec())
     );
-}
-
-/// The notes `id`'s durable log holds.
-fn durable_notes(c: &Cluster, id: NodeId) -> Vec<Vec<u8>> {
-    c.nodes[&id]
-        .disk
-        .durable
-        .iter()
-        .filter_map(|record| match record {
-            Record::Note { note } => Some(note.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
-/// A note (decision 0050: a request answered without a row) is answered only once every replica
-/// holds it durably, and changes no row.
-#[test]
-fn a_note_goes_head_to_tail_and_back_before_it_is_answered() {
-    let mut c = chain(&[1, 2, 3]);
-    let at = committed(&mut c, 1, 1, put("k", "v", 1));
-    c.with(1, |r| r.note(2, b"n".to_vec()));
-    // Forwarded before the head's own fsync, like a prepare.
-    c.deliver_all(10);
-    c.deliver_all(10);
-    assert!(c.answer(2).is_none());
-    // The tail's acknowledgement waits for its fsync, the middle's for its own too.
-    c.sync(3, None);
-    c.deliver_all(10);
-    c.sync(1, None);
-    assert!(c.answer(2).is_none(), "the middle has not fsynced it");
-    c.sync(2, None);
-    c.deliver_all(10);
-    assert_eq!(c.answer(2), Some(Answer::Noted));
-    for id in [1, 2, 3] {
-        assert_eq!(durable_notes(&c, id), [b"n".to_vec()], "node {id}");
-    }
-    every_replica_committed(&c, b"k", at);
-    c.settle(5);
-    for id in [1, 2, 3] {
-        assert!(c.replica(id).is_quiet(), "node {id}");
-    }
-    c.assert_images_are_their_logs();
-}
-
-/// A note in flight when a replica fails is sent again on the new chain, as a locked row is; a
-/// note held by a middle replica when the head fails reaches the tail under the new head.
-#[test]
-fn a_note_in_flight_across_a_failure_reaches_the_new_chain() {
-    let mut c = chain(&[1, 2, 3]);
-    c.with(1, |r| r.note(1, b"a".to_vec()));
-    c.sync(1, None);
-    // The middle dies before the note went on.
-    c.net.clear();
-    c.crash(2);
-    c.pause();
-    c.publish(&view(2, &[1, 3], &[1, 3]));
-    c.settle(10);
-    assert_eq!(c.answer(1), Some(Answer::Noted));
-    assert_eq!(durable_notes(&c, 3), [b"a".to_vec()]);
-
-    let mut c = chain(&[1, 2, 3]);
-    c.with(1, |r| r.note(1, b"b".to_vec()));
-    c.deliver_all(1);
-    c.sync(2, None);
-    // The head dies with the note at the middle only: nobody is answered, the tail gets it.
-    c.net.clear();
-    c.crash(1);
-    c.pause();
-    c.publish(&view(2, &[2, 3], &[2, 3]));
-    c.settle(10);
-    assert_eq!(c.answer(1), None);
-    assert_eq!(durable_notes(&c, 3), [b"b".to_vec()]);
-    assert!(c.replica(2).is_quiet());
-}
-
-/// A head that is also the tail answers a note once it is durable; lost messages are resent on
-/// ticks.
-#[test]
-fn a_note_is_resent_until_acknowledged() {
-    let mut c = chain(&[1]);
-    c.with(1, |r| r.note(1, b"x".to_vec()));
-    assert!(c.answer(1).is_none());
-    c.sync(1, None);
-    assert_eq!(c.answer(1), Some(Answer::Noted));
-
-    let mut c = chain(&[1, 2]);
-    c.with(1, |r| r.note(2, b"y".to_vec()));
-    c.with(1, |r| r.note(3, b"y".to_vec()));
-    c.net.clear();
-    c.sync(1, None);
-    c.settle(10);
-    assert_eq!(c.answer(2), Some(Answer::Noted));
-    assert_eq!(c.answer(3), Some(Answer::Noted));
-    assert_eq!(durable_notes(&c, 2), [b"y".to_vec()]);
 }

@@ -26,13 +26,12 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use mqstate_chain::Restored;
-use mqstate_store::RequestRecord;
+use mqstate_protocol::Hlc;
+use mqstate_store::{RequestId, RequestRecord};
 use mqstate_wal::snapshot::Snapshot;
 use mqstate_wal::{Lsn, WalWriter};
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
-
-use crate::recent::Remembered;
 
 /// Longest a closing log waits for a snapshot under way.
 pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -60,13 +59,30 @@ struct State {
     requests: BTreeMap<u32, Vec<Remembered>>,
 }
 
+/// A remembered request as the state holds it.
+#[derive(Serialize, Deserialize)]
+struct Remembered {
+    id: [u8; 16],
+    expires_at_ms: u64,
+    reply: Vec<u8>,
+    reply_ts: Option<String>,
+}
+
 /// The snapshot's state (see the module's comment).
 pub fn encode(contents: Contents) -> Vec<u8> {
     let requests = contents
         .requests
         .into_iter()
         .map(|(partition, requests)| {
-            let requests = requests.iter().map(Remembered::from).collect();
+            let requests = requests
+                .into_iter()
+                .map(|r| Remembered {
+                    id: r.id.0,
+                    expires_at_ms: r.expires_at_ms,
+                    reply: r.reply.to_vec(),
+                    reply_ts: r.reply_ts.as_ref().map(Hlc::to_string),
+                })
+                .collect();
             (partition, requests)
         })
         .collect();
@@ -108,8 +124,16 @@ pub fn decode(state: &[u8]) -> Result<Contents, String> {
         let records = remembered
             .into_iter()
             .map(|r| {
-                RequestRecord::try_from(r)
-                    .map_err(|e| format!("version {VERSION}, partition {partition}: {e}"))
+                let reply_ts = r.reply_ts.as_deref().map(Hlc::parse).transpose();
+                let reply_ts = reply_ts.map_err(|e| {
+                    format!("version {VERSION}: a remembered request's __ts of partition {partition}: {e}")
+                })?;
+                Ok(RequestRecord {
+                    id: RequestId(r.id),
+                    expires_at_ms: r.expires_at_ms,
+                    reply: Bytes::from(r.reply),
+                    reply_ts,
+                })
             })
             .collect::<Result<Vec<_>, String>>()?;
         requests.insert(partition, records);
@@ -201,8 +225,6 @@ mod tests {
     use super::*;
     use crate::log::ChainLog;
     use mqstate_chain::{Record, Row, Version};
-    use mqstate_protocol::Hlc;
-    use mqstate_store::RequestId;
     use mqstate_wal::WalOptions;
 
     fn row(v: u64) -> Row {
@@ -377,10 +399,7 @@ mod tests {
         };
         let bytes = postcard::to_extend(&state, [&MARKER[..], &[VERSION]].concat()).unwrap();
         let error = decode(&bytes).unwrap_err();
-        assert!(
-            error.contains("partition 3: a remembered request's __ts"),
-            "{error}"
-        );
+        assert!(error.contains("__ts of partition 3"), "{error}");
     }
 
     /// The first release's state, the images alone (no marker), still loads: no requests. Its

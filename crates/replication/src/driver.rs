@@ -46,11 +46,6 @@ enum Input {
         write: Write,
         answer: oneshot::Sender<Answer>,
     },
-    Note {
-        partition: u32,
-        note: Vec<u8>,
-        answer: oneshot::Sender<Answer>,
-    },
     /// Someone waiting on `partition` gave up: forget the requests whose asker is gone.
     Cancel {
         partition: u32,
@@ -137,23 +132,6 @@ impl Driver {
             Input::Write {
                 partition,
                 write,
-                answer,
-            },
-            rx,
-            timeout,
-        )
-        .await
-    }
-
-    /// A note through the chain ([`Replica::note`]): `Noted` once every replica holds it;
-    /// `Unavailable` if no answer within `timeout` (it may still reach every replica).
-    pub async fn note(&self, partition: u32, note: Vec<u8>, timeout: Duration) -> Answer {
-        let (answer, rx) = oneshot::channel();
-        self.ask(
-            partition,
-            Input::Note {
-                partition,
-                note,
                 answer,
             },
             rx,
@@ -334,16 +312,6 @@ impl Actor {
                 self.refresh_view(partition);
                 let request = self.admit(partition, answer);
                 self.replica(partition).write(request, write);
-                partition
-            }
-            Input::Note {
-                partition,
-                note,
-                answer,
-            } => {
-                self.refresh_view(partition);
-                let request = self.admit(partition, answer);
-                self.replica(partition).note(request, note);
                 partition
             }
             Input::Cancel { partition } => {

@@ -131,10 +131,9 @@ pub const DEADLINE_SLACK_MS: u64 = 1_000;
 pub enum Step {
     /// Answer at once: a read, an error, or a retry of the row's own request.
     Reply(KeyReply),
-    /// A write that ran and changed nothing (a SET NX that found the key, a DEL of
-    /// no key, a failed VDEL or fencing check); no row records it, so the head writes `record`
-    /// down the chain as a note before it answers: a late copy of the request, at this head or
-    /// the next, must get this reply, not run again.
+    /// Answer at once a write that ran and changed nothing (a SET NX that found the key, a DEL of
+    /// no key, a failed VDEL or fencing check); no row records it, so the head remembers `record`
+    /// itself: a late copy of the request must get this reply, not run again.
     Unwritten {
         reply: KeyReply,
         record: RequestRecord,

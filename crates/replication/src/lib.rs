@@ -253,10 +253,6 @@ impl Replication {
                 "partition {partition}: this head re-entered its chain and has not learnt the requests it ran yet"
             ))?;
             if let Some(first) = first {
-                // Not answered before every member knows it: the entry may be a note still on its
-                // way, or one an earlier head never saw acknowledged, and a late copy reaching the
-                // next head must find it there too.
-                self.note(partition, &first).await?;
                 // Its head may have died between commit and hand-over (robustness seed 401).
                 if let Some(row) = &value {
                     self.renotify_retry(request, row).await;
@@ -288,11 +284,8 @@ impl Replication {
                     return Ok(reply);
                 }
                 Step::Unwritten { reply, record } => {
-                    // At once, so that a copy of the request arriving meanwhile finds it here;
-                    // answered once every member holds it, so that the next head knows it too.
                     self.recent
-                        .remember(partition, [record.clone()], self.clock.now_ms());
-                    self.note(partition, &record).await?;
+                        .remember(partition, [record], self.clock.now_ms());
                     return Ok(reply);
                 }
                 Step::Write {
@@ -343,22 +336,6 @@ impl Replication {
             .execute_here(partition_of(&request.key, count), &request)
             .await?;
         Ok(reply.to_wire())
-    }
-}
-
-impl Replication {
-    /// Writes `record`, a request answered with no row of its own, through the chain of
-    /// `partition` as a note ([`mqstate_chain::Item::Note`]): every member remembers it.
-    async fn note(
-        &self,
-        partition: u32,
-        record: &mqstate_store::RequestRecord,
-    ) -> Result<(), String> {
-        let note = recent::note_of(record);
-        match self.driver.note(partition, note, STEP_TIMEOUT).await {
-            Answer::Noted => Ok(()),
-            other => Err(not_served(partition, &other)),
-        }
     }
 }
 

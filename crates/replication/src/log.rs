@@ -136,10 +136,6 @@ impl ChainLog {
                         let request = row.value.as_deref().and_then(crate::recent::request_of);
                         requests.extend(request.filter(|r| crate::recent::is_live(r, now_ms)));
                     }
-                    Record::Note { note } => {
-                        let request = crate::recent::record_of_note(note);
-                        requests.extend(request.filter(|r| crate::recent::is_live(r, now_ms)));
-                    }
                     // The re-entry voided the rows before it, and their requests with them.
                     Record::Clear { .. } => requests.clear(),
                     Record::CaughtUp { .. } | Record::Readable => {}

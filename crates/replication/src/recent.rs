@@ -13,16 +13,13 @@
 //! keeps each key's last row only).
 //!
 //! A write that ran and changed nothing (a SET NX that found the key, a DEL of no key) makes no
-//! row: its head notes it here at once ([`Recent::remember`]), so a copy of the request arriving
-//! meanwhile finds it, and writes it down the chain as a note ([`Record::Note`], [`note_of`])
-//! before it answers, so every member notes it too: a late copy of the request (a front end still
-//! trying a head its client had given up on, and resent to) gets the first reply, not a second
-//! run that may then apply (cluster simulation seed 61), at this head or at the next one after a
-//! fail-over. A hit here is answered only once noted again, the same way: the entry may be a note
-//! still on its way, or one whose head failed before the acknowledgement.
+//! row: its head notes it here itself ([`Recent::remember`]), so a late copy of the request
+//! (a front end still trying a head its client had given up on, and resent to) gets the first
+//! reply, not a second run that may then apply (cluster simulation seed 61). Only that head knows
+//! it (and the members a re-entered replica asks): a fail-over between the two copies forgets it.
 //!
-//! Invariant: an entry stands for a row or note this replica holds durably or is making durable,
-//! never for one it voided. A re-entry at the tail
+//! Invariant: an entry stands for a row this replica holds durably or is making durable, or for a
+//! reply it gave as head on a committed row, never for a row it voided. A re-entry at the tail
 //! ([`Record::Clear`]) voids the partition's rows, so it forgets the partition's entries too: a
 //! write that was never committed must not answer a retry.
 //! A hit is only a reply once the key's row is committed at the head (the caller reads the key
@@ -96,18 +93,6 @@ impl Recent {
         for record in records {
             match record {
                 Record::Row { row, .. } => insert(&mut partitions, partition, row, now_ms),
-                Record::Note { note } => {
-                    // A row of the same request stands: it ran (a retry whose first attempt's
-                    // note came late), and a retry must get the reply of that run.
-                    if let Some(request) = record_of_note(note) {
-                        let known = partitions
-                            .get(&partition)
-                            .is_some_and(|t| t.requests.contains_key(&request.id));
-                        if !known {
-                            insert_request(&mut partitions, partition, request, now_ms);
-                        }
-                    }
-                }
                 Record::Clear { view } => {
                     // The sessions' space holds no store records: nothing to sync there.
                     let unsynced_since =
@@ -216,7 +201,13 @@ impl Recent {
         }
         let entries = table
             .live(now_ms)
-            .map(|(until, record)| Exported::of(until, record))
+            .map(|(until, record)| Exported {
+                id: record.id.0,
+                until_ms: until,
+                expires_at_ms: record.expires_at_ms,
+                reply: record.reply.to_vec(),
+                reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
+            })
             .collect();
         Some(entries)
     }
@@ -233,14 +224,23 @@ impl Recent {
             return false;
         }
         for entry in entries {
-            let until_ms = entry.until_ms;
-            let Some(record) = entry.into_record(partition) else {
-                continue;
+            let reply_ts = match entry.reply_ts.as_deref().map(Hlc::parse).transpose() {
+                Ok(ts) => ts,
+                Err(e) => {
+                    tracing::warn!(partition, "a remembered request's __ts does not parse: {e}");
+                    continue;
+                }
             };
-            table
-                .requests
-                .entry(record.id)
-                .or_insert((until_ms, record));
+            let id = RequestId(entry.id);
+            table.requests.entry(id).or_insert((
+                entry.until_ms,
+                RequestRecord {
+                    id,
+                    expires_at_ms: entry.expires_at_ms,
+                    reply: Bytes::from(entry.reply),
+                    reply_ts,
+                },
+            ));
         }
         table.unsynced_since = None;
         true
@@ -254,96 +254,6 @@ impl Recent {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-}
-
-impl Exported {
-    fn of(until_ms: u64, record: &RequestRecord) -> Exported {
-        Exported {
-            id: record.id.0,
-            until_ms,
-            expires_at_ms: record.expires_at_ms,
-            reply: record.reply.to_vec(),
-            reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
-        }
-    }
-
-    /// The request record back; `None` (with a log line) if its `__ts` does not parse.
-    fn into_record(self, partition: u32) -> Option<RequestRecord> {
-        let reply_ts = match self.reply_ts.as_deref().map(Hlc::parse).transpose() {
-            Ok(ts) => ts,
-            Err(e) => {
-                tracing::warn!(partition, "a remembered request's __ts does not parse: {e}");
-                return None;
-            }
-        };
-        Some(RequestRecord {
-            id: RequestId(self.id),
-            expires_at_ms: self.expires_at_ms,
-            reply: Bytes::from(self.reply),
-            reply_ts,
-        })
-    }
-}
-
-/// A remembered request as the chain log keeps it: a note's bytes ([`Record::Note`], postcard)
-/// and each entry of a snapshot's state (`docs/storage-format.md`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Remembered {
-    pub(crate) id: [u8; 16],
-    pub(crate) expires_at_ms: u64,
-    pub(crate) reply: Vec<u8>,
-    pub(crate) reply_ts: Option<String>,
-}
-
-impl From<&RequestRecord> for Remembered {
-    fn from(record: &RequestRecord) -> Remembered {
-        Remembered {
-            id: record.id.0,
-            expires_at_ms: record.expires_at_ms,
-            reply: record.reply.to_vec(),
-            reply_ts: record.reply_ts.as_ref().map(Hlc::to_string),
-        }
-    }
-}
-
-impl TryFrom<Remembered> for RequestRecord {
-    /// The `__ts` that does not parse.
-    type Error = String;
-
-    fn try_from(r: Remembered) -> Result<RequestRecord, String> {
-        let reply_ts = r.reply_ts.as_deref().map(Hlc::parse).transpose();
-        Ok(RequestRecord {
-            id: RequestId(r.id),
-            expires_at_ms: r.expires_at_ms,
-            reply: Bytes::from(r.reply),
-            reply_ts: reply_ts.map_err(|e| format!("a remembered request's __ts: {e}"))?,
-        })
-    }
-}
-
-/// The chain note ([`Record::Note`]) of a request a head answered without writing a row, so that
-/// every replica remembers it.
-pub fn note_of(record: &RequestRecord) -> Vec<u8> {
-    crate::wire::encode(&Remembered::from(record))
-}
-
-/// The request record of a chain note ([`note_of`]); an error says what does not decode.
-pub fn decode_note(note: &[u8]) -> Result<RequestRecord, String> {
-    crate::wire::decode::<Remembered>(note)
-        .map_err(|e| format!("a chain note: {e}"))
-        .and_then(RequestRecord::try_from)
-}
-
-/// The request record of a chain note; `None` (with a log line) if it does not decode: the notes
-/// are this crate's own, so that is damage, which must not stop a replay.
-pub(crate) fn record_of_note(note: &[u8]) -> Option<RequestRecord> {
-    match decode_note(note) {
-        Ok(record) => Some(record),
-        Err(e) => {
-            tracing::warn!("a chain note does not decode: {e}");
-            None
-        }
     }
 }
 
@@ -507,35 +417,6 @@ pub(crate) mod tests {
         assert_eq!(reply.map(|r| r.reply), Some(Bytes::from_static(b":-1\r\n")));
         // Forgotten like a row's once the request expired (give or take the clocks' margin).
         assert!(first(&recent, 3, &id, 10_000 + CLOCK_MARGIN_MS).is_none());
-    }
-
-    /// A member learns a no-op from its note, a re-entry forgets it with the rows, and a note
-    /// does not replace the entry of a row the same request made.
-    #[test]
-    fn a_note_is_remembered_like_a_row() {
-        let recent = Recent::default();
-        let id = RequestId::of("c", b"nx");
-        let record = RequestRecord {
-            id,
-            expires_at_ms: 10_000,
-            reply: Bytes::from_static(b":-1\r\n"),
-            reply_ts: Some(Hlc::new(900, 1, "n1".into())),
-        };
-        let note = Record::Note {
-            note: note_of(&record),
-        };
-        assert_eq!(decode_note(&note_of(&record)), Ok(record.clone()));
-        assert!(decode_note(b"\xff").is_err());
-        recent.note(3, std::slice::from_ref(&note), 1_000);
-        assert_eq!(first(&recent, 3, &id, 5_000), Some(record));
-        recent.note(3, &[Record::Clear { view: 2 }], 1_100);
-        assert!(recent.is_empty());
-
-        let recent = Recent::default();
-        let ran = row_of("c", b"nx", 10_000);
-        recent.note(4, &[ran, note], 1_000);
-        let reply = first(&recent, 4, &id, 5_000).map(|r| r.reply);
-        assert_eq!(reply, Some(Bytes::from_static(b"+OK\r\n")));
     }
 
     /// What the chain log's snapshot keeps: every partition's live entries, those of no-ops too,

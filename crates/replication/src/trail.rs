@@ -74,7 +74,7 @@ impl Trail {
                     }
                 }
                 Record::Clear { .. } => self.clear(partition),
-                Record::CaughtUp { .. } | Record::Readable | Record::Note { .. } => {}
+                Record::CaughtUp { .. } | Record::Readable => {}
             }
         }
         self.sweep(now_ms, observed);

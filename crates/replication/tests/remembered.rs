@@ -1,13 +1,12 @@
-//! A retried request is never run twice (issue #15, decision 0050): across a restart from a
-//! compacted chain log (one node, a chain of one, its data plane stopped and started again on the
-//! same chain log, as a restarted process's is), and across a change of head after a request that
-//! wrote no row (three nodes, one chain). Over the in-memory transport.
+//! A retried request is never run twice (issue #15, decision 0050) across a restart from a
+//! compacted chain log: one node (a chain of one) over the in-memory transport, its data plane
+//! stopped and started again on the same chain log, as a restarted process's is.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use mqstate_clock::SharedClock;
-use mqstate_cluster::sim::{eventually, mem_addr as addr, mem_node, quick_config};
+use mqstate_cluster::sim::{mem_addr as addr, mem_node, quick_config};
 use mqstate_cluster::transport::mem::MemNetwork;
 use mqstate_cluster::ClusterNode;
 use mqstate_protocol::{encode_request, RequestLimits};
@@ -99,71 +98,4 @@ async fn a_retry_after_a_restart_from_a_snapshot_gets_its_first_reply() {
         "a's retry must not run again over b's write"
     );
     running.stop().await;
-}
-
-/// A request answered without a row (a SET NX that found the key) by head A, then A cut off and
-/// replaced by B, and the key deleted: a late copy of the request reaching B ran there and set the
-/// key, since only A knew the request. The head now answers only once the request's note is
-/// on every member of the chain (decision 0050, its last amendment); B gives the first reply.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_copy_of_a_request_that_wrote_nothing_does_not_run_at_the_next_head() {
-    let root = tempfile::tempdir().expect("a temporary directory");
-    let net = MemNetwork::new();
-    let founders: std::collections::BTreeMap<u64, String> =
-        [1, 2, 3].map(|id| (id, addr(id))).into();
-    let clock = mqstate_clock::system();
-    let mut nodes = Vec::new();
-    for id in 1..=3 {
-        let dir = root.path().join(format!("n{id}"));
-        let config = quick_config(id, addr(id), founders.clone(), dir.join("cluster"), 1);
-        nodes.push(Arc::new(mem_node(&net, config).await));
-    }
-    let chain_of_three = || {
-        nodes[0]
-            .partition(0)
-            .is_some_and(|p| p.chain.len() == 3 && p.read_view.len() == 3)
-    };
-    eventually("partition 0 on a chain of three", chain_of_three).await;
-    let mut running = Vec::new();
-    for (i, node) in nodes.iter().enumerate() {
-        let dir = root.path().join(format!("n{}", i + 1)).join("data");
-        running.push(start(node, &dir, &clock, false));
-    }
-    let head = |node: &ClusterNode| {
-        let p = node.partition(0)?;
-        p.chain.into_iter().find(|n| p.read_view.contains(n))
-    };
-    let a = head(&nodes[0]).expect("partition 0 has a head");
-    let a_index = usize::try_from(a - 1).expect("a node id");
-
-    let set = execute(&running[a_index], request("x", b"1", &["SET", "k", "v"])).await;
-    assert_eq!(&set.payload[..], b"+OK\r\n", "{set:?}");
-    let from_b = request("b", b"1", &["SET", "k", "w", "NX"]);
-    let first = execute(&running[a_index], from_b.clone()).await;
-    assert_eq!(&first.payload[..], b":-1\r\n", "the key is set: {first:?}");
-
-    // A is cut off; the chain goes on without it.
-    for other in (1..=3).filter(|&n| n != a) {
-        net.cut(&addr(a), &addr(other));
-    }
-    let b_index = (0..3).find(|&i| i != a_index).expect("another node");
-    let b_node = Arc::clone(&nodes[b_index]);
-    eventually("a new head", || head(&b_node).is_some_and(|h| h != a)).await;
-    let b = head(&b_node).expect("a head");
-    let b_index = usize::try_from(b - 1).expect("a node id");
-    let del = execute(&running[b_index], request("x", b"2", &["DEL", "k"])).await;
-    assert_eq!(&del.payload[..], b":1\r\n", "{del:?}");
-
-    // The late copy of b's SET NX, at the new head: its first reply, and the key stays deleted.
-    let late = execute(&running[b_index], from_b).await;
-    assert_eq!(late, first, "the late copy gets the first reply");
-    let read = execute(&running[b_index], request("r", b"1", &["GET", "k"])).await;
-    assert_eq!(
-        &read.payload[..],
-        b"$-1\r\n",
-        "the late copy must not run again and set the key"
-    );
-    for r in running {
-        r.stop().await;
-    }
 }
