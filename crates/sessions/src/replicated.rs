@@ -985,11 +985,7 @@ impl ReplicatedSessions {
                 let Some(shared) = shared.upgrade() else {
                     return;
                 };
-                let look = tokio::time::Instant::now() >= next_look;
-                if look {
-                    next_look = tokio::time::Instant::now() + ADOPT_EVERY;
-                }
-                tend(&shared, look).await;
+                tend(&shared, Some(&mut next_look)).await;
             }
         })
     }
@@ -1001,13 +997,16 @@ impl ReplicatedSessions {
     /// and queues what is routed to it. Returns the client ids adopted. While this node's own
     /// lease has lapsed it adopts nothing and sends the clients of its sessions away instead.
     pub async fn adopt_orphans(&self) -> Vec<Arc<str>> {
-        tend(&self.shared, true).await
+        tend(&self.shared, None).await
     }
 }
 
 /// One step of this node's care of its sessions: while its own lease has lapsed, it sends their
-/// clients away and adopts nothing; otherwise, if `look`, it adopts the orphans it finds (returned).
-async fn tend(shared: &Shared, look: bool) -> Vec<Arc<str>> {
+/// clients away and adopts nothing; otherwise it adopts the orphans it finds (returned), when
+/// `next_look` (if given) is due, and moves it on. The look is due again [`ADOPT_EVERY`] after
+/// the last one made, not counting the time the lease was lapsed (so the first tick after a
+/// renewal looks at once).
+async fn tend(shared: &Shared, next_look: Option<&mut tokio::time::Instant>) -> Vec<Arc<str>> {
     let Ok(rows) = shared.rows() else {
         return Vec::new();
     };
@@ -1015,8 +1014,12 @@ async fn tend(shared: &Shared, look: bool) -> Vec<Arc<str>> {
         send_clients_away(shared);
         return Vec::new();
     }
-    if !look {
-        return Vec::new();
+    if let Some(next_look) = next_look {
+        let now = tokio::time::Instant::now();
+        if now < *next_look {
+            return Vec::new();
+        }
+        *next_look = now + ADOPT_EVERY;
     }
     let here = match rows.here().await {
         Ok(here) => here,
