@@ -1650,6 +1650,32 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let a = node(1, &rows);
         create(&a, 60).await;
+        let ended = due_will_raced_by_a_clean_start_here(&a, &rows).await;
+        assert!(ended, "the due will is still this node's");
+    }
+
+    /// As above, but another node adopted the session meanwhile (this node, cut off, never
+    /// heard): a clean start here takes the row from the adopter, whose copy had the will, so
+    /// the will this node took out is not its own any more.
+    #[tokio::test]
+    async fn a_clean_start_here_after_an_adoption_elsewhere_does_not_make_the_will_this_nodes() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let _broker = with_broker(&b);
+        create(&a, 60).await;
+        rows.1.lock().unwrap().push(1);
+        assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
+        rows.1.lock().unwrap().clear();
+        let ended = due_will_raced_by_a_clean_start_here(&a, &rows).await;
+        assert!(!ended, "the adopter held the will");
+    }
+
+    /// Node `a`'s delayed will of `c` came due (its `WillCancelled` recorded, its write held) and
+    /// a clean start of `c` on `a` wins the row over that write. Returns what `ended` answered.
+    async fn due_will_raced_by_a_clean_start_here(
+        a: &ReplicatedSessions,
+        rows: &MemoryRows,
+    ) -> bool {
         rows.hold();
         let cancelled = a.record(vec![SessionChange::WillCancelled {
             client_id: "c".into(),
@@ -1669,38 +1695,7 @@ mod tests {
             cancelled.await.is_err(),
             "the cancellation's write lost the row"
         );
-        assert!(ended.await.unwrap(), "the due will is still this node's");
-    }
-
-    /// As above, but another node adopted the session meanwhile (this node, cut off, never
-    /// heard): a clean start here takes the row from the adopter, whose copy had the will, so
-    /// the will this node took out is not its own any more.
-    #[tokio::test]
-    async fn a_clean_start_here_after_an_adoption_elsewhere_does_not_make_the_will_this_nodes() {
-        let rows = Arc::new(MemoryRows::default());
-        let (a, b) = (node(1, &rows), node(2, &rows));
-        let _broker = with_broker(&b);
-        create(&a, 60).await;
-        rows.1.lock().unwrap().push(1);
-        assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
-        rows.1.lock().unwrap().clear();
-        rows.hold();
-        let cancelled = a.record(vec![SessionChange::WillCancelled {
-            client_id: "c".into(),
-        }]);
-        let ended = tokio::spawn(a.ended("c"));
-        let clean_start = {
-            let a = a.clone();
-            tokio::spawn(async move { a.locate("c", true, true, true).await })
-        };
-        while rows.held() < 2 {
-            tokio::task::yield_now().await;
-        }
-        rows.land_newest();
-        assert_eq!(clean_start.await.unwrap(), Ok(Located::Gone));
-        rows.stop_holding();
-        assert!(cancelled.await.is_err());
-        assert!(!ended.await.unwrap(), "the adopter held the will");
+        ended.await.unwrap()
     }
 
     /// A state store whose first `restore` is held until the test opens it.
