@@ -64,6 +64,9 @@ async fn member(addr: SocketAddr, id: &str, topic: &str, qos: QoS) -> Raw {
     client
 }
 
+/// A spawned [`read_to_end`].
+type Reader = tokio::task::JoinHandle<(Raw, Vec<String>)>;
+
 /// Reads (and acknowledges, QoS 2 to PUBCOMP) every message until the marker on `end/<id>`;
 /// the payloads of the others, in order (copies included).
 async fn read_to_end(mut client: Raw, id: String) -> (Raw, Vec<String>) {
@@ -336,34 +339,17 @@ async fn a_shared_groups_qos2_message_whose_copy_was_answered_too_late_reaches_t
         tokio::spawn(read_to_end(on_1, "late-1".to_owned())),
         tokio::spawn(read_to_end(on_3, "late-3".to_owned())),
     ];
-    let (mut publisher, _) = accepted(n2, "late-pub", true, 0, None).await;
+    let publisher = accepted(n2, "late-pub", true, 0, None).await.0;
 
-    freeze(&nodes[0]);
-    let frozen = Instant::now();
     // The group's first message: node 2 gives it to the first holder, node 1.
-    let publishing = tokio::spawn(async move {
-        let code = publisher.publish("late/t", QoS::ExactlyOnce, "late").await;
-        (code, publisher)
-    });
-    tokio::time::sleep(Duration::from_millis(9_500)).await;
-    resume(&nodes[0]);
+    let (publishing, frozen) =
+        publish_qos2_while_node_1_hangs(&nodes, publisher, "late/t", "late").await;
     let (code, mut publisher) = publishing.await.expect("publisher");
     assert_eq!(code, 0x00);
     eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
 
-    let mut received = Vec::new();
-    for (id, reader) in ["late-1", "late-3"].into_iter().zip(readers) {
-        assert_eq!(
-            publisher
-                .publish(&format!("end/{id}"), QoS::AtLeastOnce, "end")
-                .await,
-            0x00
-        );
-        let (client, got) = reader.await.expect("reader");
-        eprintln!("{id} received {got:?}");
-        received.extend(got);
-        client.disconnect().await;
-    }
+    let readers = ["late-1", "late-3"].into_iter().zip(readers).collect();
+    let received = end_readers(&mut publisher, readers).await;
     assert_eq!(
         received,
         ["late"],
@@ -384,16 +370,10 @@ async fn a_shared_groups_qos2_message_reaches_the_group_once_when_its_member_mov
     let mut moving = member(n1, "mv-1", "mv/t", QoS::ExactlyOnce).await;
     let on_3 = member(n3, "mv-3", "mv/t", QoS::ExactlyOnce).await;
     let reader = tokio::spawn(read_to_end(on_3, "mv-3".to_owned()));
-    let (mut publisher, _) = accepted(n2, "mv-pub", true, 0, None).await;
+    let publisher = accepted(n2, "mv-pub", true, 0, None).await.0;
 
-    freeze(&nodes[0]);
-    let frozen = Instant::now();
-    let publishing = tokio::spawn(async move {
-        let code = publisher.publish("mv/t", QoS::ExactlyOnce, "mv").await;
-        (code, publisher)
-    });
-    tokio::time::sleep(Duration::from_millis(9_500)).await;
-    resume(&nodes[0]);
+    let (publishing, frozen) =
+        publish_qos2_while_node_1_hangs(&nodes, publisher, "mv/t", "mv").await;
     let mut received = vec![take_qos2(&mut moving).await];
     moving.disconnect().await;
     let moving = adopted(n2, "mv-1", frozen).await;
@@ -405,10 +385,44 @@ async fn a_shared_groups_qos2_message_reaches_the_group_once_when_its_member_mov
     assert_eq!(code, 0x00);
     eprintln!("acknowledged {:?} after node 1 hung", frozen.elapsed());
 
-    let readers = [
+    let readers = vec![
         ("mv-1", tokio::spawn(read_to_end(moving, "mv-1".to_owned()))),
         ("mv-3", reader),
     ];
+    received.extend(end_readers(&mut publisher, readers).await);
+    assert_eq!(
+        received,
+        ["mv"],
+        "the group got the QoS 2 message once per member"
+    );
+    drop((publisher, nodes));
+}
+
+/// Hangs node 1 for 9.5 s — past the mesh's call timeout (8 s), within its 20 s lease
+/// ([`three_nodes_with_a_long_lease`]) — while `publisher` sends `payload` on `topic` at QoS 2, so
+/// that node 2 holds the copy it could not hand to node 1. Returns the publish under way (its
+/// reason code and the client, once acknowledged) and when node 1 froze.
+async fn publish_qos2_while_node_1_hangs(
+    nodes: &[Node],
+    mut publisher: Raw,
+    topic: &'static str,
+    payload: &'static str,
+) -> (tokio::task::JoinHandle<(u8, Raw)>, Instant) {
+    freeze(&nodes[0]);
+    let frozen = Instant::now();
+    let publishing = tokio::spawn(async move {
+        let code = publisher.publish(topic, QoS::ExactlyOnce, payload).await;
+        (code, publisher)
+    });
+    tokio::time::sleep(Duration::from_millis(9_500)).await;
+    resume(&nodes[0]);
+    (publishing, frozen)
+}
+
+/// Ends each `(id, reader)` of [`read_to_end`] with a QoS 1 message on `end/<id>`, and returns
+/// what they received before it, reader by reader.
+async fn end_readers(publisher: &mut Raw, readers: Vec<(&str, Reader)>) -> Vec<String> {
+    let mut received = Vec::new();
     for (id, reader) in readers {
         assert_eq!(
             publisher
@@ -417,16 +431,11 @@ async fn a_shared_groups_qos2_message_reaches_the_group_once_when_its_member_mov
             0x00
         );
         let (client, got) = reader.await.expect("reader");
-        eprintln!("{id} received {got:?} more");
+        eprintln!("{id} received {got:?}");
         received.extend(got);
         client.disconnect().await;
     }
-    assert_eq!(
-        received,
-        ["mv"],
-        "the group got the QoS 2 message once per member"
-    );
-    drop((publisher, nodes));
+    received
 }
 
 /// Three nodes whose control-plane lease is 20 s: a node may hang past the mesh's call timeout
@@ -463,16 +472,10 @@ async fn a_held_qos2_message_its_dead_node_took_in_too_late_reaches_the_adopted_
     // Hears, on node 1, when node 1 took the copy in.
     let (mut probe, _) = accepted(n1, "c2-probe", true, 0, None).await;
     probe.subscribe("c2/t", QoS::AtMostOnce).await;
-    let (mut publisher, _) = accepted(n2, "c2-pub", true, 0, None).await;
+    let publisher = accepted(n2, "c2-pub", true, 0, None).await.0;
 
-    freeze(&nodes[0]);
-    let frozen = Instant::now();
-    let publishing = tokio::spawn(async move {
-        let code = publisher.publish("c2/t", QoS::ExactlyOnce, "m").await;
-        (code, publisher)
-    });
-    tokio::time::sleep(Duration::from_millis(9_500)).await;
-    resume(&nodes[0]);
+    let (publishing, frozen) =
+        publish_qos2_while_node_1_hangs(&nodes, publisher, "c2/t", "m").await;
     match probe.recv().await {
         Packet::Publish(p) => assert_eq!(&p.payload[..], b"m"),
         other => panic!("c2-probe: unexpected {other:?}"),

@@ -3,13 +3,13 @@
 //! `mosquitto_passwd`'s format with a modern hash. `mqstate passwd` maintains it.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use argon2::password_hash::rand_core::OsRng;
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
+use mqstate_wal::layout::write_file_atomically;
 
 /// Users and their password hashes.
 #[derive(Debug, Clone, Default)]
@@ -135,7 +135,9 @@ pub fn run(args: PasswdArgs) -> anyhow::Result<()> {
         file.users
             .insert(args.user.clone(), hash_password(password.as_bytes())?);
     }
-    write_atomically(&args.file, file.render().as_bytes())
+    // Owner-only: the file holds password hashes.
+    write_file_atomically(&args.file, file.render().as_bytes(), 0o600)
+        .with_context(|| format!("cannot write {}", args.file.display()))
 }
 
 fn read_password(from_stdin: bool) -> anyhow::Result<String> {
@@ -164,31 +166,6 @@ fn read_password(from_stdin: bool) -> anyhow::Result<String> {
         bail!("empty password refused");
     }
     Ok(password)
-}
-
-/// Writes `contents` to a temporary file next to `path` (owner-only permissions), fsyncs it and renames
-/// it over `path`: readers see the old file or the new one, never half of one.
-fn write_atomically(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} is not a file name", path.display()))?;
-    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let write = || -> std::io::Result<()> {
-        let mut f = options.open(&tmp)?;
-        f.write_all(contents)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    };
-    write().with_context(|| format!("cannot write {}", path.display()))
 }
 
 #[cfg(test)]
@@ -222,19 +199,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("twice"), "{err}");
-    }
-
-    #[test]
-    fn atomic_write_replaces_the_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("passwd");
-        write_atomically(&path, b"one").unwrap();
-        write_atomically(&path, b"two").unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), b"two");
-        assert_eq!(
-            std::fs::read_dir(dir.path()).unwrap().count(),
-            1,
-            "no temp file left"
-        );
     }
 }

@@ -31,7 +31,8 @@ use crate::mailbox;
 use crate::message::{Message, PublishProperties, QoS};
 use crate::metrics;
 use crate::persist::{Durable, JournalError};
-use crate::registry::{Attach, Control, Owner};
+use crate::registry::{Attach, Control, Owner, WillOnEnd};
+use crate::service::publish_once_landed;
 use crate::service::{ClientEvent, Inner, ServiceRequest};
 use crate::session::{Delivery, Emit, Phase, SessionHandle, SubscriptionOptions};
 use crate::topic::{self, TopicNameProblem};
@@ -50,7 +51,7 @@ enum End {
     Closed,
     /// The client sent DISCONNECT; 0x04 asks for the will.
     ClientDisconnect {
-        publish_will: bool,
+        will: WillOnEnd,
     },
     Violation(Violation),
     KeepAliveTimeout,
@@ -61,7 +62,7 @@ enum End {
     Kicked {
         reason_code: u8,
         reason_string: Option<String>,
-        publish_will: bool,
+        will: WillOnEnd,
     },
     Shutdown,
     /// CONNACK refused the session after attaching it (its state could not be made durable).
@@ -747,9 +748,9 @@ impl Connection {
         }
         let deadline = self.inner.clock.tokio_now() + self.inner.config.takeover_timeout;
         // A cluster node: the session may live on another node (decision 0047).
-        if self.inner.elsewhere.is_some() && !self.locate_elsewhere(deadline).await {
+        let Some(must_resume) = self.locate_elsewhere(deadline).await else {
             return false;
-        }
+        };
         let (handle, session_present, effects, durable) = loop {
             let owner = Owner {
                 conn_id: self.conn_id,
@@ -762,6 +763,7 @@ impl Connection {
                 self.session_expiry_secs,
                 owner,
                 force,
+                must_resume,
             ) {
                 Attach::Attached {
                     handle,
@@ -772,6 +774,20 @@ impl Connection {
                 Attach::Wait(done) => {
                     tracing::debug!(client_id = %self.client_id, "taking over session from a live connection");
                     let _ = tokio::time::timeout_at(deadline, done).await;
+                }
+                // The copy located or taken in for this CONNECT was dropped before it attached
+                // (a late drop of a copy another node took meanwhile, or the copy expired). A
+                // fresh session in its place would answer Session Present 0 for a session that
+                // may exist (robustness seed 500764) and overwrite its row: refuse, retryably;
+                // the retry locates it again.
+                Attach::Vanished => {
+                    tracing::warn!(client_id = %self.client_id, "CONNECT refused: the session located for it was dropped before it attached");
+                    self.codec.refuse_connack(
+                        reason::SERVER_BUSY,
+                        Some("the session moved while this connection took it; retry"),
+                        &mut self.out,
+                    );
+                    return false;
                 }
             }
         };
@@ -984,8 +1000,8 @@ impl Connection {
                     _ = link.shutdown.cancelled() => return End::Shutdown,
                     ctl = poll_fn(|cx| link.control.poll_recv(cx)) => match ctl {
                         Some(Control::TakeOver { done }) => return End::TakenOver(Some(done)),
-                        Some(Control::Disconnect { reason_code, reason_string, publish_will }) => {
-                            return End::Kicked { reason_code, reason_string, publish_will }
+                        Some(Control::Disconnect { reason_code, reason_string, will }) => {
+                            return End::Kicked { reason_code, reason_string, will }
                         }
                         // The registry dropped our channel: the session was taken by force.
                         None => return End::TakenOver(None),
@@ -1117,7 +1133,11 @@ impl Connection {
                         .set_expiry(self.session_expiry_secs, &*self.inner.clock);
                 }
                 return Err(End::ClientDisconnect {
-                    publish_will: code == reason::DISCONNECT_WITH_WILL,
+                    will: if code == reason::DISCONNECT_WITH_WILL {
+                        WillOnEnd::Publish
+                    } else {
+                        WillOnEnd::Skip
+                    },
                 });
             }
             Inbound::Connect(_) => {
@@ -1577,25 +1597,23 @@ impl Connection {
     /// Sends DISCONNECT if the end calls for one, closes, detaches from the session and publishes
     /// or arms the will.
     async fn finish(mut self, end: End, wr: &mut Stream) {
-        let (disconnect, publish_will, takeover_done, why): (
+        let (disconnect, will_on_end, takeover_done, why): (
             Option<(u8, Option<String>)>,
-            bool,
+            WillOnEnd,
             _,
             &str,
         ) = match end {
-            End::Closed => (None, true, None, "connection lost"),
-            End::ClientDisconnect { publish_will } => {
-                (None, publish_will, None, "client disconnected")
-            }
+            End::Closed => (None, WillOnEnd::Publish, None, "connection lost"),
+            End::ClientDisconnect { will } => (None, will, None, "client disconnected"),
             End::Violation(v) => (
                 Some((v.code, Some(v.reason.to_owned()))),
-                true,
+                WillOnEnd::Publish,
                 None,
                 v.reason,
             ),
             End::KeepAliveTimeout => (
                 Some((reason::KEEP_ALIVE_TIMEOUT, None)),
-                true,
+                WillOnEnd::Publish,
                 None,
                 "keep-alive timeout",
             ),
@@ -1603,34 +1621,39 @@ impl Connection {
                 self.out.clear();
                 (
                     None,
-                    true,
+                    WillOnEnd::Publish,
                     None,
                     "slow consumer: the socket took no write within the slow-consumer timeout",
                 )
             }
             End::TakenOver(done) => (
                 Some((reason::SESSION_TAKEN_OVER, None)),
-                true,
+                WillOnEnd::Publish,
                 done,
                 "session taken over",
             ),
             End::Kicked {
                 reason_code,
                 reason_string,
-                publish_will,
+                will,
             } => (
                 Some((reason_code, reason_string)),
-                publish_will,
+                will,
                 None,
                 "disconnected by a service",
             ),
             End::Shutdown => (
                 Some((reason::SERVER_SHUTTING_DOWN, None)),
-                true,
+                WillOnEnd::Publish,
                 None,
                 "server shutting down",
             ),
-            End::Refused => (None, false, None, "session state could not be stored"),
+            End::Refused => (
+                None,
+                WillOnEnd::Skip,
+                None,
+                "session state could not be stored",
+            ),
         };
         if let Some((code, reason_string)) = disconnect {
             self.codec
@@ -1644,18 +1667,25 @@ impl Connection {
             wr.shutdown().await
         })
         .await;
-        let will = if publish_will {
-            self.will.take().map(|w| *w)
-        } else {
-            None
+        let will = match will_on_end {
+            WillOnEnd::Skip => None,
+            WillOnEnd::Publish | WillOnEnd::OnceLanded => self.will.take().map(|w| *w),
         };
-        let effects = self
+        let mut effects = self
             .inner
             .registry
             .detach(&self.client_id, self.conn_id, will);
         self.inner.emit(ClientEvent::Disconnected {
             client_id: self.client_id.clone(),
         });
+        if will_on_end == WillOnEnd::OnceLanded && !effects.wills.is_empty() {
+            let wills = std::mem::take(&mut effects.wills);
+            tokio::spawn(publish_once_landed(
+                self.inner.clone(),
+                self.client_id.clone(),
+                wills,
+            ));
+        }
         self.inner.apply(effects);
         if let Some(done) = takeover_done {
             let _ = done.send(());

@@ -68,7 +68,7 @@ pub use peers::{Forward, GroupKey, PeerId, Peers, Plan, PublishId, Settled};
 pub use persist::StoredSession;
 pub use persist::{
     Durable, Ending, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
-    SessionSource,
+    SessionSource, Unlocated,
 };
 pub use server::{serve, serve_streams, Listener};
 pub use service::{

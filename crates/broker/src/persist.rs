@@ -61,7 +61,13 @@ pub trait SessionJournal: Send + Sync {
 }
 
 /// What a [`SessionSource`] found.
-pub type Locating = Pin<Box<dyn Future<Output = Result<Located, JournalError>> + Send>>;
+pub type Locating = Pin<Box<dyn Future<Output = Result<Located, Unlocated>> + Send>>;
+
+/// Where a session is cannot be told now: its replicas are unreachable, or this node may not
+/// take sessions (its lease lapsed). The CONNECT is refused, retryable; the text says why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unlocated(pub String);
 
 /// Where a client's session is, as a [`SessionSource`] answers on CONNECT.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -28,14 +28,29 @@ use crate::will::Will;
 pub(crate) enum Control {
     /// Another connection wants this session: disconnect with 0x8E, detach, then reply.
     TakeOver { done: oneshot::Sender<()> },
-    /// Disconnect with this reason (a service asked for it). `publish_will`: false when the
-    /// session lives on elsewhere (it moved to another node, or will be adopted by one): its
-    /// will is then the new holder's to publish, not this connection's.
+    /// Disconnect with this reason (a service asked for it); `will` says what becomes of the
+    /// connection's will.
     Disconnect {
         reason_code: u8,
         reason_string: Option<String>,
-        publish_will: bool,
+        will: WillOnEnd,
     },
+}
+
+/// What becomes of the will of a connection when it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WillOnEnd {
+    /// Published now, or armed if delayed, as at any abnormal end.
+    Publish,
+    /// Not published: the client ended normally, or the session moved to another node, whose
+    /// copy holds the will.
+    Skip,
+    /// As `Publish`, but a will due now waits until what this node recorded of the session (the
+    /// connection's end) landed in its row, and is dropped if another node took the session
+    /// over first: a cluster node whose lease lapsed sends its clients away, and another node
+    /// may be adopting their sessions (decision 0057). (On a cluster node a delayed will always
+    /// waits so: `session_timer`.)
+    OnceLanded,
 }
 
 /// The connection that currently owns a session.
@@ -114,6 +129,8 @@ pub(crate) enum Attach {
     },
     /// Another connection owns the session and was asked to hand it over.
     Wait(oneshot::Receiver<()>),
+    /// `must_resume`, and there is no session: nothing was created.
+    Vanished,
 }
 
 impl Registry {
@@ -141,7 +158,8 @@ impl Registry {
     }
 
     /// Attaches connection `owner` to `client_id`'s session (creating it, or discarding the old one
-    /// when `clean_start`). With `force`, a current owner is displaced without waiting.
+    /// when `clean_start`). With `force`, a current owner is displaced without waiting. With
+    /// `must_resume`, a missing session is not created ([`Attach::Vanished`]).
     pub(crate) fn attach(
         &self,
         client_id: &Arc<str>,
@@ -149,6 +167,7 @@ impl Registry {
         expiry_secs: u32,
         owner: Owner,
         force: bool,
+        must_resume: bool,
     ) -> Attach {
         let mut sessions = self.lock();
         if let Some(entry) = sessions.by_client.get_mut(client_id) {
@@ -171,7 +190,7 @@ impl Registry {
                     let _ = displaced.control.try_send(Control::Disconnect {
                         reason_code: crate::codec::reason::SESSION_TAKEN_OVER,
                         reason_string: None,
-                        publish_will: true,
+                        will: WillOnEnd::Publish,
                     });
                 }
                 if clean_start {
@@ -186,6 +205,7 @@ impl Registry {
                     (old.handle, true)
                 }
             }
+            None if must_resume => return Attach::Vanished,
             None => (self.new_session(client_id, expiry_secs), false),
         };
         let durable = handle.lock().commit();
@@ -464,7 +484,7 @@ mod tests {
                 effects,
                 ..
             } => (handle, session_present, effects),
-            Attach::Wait(_) => panic!("expected attach"),
+            Attach::Wait(_) | Attach::Vanished => panic!("expected attach"),
         }
     }
 
@@ -473,17 +493,17 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, mut rx1) = owner(1);
-        let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false));
+        let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false, false));
         assert!(!present);
         let (o2, _rx2) = owner(2);
-        let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false) else {
+        let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false, false) else {
             panic!("must wait")
         };
         assert!(matches!(rx1.try_recv(), Some(Control::TakeOver { .. })));
         let fx = reg.detach(&id, 1, None);
         assert!(fx.ended.is_empty());
         let (o2, _rx2) = owner(2);
-        let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false));
+        let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false, false));
         assert!(present);
         assert!(Arc::ptr_eq(&h1, &h2));
     }
@@ -493,9 +513,9 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx1) = owner(1);
-        attached(reg.attach(&id, false, 60, o1, false));
+        attached(reg.attach(&id, false, 60, o1, false, false));
         let (o2, _rx2) = owner(2);
-        let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true));
+        let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true, false));
         assert!(present);
         // The displaced connection's detach changes nothing.
         let fx = reg.detach(&id, 1, Some(will(10)));
@@ -505,7 +525,7 @@ mod tests {
             Control::Disconnect {
                 reason_code: 0,
                 reason_string: None,
-                publish_will: true,
+                will: WillOnEnd::Publish,
             }
         ));
     }
@@ -515,7 +535,7 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        attached(reg.attach(&id, true, 0, o1, false));
+        attached(reg.attach(&id, true, 0, o1, false, false));
         let fx = reg.detach(&id, 1, Some(will(30)));
         assert_eq!(fx.ended.len(), 1);
         assert_eq!(
@@ -531,14 +551,14 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        attached(reg.attach(&id, false, 100, o1, false));
+        attached(reg.attach(&id, false, 100, o1, false, false));
         let now = reg.clock.now();
         let fx = reg.detach(&id, 1, Some(will(10)));
         let timer = fx.timer.unwrap();
         assert_eq!(timer.will_at, Some(now + Duration::from_secs(10)));
         assert_eq!(timer.expire_at, Some(now + Duration::from_secs(100)));
         let (o2, _rx2) = owner(2);
-        attached(reg.attach(&id, false, 100, o2, false));
+        attached(reg.attach(&id, false, 100, o2, false, false));
         assert!(reg.take_due_will(&id, timer.epoch).is_none());
         assert!(reg.expire(&id, timer.epoch).ended.is_empty());
 
@@ -553,10 +573,10 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false));
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, false));
         reg.detach(&id, 1, Some(will(50)));
         let (o2, _rx2) = owner(2);
-        let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false));
+        let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false, false));
         assert!(!present);
         assert!(!Arc::ptr_eq(&h1, &h2));
         assert_eq!(fx.ended.len(), 1);
@@ -569,7 +589,7 @@ mod tests {
         let id: Arc<str> = "c".into();
         assert!(matches!(reg.take(&id), Err(Untaken::Missing)));
         let (o1, _rx) = owner(1);
-        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false));
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, false));
         assert!(matches!(reg.take(&id), Err(Untaken::Connected)));
         let timer = reg.detach(&id, 1, Some(will(30))).timer.unwrap();
         let Ok(Taken { handle, will }) = reg.take(&id) else {

@@ -850,19 +850,7 @@ mod tests {
                 })
                 .collect()
         };
-        appended();
-        let first = router.route_redelivered(
-            qos2(),
-            None,
-            (clock.now(), 1_000),
-            clock.now(),
-            std::slice::from_ref(&group),
-            Some(id),
-        );
-        assert_eq!(first.offered, 1);
-        assert_eq!(appended().len(), 1, "one member took it in");
-        // Given again: the group's turn picks the other member, which did not take it.
-        for _ in 0..2 {
+        let redeliver = || {
             router.route_redelivered(
                 qos2(),
                 None,
@@ -870,7 +858,14 @@ mod tests {
                 clock.now(),
                 std::slice::from_ref(&group),
                 Some(id),
-            );
+            )
+        };
+        appended();
+        assert_eq!(redeliver().offered, 1);
+        assert_eq!(appended().len(), 1, "one member took it in");
+        // Given again: the group's turn picks the other member, which did not take it.
+        for _ in 0..2 {
+            redeliver();
             assert_eq!(appended(), Vec::<String>::new(), "the group had it");
         }
         let took = router.groups_that_took(std::slice::from_ref(&group), id);

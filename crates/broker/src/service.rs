@@ -54,7 +54,7 @@ use crate::persist::{
     wall, Durable, Restored, SessionChange, SessionJournal, SessionSource, StoredSession,
 };
 use crate::queue::QueueLimit;
-use crate::registry::{Control, Effects, Registry, Taken, Timer, Untaken};
+use crate::registry::{Control, Effects, Registry, Taken, Timer, Untaken, WillOnEnd};
 use crate::router::Router;
 use crate::session::{Delivery, Inflight, Phase, SessionHandle, SessionState};
 use crate::topic;
@@ -385,15 +385,19 @@ impl Broker {
         let control = Control::Disconnect {
             reason_code,
             reason_string: reason_string.map(str::to_owned),
-            publish_will: true,
+            will: WillOnEnd::Publish,
         };
         self.inner.registry.send_control(client_id, control)
     }
 
-    /// Disconnects `client_id`'s connection with 0x9C Use another server, its session and will
-    /// left as they are: a cluster node whose control-plane lease lapsed serves no session until
-    /// it is renewed, and another node may adopt the session meanwhile, which then publishes the
-    /// will when due. Returns whether a connection was told.
+    /// Disconnects `client_id`'s connection with 0x9C Use another server, its session kept: a
+    /// cluster node whose control-plane lease lapsed serves no session until it is renewed. The
+    /// connection's end counts as abnormal (MQTT: the server closed it), so its will is armed as
+    /// usual, but published only once the end landed in the session's row, and not at all if
+    /// another node adopted the session first: that node then holds the will
+    /// (`publish_once_landed`). Before, the will was left to an adopter, and lost when nobody
+    /// adopted (the lease came back) and the client never returned. Returns whether a connection
+    /// was told.
     pub fn send_away(&self, client_id: &str) -> bool {
         let control = Control::Disconnect {
             reason_code: crate::codec::reason::USE_ANOTHER_SERVER,
@@ -401,7 +405,7 @@ impl Broker {
                 "this node lost touch with its cluster for now; reconnect, to another node if you can"
                     .into(),
             ),
-            publish_will: false,
+            will: WillOnEnd::OnceLanded,
         };
         self.inner.registry.send_control(client_id, control)
     }
@@ -507,7 +511,7 @@ impl Broker {
                 let control = Control::Disconnect {
                     reason_code: crate::codec::reason::SESSION_TAKEN_OVER,
                     reason_string: Some("the session moved to another node".into()),
-                    publish_will: false,
+                    will: WillOnEnd::Skip,
                 };
                 self.inner.registry.send_control(client_id, control);
                 false
@@ -847,7 +851,7 @@ async fn session_timer(inner: Arc<Inner>, timer: Timer) {
     if let Some(at) = timer.will_at.filter(|_| !with_expiry) {
         tokio::time::sleep_until(at.into()).await;
         if let Some(will) = inner.registry.take_due_will(&timer.client_id, timer.epoch) {
-            inner.router.route(will.message, None);
+            publish_once_landed(inner.clone(), timer.client_id.clone(), vec![will]).await;
         }
     }
     if let Some(at) = timer.expire_at {
@@ -857,18 +861,28 @@ async fn session_timer(inner: Arc<Inner>, timer: Timer) {
             return;
         }
         tracing::debug!(client_id = %timer.client_id, "session expired");
-        let (Some(source), false) = (&inner.elsewhere, effects.wills.is_empty()) else {
-            inner.apply(effects);
-            return;
-        };
         let wills = std::mem::take(&mut effects.wills);
         inner.apply(effects);
-        if source.ended(&timer.client_id).await {
-            for will in wills {
-                inner.router.route(will.message, None);
-            }
-        } else {
-            tracing::info!(client_id = %timer.client_id, "an expiring session was taken over by another node first: its will is not published");
+        publish_once_landed(inner, timer.client_id, wills).await;
+    }
+}
+
+/// Publishes `wills` of `client_id`'s session: on a single node at once; on a cluster node once
+/// what this node recorded of the session (its end, its due will's publication) landed in the
+/// session's row. Until then another node may still take the session over (adopt it, or a
+/// CONNECT's claim), and then the will is that node's, or not due (decisions 0057, 0070):
+/// published here too, it would go out twice.
+pub(crate) async fn publish_once_landed(inner: Arc<Inner>, client_id: Arc<str>, wills: Vec<Will>) {
+    if wills.is_empty() {
+        return;
+    }
+    if let Some(source) = &inner.elsewhere {
+        if !source.ended(&client_id).await {
+            tracing::info!(%client_id, "the session was taken over by another node first: its will is not published here");
+            return;
         }
+    }
+    for will in wills {
+        inner.router.route(will.message, None);
     }
 }

@@ -678,3 +678,169 @@ async fn a_handed_over_delayed_will_is_published_by_the_node_that_adopted_it() {
         "the old node's timer found no session and published nothing"
     );
 }
+
+/// A cluster node's view of where sessions are, reduced to its answer on whether what the node
+/// recorded of a session landed in the session's row (`ended`): held until the test gives it
+/// (`true`: landed; `false`: another node took the session over first).
+struct GatedSource(watch::Sender<Option<bool>>);
+
+impl mqstate_broker::SessionSource for GatedSource {
+    fn locate(&self, _: &str, _: bool, _: bool, _: bool) -> mqstate_broker::Locating {
+        Box::pin(async { Ok(mqstate_broker::Located::Here) })
+    }
+
+    fn ended(&self, _: &str) -> mqstate_broker::Ending {
+        let mut landed = self.0.subscribe();
+        Box::pin(async move {
+            match landed.wait_for(Option::is_some).await {
+                Ok(answer) => answer.unwrap_or(false),
+                Err(_) => false,
+            }
+        })
+    }
+}
+
+/// A cluster node's broker (a journal, and a session source gated by the test), a watcher on
+/// `will/#` and the `mark` topic, and the client `c` connected with a will on `will/c`
+/// (`delay_secs` after its connection ends) and a session of 60 s.
+async fn cluster_node_with_a_will(delay_secs: Option<u32>) -> (Server, Arc<GatedSource>, Raw, Raw) {
+    let source = Arc::new(GatedSource(watch::Sender::new(None)));
+    let s = Server::serve(
+        Broker::builder(BrokerConfig::default())
+            .journal(MemoryJournal::new())
+            .sessions_elsewhere(source.clone())
+            .build(),
+    )
+    .await;
+    let (mut watcher, _) = Raw::connect(s.addr, "watcher", true, 0).await;
+    watcher.subscribe("will/#", 0).await;
+    watcher.subscribe("mark", 0).await;
+    let mut connect = connect_packet("c", true, 60);
+    connect.last_will = Some(will("will/c", b"bye", 0, false, delay_secs));
+    let (c, _) = Raw::connect_with(s.addr, connect).await;
+    (s, source, watcher, c)
+}
+
+/// Publishes on `mark` and returns the topic of the first message the watcher gets after: `mark`
+/// if no will came first.
+async fn first_after_mark(s: &Server, watcher: &mut Raw) -> String {
+    let (mut marker, _) = Raw::connect(s.addr, "marker", true, 0).await;
+    marker.publish("mark", b"m", 0, 0, false).await;
+    watcher.expect_publish().await.topic.to_string()
+}
+
+/// Decision 0057's amendment: a cluster node whose lease lapsed sends its clients away (0x9C).
+/// The server ended the connection, so the will is due — but only once the end landed in the
+/// session's row: until then another node may be adopting the session, and then the will is
+/// that node's. Before, a client sent away left its will to an adopter, and it was never
+/// published when nobody adopted the session and the client did not come back (this test's
+/// `landed` case failed: no will).
+#[tokio::test]
+async fn a_client_sent_away_has_its_will_published_once_its_end_landed_unless_taken_over() {
+    for landed in [true, false] {
+        let (s, source, mut watcher, mut c) = cluster_node_with_a_will(None).await;
+        let mut events = s.broker.events();
+        assert!(s.broker.send_away("c"));
+        assert_eq!(c.disconnect_reason().await, Some(0x9C));
+        wait_event(&mut events, |e| {
+            matches!(e, mqstate_broker::ClientEvent::Disconnected { client_id } if &**client_id == "c")
+        })
+        .await;
+        assert_eq!(
+            first_after_mark(&s, &mut watcher).await,
+            "mark",
+            "no will before the end landed"
+        );
+        source.0.send_replace(Some(landed));
+        if landed {
+            let will = watcher.expect_publish().await;
+            assert_eq!(will.topic, "will/c", "the will once the end landed");
+        } else {
+            let next = first_after_mark(&s, &mut watcher).await;
+            assert_eq!(
+                next, "mark",
+                "another node took the session: its will is not ours"
+            );
+        }
+    }
+}
+
+/// A delayed will that came due on a cluster node is published only once its publication landed
+/// in the session's row: another node that took the session over first (adopted it while this
+/// node was cut off, or a CONNECT of the client claimed it) holds the will, or the client is
+/// back. Before, it was published all the same (this test's `false` case failed: a will twice).
+#[tokio::test]
+async fn a_delayed_will_due_on_a_cluster_node_waits_for_its_row_and_yields_to_a_takeover() {
+    for landed in [false, true] {
+        let (s, source, mut watcher, c) = cluster_node_with_a_will(Some(1)).await;
+        drop(c);
+        // Past the will's delay.
+        tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+        assert_eq!(
+            first_after_mark(&s, &mut watcher).await,
+            "mark",
+            "not before it landed"
+        );
+        source.0.send_replace(Some(landed));
+        if landed {
+            assert_eq!(watcher.expect_publish().await.topic, "will/c");
+        } else {
+            let next = first_after_mark(&s, &mut watcher).await;
+            assert_eq!(next, "mark", "taken over: the will is not published here");
+        }
+    }
+}
+
+/// A session source whose `locate` finds the copy here, but has that copy dropped before
+/// answering (as a late `forget_session`, for a copy another node took meanwhile, can drop it
+/// between the locate and the attach).
+#[derive(Default)]
+struct DroppingSource(std::sync::OnceLock<Broker>);
+
+impl mqstate_broker::SessionSource for DroppingSource {
+    fn locate(
+        &self,
+        client_id: &str,
+        _: bool,
+        _: bool,
+        held_here: bool,
+    ) -> mqstate_broker::Locating {
+        if held_here {
+            if let Some(broker) = self.0.get() {
+                assert!(broker.forget_session(client_id), "the copy was here");
+            }
+        }
+        Box::pin(async { Ok(mqstate_broker::Located::Here) })
+    }
+
+    fn ended(&self, _: &str) -> mqstate_broker::Ending {
+        Box::pin(async { true })
+    }
+}
+
+/// Robustness seed 500764 (`session-present`): a CONNECT whose session was located here, then
+/// dropped before it attached, got a fresh session — Session Present 0 for a session that
+/// existed, and a `Created` that would overwrite its row. It is refused now (0x89, retryable).
+/// Before, the second CONNECT was accepted with Session Present 0.
+#[tokio::test]
+async fn a_connect_whose_located_session_is_dropped_before_it_attaches_is_refused() {
+    let source = Arc::new(DroppingSource::default());
+    let broker = Broker::builder(BrokerConfig::default())
+        .journal(MemoryJournal::new())
+        .sessions_elsewhere(source.clone())
+        .build();
+    assert!(source.0.set(broker.clone()).is_ok());
+    let s = Server::serve(broker).await;
+    let (c, ack) = Raw::connect(s.addr, "c", true, 60).await;
+    assert!(!ack.session_present);
+    c.disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    let mut again = Raw::open(s.addr).await;
+    again
+        .send(Packet::Connect(Box::new(connect_packet("c", false, 60))))
+        .await;
+    match again.expect().await {
+        Packet::ConnectAck(ack) => assert_eq!(u8::from(ack.reason_code), 0x89, "{ack:?}"),
+        other => panic!("expected CONNACK, got {other:?}"),
+    }
+}

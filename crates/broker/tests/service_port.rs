@@ -234,12 +234,12 @@ async fn full_inbox_back_pressures_instead_of_dropping() {
     }
 }
 
-/// A cluster node drops its copy of a session another node holds now (`forget_session`), or
-/// sends a client away while its lease has lapsed (`send_away`): the client is told the session
-/// moved (0x8E) or to use another server (0x9C), and its will is left to whoever holds the
-/// session next, while a service's kick (`disconnect`) publishes it as any abnormal end does.
+/// A cluster node drops its copy of a session another node holds now (`forget_session`): the
+/// client is told the session moved (0x8E) and its will is left to whoever holds the session
+/// next. A client sent away while the node's lease has lapsed (`send_away`, 0x9C) and a service's
+/// kick (`disconnect`) publish it as any abnormal end does.
 #[tokio::test]
-async fn a_client_sent_to_another_node_leaves_its_will_to_the_sessions_holder() {
+async fn a_session_that_moved_leaves_its_will_to_its_holder_and_other_ends_publish_it() {
     let s = Server::default().await;
     let (mut watcher, _) = Raw::connect(s.addr, "watcher", true, 0).await;
     watcher.subscribe("will/#", 0).await;
@@ -257,7 +257,11 @@ async fn a_client_sent_to_another_node_leaves_its_will_to_the_sessions_holder() 
             other => panic!("expected DISCONNECT, got {other:?}"),
         }
     }
-    // Only the kicked client's will arrives (the others' would have come first).
+    // The moved client's will is left to the session's new holder; the client sent away ended
+    // abnormally (its will is published: at once on a single node, where nothing waits for a
+    // row — on a cluster node once its end landed, `durable_sessions`), as did the kicked one.
+    let publish = watcher.expect_publish().await;
+    assert_eq!(publish.topic, "will/away");
     let publish = watcher.expect_publish().await;
     assert_eq!(publish.topic, "will/kicked");
     // The client sent away resumes its session.

@@ -93,6 +93,7 @@ impl Dialer {
             login: self.login.clone(),
             max_inflight,
             resume: None,
+            will: None,
         };
         let opening = async {
             let transport = self.transport().await?;

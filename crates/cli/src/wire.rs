@@ -27,7 +27,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
     check, ConnAck, Connect, ConnectProperties, ConnectReturnCode, Disconnect,
-    DisconnectReasonCode, Filter, Login, Packet, PingReq, PubAck, PubAckReason, Publish,
+    DisconnectReasonCode, Filter, LastWill, Login, Packet, PingReq, PubAck, PubAckReason, Publish,
     PublishProperties, Subscribe, SubscribeReasonCode,
 };
 use rumqttc::v5::mqttbytes::{Error as CodecError, QoS};
@@ -57,6 +57,8 @@ pub struct Options {
     /// `None`: a clean start with session expiry 0. `Some(expiry)`: a session that outlives the
     /// connection by `expiry` seconds, resumed if the server has it ([`Conn::session_present`]).
     pub resume: Option<u32>,
+    /// The will the CONNECT carries (the cluster simulation's will clients; the tools send none).
+    pub will: Option<LastWill>,
 }
 
 /// Why [`Conn::start`] failed: the server refused the CONNECT, or anything else went wrong.
@@ -457,7 +459,7 @@ where
             ..ConnectProperties::new()
         }),
     };
-    let packet = Packet::Connect(connect, None, options.login.clone());
+    let packet = Packet::Connect(connect, options.will.clone(), options.login.clone());
     send(stream, &encode(&packet)?)
         .await
         .map_err(|e| format!("sending CONNECT: {e}"))?;
@@ -582,6 +584,7 @@ mod tests {
             login: None,
             max_inflight,
             resume: None,
+            will: None,
         };
         (options, filters)
     }
@@ -594,6 +597,18 @@ mod tests {
     }
 
     impl FakeBroker {
+        /// The client's end of an in-memory connection, and the fake broker at the other.
+        fn pair() -> (DuplexStream, FakeBroker) {
+            let (client_end, broker_end) = tokio::io::duplex(1 << 16);
+            let (reader, writer) = tokio::io::split(broker_end);
+            let broker = FakeBroker {
+                reader,
+                writer,
+                buf: BytesMut::new(),
+            };
+            (client_end, broker)
+        }
+
         async fn next(&mut self) -> Packet {
             read_packet(&mut self.reader, &mut self.buf).await.unwrap()
         }
@@ -609,13 +624,7 @@ mod tests {
         ack: Packet,
         (opts, filters): (Options, Vec<Filter>),
     ) -> (Conn<DuplexStream>, FakeBroker) {
-        let (client_end, broker_end) = tokio::io::duplex(1 << 16);
-        let (r, w) = tokio::io::split(broker_end);
-        let mut broker = FakeBroker {
-            reader: r,
-            writer: w,
-            buf: BytesMut::new(),
-        };
+        let (client_end, mut broker) = FakeBroker::pair();
         let has_filters = !filters.is_empty();
         let client = tokio::spawn(async move {
             let mut conn = Conn::start(client_end, opts).await?;
@@ -835,13 +844,7 @@ mod tests {
     #[tokio::test]
     async fn resume_asks_for_the_session_and_reports_whether_it_was_there() {
         for (resume, present) in [(Some(3_600), true), (None, false)] {
-            let (client_end, broker_end) = tokio::io::duplex(1 << 16);
-            let (r, w) = tokio::io::split(broker_end);
-            let mut broker = FakeBroker {
-                reader: r,
-                writer: w,
-                buf: BytesMut::new(),
-            };
+            let (client_end, mut broker) = FakeBroker::pair();
             let (opts, _) = options(8, Vec::new());
             let client = tokio::spawn(Conn::start(client_end, Options { resume, ..opts }));
             let Packet::Connect(connect, ..) = broker.next().await else {

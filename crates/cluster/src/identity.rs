@@ -14,12 +14,13 @@
 //!   from its own cluster either, since nobody there stamps: it stays unprotected, as before.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
+
+use mqstate_wal::layout::write_file_atomically;
 
 use crate::NodeId;
 
@@ -109,7 +110,10 @@ impl Identity {
         if let Some(known) = self.get() {
             return Ok(known);
         }
-        write_durably(&self.file, &format!("{id}\n"))
+        self.file
+            .parent()
+            .map_or(Ok(()), fs::create_dir_all)
+            .and_then(|()| write_file_atomically(&self.file, format!("{id}\n").as_bytes(), 0o644))
             .map_err(|e| format!("writing {}: {e}", self.file.display()))?;
         let _ = self.id.set(id);
         Ok(id)
@@ -139,24 +143,6 @@ impl Identity {
             }
         }
     }
-}
-
-/// Writes `text` to `target` so that it holds either nothing or all of it: a temporary file,
-/// fsynced, renamed over it, the directory fsynced.
-fn write_durably(target: &Path, text: &str) -> std::io::Result<()> {
-    let dir = target.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
-    let temp = target.with_extension("tmp");
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&temp)?;
-    file.write_all(text.as_bytes())?;
-    file.sync_all()?;
-    drop(file);
-    fs::rename(&temp, target)?;
-    File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

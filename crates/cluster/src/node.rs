@@ -796,12 +796,25 @@ async fn bootstrap(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 .map(|(&id, addr)| (id, BasicNode::new(addr.clone())))
                 .collect();
             // Kept before Raft holds anything: a founder never runs Raft without it.
-            if let Err(e) = inner.identity.settle(ours) {
-                tracing::error!("not forming the cluster: {e}");
-                if !pause(&mut stopped, BOOTSTRAP_RETRY).await {
+            match inner.identity.settle(ours) {
+                Ok(kept) if kept == ours => {}
+                // The directory already belongs to another cluster, whose Raft state is gone (a
+                // wiped log beside a kept id file, or a new founding list): forming now would
+                // run a cluster under an id its own founders do not share. The operator decides.
+                Ok(kept) => {
+                    tracing::error!(
+                        "not forming the cluster: this directory's {} holds cluster id {kept}, but this founding list makes {ours}; remove the file only if the old cluster is gone for good",
+                        crate::identity::FILE
+                    );
                     return;
                 }
-                continue;
+                Err(e) => {
+                    tracing::error!("not forming the cluster: {e}");
+                    if !pause(&mut stopped, BOOTSTRAP_RETRY).await {
+                        return;
+                    }
+                    continue;
+                }
             }
             match inner.raft.initialize(nodes).await {
                 Ok(()) => tracing::info!(peers = ?peers, "cluster formed from the peer list"),

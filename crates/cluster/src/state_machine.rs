@@ -2,7 +2,7 @@
 //! its snapshots (kept in `<dir>/raft.snapshot`, replaced atomically, so the log they cover can be
 //! purged).
 
-use std::fs::File;
+use mqstate_wal::layout::write_file_atomically;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -118,18 +118,13 @@ impl StateMachineStore {
         self.covered.subscribe()
     }
 
-    /// Writes `snapshot` to a temp file, fsyncs, renames it over the old one, fsyncs the directory.
+    /// Writes `snapshot` over the old one atomically (`write_file_atomically`).
     /// Called with the `current` lock held: one temp file, one writer.
     #[allow(clippy::result_large_err)] // openraft's own error type, as its traits return
     fn persist(&self, snapshot: &StoredSnapshot) -> Result<(), StorageError> {
         let bytes = postcard::to_allocvec(snapshot).map_err(storage_error::write_snapshot)?;
         let path = self.dir.join(SNAPSHOT_FILE);
-        let temp = self.dir.join(format!("{SNAPSHOT_FILE}.tmp"));
-        let written = std::fs::write(&temp, &bytes)
-            .and_then(|()| File::open(&temp)?.sync_all())
-            .and_then(|()| std::fs::rename(&temp, &path))
-            .and_then(|()| File::open(&self.dir)?.sync_all());
-        written.map_err(|e| {
+        write_file_atomically(&path, &bytes, 0o644).map_err(|e| {
             storage_error::write_snapshot(format!("cannot write {}: {e}", path.display()))
         })?;
         let last = snapshot.meta.last_log_id;

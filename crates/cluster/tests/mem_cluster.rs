@@ -26,6 +26,15 @@ async fn start(net: &MemNetwork, root: &Path, id: NodeId, founders: &[NodeId]) -
     .await
 }
 
+/// Every one of `founders`, in order.
+async fn start_all(net: &MemNetwork, root: &Path, founders: &[NodeId]) -> Vec<ClusterNode> {
+    let mut nodes = Vec::new();
+    for &id in founders {
+        nodes.push(start(net, root, id, founders).await);
+    }
+    nodes
+}
+
 async fn crash(net: &MemNetwork, node: ClusterNode) {
     net.unregister(&addr(node.id()));
     node.shutdown().await;
@@ -59,10 +68,7 @@ async fn three_nodes_form_survive_the_leader_and_change_membership() {
     let dir = tempfile::tempdir().unwrap();
     let net = MemNetwork::new();
     let founders = [1, 2, 3];
-    let mut nodes = Vec::new();
-    for id in founders {
-        nodes.push(start(&net, dir.path(), id, &founders).await);
-    }
+    let mut nodes = start_all(&net, dir.path(), &founders).await;
     let all: Vec<&ClusterNode> = nodes.iter().collect();
     eventually(&all, "one leader, three members up, the map created", |s| {
         s.leader.is_some()
@@ -233,6 +239,47 @@ async fn a_follower_brought_back_by_a_snapshot_survives_a_restart() {
 /// cluster's port) is refused by the cluster, and refuses it: each keeps its own members and log
 /// (decision 0075). Without a cluster id on the wire the leader's AppendEntries made the stranger
 /// its follower, or tripped openraft's "follower log reversion is not allowed".
+/// A founder whose directory kept another cluster's id but lost its Raft state does not found a
+/// cluster under that id. Nodes 2 and 3 are listed founders started as joiners, so node 1 alone
+/// would found it (it sees two empty peers): before this rule, it initialized Raft under the old
+/// id and the joiners adopted that id from its first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_founder_with_another_clusters_id_and_no_raft_state_founds_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new();
+    let leftover = dir.path().join("n1");
+    std::fs::create_dir_all(&leftover).unwrap();
+    std::fs::write(leftover.join("cluster-id"), "00000000000000aa\n").unwrap();
+    let founders = [1, 2, 3];
+    let mut nodes = Vec::new();
+    for id in [2, 3] {
+        let mut config = quick_config(
+            id,
+            addr(id),
+            peers(&founders),
+            dir.path().join(format!("n{id}")),
+            PARTITIONS,
+        );
+        config.join = true;
+        nodes.push(mem_node(&net, config).await);
+    }
+    nodes.push(start(&net, dir.path(), 1, &founders).await);
+    // Node 1's bootstrap sees both peers empty at once; give it several of its retries.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for node in &nodes {
+        let s = node.status();
+        assert!(
+            s.members.is_empty() && s.leader.is_none(),
+            "no cluster formed: {s:#?}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(leftover.join("cluster-id")).unwrap(),
+        "00000000000000aa\n",
+        "the kept id is left for the operator"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranger_at_a_dead_members_address_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -247,10 +294,7 @@ async fn a_stranger_at_a_dead_members_address_is_refused() {
     crash(&net, stranger).await;
 
     let founders = [1, 2, 3];
-    let mut nodes = Vec::new();
-    for id in founders {
-        nodes.push(start(&net, dir.path(), id, &founders).await);
-    }
+    let mut nodes = start_all(&net, dir.path(), &founders).await;
     let all: Vec<&ClusterNode> = nodes.iter().collect();
     eventually(&all, "one leader, three members up", |s| {
         s.leader.is_some() && s.members.iter().all(|m| m.state == "up") && settled(s)

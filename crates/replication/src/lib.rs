@@ -144,6 +144,7 @@ impl Replication {
             recent.note_restored(partition, image, clock.now_ms());
         }
         let notifier = Notifier::new(Arc::clone(&node), clock.now_ms());
+        notifier.trail_notes().restore(log.take_replayed_trail());
         let (driver, task) = Driver::start(
             Arc::clone(&node),
             log,

@@ -17,6 +17,7 @@ use mqstate_wal::{Lsn, PendingCommit, Wal, WalError, WalOptions, WalWriter};
 use serde::{Deserialize, Serialize};
 
 use crate::compaction::{Compactor, Contents};
+use crate::trail::Trail;
 
 /// The directory under the data directory.
 pub const CHAINS_DIR: &str = "chains";
@@ -74,6 +75,9 @@ pub struct ChainLog {
     /// (not only each key's last), still live at open, per partition, until
     /// [`ChainLog::take_replayed_requests`] (decision 0050).
     replayed_requests: BTreeMap<u32, Vec<RequestRecord>>,
+    /// The recent changes of state-store keys the replay after the snapshot folded, until
+    /// [`ChainLog::take_replayed_trail`] (decision 0061).
+    replayed_trail: Trail,
 }
 
 impl ChainLog {
@@ -110,6 +114,7 @@ impl ChainLog {
                 (partition, requests)
             })
             .collect();
+        let mut replayed_trail = Trail::default();
         for entry in recovered.records {
             let entry = entry.map_err(|source| LogError::Read {
                 path: path.clone(),
@@ -120,6 +125,10 @@ impl ChainLog {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
+            // Session rows are no state-store keys (as `TrailNotes::note`).
+            if batch.partition & crate::space::SESSIONS == 0 {
+                replayed_trail.note_replayed(batch.partition, &batch.records, now_ms);
+            }
             let requests = replayed_requests.entry(batch.partition).or_default();
             for record in &batch.records {
                 match record {
@@ -149,6 +158,7 @@ impl ChainLog {
             healthy: Arc::new(AtomicBool::new(true)),
             compactor: None,
             replayed_requests,
+            replayed_trail,
         };
         Ok((log, restored))
     }
@@ -157,6 +167,11 @@ impl ChainLog {
     /// log order (once).
     pub fn take_replayed_requests(&mut self) -> BTreeMap<u32, Vec<RequestRecord>> {
         std::mem::take(&mut self.replayed_requests)
+    }
+
+    /// The changes of state-store keys the log replayed at open ([`Trail::note_replayed`]), once.
+    pub fn take_replayed_trail(&mut self) -> Trail {
+        std::mem::take(&mut self.replayed_trail)
     }
 
     /// Queues one batch of `partition`'s replica; the returned commit resolves once it is durable
@@ -339,6 +354,77 @@ mod tests {
         );
         assert_eq!(ids(&replayed[&7]), [RequestId::of("c", b"3")]);
         assert!(log.take_replayed_requests().is_empty(), "given once");
+        log.shutdown().await;
+    }
+
+    /// Robustness seed 400550: the changes a replica persisted were in no trail after it
+    /// restarted, so when the head that committed them died too, an observer missed them. The
+    /// replay notes the recent changes of state-store keys again (not session rows', not those
+    /// older than the trail keeps, not those a re-entry voided), linked in log order.
+    #[tokio::test]
+    async fn the_replay_notes_the_recent_changes_of_state_store_keys_in_a_trail() {
+        use mqstate_protocol::Hlc;
+        use mqstate_store::{Change, Delta};
+
+        const NOW_MS: u64 = 1_700_000_100_000;
+        let change = |key: &str, wall_ms: u64| Record::Row {
+            key: key.as_bytes().to_vec(),
+            row: Row {
+                value: Change::Key(Delta::Put {
+                    key: Bytes::copy_from_slice(key.as_bytes()),
+                    value: Bytes::from(format!("v{wall_ms}")),
+                    version: Hlc::new(wall_ms, 0, Arc::from("1")),
+                    fencing_token: None,
+                    expires_at_ms: None,
+                })
+                .encode()
+                .ok(),
+                version: Version {
+                    wall_ms,
+                    counter: 0,
+                    node: 1,
+                },
+                view: 1,
+                locked: false,
+            },
+        };
+        let version = |wall_ms: u64| Hlc::new(wall_ms, 0, Arc::from("1")).to_string();
+        let (recent, old) = (NOW_MS - 1_000, NOW_MS - crate::trail::KEEP_MS - 1);
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default(), NOW_MS).unwrap();
+            let batches = [
+                (3, vec![change("k", old), change("k", recent)]),
+                (3, vec![change("k", recent + 1)]),
+                (5, vec![change("voided", recent)]),
+                (5, vec![Record::Clear { view: 2 }]),
+                (crate::space::SESSIONS, vec![change("session", recent)]),
+            ];
+            for (partition, records) in batches {
+                log.append(partition, records).await.unwrap().await.unwrap();
+            }
+            log.shutdown().await;
+        }
+        let (mut log, _) = ChainLog::open(dir.path(), WalOptions::default(), NOW_MS).unwrap();
+        let trail = log.take_replayed_trail();
+        let between = trail
+            .between(b"k", &version(recent), &version(recent + 1))
+            .expect("linked");
+        assert_eq!(
+            between
+                .iter()
+                .map(|c| c.version.clone())
+                .collect::<Vec<_>>(),
+            [version(recent + 1)]
+        );
+        assert!(
+            trail
+                .between(b"k", &version(old), &version(recent))
+                .is_none(),
+            "the change older than the trail keeps is not noted"
+        );
+        assert!(trail.between(b"voided", "", &version(recent)).is_none());
+        assert!(trail.between(b"session", "", &version(recent)).is_none());
         log.shutdown().await;
     }
 }

@@ -229,6 +229,12 @@ impl TrailNotes {
         let observed = |key: &[u8]| self.0.is_observed(key);
         lock(&self.0.trail).note(partition, records, now_ms, observed);
     }
+
+    /// Starts from what the chain log replayed ([`crate::log::ChainLog::take_replayed_trail`]),
+    /// before anything else is noted.
+    pub fn restore(&self, replayed: Trail) {
+        *lock(&self.0.trail) = replayed;
+    }
 }
 
 impl Notifier {

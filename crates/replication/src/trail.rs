@@ -8,7 +8,8 @@
 //! the key before. Replicas persist a key's rows in the chain's order, so the links follow the
 //! chain's versions, except across what this replica did not see — a write while the key was not
 //! observed (the key's entries are dropped: the next has no link), a re-entry at the tail
-//! ([`Trail::clear`]: the partition's entries go), a restart (nothing kept), the bounds. A walk
+//! ([`Trail::clear`]: the partition's entries go), a restart (only what the chain log replays
+//! after its snapshot is noted again, [`Trail::note_replayed`]), the bounds. A walk
 //! back over the links that reaches the version asked for therefore has every change in between;
 //! one that breaks off answers nothing.
 
@@ -77,6 +78,32 @@ impl Trail {
             }
         }
         self.sweep(now_ms, observed);
+    }
+
+    /// Notes the rows a restarted replica's chain log replays (what it persisted after the log's
+    /// snapshot, in order), so that the changes it persisted before the restart can still be
+    /// fetched: with replication factor 3, a change was lost to the observers whenever the head
+    /// died and the other replicas restarted after persisting it (robustness seed 400550). Any
+    /// key's (this process knows nobody's interest yet); only the changes younger than
+    /// [`KEEP_MS`] by their version, aged from it. The first change of a key after the snapshot
+    /// has no link.
+    pub fn note_replayed(&mut self, partition: u32, records: &[Record], now_ms: u64) {
+        for record in records {
+            match record {
+                Record::Row { key, row } => {
+                    let delta = row.value.as_deref().and_then(|v| rows::delta_of(v).ok());
+                    let at_ms = delta.as_ref().map(|d| d.version().wall_ms.min(now_ms));
+                    match delta.zip(at_ms) {
+                        Some((delta, at_ms)) if at_ms.saturating_add(KEEP_MS) > now_ms => {
+                            self.push(partition, rows::committed(&delta), at_ms);
+                        }
+                        _ => self.forget(key),
+                    }
+                }
+                Record::Clear { .. } => self.clear(partition),
+                Record::CaughtUp { .. } | Record::Readable | Record::Note { .. } => {}
+            }
+        }
     }
 
     fn push(&mut self, partition: u32, mut change: Committed, now_ms: u64) {

@@ -271,6 +271,7 @@ async fn call(
             invoked,
             returned,
             outcome,
+            ms: None,
         },
     });
     result

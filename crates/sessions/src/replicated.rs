@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use mqstate_broker::{
     Broker, Durable, Ending, JournalError, Located, Locating, Message, Restored, SessionChange,
-    SessionJournal, SessionSource, StoredSession,
+    SessionJournal, SessionSource, StoredSession, Unlocated,
 };
 pub use mqstate_chain::Version;
 use tokio::sync::watch;
@@ -113,6 +113,12 @@ struct Status {
     /// Changes up to this generation were in a write that failed (unless `written` covers them).
     failed: u64,
     lost: bool,
+    /// With `lost`: the entry was replaced by a take-over here (a CONNECT of this node's, e.g. a
+    /// clean start, or the session ended by its row) of the row as this entry last wrote it,
+    /// which published no will: no other node took the session meanwhile, so what this node took
+    /// out of it before (a will that came due, or the will of its end) is still this node's to
+    /// publish ([`SessionSource::ended`]).
+    taken_here: bool,
 }
 
 struct Entry {
@@ -574,7 +580,7 @@ impl SessionSource for ReplicatedSessions {
         Box::pin(async move {
             locate(&shared, client_id, clean_start, held_here)
                 .await
-                .map_err(JournalError)
+                .map_err(Unlocated)
         })
     }
 
@@ -604,8 +610,10 @@ impl SessionSource for ReplicatedSessions {
                 .map(|s| *s)
             {
                 // Landed, though the entry may have been replaced since (a CONNECT here that
-                // found the row deleted).
-                Ok(s) => s.written >= generation,
+                // found the row deleted). Or replaced first by a take-over here of the row as
+                // this entry left it (a clean start of the client on this node whose delete of
+                // the row won; an expiry the CONNECT's delete overtook).
+                Ok(s) => s.written >= generation || s.taken_here,
                 // Replaced before it landed: the session was taken over.
                 Err(_) => false,
             }
@@ -866,6 +874,15 @@ async fn take_over(
     let mut observed = Vec::new();
     let mut cursors = BTreeMap::new();
     let mut will = None;
+    // The row as this node's entry last wrote it: deleting it ends the session this node holds.
+    let ours = found.row.as_ref().is_some_and(|row| {
+        row.owner == shared.node
+            && shared
+                .lock()
+                .entries
+                .get(&client_id)
+                .is_some_and(|e| e.role == Role::Owned && e.epoch == row.epoch)
+    });
     let (base, located) = match found.row {
         Some(mut row) if !clean_start && !ended => {
             row.owner = shared.node;
@@ -892,6 +909,7 @@ async fn take_over(
         },
         None => (found.version, Located::Gone),
     };
+    let taken_here = ours && will.is_none();
     if let Some(will) = will {
         match shared.broker.get() {
             Some(broker) => broker.publish_will(will),
@@ -905,8 +923,12 @@ async fn take_over(
         state.mirror.sessions.remove(&client_id);
         let previous = state.entries.remove(&client_id);
         if let Some(previous) = previous {
-            // Whoever waits on the copy this replaces is told it is gone.
-            previous.status.send_modify(|s| s.lost = true);
+            // Whoever waits on the copy this replaces is told it is gone, and whether it was
+            // taken here.
+            previous.status.send_modify(|s| {
+                s.lost = true;
+                s.taken_here = taken_here;
+            });
         }
         let (status, _) = watch::channel(Status::default());
         state.entries.insert(
@@ -963,15 +985,7 @@ impl ReplicatedSessions {
                 let Some(shared) = shared.upgrade() else {
                     return;
                 };
-                let Ok(rows) = shared.rows() else {
-                    continue;
-                };
-                if !rows.lease_held() {
-                    send_clients_away(&shared);
-                } else if tokio::time::Instant::now() >= next_look {
-                    next_look = tokio::time::Instant::now() + ADOPT_EVERY;
-                    adopt_orphans(&shared).await;
-                }
+                tend(&shared, Some(&mut next_look)).await;
             }
         })
     }
@@ -983,17 +997,29 @@ impl ReplicatedSessions {
     /// and queues what is routed to it. Returns the client ids adopted. While this node's own
     /// lease has lapsed it adopts nothing and sends the clients of its sessions away instead.
     pub async fn adopt_orphans(&self) -> Vec<Arc<str>> {
-        adopt_orphans(&self.shared).await
+        tend(&self.shared, None).await
     }
 }
 
-async fn adopt_orphans(shared: &Shared) -> Vec<Arc<str>> {
+/// One step of this node's care of its sessions: while its own lease has lapsed, it sends their
+/// clients away and adopts nothing; otherwise it adopts the orphans it finds (returned), when
+/// `next_look` (if given) is due, and moves it on. The look is due again [`ADOPT_EVERY`] after
+/// the last one made, not counting the time the lease was lapsed (so the first tick after a
+/// renewal looks at once).
+async fn tend(shared: &Shared, next_look: Option<&mut tokio::time::Instant>) -> Vec<Arc<str>> {
     let Ok(rows) = shared.rows() else {
         return Vec::new();
     };
     if !rows.lease_held() {
         send_clients_away(shared);
         return Vec::new();
+    }
+    if let Some(next_look) = next_look {
+        let now = tokio::time::Instant::now();
+        if now < *next_look {
+            return Vec::new();
+        }
+        *next_look = now + ADOPT_EVERY;
     }
     let here = match rows.here().await {
         Ok(here) => here,
@@ -1612,6 +1638,64 @@ mod tests {
         rows.3.store(false, Ordering::Relaxed);
         assert_eq!(a.adopt_orphans().await, [Arc::<str>::from("c")]);
         assert_eq!(row_of(&rows).owner, 1);
+    }
+
+    /// A delayed will that came due on its owner is published once its cancellation landed
+    /// (the broker's `publish_once_landed`). A clean start of the client on the owner itself
+    /// whose delete of the row wins over that write leaves the will this node's: nobody else
+    /// holds it (the clean start settles only other nodes' wills). Before, `ended` answered
+    /// "taken over", and the will was lost.
+    #[tokio::test]
+    async fn a_clean_start_here_that_wins_the_row_leaves_a_due_will_to_this_node() {
+        let rows = Arc::new(MemoryRows::default());
+        let a = node(1, &rows);
+        create(&a, 60).await;
+        let ended = due_will_raced_by_a_clean_start_here(&a, &rows).await;
+        assert!(ended, "the due will is still this node's");
+    }
+
+    /// As above, but another node adopted the session meanwhile (this node, cut off, never
+    /// heard): a clean start here takes the row from the adopter, whose copy had the will, so
+    /// the will this node took out is not its own any more.
+    #[tokio::test]
+    async fn a_clean_start_here_after_an_adoption_elsewhere_does_not_make_the_will_this_nodes() {
+        let rows = Arc::new(MemoryRows::default());
+        let (a, b) = (node(1, &rows), node(2, &rows));
+        let _broker = with_broker(&b);
+        create(&a, 60).await;
+        rows.1.lock().unwrap().push(1);
+        assert_eq!(b.adopt_orphans().await, [Arc::<str>::from("c")]);
+        rows.1.lock().unwrap().clear();
+        let ended = due_will_raced_by_a_clean_start_here(&a, &rows).await;
+        assert!(!ended, "the adopter held the will");
+    }
+
+    /// Node `a`'s delayed will of `c` came due (its `WillCancelled` recorded, its write held) and
+    /// a clean start of `c` on `a` wins the row over that write. Returns what `ended` answered.
+    async fn due_will_raced_by_a_clean_start_here(
+        a: &ReplicatedSessions,
+        rows: &MemoryRows,
+    ) -> bool {
+        rows.hold();
+        let cancelled = a.record(vec![SessionChange::WillCancelled {
+            client_id: "c".into(),
+        }]);
+        let ended = tokio::spawn(a.ended("c"));
+        let clean_start = {
+            let a = a.clone();
+            tokio::spawn(async move { a.locate("c", true, true, true).await })
+        };
+        while rows.held() < 2 {
+            tokio::task::yield_now().await;
+        }
+        rows.land_newest();
+        assert_eq!(clean_start.await.unwrap(), Ok(Located::Gone));
+        rows.stop_holding();
+        assert!(
+            cancelled.await.is_err(),
+            "the cancellation's write lost the row"
+        );
+        ended.await.unwrap()
     }
 
     /// A state store whose first `restore` is held until the test opens it.

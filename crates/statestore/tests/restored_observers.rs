@@ -192,6 +192,7 @@ async fn client(broker: &Broker, id: &str) -> Conn<tokio::net::TcpStream> {
         login: None,
         max_inflight: 8,
         resume: None,
+        will: None,
     };
     let mut conn = Conn::start(stream, options).await.unwrap();
     let topic = rpc::response_topic(id);

@@ -115,6 +115,7 @@ async fn connect(client: u64) -> Result<Session, String> {
             login: None,
             max_inflight: 1,
             resume: None,
+            will: None,
         };
         let mut conn = Conn::start(stream, options)
             .await
@@ -247,6 +248,7 @@ async fn call(
             invoked,
             returned,
             outcome: outcome.clone(),
+            ms: None,
         },
     });
     match wrong {

@@ -171,6 +171,38 @@ pub(crate) fn replace_atomically(
     rename_into_place(dir, &temp, target, failpoints)
 }
 
+/// Replaces the file at `path` with `contents` so that a crash leaves the old file or the new one,
+/// never half of one: a hidden temporary file beside it, fsynced, renamed over `path`, the directory
+/// fsynced. The temporary file is created with `mode` (Unix permissions), so a secret written this
+/// way is never readable by others, not even before the rename. For files outside a `DataDir`'s
+/// layout (the control plane's, the password file); the log's own go through `temp/` and its
+/// failpoints.
+pub fn write_file_atomically(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not a file name", path.display()),
+        )
+    })?;
+    let temp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    let mut options = OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, mode);
+    #[cfg(not(unix))]
+    let _ = mode;
+    let mut file = options.open(&temp)?;
+    file.write_all(contents)?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(&temp, path)?;
+    File::open(dir)?.sync_all()
+}
+
 /// Renames a complete, fsynced file from `temp/` to `target` and fsyncs the target's directory.
 pub(crate) fn rename_into_place(
     dir: &DataDir,
@@ -189,6 +221,26 @@ pub(crate) fn rename_into_place(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_written_atomically_is_replaced_whole_and_leaves_no_temp_file() {
+        let temp = tempfile::tempdir().unwrap();
+        let path = temp.path().join("passwd");
+        write_file_atomically(&path, b"one", 0o600).unwrap();
+        write_file_atomically(&path, b"two", 0o600).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"two");
+        assert_eq!(
+            fs::read_dir(temp.path()).unwrap().count(),
+            1,
+            "no temp file left"
+        );
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600);
+        }
+    }
 
     #[test]
     fn a_locked_directory_refuses_a_second_lock_until_released() {

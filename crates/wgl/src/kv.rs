@@ -1,6 +1,7 @@
 //! The state-store commands the simulations issue (SET, SET NX, GET, DEL, VDEL on small integer
-//! values, and SET with a fencing token), the clients' mix of them, their RESP form, what an
-//! answer says, one key's sequential model with versions and fencing tokens, and the checks of one
+//! values, SET with a fencing token, SET with an expiry), the clients' mix of them, their RESP
+//! form, what an answer says, one key's sequential model with versions, fencing tokens and expiry
+//! (within the spread of the nodes' clocks), and the checks of one
 //! key's history: linearizable, versions never backwards in real time, accepted fencing tokens
 //! never backwards in version order, the newest acknowledged write not lost; a run's [`History`]
 //! and a sweep's [`Figures`]. Shared by the data plane's simulation
@@ -36,6 +37,14 @@ pub enum Cmd {
         value: u64,
         token: Hlc,
     },
+    /// A SET with an expiry (`PX px_ms`): from the head's clock reading as it ran plus `px_ms`,
+    /// every head that reads the key on its own clock finds it gone. Only on keys whose operations
+    /// record their simulated times ([`Op::ms`]). Last, so the other variants hash as before.
+    SetPx {
+        value: u64,
+        nx: bool,
+        px_ms: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -62,6 +71,9 @@ pub struct Op {
     /// [`UNKNOWN`] when no outcome came back.
     pub returned: u64,
     pub outcome: Outcome,
+    /// The simulated milliseconds of the invocation and of the return ([`UNKNOWN`] when no outcome
+    /// came back): recorded for the operations on expiring keys, whose model needs them.
+    pub ms: Option<(u64, u64)>,
 }
 
 /// A client's next command: 30 % SET, 15 % SET NX, 35 % GET, 10 % DEL, 10 % VDEL of a value it
@@ -108,6 +120,14 @@ pub fn resp(cmd: &Cmd, key: &str) -> Vec<u8> {
         Cmd::Set { value, nx: true } => {
             vec!["SET".into(), key.into(), value.to_string(), "NX".into()]
         }
+        Cmd::SetPx { value, nx, px_ms } => {
+            let mut args = vec!["SET".into(), key.into(), value.to_string()];
+            if *nx {
+                args.push("NX".into());
+            }
+            args.extend(["PX".into(), px_ms.to_string()]);
+            args
+        }
         Cmd::Get => vec!["GET".into(), key.into()],
         Cmd::Del => vec!["DEL".into(), key.into()],
         Cmd::Vdel { value } => vec!["VDEL".into(), key.into(), value.to_string()],
@@ -137,8 +157,12 @@ pub fn outcome(cmd: &Cmd, payload: &[u8], ts: Option<&str>) -> Result<Outcome, S
         return Err(error.to_owned());
     }
     match (cmd, text.as_str()) {
-        (Cmd::Set { .. } | Cmd::FencedSet { .. }, "+OK\r\n") => Ok(Outcome::Written(version()?)),
-        (Cmd::Set { nx: true, .. }, ":-1\r\n") => Ok(Outcome::NotApplied),
+        (Cmd::Set { .. } | Cmd::FencedSet { .. } | Cmd::SetPx { .. }, "+OK\r\n") => {
+            Ok(Outcome::Written(version()?))
+        }
+        (Cmd::Set { nx: true, .. } | Cmd::SetPx { nx: true, .. }, ":-1\r\n") => {
+            Ok(Outcome::NotApplied)
+        }
         (Cmd::Get, "$-1\r\n") => Ok(Outcome::Miss),
         (Cmd::Get, hit) if hit.starts_with('$') => {
             let value = hit
@@ -156,12 +180,29 @@ pub fn outcome(cmd: &Cmd, payload: &[u8], ts: Option<&str>) -> Result<Outcome, S
 }
 
 /// One key's sequential specification: the state store's semantics of the commands used here.
-pub struct KeyModel;
+///
+/// Expiry ([`Cmd::SetPx`]): the head that runs the SET at simulated time `t` stores the deadline
+/// `t + s1 + px` on its own clock (`s1` its offset from simulated time); a later command that runs
+/// at `t'` on a head `s2` off finds the key gone iff `t' + s2 ≥ t + s1 + px` (the head's clock as
+/// it runs the command: `head::step`'s `now_ms`; its expiry timer deletes the row on the same
+/// clock). Neither `t` within the SET's interval nor which node was the head is known, so with
+/// `clock_spread_ms` the largest difference of two nodes' offsets, a command that ended before
+/// `invoked + px − spread` must find the key, one that began at or after `returned + px + spread`
+/// must not, and one in between may do either. A command that found the key gone in that band
+/// leaves it in the model: a head whose clock is behind may still find it there (until the
+/// expiry's delete lands, which the history does not show). So "gone, then back" is caught only
+/// outside the band.
+pub struct KeyModel {
+    pub clock_spread_ms: u64,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct KeyState {
     /// The value, and its version unless written by a request whose answer never came.
     entry: Option<(u64, Option<Hlc>)>,
+    /// Of an entry written with an expiry: the simulated ms before which no head finds it gone,
+    /// and from which every head does ([`UNKNOWN`]: never certain).
+    expiry: Option<(u64, u64)>,
     /// The highest version the key is known to have had: every later write's is above it.
     floor: Option<Hlc>,
     /// The fencing token the key holds (it goes with the key).
@@ -173,25 +214,40 @@ impl KeyState {
     pub fn absent() -> KeyState {
         KeyState {
             entry: None,
+            expiry: None,
             floor: None,
             token: None,
         }
     }
 }
 
+/// An operation as the model sees it: the command, its outcome and its simulated ms ([`Op::ms`]).
+pub type ModelOp = (Cmd, Outcome, Option<(u64, u64)>);
+
+/// Whether a command running somewhere within `ms` can have found the key there, and gone.
+fn found(state: &KeyState, ms: &Option<(u64, u64)>) -> (bool, bool) {
+    let (from, to) = ms.unwrap_or((0, UNKNOWN));
+    let present = state.entry.is_some();
+    let maybe_there = present && state.expiry.is_none_or(|(_, latest)| from < latest);
+    let maybe_gone = !present || state.expiry.is_some_and(|(earliest, _)| to >= earliest);
+    (maybe_there, maybe_gone)
+}
+
 impl Model for KeyModel {
     type State = KeyState;
-    type Op = (Cmd, Outcome);
+    type Op = ModelOp;
 
-    fn step(&self, state: &KeyState, (cmd, outcome): &(Cmd, Outcome)) -> Option<KeyState> {
+    fn step(&self, state: &KeyState, (cmd, outcome, ms): &ModelOp) -> Option<KeyState> {
         let above_floor = |v: &Hlc| state.floor.as_ref().is_none_or(|f| v > f);
-        let written = |value: u64, version: Option<&Hlc>| KeyState {
+        let written = |value: u64, version: Option<&Hlc>, expiry: Option<(u64, u64)>| KeyState {
             entry: Some((value, version.cloned())),
+            expiry,
             floor: version.cloned().or_else(|| state.floor.clone()),
             token: state.token.clone(),
         };
         let deleted = || KeyState {
             entry: None,
+            expiry: None,
             floor: state.floor.clone(),
             token: None,
         };
@@ -200,39 +256,58 @@ impl Model for KeyModel {
             let passes = state.token.as_ref().is_none_or(|held| token >= held);
             passes.then(|| KeyState {
                 token: state.token.clone().max(Some(token.clone())),
-                ..written(value, version)
+                ..written(value, version, None)
             })
         };
-        let present = state.entry.is_some();
-        let holds = |v: u64| state.entry.as_ref().is_some_and(|(value, _)| *value == v);
+        let (there, gone) = found(state, ms);
+        let (from, to) = ms.unwrap_or((0, UNKNOWN));
+        let spread = self.clock_spread_ms;
+        let expiry = |px: u64| {
+            (
+                from.saturating_add(px).saturating_sub(spread),
+                to.saturating_add(px).saturating_add(spread),
+            )
+        };
+        let holds = |v: u64| there && state.entry.as_ref().is_some_and(|(value, _)| *value == v);
         match (cmd, outcome) {
             (Cmd::Set { value, nx }, Outcome::Written(v)) => {
-                (above_floor(v) && !(*nx && present)).then(|| written(*value, Some(v)))
+                (above_floor(v) && (!*nx || gone)).then(|| written(*value, Some(v), None))
             }
-            (Cmd::Set { nx: true, .. }, Outcome::NotApplied) => present.then(|| state.clone()),
-            // Placed means it ran: NX only takes effect on an absent key.
-            (Cmd::Set { value, nx }, Outcome::Unknown) => Some(if *nx && present {
+            (Cmd::SetPx { value, nx, px_ms }, Outcome::Written(v)) => (above_floor(v)
+                && (!*nx || gone))
+                .then(|| written(*value, Some(v), Some(expiry(*px_ms)))),
+            (Cmd::Set { nx: true, .. } | Cmd::SetPx { nx: true, .. }, Outcome::NotApplied) => {
+                there.then(|| state.clone())
+            }
+            // Placed means it ran: NX only takes effect on a key it found gone. (Where it may have
+            // found it there too, that did nothing: the same as leaving it unplaced.)
+            (Cmd::Set { value, nx }, Outcome::Unknown) => Some(if *nx && !gone {
                 state.clone()
             } else {
-                written(*value, None)
+                written(*value, None, None)
             }),
-            (Cmd::Get, Outcome::Miss) => (!present).then(|| state.clone()),
-            (Cmd::Get, Outcome::Hit(value, v)) => match &state.entry {
+            (Cmd::SetPx { value, nx, px_ms }, Outcome::Unknown) => Some(if *nx && !gone {
+                state.clone()
+            } else {
+                written(*value, None, Some(expiry(*px_ms)))
+            }),
+            (Cmd::Get, Outcome::Miss) => gone.then(|| state.clone()),
+            (Cmd::Get, Outcome::Hit(value, v)) if there => match &state.entry {
                 Some((held, Some(version))) if held == value && version == v => Some(state.clone()),
                 // The value of a write whose answer never came: its version shows here.
                 Some((held, None)) if held == value && above_floor(v) => {
-                    Some(written(*value, Some(v)))
+                    Some(written(*value, Some(v), state.expiry))
                 }
                 _ => None,
             },
             (Cmd::Get, Outcome::Unknown) => Some(state.clone()),
-            (Cmd::Del, Outcome::Deleted(1)) => present.then(deleted),
-            (Cmd::Del, Outcome::Deleted(0)) => (!present).then(deleted),
-            (Cmd::Del, Outcome::Unknown) => Some(deleted()),
+            (Cmd::Del, Outcome::Deleted(1)) => there.then(deleted),
+            // Gone: nothing to delete, and an expired entry stays for slower clocks.
+            (Cmd::Del | Cmd::Vdel { .. }, Outcome::Deleted(0)) => gone.then(|| state.clone()),
+            (Cmd::Del, Outcome::Unknown) => Some(if there { deleted() } else { state.clone() }),
             (Cmd::Vdel { value }, Outcome::Deleted(1)) => holds(*value).then(deleted),
-            (Cmd::Vdel { .. }, Outcome::Deleted(0)) => (!present).then(deleted),
             (Cmd::Vdel { value }, Outcome::Deleted(-1)) => {
-                (present && !holds(*value)).then(|| state.clone())
+                (there && !holds(*value)).then(|| state.clone())
             }
             (Cmd::Vdel { value }, Outcome::Unknown) => Some(if holds(*value) {
                 deleted()
@@ -264,18 +339,27 @@ pub fn version_of(op: &Op) -> Option<&Hlc> {
 
 /// The checks of one key's operations, each finding a line: linearizable against [`KeyModel`]
 /// (searching at most `max_states` states), versions never backwards in real time, and the newest
-/// acknowledged SET shown by the last read of `final_client` unless a delete may have come after it.
-pub fn check_key(key: &str, ops: &[&Op], final_client: u64, max_states: usize) -> Vec<String> {
+/// acknowledged SET shown by the last read of `final_client` unless a delete may have come after it
+/// or it expires. `clock_spread_ms` is the largest difference between two nodes' clocks
+/// ([`KeyModel`]).
+pub fn check_key(
+    key: &str,
+    ops: &[&Op],
+    final_client: u64,
+    max_states: usize,
+    clock_spread_ms: u64,
+) -> Vec<String> {
     let mut findings = Vec::new();
-    let timed: Vec<Timed<(Cmd, Outcome)>> = ops
+    let timed: Vec<Timed<ModelOp>> = ops
         .iter()
         .map(|op| Timed {
-            op: (op.cmd.clone(), op.outcome.clone()),
+            op: (op.cmd.clone(), op.outcome.clone(), op.ms),
             invoked: op.invoked,
             returned: op.returned,
         })
         .collect();
-    if let Err(e) = crate::check(&KeyModel, &timed, KeyState::absent(), max_states) {
+    let model = KeyModel { clock_spread_ms };
+    if let Err(e) = crate::check(&model, &timed, KeyState::absent(), max_states) {
         findings.push(format!("{key}: {e}"));
     }
     // Versions in real time: what returned before an operation began bounds what it sees.
@@ -322,7 +406,7 @@ pub fn check_key(key: &str, ops: &[&Op], final_client: u64, max_states: usize) -
         }
     }
     // Acknowledged writes survive: the last read shows the newest acknowledged SET unless a delete
-    // may have come after it.
+    // or an expiring SET may have come after it, or it expires itself.
     let newest = ops
         .iter()
         .filter(|op| matches!(op.outcome, Outcome::Written(_)))
@@ -332,14 +416,21 @@ pub fn check_key(key: &str, ops: &[&Op], final_client: u64, max_states: usize) -
     });
     if let (Some(newest), Some(last)) = (newest, last_read) {
         let acked = version_of(newest).cloned();
+        // A delete, or a SET with an expiry (gone by now), that may have come after it.
         let deleted_after = ops.iter().any(|op| {
-            matches!(op.cmd, Cmd::Del | Cmd::Vdel { .. })
-                && matches!(op.outcome, Outcome::Deleted(1) | Outcome::Unknown)
-                && op.returned > newest.invoked
+            let deletes = match op.cmd {
+                Cmd::Del | Cmd::Vdel { .. } => {
+                    matches!(op.outcome, Outcome::Deleted(1) | Outcome::Unknown)
+                }
+                Cmd::SetPx { .. } => matches!(op.outcome, Outcome::Written(_) | Outcome::Unknown),
+                _ => false,
+            };
+            deletes && op.returned > newest.invoked
         });
+        let expires = matches!(newest.cmd, Cmd::SetPx { .. });
         let lost = match &last.outcome {
             Outcome::Hit(_, v) => Some(v) < acked.as_ref(),
-            Outcome::Miss => !deleted_after,
+            Outcome::Miss => !deleted_after && !expires,
             _ => false,
         };
         if lost {
@@ -420,6 +511,8 @@ pub struct History<O> {
     pub ops: Vec<O>,
     /// Errors taken as "unknown" (`-ERR` texts, refusals), with their counts.
     pub errors: BTreeMap<String, u64>,
+    /// The largest difference between two nodes' clocks, for the model of expiring keys.
+    pub clock_spread_ms: u64,
 }
 
 impl<O> Default for History<O> {
@@ -428,6 +521,7 @@ impl<O> Default for History<O> {
             clock: 0,
             ops: Vec::new(),
             errors: BTreeMap::new(),
+            clock_spread_ms: 0,
         }
     }
 }
@@ -484,7 +578,13 @@ impl<O: Keyed> History<O> {
                 m
             });
         for (key, ops) in &by_key {
-            findings.extend(check_key(key, ops, final_client, max_states));
+            findings.extend(check_key(
+                key,
+                ops,
+                final_client,
+                max_states,
+                self.clock_spread_ms,
+            ));
         }
         let reads: BTreeSet<&str> = self
             .ops
@@ -578,6 +678,7 @@ mod tests {
             invoked,
             returned,
             outcome,
+            ms: None,
         }
     }
 
@@ -594,7 +695,8 @@ mod tests {
     #[test]
     fn the_checks_catch_stale_reads_versions_going_back_and_lost_writes() {
         let set = |value| Cmd::Set { value, nx: false };
-        let check = |ops: Vec<Op>| check_key("k", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000);
+        let check =
+            |ops: Vec<Op>| check_key("k", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000, 0);
         let fine = vec![
             op(1, set(1), Outcome::Written(hlc(10)), 1, 2),
             op(2, set(2), Outcome::Unknown, 3, UNKNOWN),
@@ -653,7 +755,8 @@ mod tests {
             value,
             token: hlc(token),
         };
-        let check = |ops: Vec<Op>| check_key("f", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000);
+        let check =
+            |ops: Vec<Op>| check_key("f", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000, 0);
         let history = |late: Outcome| {
             vec![
                 op(1, fenced(1, 5), Outcome::Written(hlc(10)), 1, 2),
@@ -673,6 +776,78 @@ mod tests {
         );
         let refused_alone = vec![op(1, fenced(1, 5), Outcome::Fenced, 1, 2)];
         assert!(!check(refused_alone).is_empty());
+    }
+
+    /// An expiring key: a read that ended before the earliest expiry (the SET's invocation plus
+    /// its PX, less the clocks' spread) must find it, one that began at or after the latest (the
+    /// SET's return plus PX plus the spread) must not; in between, either. A SET NX without an
+    /// answer in the band may have written or not.
+    #[test]
+    fn an_expiring_key_is_there_before_its_earliest_expiry_and_gone_after_its_latest() {
+        let set = |nx| Cmd::SetPx {
+            value: 1,
+            nx,
+            px_ms: 1_000,
+        };
+        let timed = |mut op: Op, from: u64, to: u64| {
+            op.ms = Some((from, to));
+            op
+        };
+        // The SET ran within 100..120 ms: with a spread of 50 ms, the key expires within
+        // 1,050..1,170 ms as any head sees it.
+        let written = timed(
+            op(1, set(false), Outcome::Written(hlc(100)), 1, 2),
+            100,
+            120,
+        );
+        let read = |outcome, from, to| timed(op(2, Cmd::Get, outcome, 3, 4), from, to);
+        let check = |later: Op| {
+            let ops = [written.clone(), later];
+            check_key("t", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000, 50)
+        };
+        let hit = || Outcome::Hit(1, hlc(100));
+        assert_eq!(check(read(hit(), 1_000, 1_049)), Vec::<String>::new());
+        assert!(
+            !check(read(Outcome::Miss, 1_000, 1_049)).is_empty(),
+            "gone too early"
+        );
+        assert_eq!(
+            check(read(Outcome::Miss, 1_000, 1_050)),
+            Vec::<String>::new()
+        );
+        assert_eq!(check(read(hit(), 1_169, 1_200)), Vec::<String>::new());
+        assert!(
+            !check(read(hit(), 1_170, 1_200)).is_empty(),
+            "there too late"
+        );
+        assert_eq!(
+            check(read(Outcome::Miss, 1_170, 1_200)),
+            Vec::<String>::new()
+        );
+        // A second expiry overrides the first, and the last read missing it is no lost write.
+        let final_miss = timed(op(FINAL, Cmd::Get, Outcome::Miss, 5, 6), 1_300, 1_310);
+        let ops = [written.clone(), final_miss];
+        let findings = check_key("t", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000, 50);
+        assert_eq!(findings, Vec::<String>::new());
+
+        // A SET NX of 9 without an answer, in the band: a later read may find 9 (it wrote) or
+        // still 1 (it found 1 there).
+        let unknown_nx = Cmd::SetPx {
+            value: 9,
+            nx: true,
+            px_ms: 1_000,
+        };
+        let unknown_nx = timed(
+            op(3, unknown_nx, Outcome::Unknown, 3, UNKNOWN),
+            1_100,
+            UNKNOWN,
+        );
+        for seen in [Outcome::Hit(1, hlc(100)), Outcome::Hit(9, hlc(101))] {
+            let later = timed(op(2, Cmd::Get, seen.clone(), 5, 6), 1_120, 1_130);
+            let ops = [written.clone(), unknown_nx.clone(), later];
+            let findings = check_key("t", &ops.iter().collect::<Vec<_>>(), FINAL, 100_000, 50);
+            assert_eq!(findings, Vec::<String>::new(), "{seen:?}");
+        }
     }
 
     #[test]

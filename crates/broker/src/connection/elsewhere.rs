@@ -8,19 +8,20 @@ use tokio::time::Instant;
 use super::Connection;
 use crate::codec::reason;
 use crate::persist::Located;
-use crate::registry::Untaken;
+use crate::registry::{Untaken, WillOnEnd};
 
 /// How long to wait between tries to drop a stale copy that a connection here still holds.
 const RETAKE_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl Connection {
     /// Asks where the session is and makes this broker hold the right copy before `attach`.
-    /// Returns `false` (with the refusing CONNACK written) if the connection must close: the
+    /// Returns whether the client has a session here now, which `attach` must resume (not
+    /// create), or `None` (with the refusing CONNACK written) if the connection must close: the
     /// session could not be located (0x88 Server unavailable: retry) or a stale copy is still
     /// held by a connection here past `deadline` (0x89 Server busy: retry).
-    pub(super) async fn locate_elsewhere(&mut self, deadline: Instant) -> bool {
+    pub(super) async fn locate_elsewhere(&mut self, deadline: Instant) -> Option<bool> {
         let Some(source) = self.inner.elsewhere.clone() else {
-            return true;
+            return Some(false);
         };
         let held_here = self.inner.registry.contains(&self.client_id);
         let located = source
@@ -33,17 +34,17 @@ impl Connection {
             )
             .await;
         let taken = match located {
-            Ok(Located::Here) => return true,
+            Ok(Located::Here) => return Some(held_here && !self.connect.clean_start),
             Ok(Located::Gone) => None,
             Ok(Located::Taken(stored)) => Some(stored),
             Err(error) => {
                 tracing::warn!(client_id = %self.client_id, %error, "CONNECT refused: the session could not be located in the cluster");
                 self.codec.refuse_connack(
                     reason::SERVER_UNAVAILABLE,
-                    Some("the session's replicas are not reachable now; retry"),
+                    Some("the session cannot be located in the cluster now; retry"),
                     &mut self.out,
                 );
-                return false;
+                return None;
             }
         };
         // The copy here (if any) is stale: drop it, unrecorded; a connection still on it is
@@ -58,7 +59,7 @@ impl Connection {
                         crate::registry::Control::Disconnect {
                             reason_code: reason::SESSION_TAKEN_OVER,
                             reason_string: Some("the session moved to another node".into()),
-                            publish_will: false,
+                            will: WillOnEnd::Skip,
                         },
                     );
                     tokio::time::sleep(RETAKE_EVERY).await;
@@ -69,11 +70,13 @@ impl Connection {
                         Some("an earlier connection still holds the session; retry"),
                         &mut self.out,
                     );
-                    return false;
+                    return None;
                 }
             }
         }
-        let Some(stored) = taken else { return true };
+        let Some(stored) = taken else {
+            return Some(false);
+        };
         let durable = match self.inner.take_in(self.client_id.clone(), *stored) {
             Ok(durable) => durable,
             Err(error) => {
@@ -84,7 +87,7 @@ impl Connection {
                     Some("another connection of this client is being set up; retry"),
                     &mut self.out,
                 );
-                return false;
+                return None;
             }
         };
         if let Some(durable) = durable {
@@ -95,10 +98,10 @@ impl Connection {
                     Some("the session could not be stored; retry"),
                     &mut self.out,
                 );
-                return false;
+                return None;
             }
         }
         tracing::info!(client_id = %self.client_id, "session restored from the cluster");
-        true
+        Some(true)
     }
 }
