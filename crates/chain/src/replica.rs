@@ -164,6 +164,9 @@ pub struct Replica {
     copies: BTreeMap<NodeId, Copy>,
     /// Notes persisted here and not yet acknowledged from the tail, by their bytes.
     notes: BTreeMap<Vec<u8>, PendingNote>,
+    /// Head: notes held back while others are on their way, with the requests they answer; they
+    /// go down together once `notes` is empty (one record batch and one message per hop for all).
+    held: BTreeMap<Vec<u8>, Vec<RequestId>>,
 
     now: u64,
     /// When each locked row was last advanced (for resends).
@@ -190,6 +193,7 @@ impl std::fmt::Debug for Replica {
             .field("unsynced", &self.unsynced)
             .field("copies", &self.copies)
             .field("notes", &self.notes.len())
+            .field("held", &self.held.len())
             .finish()
     }
 }
@@ -234,6 +238,7 @@ impl Replica {
             repair: VecDeque::new(),
             copies: BTreeMap::new(),
             notes: BTreeMap::new(),
+            held: BTreeMap::new(),
             now: 0,
             last_sent: BTreeMap::new(),
             outbox: BTreeMap::new(),
@@ -297,6 +302,7 @@ impl Replica {
             && self.repair.is_empty()
             && self.unsynced.is_empty()
             && self.notes.is_empty()
+            && self.held.is_empty()
             && self.copies.values().all(|c| c.finished)
     }
 
@@ -349,14 +355,23 @@ impl Replica {
 
     /// A note of the driver's, at the head: persisted on every replica of the chain, changing no
     /// row, then answered [`Answer::Noted`]. The same bytes noted twice are one note.
+    ///
+    /// While notes are on their way down the chain, a new one is held here and goes down with the
+    /// others held when those come back: under contention (a lock's failed acquire attempts, each
+    /// a note) one round trip, one fsync per replica and one message per hop serve many notes,
+    /// where each turn's few would each pay them. A held note is only a request taken later; it
+    /// is answered, as any note, once every replica holds it.
     pub fn note(&mut self, request: RequestId, note: Vec<u8>) {
         if let Err(answer) = self.serving() {
             self.reply(request, answer);
             return;
         }
-        match self.notes.get_mut(&note) {
-            Some(pending) => pending.requests.push(request),
-            None => self.persist_note(note, vec![request]),
+        if let Some(pending) = self.notes.get_mut(&note) {
+            pending.requests.push(request);
+        } else if !self.notes.is_empty() || self.held.contains_key(&note) {
+            self.held.entry(note).or_default().push(request);
+        } else {
+            self.persist_note(note, vec![request]);
         }
     }
 
@@ -390,6 +405,11 @@ impl Replica {
         for pending in self.notes.values_mut() {
             pending.requests.retain(|r| *r != request);
         }
+        // A held note nobody waits for is not sent: it was never answered.
+        for requests in self.held.values_mut() {
+            requests.retain(|r| *r != request);
+        }
+        self.held.retain(|_, requests| !requests.is_empty());
     }
 
     /// A message from a peer.
@@ -669,6 +689,10 @@ impl Replica {
             }
             self.advance_note(note);
         }
+        // Held notes wait for those on their way; with none left, nothing would release them.
+        if self.notes.is_empty() {
+            self.send_held();
+        }
         self.drive_copies();
     }
 
@@ -686,6 +710,12 @@ impl Replica {
         // Like a started write, a note in flight completes without its answer.
         for pending in self.notes.values_mut() {
             pending.requests.clear();
+        }
+        // A held note was not sent: like a waiting request, not executed.
+        for (_, requests) in std::mem::take(&mut self.held) {
+            for request in requests {
+                self.reply(request, answer.clone());
+            }
         }
     }
 
@@ -1064,6 +1094,13 @@ impl Replica {
         }
     }
 
+    /// Head: the notes held while others were on their way, down the chain together.
+    fn send_held(&mut self) {
+        for (note, requests) in std::mem::take(&mut self.held) {
+            self.persist_note(note, requests);
+        }
+    }
+
     /// Every replica from here to the tail holds the note durably: answer (head) or acknowledge.
     fn finish_note(&mut self, note: Vec<u8>) {
         let Some(pending) = self.notes.remove(&note) else {
@@ -1072,6 +1109,9 @@ impl Replica {
         if self.is_head() {
             for request in pending.requests {
                 self.reply(request, Answer::Noted);
+            }
+            if self.notes.is_empty() {
+                self.send_held();
             }
         } else if let Some(pred) = self.neighbour(-1) {
             self.send(pred, Item::NoteAck { note });

@@ -737,6 +737,109 @@ fn a_note_in_flight_across_a_failure_reaches_the_new_chain() {
     assert!(c.replica(2).is_quiet());
 }
 
+/// The notes the network carries, message by message.
+fn notes_on_the_wire(c: &Cluster) -> Vec<Vec<Vec<u8>>> {
+    c.net
+        .iter()
+        .map(|(_, message)| {
+            message
+                .items
+                .iter()
+                .filter_map(|item| match item {
+                    Item::Note { note } => Some(note.clone()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        })
+        .filter(|notes| !notes.is_empty())
+        .collect()
+}
+
+/// Notes taken while one is on its way are held at the head and go down together once it is
+/// answered (one batch, one message per hop); each is answered only once every replica holds it.
+#[test]
+fn notes_taken_while_one_is_on_its_way_go_down_together_after_it() {
+    let mut c = chain(&[1, 2, 3]);
+    c.with(1, |r| r.note(1, b"a".to_vec()));
+    c.with(1, |r| r.note(2, b"c".to_vec()));
+    c.with(1, |r| r.note(3, b"b".to_vec()));
+    c.with(1, |r| r.note(4, b"c".to_vec()));
+    let mut rounds = 0;
+    while c.answer(1).is_none() {
+        assert!(
+            notes_on_the_wire(&c).iter().flatten().all(|n| n == b"a"),
+            "only a goes down before it is answered"
+        );
+        assert!(c.replies.is_empty(), "nothing else is answered before a");
+        c.sync_all();
+        c.deliver_all(1);
+        rounds += 1;
+        assert!(rounds < 20, "a is never answered");
+    }
+    assert_eq!(
+        notes_on_the_wire(&c),
+        [vec![b"b".to_vec(), b"c".to_vec()]],
+        "the held notes go down in one message"
+    );
+    assert_eq!(c.nodes[&1].disk.pending.len(), 1, "and in one batch");
+    c.deliver_all(1);
+    c.sync(2, None);
+    assert!(
+        c.replies.is_empty(),
+        "not answered before the tail holds them"
+    );
+    c.settle(10);
+    for request in [2, 3, 4] {
+        assert_eq!(c.answer(request), Some(Answer::Noted), "request {request}");
+    }
+    for id in [1, 2, 3] {
+        assert_eq!(
+            durable_notes(&c, id),
+            [b"a".to_vec(), b"b".to_vec(), b"c".to_vec()],
+            "node {id}"
+        );
+        assert!(c.replica(id).is_quiet(), "node {id}");
+    }
+}
+
+/// A held note whose request gave up is never sent; one held when the head stops serving is
+/// answered as a waiting request is (it was not sent).
+#[test]
+fn a_held_note_is_forgotten_when_cancelled_and_released_when_the_head_stops_serving() {
+    let mut c = chain(&[1, 2, 3]);
+    c.with(1, |r| r.note(1, b"a".to_vec()));
+    c.with(1, |r| r.note(2, b"b".to_vec()));
+    c.with(1, |r| r.note(3, b"c".to_vec()));
+    c.with(1, |r| r.cancel(3));
+    c.settle(10);
+    assert_eq!(c.answer(1), Some(Answer::Noted));
+    assert_eq!(c.answer(2), Some(Answer::Noted));
+    assert_eq!(c.answer(3), None);
+    for id in [1, 2, 3] {
+        assert_eq!(
+            durable_notes(&c, id),
+            [b"a".to_vec(), b"b".to_vec()],
+            "node {id}"
+        );
+    }
+
+    let mut c = chain(&[1, 2, 3]);
+    c.with(1, |r| r.note(1, b"a".to_vec()));
+    c.with(1, |r| r.note(2, b"b".to_vec()));
+    c.publish(&view(2, &[2, 3, 1], &[2, 3, 1]));
+    assert_eq!(c.answer(2), Some(Answer::NotHead { head: Some(2) }));
+    c.settle(10);
+    assert_eq!(
+        c.answer(1),
+        None,
+        "a was on its way: it completes unanswered"
+    );
+    for id in [1, 2, 3] {
+        let notes = durable_notes(&c, id);
+        assert!(notes.iter().all(|n| n == b"a"), "node {id}: {notes:?}");
+    }
+}
+
 /// A head that is also the tail answers a note once it is durable; lost messages are resent on
 /// ticks.
 #[test]
