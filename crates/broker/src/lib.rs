@@ -67,7 +67,7 @@ pub use mqstate_clock::{Clock, SharedClock};
 pub use peers::{Forward, GroupKey, PeerId, Peers, Plan, PublishId, Settled};
 pub use persist::StoredSession;
 pub use persist::{
-    Durable, Ending, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
+    Durable, JournalError, Landing, Located, Locating, Restored, SessionChange, SessionJournal,
     SessionSource, Unlocated,
 };
 pub use server::{serve, serve_streams, Listener};

@@ -227,7 +227,7 @@ impl crate::Broker {
             // the row next, and decides from it whether a delayed will this copy held is still
             // pending (a clean start publishes it, decision 0063). Dropped first, the copy
             // records nothing more meanwhile.
-            let landed = source.ended(client_id);
+            let landed = source.landed(client_id);
             let _ = tokio::time::timeout(self.inner.config.takeover_timeout, landed).await;
         }
     }

@@ -98,19 +98,21 @@ pub trait SessionSource: Send + Sync {
         held_here: bool,
     ) -> Locating;
 
-    /// Resolves once the end of `client_id`'s session that this broker just recorded (its
-    /// expiry: `Deleted`) has landed where the sessions live: `true` if the session ended here,
-    /// so its will is this node's to publish; `false` if another node took the session over
-    /// first (it lives on there and its will is not due). Waits through failures to write: the
-    /// will of an expired session is published once its end is durable, never before a node
-    /// that reads its row could still find the session (decision 0070). Also awaited once a
-    /// copy taken over by another node was dropped (`Broker::take_over_here`): the claiming node
-    /// then reads what this broker recorded of the session.
-    fn ended(&self, client_id: &str) -> Ending;
+    /// Resolves once what this broker recorded of `client_id`'s session has landed where the
+    /// sessions live, or another node took the session over first: `true` if it landed (an
+    /// expiry's `Deleted`, a due will's `WillCancelled`), so what this node took out of the
+    /// session (the will of its end, a due will) is this node's to publish; `false` if another
+    /// node took the session over (it lives on there and its will is not due here). Waits
+    /// through failures to write: the will of an expired session is published once its end is
+    /// durable, never before a node that reads its row could still find the session (decision
+    /// 0070). Also awaited once a copy taken over by another node was dropped
+    /// (`Broker::take_over_here`): the claiming node then reads what this broker recorded of the
+    /// session.
+    fn landed(&self, client_id: &str) -> Landing;
 }
 
-/// What [`SessionSource::ended`] found.
-pub type Ending = Pin<Box<dyn Future<Output = bool> + Send>>;
+/// What [`SessionSource::landed`] found.
+pub type Landing = Pin<Box<dyn Future<Output = bool> + Send>>;
 
 /// A message in a session queue, with its per-subscriber QoS, retain flag and subscription ids.
 #[derive(Debug, Clone, PartialEq, Eq)]

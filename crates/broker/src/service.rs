@@ -877,7 +877,7 @@ pub(crate) async fn publish_once_landed(inner: Arc<Inner>, client_id: Arc<str>, 
         return;
     }
     if let Some(source) = &inner.elsewhere {
-        if !source.ended(&client_id).await {
+        if !source.landed(&client_id).await {
             tracing::info!(%client_id, "the session was taken over by another node first: its will is not published here");
             return;
         }

@@ -680,7 +680,7 @@ async fn a_handed_over_delayed_will_is_published_by_the_node_that_adopted_it() {
 }
 
 /// A cluster node's view of where sessions are, reduced to its answer on whether what the node
-/// recorded of a session landed in the session's row (`ended`): held until the test gives it
+/// recorded of a session landed in the session's row (`landed`): held until the test gives it
 /// (`true`: landed; `false`: another node took the session over first).
 struct GatedSource(watch::Sender<Option<bool>>);
 
@@ -689,7 +689,7 @@ impl mqstate_broker::SessionSource for GatedSource {
         Box::pin(async { Ok(mqstate_broker::Located::Here) })
     }
 
-    fn ended(&self, _: &str) -> mqstate_broker::Ending {
+    fn landed(&self, _: &str) -> mqstate_broker::Landing {
         let mut landed = self.0.subscribe();
         Box::pin(async move {
             match landed.wait_for(Option::is_some).await {
@@ -813,7 +813,7 @@ impl mqstate_broker::SessionSource for DroppingSource {
         Box::pin(async { Ok(mqstate_broker::Located::Here) })
     }
 
-    fn ended(&self, _: &str) -> mqstate_broker::Ending {
+    fn landed(&self, _: &str) -> mqstate_broker::Landing {
         Box::pin(async { true })
     }
 }

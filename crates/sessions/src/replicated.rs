@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use mqstate_broker::{
-    Broker, Durable, Ending, JournalError, Located, Locating, Message, Restored, SessionChange,
+    Broker, Durable, JournalError, Landing, Located, Locating, Message, Restored, SessionChange,
     SessionJournal, SessionSource, StoredSession, Unlocated,
 };
 pub use mqstate_chain::Version;
@@ -117,7 +117,7 @@ struct Status {
     /// clean start, or the session ended by its row) of the row as this entry last wrote it,
     /// which published no will: no other node took the session meanwhile, so what this node took
     /// out of it before (a will that came due, or the will of its end) is still this node's to
-    /// publish ([`SessionSource::ended`]).
+    /// publish ([`SessionSource::landed`]).
     taken_here: bool,
 }
 
@@ -584,7 +584,7 @@ impl SessionSource for ReplicatedSessions {
         })
     }
 
-    fn ended(&self, client_id: &str) -> Ending {
+    fn landed(&self, client_id: &str) -> Landing {
         let wait = {
             let state = self.shared.lock();
             match state.entries.get(client_id) {
@@ -1643,7 +1643,7 @@ mod tests {
     /// A delayed will that came due on its owner is published once its cancellation landed
     /// (the broker's `publish_once_landed`). A clean start of the client on the owner itself
     /// whose delete of the row wins over that write leaves the will this node's: nobody else
-    /// holds it (the clean start settles only other nodes' wills). Before, `ended` answered
+    /// holds it (the clean start settles only other nodes' wills). Before, `landed` answered
     /// "taken over", and the will was lost.
     #[tokio::test]
     async fn a_clean_start_here_that_wins_the_row_leaves_a_due_will_to_this_node() {
@@ -1671,7 +1671,7 @@ mod tests {
     }
 
     /// Node `a`'s delayed will of `c` came due (its `WillCancelled` recorded, its write held) and
-    /// a clean start of `c` on `a` wins the row over that write. Returns what `ended` answered.
+    /// a clean start of `c` on `a` wins the row over that write. Returns what `landed` answered.
     async fn due_will_raced_by_a_clean_start_here(
         a: &ReplicatedSessions,
         rows: &MemoryRows,
@@ -1680,7 +1680,7 @@ mod tests {
         let cancelled = a.record(vec![SessionChange::WillCancelled {
             client_id: "c".into(),
         }]);
-        let ended = tokio::spawn(a.ended("c"));
+        let ended = tokio::spawn(a.landed("c"));
         let clean_start = {
             let a = a.clone();
             tokio::spawn(async move { a.locate("c", true, true, true).await })
