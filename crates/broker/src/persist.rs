@@ -81,6 +81,14 @@ pub enum Located {
     Gone,
 }
 
+/// The identity of one copy of a session this broker holds: a new one whenever a copy comes into
+/// being here (created by a CONNECT, restored from the journal, adopted, taken in from another
+/// node); a resumed session keeps its copy's. Whoever decides that a copy is obsolete names it
+/// ([`crate::Broker::forget_session`]), so that a drop meant for one copy never drops a newer one
+/// of the same client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CopyId(pub u64);
+
 /// Where a cluster node finds the persistent sessions other nodes held (decision
 /// 0047). Asked on every CONNECT before the client attaches; the CONNACK waits for the
 /// answer, and an error refuses the CONNECT with 0x88 Server unavailable (retry), never with a
@@ -89,13 +97,16 @@ pub trait SessionSource: Send + Sync {
     /// Where `client_id`'s session is. `clean_start`: the client discards any session (the
     /// source drops it everywhere); `persistent`: the new connection's session is kept by the
     /// journal (its expiry is above 0, or its client set a will the journal keeps);
-    /// `held_here`: this broker holds a copy.
+    /// `held_here`: this broker holds a copy. `copy`: the identity of the copy this CONNECT puts
+    /// here if the answer is not `Here` (the session taken in, or a new one); with `Here`, a
+    /// copy held here keeps its own.
     fn locate(
         &self,
         client_id: &str,
         clean_start: bool,
         persistent: bool,
         held_here: bool,
+        copy: CopyId,
     ) -> Locating;
 
     /// Resolves once what this broker recorded of `client_id`'s session has landed where the
