@@ -139,14 +139,30 @@ impl Log {
         }
     }
 
-    /// The logs present in `data_dir`.
-    fn present(data_dir: &Path) -> Vec<Log> {
-        let mut logs = vec![Log::Store];
-        for log in [Log::Sessions, Log::Chains] {
-            if log.dir(data_dir).is_dir() {
-                logs.push(log);
+    /// The logs at `dir`, each with its directory: a data directory's store log and the other
+    /// logs present in it, or, when `dir` is itself a data directory's session or chain log
+    /// (`<data-dir>/chains`), that log alone. Read as a store log, a chain log's records and
+    /// snapshot would all look damaged, and `repair` would cut them.
+    fn at(dir: &Path) -> Vec<(Log, PathBuf)> {
+        let inner = [Log::Sessions, Log::Chains];
+        let parent = match dir.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        let holds_logs = inner.iter().any(|log| log.dir(dir).is_dir());
+        if !holds_logs && parent.join(mqstate_wal::layout::METADATA_FILE).is_file() {
+            let named = |log: &Log| log.dir(parent).file_name() == dir.file_name();
+            if let Some(log) = inner.into_iter().find(named) {
+                return vec![(log, dir.to_path_buf())];
             }
         }
+        let mut logs = vec![(Log::Store, Log::Store.dir(dir))];
+        logs.extend(
+            inner
+                .into_iter()
+                .map(|log| (log, log.dir(dir)))
+                .filter(|(_, log_dir)| log_dir.is_dir()),
+        );
         logs
     }
 
@@ -206,10 +222,9 @@ fn inspect(dir: &Path, as_json: bool, max_bytes: usize) -> Result<ExitCode, Data
     let mut sessions_json = Value::Null;
     let mut chains_json = Value::Null;
     let mut store_json = Value::Null;
-    let logs = Log::present(dir);
-    let only_store = logs.len() == 1;
-    for log in logs {
-        let log_dir = log.dir(dir);
+    let logs = Log::at(dir);
+    let only_store = logs.len() == 1 && logs[0].0 == Log::Store;
+    for (log, log_dir) in logs {
         let report = tools::inspect(&log_dir, &|data: &[u8]| {
             log.describe(data, max_bytes, as_json)
         })?;
@@ -237,11 +252,18 @@ fn inspect(dir: &Path, as_json: bool, max_bytes: usize) -> Result<ExitCode, Data
         }
     }
     if as_json {
-        if let Value::Object(fields) = &mut store_json {
-            fields.insert("sessions".to_owned(), sessions_json);
-            fields.insert("chains".to_owned(), chains_json);
-        }
-        serde_json::to_writer_pretty(&mut out, &store_json)?;
+        let doc = match (store_json, sessions_json, chains_json) {
+            // One data directory's session or chain log, named by itself: that log's document.
+            (Value::Null, Value::Null, doc) | (Value::Null, doc, Value::Null) => doc,
+            (mut store, sessions, chains) => {
+                if let Value::Object(fields) = &mut store {
+                    fields.insert("sessions".to_owned(), sessions);
+                    fields.insert("chains".to_owned(), chains);
+                }
+                store
+            }
+        };
+        serde_json::to_writer_pretty(&mut out, &doc)?;
         writeln!(out)?;
     }
     out.flush()?;
@@ -709,8 +731,7 @@ fn verify(dir: &Path) -> Result<ExitCode, DataError> {
     existing_dir(dir)?;
     let mut damaged = false;
     let mut unproven = false;
-    for log in Log::present(dir) {
-        let log_dir = log.dir(dir);
+    for (log, log_dir) in Log::at(dir) {
         match find_damage(log, &log_dir)? {
             Some(damage) => {
                 damaged = true;
@@ -753,8 +774,7 @@ fn repair(dir: &Path, yes: bool) -> Result<ExitCode, DataError> {
     let mut damaged = Vec::new();
     // Held until the end: a server must not open the logs while they are judged and cut.
     let mut _locks = Vec::new();
-    for log in Log::present(dir) {
-        let log_dir = log.dir(dir);
+    for (log, log_dir) in Log::at(dir) {
         _locks.push(DataDir::new(&log_dir).lock()?);
         let damage = match find_damage(log, &log_dir)? {
             Some(damage) => damage,

@@ -55,6 +55,30 @@ fn crashed(node: &mut Node) {
     );
 }
 
+/// `mqstate data inspect`, given the crashed node's chain log directory itself, shows it as a
+/// chain log: the key's rows, and the rows of the writer's session (a sessions replica) decoded as
+/// sessions. Read as a state-store log, each record would be flagged undecodable.
+fn inspect_chain_log(data_dir: &Path, key: &str) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mqstate"))
+        .args(["data", "inspect"])
+        .arg(data_dir.join("chains"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "inspect: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(shown.starts_with("\nchain log: "), "{shown}");
+    assert!(
+        shown.contains(&format!("row \"{key}\" version ")),
+        "{shown}"
+    );
+    assert!(!shown.contains("UNDECODABLE"), "{shown}");
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -139,6 +163,7 @@ fn crash_during_a_write(failpoint: &str, position: usize, via: usize) {
         }
     };
     runtime.block_on(client.shutdown());
+    inspect_chain_log(nodes[index].server.data_dir(), key);
     std::fs::remove_file(marker(root.path(), victim)).unwrap();
     nodes[index].server.restart();
     eventually("the crashed node is back in every read view", || {

@@ -2,11 +2,15 @@
 //! record its partition, then each replica record — a row's key, version, lock bit and view, with
 //! the store change its value holds (the request and key change the head made), or a replica's
 //! re-entry (`clear`), its copy complete (`caught-up`), it being readable again, or a note (a
-//! request its head answered without a row, decision 0050).
+//! request its head answered without a row, decision 0050). A row of a
+//! sessions replica (its number has [`space::SESSIONS`] set, decision 0047) holds a client's
+//! persistent session (`mqstate_sessions::row`), not a store change, and is shown as one.
 
 use mqstate_chain::{Record, Row};
 use mqstate_replication::log::decode_batch;
 use mqstate_replication::recent::decode_note;
+use mqstate_replication::space;
+use mqstate_sessions::row::{self as session_row, SessionRow};
 use mqstate_store::Change;
 use serde_json::{json, Value};
 
@@ -17,14 +21,14 @@ pub(super) fn describe(data: &[u8], max_bytes: usize, as_json: bool) -> String {
     match decode_batch(data) {
         Ok((partition, records)) if as_json => json!({
             "partition": partition,
-            "records": records.iter().map(|r| record_json(r, max_bytes)).collect::<Vec<_>>(),
+            "records": records.iter().map(|r| record_json(partition, r, max_bytes)).collect::<Vec<_>>(),
         })
         .to_string(),
         Ok((partition, records)) => format!(
             "partition {partition}: {}",
             records
                 .iter()
-                .map(|r| record_text(r, max_bytes))
+                .map(|r| record_text(partition, r, max_bytes))
                 .collect::<Vec<_>>()
                 .join("; ")
         ),
@@ -43,11 +47,76 @@ fn version(row: &Row) -> String {
     format!("{}:{}:{}", v.wall_ms, v.counter, v.node)
 }
 
-fn record_text(record: &Record, max_bytes: usize) -> String {
+/// Whether `replica` is a sessions replica, whose rows are sessions.
+fn holds_sessions(replica: u32) -> bool {
+    replica & space::SESSIONS != 0
+}
+
+fn decode_session(client_id: &[u8], value: &[u8]) -> Result<SessionRow, String> {
+    let client_id = std::str::from_utf8(client_id)
+        .map_err(|_| "the key is not a UTF-8 client id".to_owned())?;
+    session_row::decode(client_id, value).map_err(|e| e.to_string())
+}
+
+/// A session row's summary, or why it does not decode. A row's key is its client id.
+fn session_text(client_id: &[u8], value: &[u8]) -> String {
+    match decode_session(client_id, value) {
+        Ok(row) => {
+            let SessionRow {
+                owner,
+                epoch,
+                session,
+                observed,
+                ..
+            } = &row;
+            let state = match session.detached_at_ms {
+                Some(at) => format!("detached at {at} ms"),
+                None => "connected".to_owned(),
+            };
+            let will = if session.will.is_some() {
+                ", a delayed will"
+            } else if session.connected_will.is_some() {
+                ", a will"
+            } else {
+                ""
+            };
+            format!(
+                "session owner {owner} epoch {epoch}, {state}, expiry {} s, {} subscriptions, \
+                 {} queued messages, {} observed keys{will}",
+                session.expiry_secs,
+                session.subscriptions.len(),
+                session.messages.len(),
+                observed.len(),
+            )
+        }
+        Err(e) => format!("UNDECODABLE session row: {e}"),
+    }
+}
+
+fn session_json(client_id: &[u8], value: &[u8]) -> Value {
+    match decode_session(client_id, value) {
+        Ok(row) => json!({
+            "op": "session",
+            "owner": row.owner,
+            "epoch": row.epoch,
+            "connected": row.session.detached_at_ms.is_none(),
+            "detached_at_ms": row.session.detached_at_ms,
+            "expiry_secs": row.session.expiry_secs,
+            "subscriptions": row.session.subscriptions.len(),
+            "queued_messages": row.session.messages.len(),
+            "observed_keys": row.observed.len(),
+            "will": row.session.will.is_some() || row.session.connected_will.is_some(),
+        }),
+        Err(e) => json!({"op": "undecodable", "error": e}),
+    }
+}
+
+fn record_text(replica: u32, record: &Record, max_bytes: usize) -> String {
     match record {
         Record::Row { key, row } => {
             let value = match &row.value {
                 None => "tombstone".to_owned(),
+                Some(value) if holds_sessions(replica) => session_text(key, value),
                 Some(value) => {
                     let change = Change::decode(value);
                     let request = RequestShown::of(&change, max_bytes);
@@ -79,11 +148,14 @@ fn record_text(record: &Record, max_bytes: usize) -> String {
     }
 }
 
-fn record_json(record: &Record, max_bytes: usize) -> Value {
+fn record_json(replica: u32, record: &Record, max_bytes: usize) -> Value {
     match record {
-        Record::Row { key, row } => {
-            let key = Shown::new(key, max_bytes);
+        Record::Row { key: raw_key, row } => {
+            let key = Shown::new(raw_key, max_bytes);
             let value = row.value.as_ref().map(|value| {
+                if holds_sessions(replica) {
+                    return session_json(raw_key, value);
+                }
                 let change = Change::decode(value);
                 let request = RequestShown::of(&change, max_bytes);
                 let mut view = DeltaView::of(change, max_bytes).to_json();
@@ -161,6 +233,58 @@ mod tests {
         assert_eq!(json["records"][1]["view"], 5);
         assert_eq!(json["records"][1]["key"], "k1");
         assert!(describe(b"\xff\xff\xff\xff\xff\xff", 64, false).starts_with("UNDECODABLE"));
+    }
+
+    #[test]
+    fn a_sessions_replica_row_shows_the_session_it_holds() {
+        let client_id: std::sync::Arc<str> = "c1".into();
+        let session = mqstate_broker::StoredSession {
+            expiry_secs: 60,
+            detached_at_ms: Some(1_700_000_000_000),
+            ..Default::default()
+        };
+        let row = SessionRow {
+            owner: 2,
+            epoch: 3,
+            session,
+            observed: vec![b"k1".to_vec()],
+            cursors: Default::default(),
+        };
+        let record = |value: Vec<u8>| Record::Row {
+            key: b"c1".to_vec(),
+            row: Row {
+                value: Some(value),
+                version: Version {
+                    wall_ms: 1_700_000_000_001,
+                    counter: 0,
+                    node: 2,
+                },
+                view: 1,
+                locked: false,
+            },
+        };
+        let replica = space::sessions(7);
+        let data = mqstate_replication::log::encode_batch(
+            replica,
+            vec![
+                record(session_row::encode(&client_id, &row)),
+                record(vec![9]),
+            ],
+        );
+        let text = describe(&data, 64, false);
+        assert!(
+            text.contains(
+                "session owner 2 epoch 3, detached at 1700000000000 ms, expiry 60 s, \
+                 0 subscriptions, 0 queued messages, 1 observed keys; "
+            ),
+            "{text}"
+        );
+        assert!(text.contains("UNDECODABLE session row"), "{text}");
+        let json: Value = serde_json::from_str(&describe(&data, 64, true)).unwrap();
+        assert_eq!(json["records"][0]["key"], "c1");
+        assert_eq!(json["records"][0]["change"]["op"], "session");
+        assert_eq!(json["records"][0]["change"]["epoch"], 3);
+        assert_eq!(json["records"][1]["change"]["op"], "undecodable");
     }
 
     #[test]

@@ -592,6 +592,28 @@ fn session_log_is_inspected_verified_and_repaired_by_name() {
         "{said}"
     );
 
+    // Named by itself, the session log is read as one (read as a state-store log, every record
+    // would look damaged, and repair would cut them).
+    let sessions = dir.join("sessions");
+    let out = data_tool(&["inspect"], &sessions);
+    let alone = text(&out.stdout);
+    assert!(out.status.success(), "inspect: {}", text(&out.stderr));
+    assert!(alone.starts_with("\nsession log: "), "{alone}");
+    assert!(alone.contains("appended \"tools-sub\" seq 1"), "{alone}");
+    let out = data_tool(&["verify"], &sessions);
+    assert_eq!(out.status.code(), Some(0), "verify: {}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        format!("session log {}: clean", sessions.display())
+    );
+    let out = data_tool(&["repair", "--yes"], &sessions);
+    assert!(out.status.success(), "repair: {}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("clean; nothing to repair"),
+        "{}",
+        text(&out.stdout)
+    );
+
     // Damage the record of m2: m3's follows it intact, so this is corruption, not a torn tail.
     let records = inspect_session_json(&dir);
     let appended: Vec<_> = records

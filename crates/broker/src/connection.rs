@@ -747,8 +747,10 @@ impl Connection {
             claimed.await;
         }
         let deadline = self.inner.clock.tokio_now() + self.inner.config.takeover_timeout;
-        // A cluster node: the session may live on another node (decision 0047).
-        let Some(must_resume) = self.locate_elsewhere(deadline).await else {
+        // A cluster node: the session may live on another node (decision 0047). A copy this
+        // CONNECT creates or takes in gets `copy`.
+        let copy = self.inner.registry.new_copy();
+        let Some(resume) = self.locate_elsewhere(deadline, copy).await else {
             return false;
         };
         let (handle, session_present, effects, durable) = loop {
@@ -763,7 +765,7 @@ impl Connection {
                 self.session_expiry_secs,
                 owner,
                 force,
-                must_resume,
+                resume,
             ) {
                 Attach::Attached {
                     handle,
@@ -776,10 +778,10 @@ impl Connection {
                     let _ = tokio::time::timeout_at(deadline, done).await;
                 }
                 // The copy located or taken in for this CONNECT was dropped before it attached
-                // (a late drop of a copy another node took meanwhile, or the copy expired). A
-                // fresh session in its place would answer Session Present 0 for a session that
-                // may exist (robustness seed 500764) and overwrite its row: refuse, retryably;
-                // the retry locates it again.
+                // (it expired, or another node's claim of the client id dropped it). A fresh
+                // session in its place would answer Session Present 0 for a session that may
+                // exist (robustness seed 500764's shape) and overwrite its row: refuse,
+                // retryably; the retry locates it again.
                 Attach::Vanished => {
                     tracing::warn!(client_id = %self.client_id, "CONNECT refused: the session located for it was dropped before it attached");
                     self.codec.refuse_connack(

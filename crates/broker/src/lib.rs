@@ -67,8 +67,8 @@ pub use mqstate_clock::{Clock, SharedClock};
 pub use peers::{Forward, GroupKey, PeerId, Peers, Plan, PublishId, Settled};
 pub use persist::StoredSession;
 pub use persist::{
-    Durable, Ending, JournalError, Located, Locating, Restored, SessionChange, SessionJournal,
-    SessionSource, Unlocated,
+    CopyId, Durable, JournalError, Landing, Located, Locating, Restored, SessionChange,
+    SessionJournal, SessionSource, Unlocated,
 };
 pub use server::{serve, serve_streams, Listener};
 pub use service::{

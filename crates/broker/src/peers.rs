@@ -215,19 +215,24 @@ impl crate::Broker {
     /// was left here; a delayed will pending here goes with the copy, and a clean start's
     /// claimer publishes it.
     pub async fn take_over_here(&self, client_id: &str) {
+        // The copy the claim makes obsolete is the one held now: one that a CONNECT here puts
+        // in meanwhile (it claimed the client id back) is not dropped.
+        let copy = self.inner.registry.copy_of(client_id);
         let (done, wait) = tokio::sync::oneshot::channel();
         let control = crate::registry::Control::TakeOver { done };
-        if self.inner.registry.send_control(client_id, control) {
+        if self.inner.registry.send_control(client_id, None, control) {
             let _ = tokio::time::timeout(self.inner.config.takeover_timeout, wait).await;
         }
         if let Some(source) = &self.inner.elsewhere {
-            self.forget_session(client_id);
+            if let Some(copy) = copy {
+                self.forget_session(client_id, copy);
+            }
             // What was recorded here of the session (its client's leaving, a delayed will that
             // came due) lands in its row before the claim is answered: the claiming node reads
             // the row next, and decides from it whether a delayed will this copy held is still
             // pending (a clean start publishes it, decision 0063). Dropped first, the copy
             // records nothing more meanwhile.
-            let landed = source.ended(client_id);
+            let landed = source.landed(client_id);
             let _ = tokio::time::timeout(self.inner.config.takeover_timeout, landed).await;
         }
     }

@@ -81,6 +81,14 @@ pub enum Located {
     Gone,
 }
 
+/// The identity of one copy of a session this broker holds: a new one whenever a copy comes into
+/// being here (created by a CONNECT, restored from the journal, adopted, taken in from another
+/// node); a resumed session keeps its copy's. Whoever decides that a copy is obsolete names it
+/// ([`crate::Broker::forget_session`]), so that a drop meant for one copy never drops a newer one
+/// of the same client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CopyId(pub u64);
+
 /// Where a cluster node finds the persistent sessions other nodes held (decision
 /// 0047). Asked on every CONNECT before the client attaches; the CONNACK waits for the
 /// answer, and an error refuses the CONNECT with 0x88 Server unavailable (retry), never with a
@@ -89,28 +97,33 @@ pub trait SessionSource: Send + Sync {
     /// Where `client_id`'s session is. `clean_start`: the client discards any session (the
     /// source drops it everywhere); `persistent`: the new connection's session is kept by the
     /// journal (its expiry is above 0, or its client set a will the journal keeps);
-    /// `held_here`: this broker holds a copy.
+    /// `held_here`: this broker holds a copy. `copy`: the identity of the copy this CONNECT puts
+    /// here if the answer is not `Here` (the session taken in, or a new one); with `Here`, a
+    /// copy held here keeps its own.
     fn locate(
         &self,
         client_id: &str,
         clean_start: bool,
         persistent: bool,
         held_here: bool,
+        copy: CopyId,
     ) -> Locating;
 
-    /// Resolves once the end of `client_id`'s session that this broker just recorded (its
-    /// expiry: `Deleted`) has landed where the sessions live: `true` if the session ended here,
-    /// so its will is this node's to publish; `false` if another node took the session over
-    /// first (it lives on there and its will is not due). Waits through failures to write: the
-    /// will of an expired session is published once its end is durable, never before a node
-    /// that reads its row could still find the session (decision 0070). Also awaited once a
-    /// copy taken over by another node was dropped (`Broker::take_over_here`): the claiming node
-    /// then reads what this broker recorded of the session.
-    fn ended(&self, client_id: &str) -> Ending;
+    /// Resolves once what this broker recorded of `client_id`'s session has landed where the
+    /// sessions live, or another node took the session over first: `true` if it landed (an
+    /// expiry's `Deleted`, a due will's `WillCancelled`), so what this node took out of the
+    /// session (the will of its end, a due will) is this node's to publish; `false` if another
+    /// node took the session over (it lives on there and its will is not due here). Waits
+    /// through failures to write: the will of an expired session is published once its end is
+    /// durable, never before a node that reads its row could still find the session (decision
+    /// 0070). Also awaited once a copy taken over by another node was dropped
+    /// (`Broker::take_over_here`): the claiming node then reads what this broker recorded of the
+    /// session.
+    fn landed(&self, client_id: &str) -> Landing;
 }
 
-/// What [`SessionSource::ended`] found.
-pub type Ending = Pin<Box<dyn Future<Output = bool> + Send>>;
+/// What [`SessionSource::landed`] found.
+pub type Landing = Pin<Box<dyn Future<Output = bool> + Send>>;
 
 /// A message in a session queue, with its per-subscriber QoS, retain flag and subscription ids.
 #[derive(Debug, Clone, PartialEq, Eq)]

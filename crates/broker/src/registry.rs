@@ -11,6 +11,7 @@
 //! publish, sessions that ended, timers to arm) for the caller to carry out outside the lock.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use tokio::sync::oneshot;
 
 use crate::mailbox;
 
-use crate::persist::{Durable, SessionChange, SessionJournal};
+use crate::persist::{CopyId, Durable, SessionChange, SessionJournal};
 use crate::session::SessionHandle;
 use crate::will::Will;
 
@@ -61,6 +62,8 @@ pub(crate) struct Owner {
 
 struct Entry {
     handle: Arc<SessionHandle>,
+    /// Which copy of the client's session this is: a drop that names another leaves it.
+    copy: CopyId,
     owner: Option<Owner>,
     epoch: u64,
     /// A delayed will and when it is due (wall-clock ms).
@@ -83,6 +86,8 @@ impl Sessions {
 
 pub(crate) struct Registry {
     sessions: Mutex<Sessions>,
+    /// The last copy identity given out.
+    last_copy: AtomicU64,
     journal: Option<Arc<dyn SessionJournal>>,
     /// When connections end, and the wall time of it the journal records.
     clock: SharedClock,
@@ -117,6 +122,20 @@ pub(crate) struct Taken {
 pub(crate) enum Untaken {
     Missing,
     Connected,
+    /// The copy held is not the one named.
+    Another(CopyId),
+}
+
+/// Which copy of its session a CONNECT attaches to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Resume {
+    /// The copy held (unless Clean Start discards it), or else a new one, which gets this
+    /// identity.
+    OrNew(CopyId),
+    /// This copy, located here or taken in for the CONNECT. If it is gone (dropped, expired)
+    /// nothing is created ([`Attach::Vanished`]): a fresh session would answer Session Present 0
+    /// for a session that may exist elsewhere.
+    Only(CopyId),
 }
 
 pub(crate) enum Attach {
@@ -129,7 +148,7 @@ pub(crate) enum Attach {
     },
     /// Another connection owns the session and was asked to hand it over.
     Wait(oneshot::Receiver<()>),
-    /// `must_resume`, and there is no session: nothing was created.
+    /// [`Resume::Only`], and that copy is not here: nothing was created.
     Vanished,
 }
 
@@ -137,9 +156,15 @@ impl Registry {
     pub(crate) fn new(journal: Option<Arc<dyn SessionJournal>>, clock: SharedClock) -> Self {
         Self {
             sessions: Mutex::default(),
+            last_copy: AtomicU64::new(0),
             journal,
             clock,
         }
+    }
+
+    /// A copy identity not given out before.
+    pub(crate) fn new_copy(&self) -> CopyId {
+        CopyId(self.last_copy.fetch_add(1, Ordering::Relaxed) + 1)
     }
 
     fn new_session(&self, client_id: &Arc<str>, expiry_secs: u32) -> Arc<SessionHandle> {
@@ -158,8 +183,8 @@ impl Registry {
     }
 
     /// Attaches connection `owner` to `client_id`'s session (creating it, or discarding the old one
-    /// when `clean_start`). With `force`, a current owner is displaced without waiting. With
-    /// `must_resume`, a missing session is not created ([`Attach::Vanished`]).
+    /// when `clean_start`), the copy `resume` says. With `force`, a current owner is displaced
+    /// without waiting.
     pub(crate) fn attach(
         &self,
         client_id: &Arc<str>,
@@ -167,9 +192,22 @@ impl Registry {
         expiry_secs: u32,
         owner: Owner,
         force: bool,
-        must_resume: bool,
+        resume: Resume,
     ) -> Attach {
         let mut sessions = self.lock();
+        let new_copy = match resume {
+            Resume::OrNew(copy) => copy,
+            Resume::Only(copy) => {
+                if sessions
+                    .by_client
+                    .get(client_id)
+                    .is_none_or(|e| e.copy != copy)
+                {
+                    return Attach::Vanished;
+                }
+                copy
+            }
+        };
         if let Some(entry) = sessions.by_client.get_mut(client_id) {
             if let Some(current) = &entry.owner {
                 if !force && current.conn_id != owner.conn_id {
@@ -183,7 +221,7 @@ impl Registry {
         }
         let epoch = sessions.bump();
         let mut effects = Effects::default();
-        let (handle, session_present) = match sessions.by_client.remove(client_id) {
+        let (handle, copy, session_present) = match sessions.by_client.remove(client_id) {
             Some(mut old) => {
                 if let Some(displaced) = old.owner.take() {
                     // Forced takeover: tell the old task (best effort) it no longer owns anything.
@@ -198,15 +236,14 @@ impl Registry {
                     old.handle.set_online(false);
                     old.handle.lock().end();
                     effects.ended.push(old.handle);
-                    (self.new_session(client_id, expiry_secs), false)
+                    (self.new_session(client_id, expiry_secs), new_copy, false)
                 } else {
                     // Reconnecting cancels a delayed will.
                     old.handle.lock().attached(expiry_secs, &*self.clock);
-                    (old.handle, true)
+                    (old.handle, old.copy, true)
                 }
             }
-            None if must_resume => return Attach::Vanished,
-            None => (self.new_session(client_id, expiry_secs), false),
+            None => (self.new_session(client_id, expiry_secs), new_copy, false),
         };
         let durable = handle.lock().commit();
         handle.set_online(true);
@@ -214,6 +251,7 @@ impl Registry {
             client_id.clone(),
             Entry {
                 handle: handle.clone(),
+                copy,
                 owner: Some(owner),
                 epoch,
                 pending_will: None,
@@ -345,12 +383,13 @@ impl Registry {
     }
 
     /// Adds a session read back from a journal or handed over by another node, not connected,
-    /// with its delayed will. Returns the epoch its timers must be armed with, or `None` (and adds
-    /// nothing) if the client has a session already.
+    /// with its delayed will, as copy `copy`. Returns the epoch its timers must be armed with, or
+    /// `None` (and adds nothing) if the client has a session already.
     pub(crate) fn restore(
         &self,
         handle: Arc<SessionHandle>,
         will: Option<(Will, u64)>,
+        copy: CopyId,
     ) -> Option<u64> {
         let mut sessions = self.lock();
         if sessions.by_client.contains_key(&handle.client_id) {
@@ -361,6 +400,7 @@ impl Registry {
             handle.client_id.clone(),
             Entry {
                 handle,
+                copy,
                 owner: None,
                 epoch,
                 pending_will: will.map(Box::new),
@@ -369,13 +409,17 @@ impl Registry {
         Some(epoch)
     }
 
-    /// Removes the session of `client_id` if no connection owns it, with its pending delayed
-    /// will: the session is handed over to another node. Its timers, armed for the epoch it had,
-    /// find no entry of that epoch and do nothing.
-    pub(crate) fn take(&self, client_id: &str) -> Result<Taken, Untaken> {
+    /// Removes the session of `client_id` (if `copy` names one, only that copy) if no connection
+    /// owns it, with its pending delayed will: the session is handed over to another node, or
+    /// the copy is obsolete. Its timers, armed for the epoch it had, find no entry of that epoch
+    /// and do nothing.
+    pub(crate) fn take(&self, client_id: &str, copy: Option<CopyId>) -> Result<Taken, Untaken> {
         let mut sessions = self.lock();
         match sessions.by_client.get(client_id) {
             None => return Err(Untaken::Missing),
+            Some(entry) if copy.is_some_and(|copy| copy != entry.copy) => {
+                return Err(Untaken::Another(entry.copy))
+            }
             Some(entry) if entry.owner.is_some() => return Err(Untaken::Connected),
             Some(_) => {}
         }
@@ -420,22 +464,29 @@ impl Registry {
             .map(|e| e.handle.clone())
     }
 
-    /// Sends `control` to the connection owning `client_id`'s session; false if none.
-    pub(crate) fn send_control(&self, client_id: &str, control: Control) -> bool {
+    /// Sends `control` to the connection owning `client_id`'s session (if `copy` names one,
+    /// only if the session is that copy); false if none.
+    pub(crate) fn send_control(
+        &self,
+        client_id: &str,
+        copy: Option<CopyId>,
+        control: Control,
+    ) -> bool {
         let sessions = self.lock();
         sessions
             .by_client
             .get(client_id)
+            .filter(|e| copy.is_none_or(|copy| copy == e.copy))
             .and_then(|e| e.owner.as_ref())
             .is_some_and(|o| o.control.try_send(control).is_ok())
     }
 
-    /// Number of sessions, connected or not.
-    /// Whether `client_id` has a session here.
-    pub(crate) fn contains(&self, client_id: &str) -> bool {
-        self.lock().by_client.contains_key(client_id)
+    /// Which copy of `client_id`'s session is here, if any.
+    pub(crate) fn copy_of(&self, client_id: &str) -> Option<CopyId> {
+        self.lock().by_client.get(client_id).map(|e| e.copy)
     }
 
+    /// Number of sessions, connected or not.
     pub(crate) fn len(&self) -> usize {
         self.lock().by_client.len()
     }
@@ -450,6 +501,11 @@ mod tests {
 
     fn registry() -> Registry {
         Registry::new(None, Arc::new(ManualClock::starting_at(1_000_000)))
+    }
+
+    /// The copy held, or a new one.
+    fn new(reg: &Registry) -> Resume {
+        Resume::OrNew(reg.new_copy())
     }
 
     fn owner(conn_id: u64) -> (Owner, mailbox::Receiver<Control>) {
@@ -493,17 +549,17 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, mut rx1) = owner(1);
-        let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false, false));
+        let (h1, present, _) = attached(reg.attach(&id, false, 60, o1, false, new(&reg)));
         assert!(!present);
         let (o2, _rx2) = owner(2);
-        let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false, false) else {
+        let Attach::Wait(_) = reg.attach(&id, false, 60, o2, false, new(&reg)) else {
             panic!("must wait")
         };
         assert!(matches!(rx1.try_recv(), Some(Control::TakeOver { .. })));
         let fx = reg.detach(&id, 1, None);
         assert!(fx.ended.is_empty());
         let (o2, _rx2) = owner(2);
-        let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false, false));
+        let (h2, present, _) = attached(reg.attach(&id, false, 60, o2, false, new(&reg)));
         assert!(present);
         assert!(Arc::ptr_eq(&h1, &h2));
     }
@@ -513,15 +569,16 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx1) = owner(1);
-        attached(reg.attach(&id, false, 60, o1, false, false));
+        attached(reg.attach(&id, false, 60, o1, false, new(&reg)));
         let (o2, _rx2) = owner(2);
-        let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true, false));
+        let (_, present, _) = attached(reg.attach(&id, false, 60, o2, true, new(&reg)));
         assert!(present);
         // The displaced connection's detach changes nothing.
         let fx = reg.detach(&id, 1, Some(will(10)));
         assert!(fx.timer.is_none() && fx.ended.is_empty() && fx.wills.is_empty());
         assert!(reg.send_control(
             &id,
+            None,
             Control::Disconnect {
                 reason_code: 0,
                 reason_string: None,
@@ -535,7 +592,7 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        attached(reg.attach(&id, true, 0, o1, false, false));
+        attached(reg.attach(&id, true, 0, o1, false, new(&reg)));
         let fx = reg.detach(&id, 1, Some(will(30)));
         assert_eq!(fx.ended.len(), 1);
         assert_eq!(
@@ -551,14 +608,14 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        attached(reg.attach(&id, false, 100, o1, false, false));
+        attached(reg.attach(&id, false, 100, o1, false, new(&reg)));
         let now = reg.clock.now();
         let fx = reg.detach(&id, 1, Some(will(10)));
         let timer = fx.timer.unwrap();
         assert_eq!(timer.will_at, Some(now + Duration::from_secs(10)));
         assert_eq!(timer.expire_at, Some(now + Duration::from_secs(100)));
         let (o2, _rx2) = owner(2);
-        attached(reg.attach(&id, false, 100, o2, false, false));
+        attached(reg.attach(&id, false, 100, o2, false, new(&reg)));
         assert!(reg.take_due_will(&id, timer.epoch).is_none());
         assert!(reg.expire(&id, timer.epoch).ended.is_empty());
 
@@ -573,10 +630,10 @@ mod tests {
         let reg = registry();
         let id: Arc<str> = "c".into();
         let (o1, _rx) = owner(1);
-        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, false));
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, new(&reg)));
         reg.detach(&id, 1, Some(will(50)));
         let (o2, _rx2) = owner(2);
-        let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false, false));
+        let (h2, present, fx) = attached(reg.attach(&id, true, 100, o2, false, new(&reg)));
         assert!(!present);
         assert!(!Arc::ptr_eq(&h1, &h2));
         assert_eq!(fx.ended.len(), 1);
@@ -587,12 +644,12 @@ mod tests {
     fn only_a_session_without_connection_is_taken_and_a_taken_one_is_gone() {
         let reg = registry();
         let id: Arc<str> = "c".into();
-        assert!(matches!(reg.take(&id), Err(Untaken::Missing)));
+        assert!(matches!(reg.take(&id, None), Err(Untaken::Missing)));
         let (o1, _rx) = owner(1);
-        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, false));
-        assert!(matches!(reg.take(&id), Err(Untaken::Connected)));
+        let (h1, _, _) = attached(reg.attach(&id, false, 100, o1, false, new(&reg)));
+        assert!(matches!(reg.take(&id, None), Err(Untaken::Connected)));
         let timer = reg.detach(&id, 1, Some(will(30))).timer.unwrap();
-        let Ok(Taken { handle, will }) = reg.take(&id) else {
+        let Ok(Taken { handle, will }) = reg.take(&id, None) else {
             panic!("a session without connection is taken")
         };
         assert!(Arc::ptr_eq(&h1, &handle));
@@ -603,11 +660,47 @@ mod tests {
         assert_eq!(reg.len(), 0);
         // Its timers find nothing; a session put back gets a new epoch.
         assert!(reg.take_due_will(&id, timer.epoch).is_none());
-        let epoch = reg.restore(handle.clone(), None).unwrap();
+        let epoch = reg.restore(handle.clone(), None, reg.new_copy()).unwrap();
         assert_ne!(epoch, timer.epoch);
         assert!(
-            reg.restore(handle, None).is_none(),
+            reg.restore(handle, None, reg.new_copy()).is_none(),
             "one session per client"
+        );
+    }
+
+    /// Issue 16 (robustness seed 500764): a drop, or a CONNECT's resume, that names an older copy
+    /// of a client's session leaves the copy held now.
+    #[test]
+    fn what_names_another_copy_leaves_the_one_held() {
+        let reg = registry();
+        let id: Arc<str> = "c".into();
+        let (o1, _rx) = owner(1);
+        let old = reg.new_copy();
+        attached(reg.attach(&id, false, 100, o1, false, Resume::OrNew(old)));
+        assert_eq!(reg.copy_of(&id), Some(old));
+        reg.detach(&id, 1, None);
+        let Ok(Taken { handle, .. }) = reg.take(&id, Some(old)) else {
+            panic!("the copy named is taken")
+        };
+        let newer = reg.new_copy();
+        assert_ne!(newer, old);
+        reg.restore(handle, None, newer).unwrap();
+        assert!(matches!(
+            reg.take(&id, Some(old)),
+            Err(Untaken::Another(copy)) if copy == newer
+        ));
+        let (o2, _rx2) = owner(2);
+        assert!(matches!(
+            reg.attach(&id, false, 100, o2, false, Resume::Only(old)),
+            Attach::Vanished
+        ));
+        let (o2, _rx2) = owner(2);
+        let (_, present, _) = attached(reg.attach(&id, false, 100, o2, false, Resume::Only(newer)));
+        assert!(present);
+        assert_eq!(
+            reg.copy_of(&id),
+            Some(newer),
+            "resumed, the copy keeps its identity"
         );
     }
 }

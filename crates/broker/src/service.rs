@@ -51,7 +51,7 @@ use crate::error::BrokerError;
 use crate::limits::{Connections, MAX_REFUSALS_IN_PROGRESS};
 use crate::message::{Message, QoS};
 use crate::persist::{
-    wall, Durable, Restored, SessionChange, SessionJournal, SessionSource, StoredSession,
+    wall, CopyId, Durable, Restored, SessionChange, SessionJournal, SessionSource, StoredSession,
 };
 use crate::queue::QueueLimit;
 use crate::registry::{Control, Effects, Registry, Taken, Timer, Untaken, WillOnEnd};
@@ -387,7 +387,7 @@ impl Broker {
             reason_string: reason_string.map(str::to_owned),
             will: WillOnEnd::Publish,
         };
-        self.inner.registry.send_control(client_id, control)
+        self.inner.registry.send_control(client_id, None, control)
     }
 
     /// Disconnects `client_id`'s connection with 0x9C Use another server, its session kept: a
@@ -407,7 +407,7 @@ impl Broker {
             ),
             will: WillOnEnd::OnceLanded,
         };
-        self.inner.registry.send_control(client_id, control)
+        self.inner.registry.send_control(client_id, None, control)
     }
 
     /// Subscribes to connection and session lifecycle events.
@@ -450,6 +450,7 @@ impl Broker {
                 now,
                 now_ms,
                 origin: Origin::Journal,
+                copy: inner.registry.new_copy(),
             };
             if let Ok((timer, _)) = inner.put_back(put, &mut report, &mut due_wills) {
                 timers.extend(timer);
@@ -469,8 +470,9 @@ impl Broker {
     /// miss both nodes: hand sessions over while the node takes no publishes.
     pub fn export_session(&self, client_id: &str) -> Result<StoredSession, BrokerError> {
         let inner = &self.inner;
-        let Taken { handle, will } = inner.registry.take(client_id).map_err(|why| match why {
-            Untaken::Missing => BrokerError::NoSuchSession {
+        let taken = inner.registry.take(client_id, None);
+        let Taken { handle, will } = taken.map_err(|why| match why {
+            Untaken::Missing | Untaken::Another(_) => BrokerError::NoSuchSession {
                 client_id: client_id.to_owned(),
             },
             Untaken::Connected => BrokerError::SessionConnected {
@@ -499,12 +501,14 @@ impl Broker {
         Ok(exported.unwrap_or_default())
     }
 
-    /// Drops this broker's copy of `client_id`'s session without recording anything: another
-    /// node owns the session now (a cluster node learnt it when its write was fenced). A
-    /// connected session is disconnected with 0x8E Session taken over first (its will is left to
-    /// the new holder), and dropped when the next CONNECT of the client finds it. Returns whether a copy was dropped.
-    pub fn forget_session(&self, client_id: &str) -> bool {
-        match self.inner.forget(client_id) {
+    /// Drops copy `copy` of `client_id`'s session without recording anything: another node owns
+    /// the session now (a cluster node learnt it when its write was fenced). Only that copy: if
+    /// the broker holds another (a newer one, put here since by a CONNECT or an adoption), the
+    /// drop was meant for a copy already gone and does nothing. A connected copy is disconnected
+    /// with 0x8E Session taken over first (its will is left to the new holder), and dropped when
+    /// the next CONNECT of the client finds it. Returns whether the copy was dropped.
+    pub fn forget_session(&self, client_id: &str, copy: CopyId) -> bool {
+        match self.inner.forget(client_id, copy) {
             Ok(dropped) => dropped,
             Err(Untaken::Connected) => {
                 // The session lives on at its new holder, which publishes its will when due.
@@ -513,10 +517,12 @@ impl Broker {
                     reason_string: Some("the session moved to another node".into()),
                     will: WillOnEnd::Skip,
                 };
-                self.inner.registry.send_control(client_id, control);
+                self.inner
+                    .registry
+                    .send_control(client_id, Some(copy), control);
                 false
             }
-            Err(Untaken::Missing) => false,
+            Err(Untaken::Missing | Untaken::Another(_)) => false,
         }
     }
 
@@ -540,24 +546,8 @@ impl Broker {
         client_id: Arc<str>,
         session: StoredSession,
     ) -> Result<Adoption, BrokerError> {
-        let inner = &self.inner;
-        let mut report = RestoreReport::default();
-        let mut due_wills = Vec::new();
-        let put = PutBack {
-            client_id: client_id.clone(),
-            stored: session,
-            now: inner.clock.now(),
-            now_ms: inner.clock.now_ms(),
-            origin: Origin::HandedOver,
-        };
-        let (timer, durable) = inner
-            .put_back(put, &mut report, &mut due_wills)
-            .map_err(|()| BrokerError::SessionExists {
-                client_id: client_id.to_string(),
-            })?;
-        report.wills_published = due_wills.len();
-        inner.start(due_wills, timer.into_iter().collect());
-        Ok(Adoption { report, durable })
+        self.inner
+            .adopt(client_id, session, self.inner.registry.new_copy())
     }
 
     /// Every persistent session (with its delayed will) and retained message as changes that
@@ -577,6 +567,9 @@ pub struct Adoption {
     pub report: RestoreReport,
     /// With a journal: resolves when the adopted session is durable here.
     pub durable: Option<Durable>,
+    /// The copy of the session put back (`None` if it had expired): name it to drop it
+    /// ([`Broker::forget_session`]).
+    pub copy: Option<CopyId>,
 }
 
 /// Where a session put back into the broker comes from.
@@ -595,6 +588,8 @@ struct PutBack {
     now: Instant,
     now_ms: u64,
     origin: Origin,
+    /// The identity the copy gets.
+    copy: CopyId,
 }
 
 /// What [`Broker::restore`] put back.
@@ -625,6 +620,7 @@ impl Inner {
             now,
             now_ms,
             origin,
+            copy,
         } = put;
         let detached_at_ms = stored.detached_at_ms.unwrap_or(now_ms);
         let expire_at_ms = (stored.expiry_secs != u32::MAX)
@@ -732,7 +728,10 @@ impl Inner {
             self.clock.clone(),
         ));
         // Nothing noted above reaches the journal unless the registry takes the session.
-        let epoch = self.registry.restore(handle.clone(), will).ok_or(())?;
+        let epoch = self
+            .registry
+            .restore(handle.clone(), will, copy)
+            .ok_or(())?;
         self.router.note_put_back(client_id.clone(), now);
         for (raw, options) in &subscriptions {
             if let Some(filter) = topic::parse_filter(raw) {
@@ -753,13 +752,23 @@ impl Inner {
         Ok((Some(timer), durable))
     }
 
-    /// Takes `client_id`'s session out without recording anything (another node owns it): its
-    /// pending delayed will goes with it, its timers find nothing. `Ok(false)` if there was none.
-    pub(crate) fn forget(&self, client_id: &str) -> Result<bool, Untaken> {
-        let handle = match self.registry.take(client_id) {
+    /// Takes copy `copy` of `client_id`'s session out without recording anything (another node
+    /// owns it): its pending delayed will goes with it, its timers find nothing. `Ok(false)` if
+    /// that copy is not here.
+    pub(crate) fn forget(&self, client_id: &str, copy: CopyId) -> Result<bool, Untaken> {
+        let handle = match self.registry.take(client_id, Some(copy)) {
             Ok(Taken { handle, .. }) => handle,
             Err(Untaken::Missing) => return Ok(false),
-            Err(why) => return Err(why),
+            Err(Untaken::Another(held)) => {
+                tracing::debug!(
+                    client_id,
+                    ?copy,
+                    ?held,
+                    "a drop of an earlier copy of a session leaves the copy held now"
+                );
+                return Ok(false);
+            }
+            Err(Untaken::Connected) => return Err(Untaken::Connected),
         };
         self.router.remove_handed_over(&handle);
         let mut state = handle.lock();
@@ -769,7 +778,7 @@ impl Inner {
         state.end();
         debug_assert!(state.changes.is_empty());
         drop(state);
-        tracing::debug!(client_id, "stale copy of a session dropped");
+        tracing::debug!(client_id, ?copy, "stale copy of a session dropped");
         // Gone from this node: what services keep for the session here ends too.
         self.emit(ClientEvent::SessionEnded {
             client_id: client_id.into(),
@@ -777,18 +786,37 @@ impl Inner {
         Ok(true)
     }
 
-    /// Puts a session taken from elsewhere into the registry (it must hold none for the
-    /// client): the journal records it whole; resolves when that is durable.
-    pub(crate) fn take_in(
+    /// Puts a session taken from elsewhere into the registry as copy `copy` (it must hold none
+    /// for the client; [`Broker::adopt_session`]).
+    pub(crate) fn adopt(
         self: &Arc<Self>,
         client_id: Arc<str>,
-        stored: StoredSession,
-    ) -> Result<Option<Durable>, BrokerError> {
-        Broker {
-            inner: Arc::clone(self),
-        }
-        .adopt_session(client_id, stored)
-        .map(|adoption| adoption.durable)
+        session: StoredSession,
+        copy: CopyId,
+    ) -> Result<Adoption, BrokerError> {
+        let mut report = RestoreReport::default();
+        let mut due_wills = Vec::new();
+        let put = PutBack {
+            client_id: client_id.clone(),
+            stored: session,
+            now: self.clock.now(),
+            now_ms: self.clock.now_ms(),
+            origin: Origin::HandedOver,
+            copy,
+        };
+        let (timer, durable) = self
+            .put_back(put, &mut report, &mut due_wills)
+            .map_err(|()| BrokerError::SessionExists {
+                client_id: client_id.to_string(),
+            })?;
+        report.wills_published = due_wills.len();
+        let copy = timer.is_some().then_some(copy);
+        self.start(due_wills, timer.into_iter().collect());
+        Ok(Adoption {
+            report,
+            durable,
+            copy,
+        })
     }
 
     /// Publishes the wills that came due and arms the timers of sessions put back.
@@ -877,7 +905,7 @@ pub(crate) async fn publish_once_landed(inner: Arc<Inner>, client_id: Arc<str>, 
         return;
     }
     if let Some(source) = &inner.elsewhere {
-        if !source.ended(&client_id).await {
+        if !source.landed(&client_id).await {
             tracing::info!(%client_id, "the session was taken over by another node first: its will is not published here");
             return;
         }

@@ -680,16 +680,23 @@ async fn a_handed_over_delayed_will_is_published_by_the_node_that_adopted_it() {
 }
 
 /// A cluster node's view of where sessions are, reduced to its answer on whether what the node
-/// recorded of a session landed in the session's row (`ended`): held until the test gives it
+/// recorded of a session landed in the session's row (`landed`): held until the test gives it
 /// (`true`: landed; `false`: another node took the session over first).
 struct GatedSource(watch::Sender<Option<bool>>);
 
 impl mqstate_broker::SessionSource for GatedSource {
-    fn locate(&self, _: &str, _: bool, _: bool, _: bool) -> mqstate_broker::Locating {
+    fn locate(
+        &self,
+        _: &str,
+        _: bool,
+        _: bool,
+        _: bool,
+        _: mqstate_broker::CopyId,
+    ) -> mqstate_broker::Locating {
         Box::pin(async { Ok(mqstate_broker::Located::Here) })
     }
 
-    fn ended(&self, _: &str) -> mqstate_broker::Ending {
+    fn landed(&self, _: &str) -> mqstate_broker::Landing {
         let mut landed = self.0.subscribe();
         Box::pin(async move {
             match landed.wait_for(Option::is_some).await {
@@ -792,10 +799,13 @@ async fn a_delayed_will_due_on_a_cluster_node_waits_for_its_row_and_yields_to_a_
 }
 
 /// A session source whose `locate` finds the copy here, but has that copy dropped before
-/// answering (as a late `forget_session`, for a copy another node took meanwhile, can drop it
-/// between the locate and the attach).
+/// answering (as another node's claim of the client id can drop it between the locate and the
+/// attach). Remembers the copy the first CONNECT put in.
 #[derive(Default)]
-struct DroppingSource(std::sync::OnceLock<Broker>);
+struct DroppingSource(
+    std::sync::OnceLock<Broker>,
+    Mutex<Option<mqstate_broker::CopyId>>,
+);
 
 impl mqstate_broker::SessionSource for DroppingSource {
     fn locate(
@@ -804,16 +814,19 @@ impl mqstate_broker::SessionSource for DroppingSource {
         _: bool,
         _: bool,
         held_here: bool,
+        copy: mqstate_broker::CopyId,
     ) -> mqstate_broker::Locating {
-        if held_here {
-            if let Some(broker) = self.0.get() {
-                assert!(broker.forget_session(client_id), "the copy was here");
+        let mut held = self.1.lock().unwrap();
+        match (held_here, *held, self.0.get()) {
+            (true, Some(held), Some(broker)) => {
+                assert!(broker.forget_session(client_id, held), "the copy was here");
             }
+            _ => *held = Some(copy),
         }
         Box::pin(async { Ok(mqstate_broker::Located::Here) })
     }
 
-    fn ended(&self, _: &str) -> mqstate_broker::Ending {
+    fn landed(&self, _: &str) -> mqstate_broker::Landing {
         Box::pin(async { true })
     }
 }
@@ -843,4 +856,90 @@ async fn a_connect_whose_located_session_is_dropped_before_it_attaches_is_refuse
         Packet::ConnectAck(ack) => assert_eq!(u8::from(ack.reason_code), 0x89, "{ack:?}"),
         other => panic!("expected CONNACK, got {other:?}"),
     }
+}
+
+/// A journal (in memory) that, once armed, delivers a drop of a session's copy when the
+/// durability of its next record is awaited: late, after the change recorded was made (a
+/// cluster node's `lose`, whose drop of the copy it lost comes after its state lock is released).
+struct LateDrop {
+    journal: Arc<MemoryJournal>,
+    armed: Mutex<Option<(Broker, &'static str, mqstate_broker::CopyId)>>,
+}
+
+impl SessionJournal for LateDrop {
+    fn record(&self, changes: Vec<SessionChange>) -> Durable {
+        let durable = self.journal.record(changes);
+        let late = self.armed.lock().unwrap().take();
+        Box::pin(async move {
+            if let Some((broker, client_id, copy)) = late {
+                broker.forget_session(client_id, copy);
+            }
+            durable.await
+        })
+    }
+}
+
+/// Issue 16, robustness seed 500764's mechanism: a cluster node lost a session and, before its
+/// drop of its copy arrived, a CONNECT of the client took the session back and put the row's
+/// session in the broker. The drop names the old copy, so the new one stays: the CONNECT gets
+/// Session Present 1 with the queue. Before, the drop took whatever copy was held (this test
+/// failed with `forget_session` ignoring the copy named: CONNACK 0x89, the guard of bcd7f4a).
+#[tokio::test]
+async fn a_late_drop_of_an_older_copy_leaves_the_copy_taken_in_for_a_connect() {
+    let source = Arc::new(CopiesSource::default());
+    let journal = Arc::new(LateDrop {
+        journal: MemoryJournal::new(),
+        armed: Mutex::new(None),
+    });
+    let s = Server::serve(
+        Broker::builder(BrokerConfig::default())
+            .journal(journal.clone())
+            .sessions_elsewhere(source.clone())
+            .build(),
+    )
+    .await;
+    let (c, _) = Raw::connect(s.addr, "c", false, 60).await;
+    c.disconnect(v5::DisconnectReasonCode::NormalDisconnection)
+        .await;
+    let old = source.last_copy("c");
+
+    // The session as another node left it in its row: one message queued.
+    let queued = mqstate_broker::persist::StoredMessage {
+        message: Arc::new(mqstate_broker::Message {
+            topic: "n/k".into(),
+            payload: bytes::Bytes::from_static(b"queued"),
+            qos: mqstate_broker::QoS::AtLeastOnce,
+            retain: false,
+            properties: Default::default(),
+        }),
+        qos: mqstate_broker::QoS::AtLeastOnce,
+        retain: false,
+        subscription_ids: Vec::new(),
+        received_at_ms: s.broker.clock().now_ms(),
+    };
+    let mut row = mqstate_broker::StoredSession {
+        expiry_secs: 60,
+        detached_at_ms: Some(s.broker.clock().now_ms()),
+        ..Default::default()
+    };
+    row.messages.insert(
+        0,
+        mqstate_broker::persist::StoredEntry {
+            message: queued,
+            packet_id: None,
+            released: false,
+        },
+    );
+    *source.taken.lock().unwrap() = Some(row);
+    *journal.armed.lock().unwrap() = Some((s.broker.clone(), "c", old));
+
+    let (mut c, ack) = Raw::connect(s.addr, "c", false, 60).await;
+    assert!(ack.session_present, "the session taken in is resumed");
+    assert_ne!(source.last_copy("c"), old);
+    assert!(
+        journal.armed.lock().unwrap().is_none(),
+        "the late drop came"
+    );
+    let publish = c.expect_publish().await;
+    assert_eq!(&publish.payload[..], b"queued");
 }

@@ -240,7 +240,13 @@ async fn full_inbox_back_pressures_instead_of_dropping() {
 /// kick (`disconnect`) publish it as any abnormal end does.
 #[tokio::test]
 async fn a_session_that_moved_leaves_its_will_to_its_holder_and_other_ends_publish_it() {
-    let s = Server::default().await;
+    let source = std::sync::Arc::new(CopiesSource::default());
+    let s = Server::serve(
+        mqstate_broker::Broker::builder(mqstate_broker::BrokerConfig::default())
+            .sessions_elsewhere(source.clone())
+            .build(),
+    )
+    .await;
     let (mut watcher, _) = Raw::connect(s.addr, "watcher", true, 0).await;
     watcher.subscribe("will/#", 0).await;
     for (id, expected) in [("moved", 0x8E), ("away", 0x9C), ("kicked", 0x98)] {
@@ -248,7 +254,10 @@ async fn a_session_that_moved_leaves_its_will_to_its_holder_and_other_ends_publi
         connect.last_will = Some(will(&format!("will/{id}"), b"bye", 0, false, None));
         let (mut c, _) = Raw::connect_with(s.addr, connect).await;
         match id {
-            "moved" => assert!(!s.broker.forget_session(id), "connected: not dropped yet"),
+            "moved" => assert!(
+                !s.broker.forget_session(id, source.last_copy(id)),
+                "connected: not dropped yet"
+            ),
             "away" => assert!(s.broker.send_away(id)),
             _ => assert!(s.broker.disconnect(id, 0x98, None)),
         }
@@ -258,8 +267,8 @@ async fn a_session_that_moved_leaves_its_will_to_its_holder_and_other_ends_publi
         }
     }
     // The moved client's will is left to the session's new holder; the client sent away ended
-    // abnormally (its will is published: at once on a single node, where nothing waits for a
-    // row — on a cluster node once its end landed, `durable_sessions`), as did the kicked one.
+    // abnormally (its will is published once its end landed, at once here: `durable_sessions`
+    // holds it back), as did the kicked one.
     let publish = watcher.expect_publish().await;
     assert_eq!(publish.topic, "will/away");
     let publish = watcher.expect_publish().await;

@@ -59,24 +59,13 @@ impl Trail {
         now_ms: u64,
         observed: impl Fn(&[u8]) -> bool,
     ) {
-        for record in records {
-            match record {
-                Record::Row { key, row } => {
-                    let change = row
-                        .value
-                        .as_deref()
-                        .filter(|_| observed(key))
-                        .and_then(|value| rows::delta_of(value).ok())
-                        .map(|delta| rows::committed(&delta));
-                    match change {
-                        Some(change) => self.push(partition, change, now_ms),
-                        None => self.forget(key),
-                    }
-                }
-                Record::Clear { .. } => self.clear(partition),
-                Record::CaughtUp { .. } | Record::Readable | Record::Note { .. } => {}
+        self.note_rows(partition, records, |key, value| {
+            if !observed(key) {
+                return None;
             }
-        }
+            let delta = rows::delta_of(value).ok()?;
+            Some((rows::committed(&delta), now_ms))
+        });
         self.sweep(now_ms, observed);
     }
 
@@ -88,16 +77,28 @@ impl Trail {
     /// [`KEEP_MS`] by their version, aged from it. The first change of a key after the snapshot
     /// has no link.
     pub fn note_replayed(&mut self, partition: u32, records: &[Record], now_ms: u64) {
+        self.note_rows(partition, records, |_, value| {
+            let delta = rows::delta_of(value).ok()?;
+            let at_ms = delta.version().wall_ms.min(now_ms);
+            (at_ms.saturating_add(KEEP_MS) > now_ms).then(|| (rows::committed(&delta), at_ms))
+        });
+    }
+
+    /// Each row of `records` whose change `kept` returns (with the time it is aged from) is
+    /// linked after its key's last; any other row breaks its key's trail (the next change noted
+    /// has no link). A replica's re-entry clears its partition.
+    fn note_rows(
+        &mut self,
+        partition: u32,
+        records: &[Record],
+        kept: impl Fn(&[u8], &[u8]) -> Option<(Committed, u64)>,
+    ) {
         for record in records {
             match record {
                 Record::Row { key, row } => {
-                    let delta = row.value.as_deref().and_then(|v| rows::delta_of(v).ok());
-                    let at_ms = delta.as_ref().map(|d| d.version().wall_ms.min(now_ms));
-                    match delta.zip(at_ms) {
-                        Some((delta, at_ms)) if at_ms.saturating_add(KEEP_MS) > now_ms => {
-                            self.push(partition, rows::committed(&delta), at_ms);
-                        }
-                        _ => self.forget(key),
+                    match row.value.as_deref().and_then(|value| kept(key, value)) {
+                        Some((change, at_ms)) => self.push(partition, change, at_ms),
+                        None => self.forget(key),
                     }
                 }
                 Record::Clear { .. } => self.clear(partition),

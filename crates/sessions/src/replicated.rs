@@ -15,7 +15,8 @@
 //!   to adopt. A clean start deletes the row.
 //! * Every write is a compare-and-set on the version this node last wrote or read: a node that
 //!   lost the session (another took it over) finds its write refused, stops writing the session
-//!   and drops its copy (`Broker::forget_session`).
+//!   and drops the broker's copy that was its claim's (`Broker::forget_session`, naming the copy:
+//!   a copy put in since for a newer claim here stays).
 //! * A session's row also carries the state-store keys its client observes (KEYNOTIFY; decision
 //!   0050): the state store hands them over with [`ReplicatedSessions::keep_observed`], they are
 //!   written like any change of the session, and a node that takes the session over hands them
@@ -28,8 +29,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use mqstate_broker::{
-    Broker, Durable, Ending, JournalError, Located, Locating, Message, Restored, SessionChange,
-    SessionJournal, SessionSource, StoredSession, Unlocated,
+    Broker, CopyId, Durable, JournalError, Landing, Located, Locating, Message, Restored,
+    SessionChange, SessionJournal, SessionSource, StoredSession, Unlocated,
 };
 pub use mqstate_chain::Version;
 use tokio::sync::watch;
@@ -117,12 +118,16 @@ struct Status {
     /// clean start, or the session ended by its row) of the row as this entry last wrote it,
     /// which published no will: no other node took the session meanwhile, so what this node took
     /// out of it before (a will that came due, or the will of its end) is still this node's to
-    /// publish ([`SessionSource::ended`]).
+    /// publish ([`SessionSource::landed`]).
     taken_here: bool,
 }
 
 struct Entry {
     role: Role,
+    /// The broker's copy of the session that belongs to this claim: the one the CONNECT that
+    /// claimed it puts in (`locate`'s `copy`), or the one adopted for it (`None` until then).
+    /// Only this copy is dropped when the session is lost.
+    copy: Option<CopyId>,
     /// The row's version this node knows (the base of its next write); `None`: no row.
     base: Option<Version>,
     epoch: u64,
@@ -534,25 +539,37 @@ async fn refused(
     }
 }
 
-/// Another node owns the session now: stop writing it, fail what waits, drop the copy here (if
-/// the entry of `epoch` is still the one held), and disconnect its client, whose will is the new
-/// holder's to publish.
+/// Another node owns the session now: stop writing it, fail what waits, drop the broker's copy
+/// that belongs to the entry of `epoch` (if that entry is still the one held), and disconnect
+/// its client, whose will is the new holder's to publish.
 fn lose(shared: &Shared, client_id: &Arc<str>, epoch: u64) {
-    {
-        let mut state = shared.lock();
-        let State { mirror, entries } = &mut *state;
-        let Some(entry) = entry_of(entries, client_id, epoch) else {
-            return;
-        };
-        entry.role = Role::Lost;
-        entry.flushing = false;
-        entry.status.send_modify(|s| s.lost = true);
-        mirror.sessions.remove(client_id);
+    if let Some(copy) = fence(shared, client_id, epoch) {
+        drop_lost(shared, client_id, copy);
     }
+}
+
+/// Drops the broker's copy of a claim that was lost, after the state lock is released. Named:
+/// by now this node may have taken the session back (a CONNECT here, an adoption), and the copy
+/// it put in for that is not this one (robustness seed 500764's shape).
+fn drop_lost(shared: &Shared, client_id: &Arc<str>, copy: Option<CopyId>) {
     tracing::info!(%client_id, "session taken over by another node; the copy here is dropped");
-    if let Some(broker) = shared.broker.get() {
-        broker.forget_session(client_id);
+    if let (Some(broker), Some(copy)) = (shared.broker.get(), copy) {
+        broker.forget_session(client_id, copy);
     }
+}
+
+/// Marks the entry of `epoch` lost, if it is still the one held: nothing more of it is written,
+/// and what waits fails. Returns the broker's copy that belongs to it (`Some(None)`: none put in
+/// yet; an adoption that puts one in then drops it), or `None` if the entry was replaced.
+fn fence(shared: &Shared, client_id: &Arc<str>, epoch: u64) -> Option<Option<CopyId>> {
+    let mut state = shared.lock();
+    let State { mirror, entries } = &mut *state;
+    let entry = entry_of(entries, client_id, epoch)?;
+    entry.role = Role::Lost;
+    entry.flushing = false;
+    entry.status.send_modify(|s| s.lost = true);
+    mirror.sessions.remove(client_id);
+    Some(entry.copy)
 }
 
 impl SessionSource for ReplicatedSessions {
@@ -562,6 +579,7 @@ impl SessionSource for ReplicatedSessions {
         clean_start: bool,
         persistent: bool,
         held_here: bool,
+        copy: CopyId,
     ) -> Locating {
         let shared = Arc::clone(&self.shared);
         let client_id: Arc<str> = client_id.into();
@@ -571,20 +589,20 @@ impl SessionSource for ReplicatedSessions {
             // over or the cluster forms): a row held elsewhere is deleted in the background.
             // (With a copy here, the delete is waited for, as for a persistent session.)
             tokio::spawn(async move {
-                if let Err(e) = discard_clean_start(&shared, client_id.clone()).await {
+                if let Err(e) = discard_clean_start(&shared, client_id.clone(), copy).await {
                     tracing::warn!(%client_id, "a clean start could not discard the session's row: {e}");
                 }
             });
             return Box::pin(async { Ok(Located::Here) });
         }
         Box::pin(async move {
-            locate(&shared, client_id, clean_start, held_here)
+            locate(&shared, client_id, clean_start, held_here, copy)
                 .await
                 .map_err(Unlocated)
         })
     }
 
-    fn ended(&self, client_id: &str) -> Ending {
+    fn landed(&self, client_id: &str) -> Landing {
         let wait = {
             let state = self.shared.lock();
             match state.entries.get(client_id) {
@@ -655,7 +673,11 @@ async fn own_writes_landed(shared: &Shared, client_id: &str) -> Result<(), Strin
 /// will row of a clean session connected to another running node is left to that node, which
 /// publishes the will and deletes the row when the claim ends its connection — or, if it died
 /// and is not counted down yet, to whoever settles its rows once it is (decision 0063).
-async fn discard_clean_start(shared: &Shared, client_id: Arc<str>) -> Result<(), String> {
+async fn discard_clean_start(
+    shared: &Shared,
+    client_id: Arc<str>,
+    copy: CopyId,
+) -> Result<(), String> {
     let rows = shared.rows()?;
     let found = read_row(&*rows, &client_id).await?;
     if let Some(row) = &found.row {
@@ -664,7 +686,7 @@ async fn discard_clean_start(shared: &Shared, client_id: Arc<str>) -> Result<(),
             return Ok(());
         }
     }
-    locate(shared, client_id, true, false).await.map(drop)
+    locate(shared, client_id, true, false, copy).await.map(drop)
 }
 
 /// A client's row as read at its partition's head.
@@ -690,11 +712,13 @@ async fn read_row(rows: &dyn SessionRows, client_id: &Arc<str>) -> Result<Found,
     })
 }
 
+/// Where `client_id`'s session is, for a CONNECT whose copy (if it puts one in) is `copy`.
 async fn locate(
     shared: &Shared,
     client_id: Arc<str>,
     clean_start: bool,
     held_here: bool,
+    copy: CopyId,
 ) -> Result<Located, String> {
     let rows = shared.rows()?;
     // A node without its lease serves no session (`send_clients_away`): it takes none either, or
@@ -724,10 +748,16 @@ async fn locate(
         }
         // The row changed between the read and the write (its owner wrote it, or another node
         // settled it): read it again.
-        if let Some((located, _)) =
-            take_over(shared, &*rows, client_id.clone(), found, clean_start).await?
-        {
-            return Ok(located);
+        let claim = take_over(
+            shared,
+            &*rows,
+            client_id.clone(),
+            found,
+            clean_start,
+            Some(copy),
+        );
+        if let Some(claim) = claim.await? {
+            return Ok(claim.located);
         }
     }
     Err(format!(
@@ -836,15 +866,17 @@ fn system_now_ms() -> u64 {
 /// died) whose session ended — or that a clean start discards — has its will published here, as
 /// its own node would have (decision 0063): the compare-and-set makes this node the only one
 /// that does. So has a delayed will that a clean start ends while its running node holds it
-/// (that node dropped it with its copy when this node claimed the client id). Returns what was
-/// found and the epoch of the claim; `Ok(None)`: the row changed since it was read.
+/// (that node dropped it with its copy when this node claimed the client id). `copy`: the
+/// broker's copy that belongs to the claim, if it is known yet (a CONNECT's). `Ok(None)`: the
+/// row changed since it was read.
 async fn take_over(
     shared: &Shared,
     rows: &dyn SessionRows,
     client_id: Arc<str>,
     found: Found,
     clean_start: bool,
-) -> Result<Option<(Located, u64)>, String> {
+    copy: Option<CopyId>,
+) -> Result<Option<Claim>, String> {
     let known_epoch = shared.lock().entries.get(&client_id).map_or(0, |e| e.epoch);
     let epoch = known_epoch.max(found.row.as_ref().map_or(0, |r| r.epoch)) + 1;
     // An ended session is not taken: its row goes. Its will is published here only if no
@@ -910,6 +942,7 @@ async fn take_over(
         None => (found.version, Located::Gone),
     };
     let taken_here = ours && will.is_none();
+    let replaced;
     if let Some(will) = will {
         match shared.broker.get() {
             Some(broker) => broker.publish_will(will),
@@ -922,7 +955,7 @@ async fn take_over(
         let mut state = shared.lock();
         state.mirror.sessions.remove(&client_id);
         let previous = state.entries.remove(&client_id);
-        if let Some(previous) = previous {
+        if let Some(previous) = &previous {
             // Whoever waits on the copy this replaces is told it is gone, and whether it was
             // taken here.
             previous.status.send_modify(|s| {
@@ -930,11 +963,13 @@ async fn take_over(
                 s.taken_here = taken_here;
             });
         }
+        replaced = previous.and_then(|p| p.copy);
         let (status, _) = watch::channel(Status::default());
         state.entries.insert(
             client_id.clone(),
             Entry {
                 role: Role::Claimed,
+                copy,
                 base,
                 epoch,
                 generation: 0,
@@ -961,7 +996,19 @@ async fn take_over(
             }
         }
     }
-    Ok(Some((located, epoch)))
+    Ok(Some(Claim {
+        located,
+        epoch,
+        replaced,
+    }))
+}
+
+/// A session claimed here by [`take_over`].
+struct Claim {
+    located: Located,
+    epoch: u64,
+    /// The broker's copy that belonged to the claim this one replaced (now obsolete), if any.
+    replaced: Option<CopyId>,
 }
 
 /// How often a node looks for orphaned sessions (decision 0054).
@@ -1105,8 +1152,13 @@ async fn adopt(
     if found.row.as_ref().map(|r| (r.owner, r.epoch)) != Some(seen) {
         return Ok(false);
     }
-    let (session, epoch) = match take_over(shared, rows, client_id.clone(), found, false).await? {
-        Some((Located::Taken(session), epoch)) => (session, epoch),
+    let claim = take_over(shared, rows, client_id.clone(), found, false, None).await?;
+    let (session, epoch, replaced) = match claim {
+        Some(Claim {
+            located: Located::Taken(session),
+            epoch,
+            replaced,
+        }) => (session, epoch, replaced),
         // It had ended: its row is deleted and its will published.
         Some(_) => {
             tracing::info!(%client_id, owner = seen.0, "the ended session of a dead node settled");
@@ -1116,10 +1168,10 @@ async fn adopt(
     };
     // A CONNECT of the client here may have taken the session from this claim while
     // `take_over` waited (for the restore of its observed keys): the copy it put in the broker
-    // is the client's, and this adoption is over (seed 946 of the robustness suite: the
-    // `forget_session` below dropped it before the CONNECT attached, which then created an
-    // empty session). The check and what follows do not wait, so only a CONNECT whose
-    // compare-and-set completes in the instant between them could still be overtaken.
+    // is the client's, and this adoption is over (seed 946 of the robustness suite: a drop of
+    // whatever copy the broker held, made here then, dropped the CONNECT's before it attached,
+    // which then created an empty session). A claim that ends after this check has the copy
+    // adopted for it dropped below.
     let current = shared
         .lock()
         .entries
@@ -1130,11 +1182,32 @@ async fn adopt(
         return Ok(false);
     }
     tracing::info!(%client_id, owner = seen.0, "orphaned session adopted");
-    // A stale copy of an earlier run (none is expected) makes way for the row's session.
-    broker.forget_session(&client_id);
+    // The copy of the claim this one replaced (lost to the node that died; still here if its
+    // client was connected then) makes way for the row's session.
+    if let Some(stale) = replaced {
+        broker.forget_session(&client_id, stale);
+    }
     let adoption = broker
         .adopt_session(client_id.clone(), *session)
         .map_err(|e| e.to_string())?;
+    if let Some(copy) = adoption.copy {
+        // The copy is this claim's, unless the claim ended meanwhile (lost to another node, or
+        // replaced by a CONNECT here): then the copy is obsolete already.
+        let claimed = {
+            let mut state = shared.lock();
+            match entry_of(&mut state.entries, &client_id, epoch) {
+                Some(entry) if entry.role != Role::Lost => {
+                    entry.copy = Some(copy);
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !claimed {
+            broker.forget_session(&client_id, copy);
+            return Ok(false);
+        }
+    }
     if let Some(durable) = adoption.durable {
         durable.await.map_err(|e| e.to_string())?;
     }
@@ -1175,6 +1248,10 @@ mod tests {
     use mqstate_broker::QoS;
 
     use super::*;
+
+    /// The copy a CONNECT in these tests would put in the broker (the broker numbers its own
+    /// from 1).
+    const CONNECT: CopyId = CopyId(1 << 40);
 
     /// Rows in memory with the chain head's compare-and-set (the real chain runs in
     /// `tests/cluster_sessions.rs`).
@@ -1344,7 +1421,7 @@ mod tests {
     /// `node` locates client `c` (no session yet) and creates its session, owned there.
     async fn create(node: &ReplicatedSessions, expiry_secs: u32) {
         assert_eq!(
-            node.locate("c", false, true, false).await,
+            node.locate("c", false, true, false, CONNECT).await,
             Ok(Located::Gone)
         );
         node.record(vec![SessionChange::Created {
@@ -1394,7 +1471,10 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
 
-        assert_eq!(a.locate("c", false, true, false).await, Ok(Located::Gone));
+        assert_eq!(
+            a.locate("c", false, true, false, CONNECT).await,
+            Ok(Located::Gone)
+        );
         let created = SessionChange::Created {
             client_id: "c".into(),
             expiry_secs: 60,
@@ -1405,9 +1485,12 @@ mod tests {
         let row = row_of(&rows);
         assert_eq!((row.owner, row.subscriptions_len()), (1, 1));
         // Node 1 asked again while it owns the row: its own copy is the session.
-        assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Here));
+        assert_eq!(
+            a.locate("c", false, true, true, CONNECT).await,
+            Ok(Located::Here)
+        );
 
-        let Ok(Located::Taken(session)) = b.locate("c", false, true, false).await else {
+        let Ok(Located::Taken(session)) = b.locate("c", false, true, false, CONNECT).await else {
             panic!("node 2 takes the session over");
         };
         assert!(session.subscriptions.contains_key("a/#"));
@@ -1434,9 +1517,15 @@ mod tests {
         let rows = Arc::new(MemoryRows::default());
         let (a, b) = (node(1, &rows), node(2, &rows));
         create(&a, 60).await;
-        assert_eq!(b.locate("c", true, true, false).await, Ok(Located::Gone));
+        assert_eq!(
+            b.locate("c", true, true, false, CONNECT).await,
+            Ok(Located::Gone)
+        );
         assert_eq!(value_of(&rows), None, "deleted");
-        assert_eq!(a.locate("c", false, true, true).await, Ok(Located::Gone));
+        assert_eq!(
+            a.locate("c", false, true, true, CONNECT).await,
+            Ok(Located::Gone)
+        );
     }
 
     /// A client id and the keys handed back for it, with their cursors.
@@ -1531,7 +1620,7 @@ mod tests {
         assert_eq!(cursor(b"k2"), Some("p0".into()));
         assert!(cursor(b"other").is_none());
 
-        let Ok(Located::Taken(_)) = b.locate("c", false, true, false).await else {
+        let Ok(Located::Taken(_)) = b.locate("c", false, true, false, CONNECT).await else {
             panic!("node 2 takes the session over");
         };
         assert_eq!(
@@ -1554,7 +1643,7 @@ mod tests {
         a.keep_observed("c", keys.clone()).await.unwrap();
         assert_eq!(row_of(&rows).observed, keys, "written with the session");
 
-        let Ok(Located::Taken(session)) = b.locate("c", false, true, false).await else {
+        let Ok(Located::Taken(session)) = b.locate("c", false, true, false, CONNECT).await else {
             panic!("node 2 takes the session over");
         };
         assert_eq!(
@@ -1626,7 +1715,7 @@ mod tests {
             "nothing adopted without a lease"
         );
         assert!(
-            a.locate("c", false, true, false).await.is_err(),
+            a.locate("c", false, true, false, CONNECT).await.is_err(),
             "no session taken without a lease"
         );
         assert_eq!(row_of(&rows).owner, 2, "the row stays where it was");
@@ -1643,7 +1732,7 @@ mod tests {
     /// A delayed will that came due on its owner is published once its cancellation landed
     /// (the broker's `publish_once_landed`). A clean start of the client on the owner itself
     /// whose delete of the row wins over that write leaves the will this node's: nobody else
-    /// holds it (the clean start settles only other nodes' wills). Before, `ended` answered
+    /// holds it (the clean start settles only other nodes' wills). Before, `landed` answered
     /// "taken over", and the will was lost.
     #[tokio::test]
     async fn a_clean_start_here_that_wins_the_row_leaves_a_due_will_to_this_node() {
@@ -1671,7 +1760,7 @@ mod tests {
     }
 
     /// Node `a`'s delayed will of `c` came due (its `WillCancelled` recorded, its write held) and
-    /// a clean start of `c` on `a` wins the row over that write. Returns what `ended` answered.
+    /// a clean start of `c` on `a` wins the row over that write. Returns what `landed` answered.
     async fn due_will_raced_by_a_clean_start_here(
         a: &ReplicatedSessions,
         rows: &MemoryRows,
@@ -1680,10 +1769,10 @@ mod tests {
         let cancelled = a.record(vec![SessionChange::WillCancelled {
             client_id: "c".into(),
         }]);
-        let ended = tokio::spawn(a.ended("c"));
+        let ended = tokio::spawn(a.landed("c"));
         let clean_start = {
             let a = a.clone();
-            tokio::spawn(async move { a.locate("c", true, true, true).await })
+            tokio::spawn(async move { a.locate("c", true, true, true, CONNECT).await })
         };
         while rows.held() < 2 {
             tokio::task::yield_now().await;
@@ -1758,7 +1847,8 @@ mod tests {
         let adopted_epoch = row_of(&rows).epoch;
         // Meanwhile the client's CONNECT takes the session here and puts it in the broker, as
         // `locate_elsewhere` does.
-        let Ok(Located::Taken(session)) = again.locate("c", false, true, false).await else {
+        let Ok(Located::Taken(session)) = again.locate("c", false, true, false, CONNECT).await
+        else {
             panic!("the CONNECT takes the session over");
         };
         assert_eq!(row_of(&rows).epoch, adopted_epoch + 1);
@@ -1783,6 +1873,57 @@ mod tests {
             adopted_epoch + 1,
             "the CONNECT's claim stands"
         );
+    }
+
+    /// Issue 16, robustness seed 500764's mechanism: node 1 lost `c` to node 2 (its claim is
+    /// fenced) and, before the drop of its copy came, a CONNECT of the client on node 1 took the
+    /// session back and put the row's session in the broker. The drop names the copy of the
+    /// claim that was lost, so the copy taken back stays. Before, the drop took whatever copy the
+    /// broker held (this test failed with `forget_session` ignoring the copy named: the session
+    /// taken back was gone, and the CONNECT would have got a fresh one or 0x89).
+    #[tokio::test]
+    async fn a_lost_claims_late_drop_leaves_the_copy_a_connect_here_took_back() {
+        let rows = Arc::new(MemoryRows::default());
+        create(&node(1, &rows), 60).await;
+        // Node 1 runs again and adopts the row of its earlier run: the claim knows its copy.
+        let a = node(1, &rows);
+        let broker = with_broker(&a);
+        assert_eq!(a.adopt_orphans().await.len(), 1);
+        let (lost_epoch, adopted) = {
+            let state = a.shared.lock();
+            (state.entries["c"].epoch, state.entries["c"].copy)
+        };
+        let adopted = adopted.expect("the adoption's copy is the claim's");
+
+        let b = node(2, &rows);
+        let Ok(Located::Taken(session)) = b.locate("c", false, true, false, CONNECT).await else {
+            panic!("node 2 takes the session over");
+        };
+        b.record(row::image_of(&"c".into(), &session))
+            .await
+            .unwrap();
+        // Node 1's write was refused: its claim is fenced, the drop of its copy is on its way...
+        let id: Arc<str> = "c".into();
+        let lost = fence(&a.shared, &id, lost_epoch).expect("the claim held");
+        assert_eq!(lost, Some(adopted));
+        // ...when the client's CONNECT here takes the session back and puts it in the broker,
+        // as `locate_elsewhere` does (the copy it finds there is stale: dropped).
+        let Ok(Located::Taken(session)) = a.locate("c", false, true, true, CONNECT).await else {
+            panic!("the CONNECT takes the session back");
+        };
+        assert!(broker.forget_session("c", adopted));
+        let taken_back = broker.adopt_session(id.clone(), *session).unwrap();
+        if let Some(durable) = taken_back.durable {
+            durable.await.unwrap();
+        }
+        let mut events = broker.events();
+        drop_lost(&a.shared, &id, lost);
+        assert_eq!(broker.session_count(), 1, "the copy taken back stays");
+        assert!(
+            events.try_recv().is_err(),
+            "no session ended after it was taken back"
+        );
+        assert_eq!(row_of(&rows).owner, 1);
     }
 
     /// A session's expiry is judged on the node's clock, which stamped its detach: a node whose
@@ -1812,7 +1953,7 @@ mod tests {
             .build();
         b.attach_broker(broker);
         assert_eq!(
-            b.locate("c", false, true, false).await,
+            b.locate("c", false, true, false, CONNECT).await,
             Ok(Located::Gone),
             "ended by the node's clock"
         );
@@ -1837,7 +1978,7 @@ mod tests {
         rows.1.lock().unwrap().push(1);
         let expired = node(1, &rows);
         assert_eq!(
-            expired.locate("c", true, true, false).await,
+            expired.locate("c", true, true, false, CONNECT).await,
             Ok(Located::Gone)
         );
         expired
@@ -1900,7 +2041,10 @@ mod tests {
         // Node 1 is up: its connection was taken over by the claim and publishes the will, and
         // deletes the row; a clean start without a will of its own leaves the row to it.
         assert!(!held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
-        assert_eq!(b.locate("c", true, false, false).await, Ok(Located::Here));
+        assert_eq!(
+            b.locate("c", true, false, false, CONNECT).await,
+            Ok(Located::Here)
+        );
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
@@ -1908,7 +2052,10 @@ mod tests {
         rows.1.lock().unwrap().push(1);
         assert!(held_by_nobody(&b.shared, &*rows, "c", &row_of(&rows)));
         // The client is back on node 2 (no will of its own) before node 1's rows were settled.
-        assert_eq!(b.locate("c", true, false, false).await, Ok(Located::Here));
+        assert_eq!(
+            b.locate("c", true, false, false, CONNECT).await,
+            Ok(Located::Here)
+        );
         for _ in 0..100 {
             if value_of(&rows).is_none() {
                 break;
@@ -1927,7 +2074,10 @@ mod tests {
         connected_with_will(&a, 0, 30).await;
         // Node 1 is up (its connection ended by the claim publishes the will there): Clean
         // Start 0 elsewhere finds the session ended, not a session to resume.
-        assert_eq!(b.locate("c", false, false, false).await, Ok(Located::Gone));
+        assert_eq!(
+            b.locate("c", false, false, false, CONNECT).await,
+            Ok(Located::Gone)
+        );
         assert_eq!(value_of(&rows), None, "deleted");
         assert_eq!(broker.session_count(), 0);
     }
@@ -1938,7 +2088,7 @@ mod tests {
     async fn connected_with_will(node: &ReplicatedSessions, expiry_secs: u32, delay_secs: u32) {
         let clean_start = expiry_secs == 0;
         assert_eq!(
-            node.locate("c", clean_start, true, false).await,
+            node.locate("c", clean_start, true, false, CONNECT).await,
             Ok(Located::Gone)
         );
         let will = mqstate_broker::will::Will {
@@ -2000,7 +2150,10 @@ mod tests {
             }
             let (b, log) = node_with_log(2, &rows);
             let _broker = with_broker(&b);
-            let located = b.locate("c", clean_start, true, false).await.unwrap();
+            let located = b
+                .locate("c", clean_start, true, false, CONNECT)
+                .await
+                .unwrap();
             assert_eq!(
                 matches!(located, Located::Gone),
                 clean_start,
@@ -2059,7 +2212,7 @@ mod tests {
 
         let connect = tokio::spawn({
             let b = b.clone();
-            async move { b.locate("c", false, true, false).await }
+            async move { b.locate("c", false, true, false, CONNECT).await }
         });
         assert_eq!(land_newest_first(&rows, connect).await, Ok(Located::Gone));
         rows.stop_holding();
@@ -2085,7 +2238,7 @@ mod tests {
         assert_eq!(log.wills(), 0, "no will before the session's end landed");
         let (c, c_log) = node_with_log(3, &rows);
         let _c_broker = with_broker(&c);
-        let connect = tokio::spawn(async move { c.locate("c", false, true, false).await });
+        let connect = tokio::spawn(async move { c.locate("c", false, true, false, CONNECT).await });
         assert_eq!(land_newest_first(&rows, connect).await, Ok(Located::Gone));
         rows.stop_holding();
         log.until_a_will().await;

@@ -208,7 +208,7 @@ impl ReplyBuilder {
         let mut user_properties = self.common_properties("200");
         if let Some(version) = version {
             user_properties.push((
-                prop::TIMESTAMP.into(),
+                ByteString::from_static(prop::TIMESTAMP),
                 ByteString::from(version.to_string()),
             ));
         }
@@ -229,7 +229,10 @@ impl ReplyBuilder {
         message: &str,
     ) -> Message {
         let mut user_properties = self.common_properties("400");
-        user_properties.push((prop::STATUS_MESSAGE.into(), ByteString::from(message)));
+        user_properties.push((
+            ByteString::from_static(prop::STATUS_MESSAGE),
+            ByteString::from(message),
+        ));
         self.message(
             response_topic,
             correlation_data,
@@ -257,12 +260,18 @@ impl ReplyBuilder {
         );
         let mut user_properties = self.common_properties("505");
         user_properties.extend([
-            (prop::STATUS_MESSAGE.into(), ByteString::from(message)),
             (
-                prop::SUPPORTED_MAJOR_VERSIONS.into(),
+                ByteString::from_static(prop::STATUS_MESSAGE),
+                ByteString::from(message),
+            ),
+            (
+                ByteString::from_static(prop::SUPPORTED_MAJOR_VERSIONS),
                 ByteString::from(supported),
             ),
-            (prop::REQUEST_PROTOCOL_VERSION.into(), requested),
+            (
+                ByteString::from_static(prop::REQUEST_PROTOCOL_VERSION),
+                requested,
+            ),
         ]);
         self.message(
             response_topic,
@@ -273,15 +282,25 @@ impl ReplyBuilder {
         )
     }
 
+    /// With room for the two properties a reply adds at most (replies are built once per
+    /// request: the names are static, not copied).
     fn common_properties(&self, status: &'static str) -> Vec<(ByteString, ByteString)> {
-        vec![
-            (prop::STATUS.into(), ByteString::from_static(status)),
+        let mut properties = Vec::with_capacity(5);
+        properties.extend([
             (
-                prop::PROTOCOL_VERSION.into(),
+                ByteString::from_static(prop::STATUS),
+                ByteString::from_static(status),
+            ),
+            (
+                ByteString::from_static(prop::PROTOCOL_VERSION),
                 ByteString::from_static(PROTOCOL_VERSION),
             ),
-            (prop::SOURCE_ID.into(), self.server_id.clone()),
-        ]
+            (
+                ByteString::from_static(prop::SOURCE_ID),
+                self.server_id.clone(),
+            ),
+        ]);
+        properties
     }
 
     fn message(
@@ -327,7 +346,7 @@ impl ReplyBuilder {
             properties: PublishProperties {
                 content_type: Some(ByteString::from_static(CONTENT_TYPE)),
                 user_properties: vec![(
-                    prop::TIMESTAMP.into(),
+                    ByteString::from_static(prop::TIMESTAMP),
                     ByteString::from(version.to_string()),
                 )],
                 ..PublishProperties::default()

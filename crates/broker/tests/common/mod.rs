@@ -331,3 +331,55 @@ pub async fn wait_event(
     .await
     .expect("event did not arrive");
 }
+
+/// A cluster node's session source that finds every session here (`Located::Here`, or, once,
+/// the session the test hands it: `Located::Taken`), says that everything landed, and remembers
+/// the copy each CONNECT would put in, so that a test can name a copy
+/// (`Broker::forget_session`).
+#[derive(Default)]
+pub struct CopiesSource {
+    /// Per locate, in order: the client id and the copy its CONNECT puts in if it creates one.
+    pub copies: std::sync::Mutex<Vec<(String, mqstate_broker::CopyId)>>,
+    /// Handed to the next CONNECT that finds a copy here, as taken from another node.
+    pub taken: std::sync::Mutex<Option<mqstate_broker::StoredSession>>,
+}
+
+impl CopiesSource {
+    /// The copy the last CONNECT of `client_id` put in, if it created one.
+    pub fn last_copy(&self, client_id: &str) -> mqstate_broker::CopyId {
+        let copies = self.copies.lock().unwrap();
+        let found = copies.iter().rev().find(|(id, _)| id == client_id);
+        found
+            .map(|(_, copy)| *copy)
+            .expect("a CONNECT of the client")
+    }
+}
+
+impl mqstate_broker::SessionSource for CopiesSource {
+    fn locate(
+        &self,
+        client_id: &str,
+        _: bool,
+        _: bool,
+        held_here: bool,
+        copy: mqstate_broker::CopyId,
+    ) -> mqstate_broker::Locating {
+        self.copies
+            .lock()
+            .unwrap()
+            .push((client_id.to_owned(), copy));
+        let taken = held_here
+            .then(|| self.taken.lock().unwrap().take())
+            .flatten();
+        Box::pin(async move {
+            Ok(match taken {
+                Some(session) => mqstate_broker::Located::Taken(Box::new(session)),
+                None => mqstate_broker::Located::Here,
+            })
+        })
+    }
+
+    fn landed(&self, _: &str) -> mqstate_broker::Landing {
+        Box::pin(async { true })
+    }
+}
