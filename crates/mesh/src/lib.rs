@@ -100,7 +100,7 @@ struct State {
     outboxes: BTreeMap<NodeId, Outbox>,
     /// Per sender: its incarnation and the next batch number expected.
     inbound: HashMap<NodeId, (u64, u64)>,
-    /// Membership was read once: the outboxes name every other member.
+    /// Membership was read once (a read naming this node): the outboxes name every other member.
     members_known: bool,
     /// The senders whose resync this run took in (their retained messages and clears adopted
     /// and durable here).
@@ -216,7 +216,9 @@ async fn follow_membership(shared: Arc<Shared>) {
                     }
                 }
             }
-            state.members_known = true;
+            // A read that does not name this node is not membership yet (the control plane
+            // still starting): nobody would be waited for.
+            state.members_known |= ids.contains(&shared.me);
             shared.note_retained_ready(state);
         }
         tokio::time::sleep(MEMBERSHIP_PERIOD).await;
