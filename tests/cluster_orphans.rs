@@ -22,9 +22,9 @@
 //! taken over reach them, in order, once each, whether the client comes back on another node
 //! before the adoption or after it (the adopter queued them).
 //!
-//! And retained messages cleared or replaced while a node was down (decision 0057): after its
-//! restart it holds neither the cleared message nor the replaced one, and does not bring them
-//! back to the others.
+//! And retained messages cleared or replaced while a node was down (decisions 0057, 0072): after
+//! its restart its first subscriber gets neither the cleared message nor the replaced one, and it
+//! does not bring them back to the others.
 
 mod common;
 
