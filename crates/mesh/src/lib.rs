@@ -100,7 +100,7 @@ struct State {
     outboxes: BTreeMap<NodeId, Outbox>,
     /// Per sender: its incarnation and the next batch number expected.
     inbound: HashMap<NodeId, (u64, u64)>,
-    /// Membership was read once (a read naming this node): the outboxes name every other member.
+    /// Membership was read once: the outboxes name every other member.
     members_known: bool,
     /// The senders whose resync this run took in (their retained messages and clears adopted
     /// and durable here).
@@ -216,9 +216,11 @@ async fn follow_membership(shared: Arc<Shared>) {
                     }
                 }
             }
-            // A read that does not name this node is not membership yet (the control plane
-            // still starting): nobody would be waited for.
-            state.members_known |= ids.contains(&shared.me);
+            // A read naming no member (a node that never joined, or whose control plane has not
+            // loaded its membership yet) waits for nobody: a node that is to join gets its
+            // retained messages with the resyncs later, and waiting for a membership that may
+            // never come would hold its SUBSCRIBEs the whole cap.
+            state.members_known = true;
             shared.note_retained_ready(state);
         }
         tokio::time::sleep(MEMBERSHIP_PERIOD).await;
