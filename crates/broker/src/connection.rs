@@ -196,6 +196,30 @@ fn released_ack(packet_id: u16, kind: AckKind, code: u8, durable: Durable) -> Pe
     })
 }
 
+/// The retained messages matching each of `wanted` (a filter and its granted QoS), as
+/// deliveries to a new subscription.
+fn retained_for(
+    router: &crate::router::Router,
+    wanted: &[(String, QoS)],
+    subscription_id: Option<u32>,
+    now: std::time::Instant,
+) -> Vec<Delivery> {
+    let mut retained = Vec::new();
+    for (filter, qos) in wanted {
+        for r in router.retained_matching(filter, now) {
+            retained.push(Delivery {
+                qos: r.message.qos.min(*qos),
+                message: r.message,
+                retain: true,
+                subscription_ids: subscription_id.into_iter().collect(),
+                received_at: r.received_at,
+                seq: 0,
+            });
+        }
+    }
+    retained
+}
+
 /// Replaces success codes with 0x80 when the change they acknowledge did not become durable.
 fn fail_codes(codes: &mut [u8], result: Result<(), JournalError>) -> bool {
     if let Err(error) = result {
@@ -1458,7 +1482,8 @@ impl Connection {
         let session = self.session().clone();
         let now = self.inner.clock.now();
         let mut codes = Vec::with_capacity(filters.len());
-        let mut retained = Vec::new();
+        // The filters whose retained messages go out after the SUBACK, with their QoS.
+        let mut wanted: Vec<(String, QoS)> = Vec::new();
         let mut durable = Vec::new();
         for (raw, req) in filters {
             let Some(filter) = topic::parse_filter(&raw) else {
@@ -1526,31 +1551,58 @@ impl Connection {
             let send_retained = filter.group.is_none()
                 && (req.retain_handling == 0 || (req.retain_handling == 1 && is_new));
             if send_retained {
-                for r in self.inner.router.retained_matching(filter.filter, now) {
-                    retained.push(Delivery {
-                        qos: r.message.qos.min(req.qos),
-                        message: r.message,
-                        retain: true,
-                        subscription_ids: subscription_id.into_iter().collect(),
-                        received_at: r.received_at,
-                        seq: 0,
-                    });
-                }
+                wanted.push((filter.filter.to_owned(), req.qos));
             }
             codes.push(req.qos as u8);
         }
-        if durable.is_empty() {
-            self.send_suback(packet_id, codes, retained);
-        } else {
-            self.underway().pending.push(Box::pin(async move {
-                let mut codes = codes;
-                let ok = fail_codes(&mut codes, all_durable(durable).await);
-                Deferred::SubAck {
-                    packet_id,
-                    codes,
-                    retained: if ok { retained } else { Vec::new() },
+        // A cluster node that just started waits for the others' retained sets before it
+        // collects them, so that it does not serve a message cleared while it was away
+        // (decision 0072). Only this SUBSCRIBE's SUBACK and retained messages wait: the
+        // connection goes on reading and writing meanwhile.
+        let ready = match wanted.is_empty() {
+            true => None,
+            false => self
+                .inner
+                .router
+                .peers()
+                .and_then(|peers| peers.retained_ready()),
+        };
+        match ready {
+            None => {
+                let retained = retained_for(&self.inner.router, &wanted, subscription_id, now);
+                if durable.is_empty() {
+                    self.send_suback(packet_id, codes, retained);
+                } else {
+                    self.underway().pending.push(Box::pin(async move {
+                        let mut codes = codes;
+                        let ok = fail_codes(&mut codes, all_durable(durable).await);
+                        Deferred::SubAck {
+                            packet_id,
+                            codes,
+                            retained: if ok { retained } else { Vec::new() },
+                        }
+                    }));
                 }
-            }));
+            }
+            Some(ready) => {
+                let inner = Arc::clone(&self.inner);
+                self.underway().pending.push(Box::pin(async move {
+                    let mut codes = codes;
+                    let ok = fail_codes(&mut codes, all_durable(durable).await);
+                    ready.await;
+                    let retained = match ok {
+                        true => {
+                            retained_for(&inner.router, &wanted, subscription_id, inner.clock.now())
+                        }
+                        false => Vec::new(),
+                    };
+                    Deferred::SubAck {
+                        packet_id,
+                        codes,
+                        retained,
+                    }
+                }));
+            }
         }
         Ok(())
     }

@@ -20,6 +20,10 @@
 //!   comes again, for [`Peers::redelivered_within`] (decision 0066).
 //! * [`Peers::claim`] — a client id is connecting here: any other node's connection with it gets
 //!   DISCONNECT 0x8E. Awaited before the CONNACK.
+//! * [`Peers::retained_ready`] — `None` once the retained store took in what the other nodes
+//!   hold (their resyncs after this node started: what was cleared or replaced while it was
+//!   away); until then what a client's new subscription waits for before it collects its
+//!   retained messages (decision 0072). Nothing else waits for it.
 //! * What comes from the other nodes enters through [`crate::Broker::accept_forwarded`] (fan-out
 //!   with this node's trie and only the shared groups the origin assigned here, never forwarded
 //!   again), [`crate::Broker::adopt_retained`] and [`crate::Broker::take_over_here`].
@@ -102,6 +106,7 @@ pub trait Peers: Send + Sync + 'static {
         forward: Forward<'_>,
     ) -> Option<Settled>;
     fn claim(&self, client_id: &str) -> Option<Settled>;
+    fn retained_ready(&self) -> Option<Settled>;
     /// How long after a session took a numbered publish in it may be given again: the session
     /// remembers the number that long.
     fn redelivered_within(&self) -> std::time::Duration;

@@ -734,6 +734,9 @@ mod tests {
         fn claim(&self, _: &str) -> Option<Settled> {
             None
         }
+        fn retained_ready(&self) -> Option<Settled> {
+            None
+        }
         fn redelivered_within(&self) -> std::time::Duration {
             std::time::Duration::from_secs(60)
         }

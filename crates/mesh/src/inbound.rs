@@ -30,10 +30,10 @@ impl Inbound {
         let shared = &self.0;
         let from = batch.from;
         let mut work = Vec::new();
+        let resync = matches!(batch.items.first(), Some(Item::Resync { .. }));
         {
             let mut state = shared.lock();
             let state = &mut *state;
-            let resync = matches!(batch.items.first(), Some(Item::Resync { .. }));
             let known = state.inbound.get(&from).copied();
             if !resync && known != Some((batch.incarnation, batch.seq)) {
                 return Reply::Resync;
@@ -109,6 +109,13 @@ impl Inbound {
             if let Err(error) = d.await {
                 tracing::error!(%error, node = from, "mesh: a forwarded message is not durable here");
             }
+        }
+        if resync {
+            // Its retained messages and clears are in the store: new subscriptions waiting for
+            // every member's resync may be served (decision 0072).
+            let mut state = shared.lock();
+            state.resynced_from.insert(from);
+            shared.note_retained_ready(&state);
         }
         Reply::Accepted
     }

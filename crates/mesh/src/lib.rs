@@ -32,14 +32,14 @@ pub mod wire;
 mod inbound;
 mod peer;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use mqstate_broker::{Broker, Forward, GroupKey, PeerId, Peers, Plan, PublishId, Settled};
 use mqstate_cluster::{ClusterNode, NodeId};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -60,6 +60,9 @@ const ADOPTION_SLACK: Duration = Duration::from_secs(2);
 /// How much earlier than a held publish's receipt a session put back counts as one that may
 /// have missed it: a bound on a batch's transit (a call not answered within it failed).
 const REDELIVERY_MARGIN: Duration = CALL_TIMEOUT;
+/// After a node starts, how long a new subscription's retained messages wait at most for every
+/// live member's resync (decision 0072).
+const RETAINED_WAIT: Duration = SETTLE_TIMEOUT;
 
 /// The mesh of one node.
 pub struct Mesh {
@@ -79,6 +82,14 @@ struct Shared {
     adoption_window: Duration,
     /// The next number a forwarded publish gets (decision 0066).
     next_seq: AtomicU64,
+    /// When this run of the mesh started: from [`RETAINED_WAIT`] after it on, retained messages
+    /// are served without waiting for the others' resyncs.
+    started: Instant,
+    /// Every live member's resync was taken in once: this node's retained set holds what the
+    /// cluster cleared and replaced while it was away (decision 0072). Never false again.
+    retained_ready: AtomicBool,
+    /// Told `true` when `retained_ready` is set, for the subscriptions waiting for it.
+    retained_ready_tx: watch::Sender<bool>,
     state: Mutex<State>,
 }
 
@@ -89,11 +100,43 @@ struct State {
     outboxes: BTreeMap<NodeId, Outbox>,
     /// Per sender: its incarnation and the next batch number expected.
     inbound: HashMap<NodeId, (u64, u64)>,
+    /// Membership was read once: the outboxes name every other member.
+    members_known: bool,
+    /// The senders whose resync this run took in (their retained messages and clears adopted
+    /// and durable here).
+    resynced_from: HashSet<NodeId>,
+}
+
+impl State {
+    /// Whether every member this node counts live (up, answering) has resynced it since it
+    /// started. A member that stops being live is not waited for: its clears come with its
+    /// resync when it answers again.
+    fn every_live_member_resynced(&self) -> bool {
+        self.members_known
+            && self
+                .outboxes
+                .iter()
+                .all(|(id, outbox)| !outbox.is_live() || self.resynced_from.contains(id))
+    }
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Looks whether the retained set is ready (after a resync taken in, or a membership read
+    /// that may have counted a member down), and if so tells the waiting subscriptions.
+    fn note_retained_ready(&self, state: &State) {
+        if self.retained_ready.load(Ordering::Acquire) || !state.every_live_member_resynced() {
+            return;
+        }
+        self.retained_ready.store(true, Ordering::Release);
+        self.retained_ready_tx.send_replace(true);
+        tracing::info!(
+            after = ?self.started.elapsed(),
+            "mesh: every live member resynced this node; retained messages are served"
+        );
     }
 }
 
@@ -109,6 +152,9 @@ impl Mesh {
             incarnation,
             adoption_window,
             next_seq: AtomicU64::new(0),
+            started: Instant::now(),
+            retained_ready: AtomicBool::new(false),
+            retained_ready_tx: watch::Sender::new(false),
             broker: broker.clone(),
             node: Arc::clone(&node),
             state: Mutex::default(),
@@ -170,6 +216,12 @@ async fn follow_membership(shared: Arc<Shared>) {
                     }
                 }
             }
+            // A read naming no member (a node that never joined, or whose control plane has not
+            // loaded its membership yet) waits for nobody: a node that is to join gets its
+            // retained messages with the resyncs later, and waiting for a membership that may
+            // never come would hold its SUBSCRIBEs the whole cap.
+            state.members_known = true;
+            shared.note_retained_ready(state);
         }
         tokio::time::sleep(MEMBERSHIP_PERIOD).await;
     }
@@ -461,6 +513,25 @@ impl Peers for Port {
 
     fn claim(&self, client_id: &str) -> Option<Settled> {
         self.to_all_live(|| Some(Item::Claim(client_id.to_owned())))
+    }
+
+    fn retained_ready(&self) -> Option<Settled> {
+        let shared = &self.0;
+        if shared.retained_ready.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut ready = shared.retained_ready_tx.subscribe();
+        let until = shared.started + RETAINED_WAIT;
+        Some(Box::pin(async move {
+            if tokio::time::timeout_at(until, ready.wait_for(|ready| *ready))
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    "mesh: not every live member resynced this node within {RETAINED_WAIT:?} of its start; serving its retained messages as they are"
+                );
+            }
+        }))
     }
 
     /// A publish is given again within its settle bound of its receipt at the origin; a session
