@@ -30,8 +30,10 @@ if $install; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
-  if [[ ! -x "$venv/bin/kubernetes-validate" ]]; then
-    python3 -m venv "$venv"
+  # A venv moved or copied with its checkout keeps scripts whose interpreter path is gone:
+  # rebuild it unless the validator runs.
+  if ! "$venv/bin/kubernetes-validate" --version >/dev/null 2>&1; then
+    python3 -m venv --clear "$venv"
     "$venv/bin/pip" install -q kubernetes-validate
   fi
 fi
